@@ -1,0 +1,325 @@
+"""Both sides: typed configuration from ``conf/*.toml`` with ``DIODE__SECTION__KEY`` env overrides.
+
+Layout of a config file (see ``conf/diode.example.toml``, every key commented there):
+
+* ``[link]``: keys that must agree on both sides of the diode (bridge id, pinned signers);
+* ``[[channels]]``: the routes, shared by both sides;
+* ``[black]`` (with ``[black.bundle]``) and ``[red]``: one section per side.
+
+Unknown keys are errors. Relative paths are resolved against the config file's folder.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import tomllib
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, model_validator
+
+from bridge.errors import ConfigError
+
+__all__ = [
+    "BlackConfig",
+    "BundleConfig",
+    "ChannelConfig",
+    "Config",
+    "LinkConfig",
+    "RedConfig",
+    "load_config",
+    "ENV_PREFIX",
+]
+
+ENV_PREFIX = "DIODE__"
+NAME_RE = r"^[a-z0-9][a-z0-9_-]{0,62}$"
+FINGERPRINT_RE = re.compile(r"^[0-9A-F]{40}$|^[0-9A-F]{64}$")
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True)
+
+
+def _fingerprint(value: str, where: str) -> str:
+    fpr = value.replace(" ", "").upper()
+    if not FINGERPRINT_RE.match(fpr):
+        raise ValueError(
+            f"{where}: {value!r} is not a full OpenPGP fingerprint (40 or 64 hex digits); "
+            "`diode keys init` prints them, `gpg --list-keys --with-colons` shows them"
+        )
+    return fpr
+
+
+class LinkConfig(_Strict):
+    """Keys that must agree on both sides of the diode."""
+
+    bridge_id: str = Field(default="diode-bridge", pattern=NAME_RE)
+    """Name of this black bridge; travels in every manifest and heartbeat."""
+
+    black_signers: list[str] = Field(default_factory=list)
+    """Fingerprints of black signing keys; red accepts only bundles signed by one of these."""
+
+    @model_validator(mode="after")
+    def _check(self) -> LinkConfig:
+        fprs = [_fingerprint(f, "link.black_signers") for f in self.black_signers]
+        object.__setattr__(self, "black_signers", fprs)
+        return self
+
+
+class ChannelConfig(_Strict):
+    """One configured route across the diode, with its own bundle sequence."""
+
+    name: str = Field(pattern=NAME_RE)
+    """Channel name: lowercase letters, digits, '-' and '_' (it appears in file names)."""
+
+    exchanges: list[str] = Field(default_factory=lambda: ["*"])
+    """Shell-style patterns (fnmatch) of black exchange names mirrored into this channel."""
+
+    deny: list[str] = Field(default_factory=list)
+    """Patterns never mirrored, on top of the built-in deny list (the default exchange, amq.*)."""
+
+    direct_routing_keys: dict[str, list[str]] = Field(default_factory=dict)
+    """Direct exchanges have no catch-all binding: exchange name -> routing keys to mirror."""
+
+    recipients: list[str] = Field(default_factory=list)
+    """Fingerprints of the red keys entitled to read this channel (encrypted to all of them)."""
+
+    encrypt: bool = True
+    """False ships signed plaintext: an explicit, logged opt-out."""
+
+    transport: Literal["file", "udp"] = "file"
+    """How bundles of this channel cross: dropped into the outbox, or sent as UDP datagrams."""
+
+    @model_validator(mode="after")
+    def _check(self) -> ChannelConfig:
+        fprs = [_fingerprint(f, f"channels[{self.name}].recipients") for f in self.recipients]
+        object.__setattr__(self, "recipients", fprs)
+        if self.encrypt and not fprs:
+            raise ValueError(
+                f"channel {self.name!r} is encrypted but has no recipients: add red key "
+                "fingerprints to `recipients`, or set `encrypt = false` to ship signed plaintext"
+            )
+        return self
+
+
+class BundleConfig(_Strict):
+    """How black cuts rows into bundles. A bundle is also closed at every micro-batch."""
+
+    max_rows: int = Field(default=200_000, ge=1)
+    """Rotate after this many messages."""
+
+    max_bytes: int = Field(default=64 * 1024 * 1024, ge=4096)
+    """Rotate when the uncompressed message bytes (bodies + headers) would pass this."""
+
+    max_file_bytes: int = Field(default=1024 * 1024 * 1024, ge=65536)
+    """Hard ceiling of a file on the wire (vendor diodes impose one); never exceeded."""
+
+    zstd_level: int = Field(default=3, ge=1, le=22)
+    """Parquet zstd compression level."""
+
+    hide_recipients: bool = True
+    """gpg --throw-keyids: nobody learns from a bundle who else can read it."""
+
+
+class BlackConfig(_Strict):
+    """The black (low) side: RabbitMQ -> Spark -> bundles in the outbox."""
+
+    amqp_url: SecretStr = SecretStr("amqp://guest:guest@127.0.0.1:5672/%2F")
+    """AMQP URL of the black broker and vhost (credentials never logged)."""
+
+    management_url: str = "http://127.0.0.1:15672"
+    """RabbitMQ management API, used to discover exchanges."""
+
+    management_user: str = "guest"
+    """Management API user."""
+
+    management_password: SecretStr = SecretStr("guest")
+    """Management API password."""
+
+    discover: bool = True
+    """Discover exchanges through the management API (else only `direct_routing_keys` and
+    exact names in `exchanges` are mirrored)."""
+
+    discover_interval_seconds: float = Field(default=30.0, gt=0)
+    """How often the running job looks for new exchanges."""
+
+    stream_prefix: str = "diode.mirror."
+    """Stream queues are named <stream_prefix><channel>."""
+
+    stream_max_bytes: int = Field(default=20 * 1024**3, ge=1024 * 1024)
+    """Stream retention by size (x-max-length-bytes). Unread messages dropped by it are gaps."""
+
+    stream_max_age: str = Field(default="7D", pattern=r"^[0-9]+[YMDhms]$")
+    """Stream retention by age (x-max-age), e.g. 7D, 12h."""
+
+    gnupg_home: Path = Path("keys/black")
+    """GnuPG home holding the black signing key and the recipients' public keys."""
+
+    signing_key: str = ""
+    """Fingerprint of the black signing key (must be listed in link.black_signers)."""
+
+    outbox: Path = Path("black/outbox")
+    """Where finished bundles appear (atomically) for the file diode's mover."""
+
+    archive: Path = Path("black/archive")
+    """Copies of sent bundles, kept for `diode resend`."""
+
+    archive_retention_days: float = Field(default=14.0, ge=0)
+    """Archived bundles older than this are pruned (0 keeps nothing after sending)."""
+
+    state_dir: Path = Path("black/state")
+    """Black's durable journal (bundle sequence, hash chain, exchange catalog)."""
+
+    checkpoint_dir: Path = Path("black/checkpoint")
+    """Spark Structured Streaming checkpoint of the black job."""
+
+    trigger_seconds: float = Field(default=5.0, gt=0)
+    """Micro-batch interval of the continuous job; a bundle is never older than this."""
+
+    max_messages_per_batch: int = Field(default=200_000, ge=1)
+    """Read limit per micro-batch and channel (keeps memory flat under a backlog)."""
+
+    read_partitions: int = Field(default=2, ge=1)
+    """Parallel stream consumers per channel and micro-batch."""
+
+    heartbeat_seconds: float = Field(default=10.0, gt=0)
+    """A signed .dheartbeat per channel is written this often, even when idle."""
+
+    bundle: BundleConfig = Field(default_factory=BundleConfig)
+    """Bundle rotation and size limits."""
+
+
+class RedConfig(_Strict):
+    """The red (high) side: inbox -> verified Delta tables -> red RabbitMQ."""
+
+    gnupg_home: Path = Path("keys/red")
+    """GnuPG home holding the red decryption key(s) and the pinned black public key(s)."""
+
+    inbox: Path = Path("red/inbox")
+    """Where bundles arrive from the diode."""
+
+
+class Config(_Strict):
+    """The whole configuration; both sides read the same file."""
+
+    link: LinkConfig = Field(default_factory=LinkConfig)
+    """Keys that must agree across the diode."""
+
+    channels: list[ChannelConfig] = Field(default_factory=list)
+    """Configured routes."""
+
+    black: BlackConfig = Field(default_factory=BlackConfig)
+    """Black side."""
+
+    red: RedConfig = Field(default_factory=RedConfig)
+    """Red side."""
+
+    source: Path | None = None
+    """The file this configuration was read from (set by load_config)."""
+
+    @model_validator(mode="after")
+    def _check(self) -> Config:
+        if not self.channels:
+            raise ValueError("no [[channels]] configured: add at least one channel")
+        names = [c.name for c in self.channels]
+        dupes = sorted({n for n in names if names.count(n) > 1})
+        if dupes:
+            raise ValueError(f"channel names must be unique; repeated: {dupes}")
+        return self
+
+    def channel(self, name: str) -> ChannelConfig:
+        for ch in self.channels:
+            if ch.name == name:
+                return ch
+        raise ConfigError(f"unknown channel {name!r}; configured: {[c.name for c in self.channels]}")
+
+
+_PATH_KEYS = {
+    "black": ("gnupg_home", "outbox", "archive", "state_dir", "checkpoint_dir"),
+    "red": ("gnupg_home", "inbox"),
+}
+
+
+def _parse_env_value(raw: str) -> Any:
+    try:
+        return tomllib.loads(f"v = {raw}")["v"]
+    except tomllib.TOMLDecodeError:
+        return raw
+
+
+def _apply_env(data: dict[str, Any], environ: dict[str, str]) -> None:
+    for key, raw in environ.items():
+        if not key.startswith(ENV_PREFIX):
+            continue
+        path = [p.lower() for p in key[len(ENV_PREFIX) :].split("__") if p]
+        if not path:
+            continue
+        node = data
+        for part in path[:-1]:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"env {key}: {'.'.join(path)} is not a table")
+        node[path[-1]] = _parse_env_value(raw)
+
+
+def _resolve_paths(data: dict[str, Any], base: Path) -> None:
+    for section, keys in _PATH_KEYS.items():
+        sect = data.get(section)
+        if not isinstance(sect, dict):
+            sect = data.setdefault(section, {})
+        for k in keys:
+            default = getattr(
+                BlackConfig if section == "black" else RedConfig, "model_fields"
+            )[k].default
+            value = Path(sect.get(k, default))
+            sect[k] = str(value if value.is_absolute() else (base / value))
+
+
+def _format_validation(err: ValidationError, source: str) -> str:
+    lines = [f"invalid configuration in {source}:"]
+    for e in err.errors():
+        loc = ".".join(str(p) for p in e["loc"]) or "(top level)"
+        msg = e["msg"]
+        if e["type"] == "extra_forbidden":
+            msg = "unknown key (typo? see conf/diode.example.toml for every key)"
+        lines.append(f"  - {loc}: {msg}")
+    return "\n".join(lines)
+
+
+def config_from_dict(
+    data: dict[str, Any], *, base: Path, source: str = "<dict>", environ: dict[str, str] | None = None
+) -> Config:
+    """Validate a raw mapping (as read from TOML) into a Config; env overrides applied first."""
+    data = {k: (dict(v) if isinstance(v, dict) else v) for k, v in data.items()}
+    _apply_env(data, dict(os.environ) if environ is None else environ)
+    _resolve_paths(data, base)
+    try:
+        cfg = Config.model_validate(data)
+    except ValidationError as e:
+        raise ConfigError(_format_validation(e, source)) from None
+    if cfg.black.signing_key:
+        fpr = cfg.black.signing_key.replace(" ", "").upper()
+        if cfg.link.black_signers and fpr not in cfg.link.black_signers:
+            raise ConfigError(
+                f"{source}: black.signing_key {fpr} is not listed in link.black_signers; "
+                "red would reject every bundle: add it there"
+            )
+    return cfg
+
+
+def load_config(path: str | Path | None = None, *, environ: dict[str, str] | None = None) -> Config:
+    """Read a TOML config (``path``, else $DIODE_CONFIG, else conf/diode.toml)."""
+    env = dict(os.environ) if environ is None else environ
+    p = Path(path or env.get("DIODE_CONFIG") or "conf/diode.toml")
+    if not p.is_file():
+        raise ConfigError(
+            f"config file {p} not found: pass --config, set DIODE_CONFIG, or copy "
+            "conf/diode.example.toml to conf/diode.toml"
+        )
+    try:
+        data = tomllib.loads(p.read_text(encoding="utf-8"))
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"{p}: not valid TOML: {e}") from None
+    cfg = config_from_dict(data, base=p.resolve().parent, source=str(p), environ=env)
+    return cfg.model_copy(update={"source": p.resolve()})

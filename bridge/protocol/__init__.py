@@ -1,0 +1,1 @@
+"""Protocol core (no I/O): message rows, manifests, bundles and wire names — DESIGN.md section 3."""
