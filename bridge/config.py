@@ -180,6 +180,9 @@ class BlackConfig(_Strict):
     max_messages_per_batch: int = Field(default=200_000, ge=1)
     """Read limit per micro-batch and channel (keeps memory flat under a backlog)."""
 
+    max_batch_bytes: int = Field(default=256 * 1024 * 1024, ge=1024 * 1024)
+    """Memory budget of one micro-batch (estimated from the average message size seen so far)."""
+
     read_partitions: int = Field(default=2, ge=1)
     """Parallel stream consumers per channel and micro-batch."""
 

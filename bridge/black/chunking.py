@@ -1,0 +1,115 @@
+"""Black, seal: cut one channel's sorted rows into bundle-sized chunks and find the gaps.
+
+Pure logic (no I/O). A chunk closes at ``max_rows`` or before its estimated bytes would pass
+``max_bytes``. Message seqs that are missing between the last shipped seq and the rows (the
+stream's retention dropped them before black read them) become gaps of reason ``retention``;
+a single message too large for the configured file ceiling becomes a gap of reason
+``oversize``. Gaps ride in the manifest of the chunk that follows them, so the coverage of
+consecutive bundles — ``[min(first_seq, gap firsts), max(last_seq, gap lasts)]`` — is
+contiguous on the wire.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from bridge.protocol.manifest import Gap
+
+__all__ = ["Chunk", "plan_chunks", "row_size_estimate", "ROW_OVERHEAD_BYTES"]
+
+ROW_OVERHEAD_BYTES = 256
+"""Estimated bytes per row besides body and typed headers (properties, exchange, key)."""
+
+
+@dataclass
+class Chunk:
+    """Rows ``[start, stop)`` of the sorted table, plus the gaps that precede or sit inside them."""
+
+    start: int
+    stop: int
+    gaps: list[Gap] = field(default_factory=list)
+    est_bytes: int = 0
+
+    @property
+    def rows(self) -> int:
+        return self.stop - self.start
+
+
+def row_size_estimate(table: pa.Table) -> np.ndarray:
+    """Estimated uncompressed bytes of every row (body + typed headers + fixed overhead)."""
+    body = pc.fill_null(pc.binary_length(table.column("body")), 0).to_numpy(zero_copy_only=False)
+    hdr = pc.fill_null(pc.binary_length(table.column("headers_typed")), 0).to_numpy(
+        zero_copy_only=False
+    )
+    return body.astype(np.int64) + hdr.astype(np.int64) + ROW_OVERHEAD_BYTES
+
+
+def plan_chunks(
+    seqs: np.ndarray,
+    sizes: np.ndarray,
+    *,
+    last_seq: int,
+    max_rows: int,
+    max_bytes: int,
+    max_row_bytes: int,
+) -> tuple[list[Chunk], list[int]]:
+    """Plan chunks over rows sorted by strictly increasing ``seqs``.
+
+    Returns the chunks and the indexes of rows dropped as ``oversize`` (already listed as gaps
+    in the chunks). ``last_seq`` is the last seq already covered by shipped bundles.
+    """
+    chunks: list[Chunk] = []
+    dropped: list[int] = []
+    cur: Chunk | None = None
+    pending_gaps: list[Gap] = []
+    expected = last_seq + 1
+    n = len(seqs)
+    for i in range(n):
+        s = int(seqs[i])
+        if s < expected:
+            raise ValueError(f"seq {s} not after {expected - 1}: rows must be sorted and new")
+        if s > expected:
+            pending_gaps.append(Gap(expected, s - 1, "retention"))
+        expected = s + 1
+        size = int(sizes[i])
+        if size > max_row_bytes:
+            pending_gaps.append(Gap(s, s, "oversize"))
+            dropped.append(i)
+            if cur is not None:
+                # close the chunk so the dropped row's gap lands in the next one, in order
+                chunks.append(cur)
+                cur = None
+            continue
+        if cur is not None and (cur.rows >= max_rows or cur.est_bytes + size > max_bytes):
+            chunks.append(cur)
+            cur = None
+        if cur is None:
+            cur = Chunk(start=i, stop=i, gaps=pending_gaps)
+            pending_gaps = []
+        elif pending_gaps:
+            cur.gaps.extend(pending_gaps)
+            pending_gaps = []
+        cur.stop = i + 1
+        cur.est_bytes += size
+    if cur is not None:
+        chunks.append(cur)
+    if pending_gaps:
+        # gaps after the last row (or no rows at all): a zero-row bundle carries them
+        chunks.append(Chunk(start=n, stop=n, gaps=pending_gaps))
+    return _merge_adjacent(chunks), dropped
+
+
+def _merge_adjacent(chunks: list[Chunk]) -> list[Chunk]:
+    for c in chunks:
+        merged: list[Gap] = []
+        for g in c.gaps:
+            if merged and merged[-1].reason == g.reason and merged[-1].last_seq + 1 == g.first_seq:
+                merged[-1] = Gap(merged[-1].first_seq, g.last_seq, g.reason)
+            else:
+                merged.append(g)
+        c.gaps = merged
+    return chunks

@@ -1,0 +1,245 @@
+"""Black, seal: rows of a micro-batch -> manifests -> Parquet -> gpg -> outbox, journaled.
+
+    rows (one channel, any order)
+      -> drop seqs already shipped (a replayed micro-batch)
+      -> finish the pending bundle byte-identically, if a crash interrupted it
+      -> chunk by rows / bytes / file ceiling, gaps from missing seqs
+      -> per chunk: manifest, Parquet plaintext, journal intent, sign+encrypt, deliver, journal
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import uuid
+from collections import Counter as Tally
+from dataclasses import dataclass
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from bridge.black.chunking import plan_chunks, row_size_estimate
+from bridge.black.state import ChannelState, StateStore
+from bridge.config import ChannelConfig, Config
+from bridge.crypto.gpg import Gpg
+from bridge.diode.file_drop import Outbox
+from bridge.errors import StateError
+from bridge.logs import get_logger, log_event
+from bridge.metrics import BLACK
+from bridge.protocol.bundle import pack_bundle, sha256_hex
+from bridge.protocol.manifest import Gap, Manifest
+from bridge.protocol.naming import bundle_name
+from bridge.protocol.schema import ROW_SCHEMA_VERSION, row_schema
+
+__all__ = ["BundleSealer", "ShippedBundle", "seal_overhead_bytes"]
+
+log = get_logger("bridge.black.seal")
+
+
+def seal_overhead_bytes(recipients: int) -> int:
+    """A safe upper bound of what OpenPGP adds to a plaintext (signature, key packets, framing)."""
+    return 8192 + 1100 * max(recipients, 1)
+
+
+@dataclass(frozen=True)
+class ShippedBundle:
+    """A bundle durably in the outbox."""
+
+    channel: str
+    bundle_seq: int
+    bundle_id: str
+    name: str
+    rows: int
+    first_seq: int | None
+    last_seq: int | None
+    gaps: tuple[Gap, ...]
+    plaintext_bytes: int
+    sealed_bytes: int
+    sha256: str
+
+
+def _now_rfc3339() -> str:
+    return dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+
+
+class BundleSealer:
+    """Turns one channel's rows into sealed bundles in the outbox, exactly once per seq."""
+
+    def __init__(self, cfg: Config, *, store: StateStore, gpg: Gpg, outbox: Outbox) -> None:
+        self.cfg = cfg
+        self.store = store
+        self.gpg = gpg
+        self.outbox = outbox
+        self.work = Path(cfg.black.state_dir) / "work"
+        self.work.mkdir(parents=True, exist_ok=True)
+        self.schema = row_schema(ROW_SCHEMA_VERSION)
+
+    # -- public -----------------------------------------------------------------------------
+    def seal_rows(self, channel: ChannelConfig, table: pa.Table) -> list[ShippedBundle]:
+        """Seal every row of ``table`` (one channel) that no shipped bundle covers yet."""
+        table = table.select(self.schema.names).cast(self.schema)
+        with self.store.lock(channel.name):
+            st = self.store.load(channel.name)
+            shipped: list[ShippedBundle] = []
+            if len(table):
+                table = table.filter(pc.greater(table.column("seq"), st.last_seq))
+                table = table.sort_by("seq")
+            if st.pending is not None:
+                shipped.append(self._finish_pending(channel, st, table))
+                table = table.filter(pc.greater(table.column("seq"), st.last_seq))
+            if len(table) == 0:
+                return shipped
+            bundle = self.cfg.black.bundle
+            max_plain = bundle.max_file_bytes - seal_overhead_bytes(len(channel.recipients))
+            seqs = table.column("seq").to_numpy()
+            sizes = row_size_estimate(table)
+            chunks, dropped = plan_chunks(
+                seqs,
+                sizes,
+                last_seq=st.last_seq,
+                max_rows=bundle.max_rows,
+                max_bytes=min(bundle.max_bytes, max_plain),
+                max_row_bytes=max_plain - 4096,
+            )
+            for i in dropped:
+                log_event(
+                    log, 40, "message larger than the file ceiling: recorded as a gap",
+                    channel=channel.name, seq=int(seqs[i]), bytes=int(sizes[i]),
+                    max_file_bytes=bundle.max_file_bytes,
+                )
+            for ch in chunks:
+                rows = table.slice(ch.start, ch.rows)
+                shipped.extend(self._seal_chunk(channel, st, rows, ch.gaps, max_plain))
+            return shipped
+
+    # -- internals --------------------------------------------------------------------------
+    def _manifest(
+        self, channel: str, st: ChannelState, rows: pa.Table, gaps: list[Gap]
+    ) -> Manifest:
+        seqs = rows.column("seq")
+        n = len(rows)
+        return Manifest(
+            format=1,
+            channel=channel,
+            bundle_seq=st.last_bundle_seq + 1,
+            bundle_id=uuid.uuid4().hex,
+            first_seq=int(pc.min(seqs).as_py()) if n else None,
+            last_seq=int(pc.max(seqs).as_py()) if n else None,
+            rows=n,
+            exchanges=dict(sorted(Tally(rows.column("exchange").to_pylist()).items())),
+            created_at=_now_rfc3339(),
+            bridge_id=self.cfg.link.bridge_id,
+            schema_version=ROW_SCHEMA_VERSION,
+            prev_sha256=st.last_sha256,
+            gaps=list(gaps),
+        )
+
+    def _seal_chunk(
+        self, channel: ChannelConfig, st: ChannelState, rows: pa.Table, gaps: list[Gap], max_plain: int
+    ) -> list[ShippedBundle]:
+        manifest = self._manifest(channel.name, st, rows, gaps)
+        plain = pack_bundle(rows, manifest, zstd_level=self.cfg.black.bundle.zstd_level)
+        if len(plain) > max_plain and len(rows) > 1:
+            # the estimate was off (incompressible data): split in two and try again
+            half = len(rows) // 2
+            first = self._seal_chunk(channel, st, rows.slice(0, half), gaps, max_plain)
+            return first + self._seal_chunk(channel, st, rows.slice(half), [], max_plain)
+        sha = sha256_hex(plain)
+        st.pending = {"manifest": manifest.to_json().decode(), "sha256": sha}
+        self.store.save(st)  # intent: a crash from here on re-creates exactly this plaintext
+        return [self._ship(channel, st, manifest, plain, sha)]
+
+    def _finish_pending(
+        self, channel: ChannelConfig, st: ChannelState, table: pa.Table
+    ) -> ShippedBundle:
+        assert st.pending is not None
+        manifest = Manifest.from_json(st.pending["manifest"].encode())
+        want = st.pending["sha256"]
+        if manifest.rows:
+            mask = pc.and_(
+                pc.greater_equal(table.column("seq"), manifest.first_seq),
+                pc.less_equal(table.column("seq"), manifest.last_seq),
+            )
+            rows = table.filter(mask)
+        else:
+            rows = table.slice(0, 0)
+        plain = pack_bundle(rows, manifest, zstd_level=self.cfg.black.bundle.zstd_level)
+        sha = sha256_hex(plain)
+        if sha != want:
+            raise StateError(
+                f"channel {channel.name!r} bundle {manifest.bundle_seq} ({manifest.bundle_id}) was "
+                f"interrupted and its rows no longer rebuild the same plaintext (sha {sha[:12]} != "
+                f"{want[:12]}, {len(rows)} of {manifest.rows} rows): the stream lost messages "
+                "between the crash and the restart; inspect the stream retention, then clear "
+                "`pending` in the channel state to continue with a new bundle"
+            )
+        log_event(
+            log, 30, "re-creating a bundle interrupted by a crash",
+            channel=channel.name, bundle_seq=manifest.bundle_seq, bundle_id=manifest.bundle_id,
+        )
+        return self._ship(channel, st, manifest, plain, sha)
+
+    def _ship(
+        self, channel: ChannelConfig, st: ChannelState, manifest: Manifest, plain: bytes, sha: str
+    ) -> ShippedBundle:
+        name = bundle_name(manifest.channel, manifest.bundle_seq, manifest.bundle_id)
+        plain_path = self.work / f".{name}.plain"
+        with open(plain_path, "wb") as f:
+            f.write(plain)
+        sealed = self.outbox.temp_for(name)
+        try:
+            self.gpg.seal(
+                plain_path,
+                sealed,
+                signer=self.cfg.black.signing_key,
+                recipients=channel.recipients,
+                encrypt=channel.encrypt,
+                hide_recipients=self.cfg.black.bundle.hide_recipients,
+            )
+        finally:
+            plain_path.unlink(missing_ok=True)
+        size = sealed.stat().st_size
+        if size > self.cfg.black.bundle.max_file_bytes:
+            sealed.unlink(missing_ok=True)
+            raise StateError(
+                f"channel {channel.name!r} bundle {manifest.bundle_seq} sealed to {size} bytes, over "
+                f"max_file_bytes {self.cfg.black.bundle.max_file_bytes}: raise the ceiling"
+            )
+        self.outbox.deliver(name, sealed, channel=channel.name)
+        # shipped: advance the chain
+        st.last_bundle_seq = manifest.bundle_seq
+        covered = [g.last_seq for g in manifest.gaps]
+        if manifest.last_seq is not None:
+            covered.append(manifest.last_seq)
+        st.last_seq = max([st.last_seq, *covered])
+        st.last_sha256 = sha
+        st.pending = None
+        st.bump("bundles")
+        st.bump("messages", manifest.rows)
+        for g in manifest.gaps:
+            st.bump(f"lost_{g.reason}", g.last_seq - g.first_seq + 1)
+            BLACK.messages_lost.labels(manifest.channel, g.reason).inc(g.last_seq - g.first_seq + 1)
+            log_event(
+                log, 40, "gap: messages lost on black",
+                channel=manifest.channel, bundle_seq=manifest.bundle_seq, first_seq=g.first_seq,
+                last_seq=g.last_seq, reason=g.reason,
+            )
+        self.store.save(st)
+        BLACK.bundles_sealed.labels(manifest.channel).inc()
+        BLACK.messages_sealed.labels(manifest.channel).inc(manifest.rows)
+        BLACK.bytes_sealed.labels(manifest.channel).inc(size)
+        BLACK.last_bundle_seq.labels(manifest.channel).set(manifest.bundle_seq)
+        log_event(
+            log, 20, "bundle sealed",
+            channel=manifest.channel, bundle_seq=manifest.bundle_seq, bundle_id=manifest.bundle_id,
+            rows=manifest.rows, plaintext_bytes=len(plain), sealed_bytes=size,
+            encrypted=channel.encrypt,
+        )
+        return ShippedBundle(
+            channel=manifest.channel, bundle_seq=manifest.bundle_seq, bundle_id=manifest.bundle_id,
+            name=name, rows=manifest.rows, first_seq=manifest.first_seq,
+            last_seq=manifest.last_seq, gaps=tuple(manifest.gaps), plaintext_bytes=len(plain),
+            sealed_bytes=size, sha256=sha,
+        )
+
+

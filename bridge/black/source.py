@@ -1,0 +1,187 @@
+"""Black, drain: the Spark Python streaming data source "rabbitmq" that reads stream queues by offset.
+
+Offsets are ``{channel: next stream offset}`` and live in Spark's checkpoint; a replayed
+micro-batch reads exactly the same offset range. Each channel's range is split into
+``read_partitions`` ranges read in parallel by independent stream consumers. Message ``seq``
+is the stream offset. The per-batch read limit is the smaller of ``max_messages_per_batch``
+and ``max_batch_bytes`` divided by the average row size black measured on earlier batches
+(``read-hint.json`` in the state dir), so memory stays flat under any backlog.
+
+Options: ``config`` (path of the diode TOML; read on the driver and on executors),
+``channels`` (comma-separated, default: all configured).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+from pyspark.sql.datasource import DataSource, DataSourceStreamReader, InputPartition
+from pyspark.sql.streaming.datasource import (
+    ReadAllAvailable,
+    ReadLimit,
+    ReadMaxRows,
+    SupportsTriggerAvailableNow,
+)
+from pyspark.sql.types import StructType
+
+from bridge.black.catalog import load_catalog
+from bridge.black.mirror import stream_bounds, stream_queue_name
+from bridge.black.state import StateStore
+from bridge.black.stream_consumer import read_range
+from bridge.config import Config, load_config
+from bridge.protocol.exchange import ExchangeDecl
+from bridge.protocol.rows import RowBuilder
+from bridge.protocol.schema import row_schema
+
+__all__ = ["RabbitStreamDataSource", "RabbitStreamReader", "READ_HINT_FILE", "spark_row_schema"]
+
+READ_HINT_FILE = "read-hint.json"
+BATCH_ROWS = 8192
+MIN_SPLIT = 5000
+FIRST_BATCH_PROBE = 2000
+"""Without a size hint yet (first batch ever), read at most this many messages per channel."""
+
+
+def spark_row_schema() -> StructType:
+    from pyspark.sql.pandas.types import from_arrow_schema
+
+    return from_arrow_schema(row_schema(), prefer_timestamp_ntz=False)
+
+
+@dataclass(frozen=True)
+class StreamRange(InputPartition):
+    """One Spark task: offsets ``[start, end)`` of one channel's stream queue."""
+
+    channel: str
+    queue: str
+    start: int
+    end: int
+    catalog: dict[str, dict[str, Any]]
+
+
+def read_hint(state_dir: Path) -> dict[str, float]:
+    p = Path(state_dir) / READ_HINT_FILE
+    try:
+        d = json.loads(p.read_text())
+        return {str(k): float(v) for k, v in d.get("avg_row_bytes", {}).items()}
+    except (FileNotFoundError, ValueError, AttributeError):
+        return {}
+
+
+class RabbitStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
+    """Driver side plans offset ranges; executors read them with pika."""
+
+    def __init__(self, options: dict[str, str]) -> None:
+        self.config_path = options.get("config", "")
+        self.cfg: Config = load_config(self.config_path or None)
+        names = [c.strip() for c in options.get("channels", "").split(",") if c.strip()]
+        self.channels = names or [c.name for c in self.cfg.channels]
+        for n in self.channels:
+            self.cfg.channel(n)  # ConfigError for unknown names
+        self.target: dict[str, int] | None = None
+
+    # -- driver -------------------------------------------------------------------------------
+    def _tail(self, channel: str) -> int:
+        return stream_bounds(self.cfg, channel)[1]
+
+    def initialOffset(self) -> dict[str, int]:
+        store = StateStore(self.cfg.black.state_dir)
+        return {ch: store.load(ch).last_seq + 1 for ch in self.channels}
+
+    def getDefaultReadLimit(self) -> ReadLimit:
+        return ReadMaxRows(self.cfg.black.max_messages_per_batch * len(self.channels))
+
+    def prepareForTriggerAvailableNow(self) -> None:
+        self.target = {ch: self._tail(ch) for ch in self.channels}
+
+    def _cap(self, channel: str, hint: dict[str, float]) -> int:
+        b = self.cfg.black
+        avg = hint.get(channel)
+        if avg is None:
+            return min(b.max_messages_per_batch, FIRST_BATCH_PROBE)
+        return max(1, min(b.max_messages_per_batch, int(b.max_batch_bytes // max(avg, 1.0))))
+
+    def latestOffset(self, start: dict[str, int], limit: ReadLimit) -> dict[str, int]:
+        hint = read_hint(self.cfg.black.state_dir)
+        init = None
+        out: dict[str, int] = {}
+        for ch in self.channels:
+            if ch in start:
+                s = int(start[ch])
+            else:  # a channel added to the config after the query started
+                init = init or self.initialOffset()
+                s = init[ch]
+            tail = self.target[ch] if self.target is not None else self._tail(ch)
+            end = max(s, tail)
+            if not isinstance(limit, ReadAllAvailable):
+                end = min(end, s + self._cap(ch, hint))
+            out[ch] = end
+        return out
+
+    def reportLatestOffset(self) -> dict[str, int] | None:
+        return {ch: self._tail(ch) for ch in self.channels}
+
+    def partitions(self, start: dict[str, int], end: dict[str, int]) -> Sequence[InputPartition]:
+        catalog = {
+            k: v.to_json()
+            for k, v in load_catalog(Path(self.cfg.black.state_dir) / "exchanges.json").items()
+        }
+        init: dict[str, int] | None = None
+        parts: list[InputPartition] = []
+        for ch in self.channels:
+            if ch in start:
+                s = int(start[ch])
+            else:
+                init = init or self.initialOffset()
+                s = init[ch]
+            e = int(end.get(ch, s))
+            if e <= s:
+                continue
+            n = e - s
+            k = max(1, min(self.cfg.black.read_partitions, n // MIN_SPLIT))
+            step = -(-n // k)
+            q = stream_queue_name(self.cfg.black, ch)
+            for a in range(s, e, step):
+                parts.append(StreamRange(ch, q, a, min(e, a + step), catalog))
+        return parts
+
+    def commit(self, end: dict[str, int]) -> None:
+        """Nothing to acknowledge: the stream keeps messages until its retention drops them."""
+
+    def stop(self) -> None:
+        """No driver-side connection is held between calls."""
+
+    # -- executors ----------------------------------------------------------------------------
+    def read(self, partition: InputPartition) -> Iterator[pa.RecordBatch]:
+        assert isinstance(partition, StreamRange)
+        catalog = {k: ExchangeDecl.from_json(v) for k, v in partition.catalog.items()}
+        url = self.cfg.black.amqp_url.get_secret_value()
+        builder = RowBuilder(partition.channel)
+        for d in read_range(url, partition.queue, partition.start, partition.end):
+            builder.append(
+                d.offset, catalog.get(d.exchange), d.exchange, d.routing_key, d.properties, d.body
+            )
+            if len(builder) >= BATCH_ROWS:
+                yield builder.to_batch()
+                builder = RowBuilder(partition.channel)
+        if len(builder):
+            yield builder.to_batch()
+
+
+class RabbitStreamDataSource(DataSource):
+    """``spark.readStream.format("rabbitmq").option("config", path).load()``."""
+
+    @classmethod
+    def name(cls) -> str:
+        return "rabbitmq"
+
+    def schema(self) -> StructType:
+        return spark_row_schema()
+
+    def streamReader(self, schema: StructType) -> DataSourceStreamReader:
+        return RabbitStreamReader(dict(self.options))

@@ -1,0 +1,48 @@
+"""Both sides: Prometheus metrics, named bridge_<side>_<object>_<event>."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
+
+__all__ = ["REGISTRY", "BLACK", "serve_metrics"]
+
+REGISTRY = CollectorRegistry()
+
+
+class _Black:
+    def __init__(self, reg: CollectorRegistry) -> None:
+        self.messages_sealed = Counter(
+            "bridge_black_messages_sealed", "Messages sealed into bundles", ["channel"], registry=reg
+        )
+        self.bundles_sealed = Counter(
+            "bridge_black_bundles_sealed", "Bundles sealed and delivered", ["channel"], registry=reg
+        )
+        self.bytes_sealed = Counter(
+            "bridge_black_bytes_sealed", "Sealed bytes written to the outbox", ["channel"], registry=reg
+        )
+        self.messages_lost = Counter(
+            "bridge_black_messages_lost",
+            "Messages known lost on black (gaps), by reason",
+            ["channel", "reason"],
+            registry=reg,
+        )
+        self.heartbeats_sent = Counter(
+            "bridge_black_heartbeats_sent", "Heartbeat files written", ["channel"], registry=reg
+        )
+        self.last_bundle_seq = Gauge(
+            "bridge_black_bundle_seq_last", "Last bundle seq delivered", ["channel"], registry=reg
+        )
+        self.exchanges_unbound = Gauge(
+            "bridge_black_exchanges_unbound",
+            "Direct exchanges matching a channel but without routing keys",
+            ["channel"],
+            registry=reg,
+        )
+
+
+BLACK = _Black(REGISTRY)
+
+
+def serve_metrics(port: int, addr: str = "127.0.0.1") -> None:
+    """Expose /metrics on addr:port (loopback by default: nothing listens on all interfaces)."""
+    start_http_server(port, addr=addr, registry=REGISTRY)
