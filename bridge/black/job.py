@@ -1,0 +1,140 @@
+"""Black, job: wire mirror + Spark stream source + sealing sink + heartbeats into one run.
+
+    RabbitMQ exchanges --mirror--> stream queues --source "rabbitmq"--> micro-batches
+      --BatchSink (seal)--> outbox/ + archive/        (+ heartbeats every N s)
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from bridge.black.heartbeat import HeartbeatLoop, HeartbeatWriter
+from bridge.black.mirror import Mirror, MirrorLoop
+from bridge.black.seal import BundleSealer
+from bridge.black.sink import BatchSink
+from bridge.black.source import RabbitStreamDataSource
+from bridge.black.state import StateStore
+from bridge.config import Config
+from bridge.crypto.gpg import Gpg
+from bridge.diode.file_drop import Outbox
+from bridge.errors import ConfigError
+from bridge.logs import get_logger, log_event
+
+__all__ = ["BlackRun", "BlackSummary", "run_black", "check_black_config", "Trigger"]
+
+log = get_logger("bridge.black.job")
+Trigger = Literal["available-now", "continuous"]
+
+
+@dataclass
+class BlackSummary:
+    batches: int = 0
+    messages: int = 0
+    bundles: int = 0
+    bundle_names: list[str] = field(default_factory=list)
+    lost: int = 0
+    seconds: float = 0.0
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "batches": self.batches,
+            "messages": self.messages,
+            "bundles": self.bundles,
+            "lost": self.lost,
+            "seconds": round(self.seconds, 3),
+            "msg_per_s": round(self.messages / self.seconds, 1) if self.seconds else None,
+        }
+
+
+def check_black_config(cfg: Config) -> Gpg:
+    """Fail fast, before Spark starts, on anything the operator must fix."""
+    if cfg.source is None:
+        raise ConfigError("the black job needs a config file (the Spark source reads it): pass --config")
+    if not cfg.black.signing_key:
+        raise ConfigError(
+            "black.signing_key is empty: run `diode keys init` and paste the fingerprint it prints"
+        )
+    gpg = Gpg(Path(cfg.black.gnupg_home))
+    gpg.require_keys([cfg.black.signing_key], secret=True, purpose="black signing key (black.signing_key)")
+    for ch in cfg.channels:
+        if ch.encrypt:
+            gpg.require_keys(ch.recipients, purpose=f"recipients of channel {ch.name!r}")
+        else:
+            log_event(
+                log, 30, "channel opted out of encryption: bundles are signed plaintext",
+                channel=ch.name,
+            )
+    return gpg
+
+
+class BlackRun:
+    """One black job: build with ``BlackRun(cfg)``, then ``run(...)``."""
+
+    def __init__(self, cfg: Config) -> None:
+        self.cfg = cfg
+        self.gpg = check_black_config(cfg)
+        self.store = StateStore(Path(cfg.black.state_dir))
+        self.outbox = Outbox(
+            Path(cfg.black.outbox), Path(cfg.black.archive), retention_days=cfg.black.archive_retention_days
+        )
+        self.sealer = BundleSealer(cfg, store=self.store, gpg=self.gpg, outbox=self.outbox)
+        self.sink = BatchSink(cfg, self.sealer)
+        self.mirror = Mirror(cfg, catalog_path=Path(cfg.black.state_dir) / "exchanges.json")
+        self.heartbeats = HeartbeatWriter(cfg, store=self.store, gpg=self.gpg, outbox=self.outbox)
+
+    def start_query(self, spark: Any, trigger: Trigger, *, query_name: str = "diode_black") -> Any:
+        spark.dataSource.register(RabbitStreamDataSource)
+        df = (
+            spark.readStream.format("rabbitmq")
+            .option("config", str(self.cfg.source))
+            .load()
+        )
+        w = (
+            df.writeStream.foreachBatch(self.sink)
+            .option("checkpointLocation", str(self.cfg.black.checkpoint_dir))
+            .queryName(query_name)
+        )
+        if trigger == "available-now":
+            w = w.trigger(availableNow=True)
+        else:
+            w = w.trigger(processingTime=f"{self.cfg.black.trigger_seconds} seconds")
+        return w.start()
+
+    def run(
+        self, spark: Any, trigger: Trigger = "available-now", *, timeout: float | None = None
+    ) -> BlackSummary:
+        """Mirror, drain and seal. ``available-now`` stops when the backlog is sealed."""
+        t0 = time.monotonic()
+        report = self.mirror.sync()  # declares streams + bindings; raises on misconfiguration
+        log_event(log, 20, "mirror synced", report=str(report))
+        mirror_loop = MirrorLoop(self.mirror, self.cfg.black.discover_interval_seconds)
+        hb_loop = HeartbeatLoop(self.heartbeats, self.cfg.black.heartbeat_seconds)
+        if trigger == "continuous":
+            mirror_loop.start()
+        hb_loop.start()
+        query = self.start_query(spark, trigger)
+        try:
+            query.awaitTermination(timeout)
+        finally:
+            if query.isActive:
+                query.stop()
+            if trigger == "continuous":
+                mirror_loop.stop()
+            hb_loop.stop()
+        self.heartbeats.beat_all()  # a final heartbeat names the last bundle sealed
+        self.outbox.prune_archive()
+        s = BlackSummary(seconds=time.monotonic() - t0)
+        for r in self.sink.results:
+            s.batches += 1
+            s.messages += sum(b.rows for b in r.bundles)
+            s.bundles += len(r.bundles)
+            s.bundle_names.extend(b.name for b in r.bundles)
+            s.lost += sum(g.last_seq - g.first_seq + 1 for b in r.bundles for g in b.gaps)
+        return s
+
+
+def run_black(cfg: Config, spark: Any, trigger: Trigger = "available-now", **kw: Any) -> BlackSummary:
+    return BlackRun(cfg).run(spark, trigger, **kw)
