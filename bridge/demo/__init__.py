@@ -1,0 +1,1 @@
+"""Demo: one command that sets up and runs the pipeline on this machine."""

@@ -1,0 +1,146 @@
+"""Demo, run: keys, a black vhost with sample traffic, the black job — all under one workdir."""
+
+from __future__ import annotations
+
+import shutil
+import time
+import urllib.parse
+from pathlib import Path
+from typing import Any
+
+import requests
+
+from bridge.black.job import BlackRun
+from bridge.black.mirror import stream_bounds
+from bridge.config import load_config
+from bridge.crypto.gpg import Gpg
+from bridge.crypto.keys import init_keys
+from bridge.demo.traffic import DEMO_DIRECT_KEYS, declare_exchanges, publish_mix
+from bridge.errors import ManagementApiError
+from bridge.logs import get_logger, log_event
+
+__all__ = ["run_demo", "write_demo_config"]
+
+log = get_logger("bridge.demo")
+
+
+def _reset_vhost(mgmt: str, vhost: str, auth: tuple[str, str]) -> None:
+    q = urllib.parse.quote(vhost, safe="")
+    try:
+        requests.delete(f"{mgmt}/api/vhosts/{q}", auth=auth, timeout=30)
+        r = requests.put(f"{mgmt}/api/vhosts/{q}", auth=auth, timeout=30)
+        r.raise_for_status()
+        r = requests.put(
+            f"{mgmt}/api/permissions/{q}/{auth[0]}",
+            json={"configure": ".*", "write": ".*", "read": ".*"}, auth=auth, timeout=30,
+        )
+        r.raise_for_status()
+    except requests.RequestException as e:
+        raise ManagementApiError(
+            f"cannot (re)create demo vhost {vhost!r} through {mgmt}: {e}; is the management "
+            "plugin on? (rabbitmq-plugins enable rabbitmq_management)"
+        ) from None
+
+
+def write_demo_config(workdir: Path, *, black_fpr: str, red_fprs: list[str], amqp_url: str,
+                      mgmt: str) -> Path:
+    keys = ", ".join(f'"{f}"' for f in red_fprs)
+    direct = "\n".join(
+        f'"{ex}" = [{", ".join(chr(34) + k + chr(34) for k in keys_)}]'
+        for ex, keys_ in DEMO_DIRECT_KEYS.items()
+    )
+    text = f"""# Written by `diode demo`: every key is explained in conf/diode.example.toml.
+[link]
+bridge_id = "demo-black"
+black_signers = ["{black_fpr}"]
+
+[[channels]]
+name = "default"
+exchanges = ["*"]
+deny = ["unrouted"]
+recipients = [{keys}]
+encrypt = true
+transport = "file"
+
+[channels.direct_routing_keys]
+{direct}
+
+[black]
+amqp_url = "{amqp_url}"
+management_url = "{mgmt}"
+gnupg_home = "keys/black"
+signing_key = "{black_fpr}"
+outbox = "black/outbox"
+archive = "black/archive"
+state_dir = "black/state"
+checkpoint_dir = "black/checkpoint"
+trigger_seconds = 2.0
+heartbeat_seconds = 5.0
+
+[black.bundle]
+max_rows = 50000
+max_bytes = 67108864
+max_file_bytes = 134217728
+
+[red]
+gnupg_home = "keys/red"
+inbox = "red/inbox"
+"""
+    p = workdir / "diode.toml"
+    p.write_text(text)
+    return p
+
+
+def run_demo(workdir: Path, messages: int, *, vhost: str = "diode-demo", host: str = "127.0.0.1",
+             port: int = 5672, mgmt: str = "http://127.0.0.1:15672",
+             user: str = "guest", password: str = "guest", big_every: int = 5000,
+             spark: Any = None) -> dict[str, Any]:
+    """Run the black half of the pipeline on this machine; returns the summary."""
+    t0 = time.monotonic()
+    workdir = workdir.resolve()
+    workdir.mkdir(parents=True, exist_ok=True)
+    keys_dir = workdir / "keys"
+    if (keys_dir / "black").exists():  # keys of an earlier demo run are kept
+        black_fpr = Gpg(keys_dir / "black").fingerprints(secret=True)[0]
+        red_fprs = Gpg(keys_dir / "red").fingerprints(secret=True)
+    else:
+        inv = init_keys(keys_dir, red_names=("red", "red-audit"), bridge_id="demo-black")
+        black_fpr, red_fprs = inv.black_fpr, list(inv.red_fprs.values())
+    for sub in ("black", "red"):  # a fresh run: new vhost, new black state
+        shutil.rmtree(workdir / sub, ignore_errors=True)
+    _reset_vhost(mgmt, vhost, (user, password))
+    q = urllib.parse.quote(vhost, safe="")
+    amqp_url = f"amqp://{user}:{password}@{host}:{port}/{q}"
+    declare_exchanges(amqp_url)
+    cfg_path = write_demo_config(workdir, black_fpr=black_fpr, red_fprs=red_fprs,
+                                 amqp_url=amqp_url, mgmt=mgmt)
+    cfg = load_config(cfg_path)
+    run = BlackRun(cfg)
+    run.mirror.sync()  # streams exist before the first message is published
+    log_event(log, 20, "publishing demo traffic", messages=messages, vhost=vhost)
+    pub = publish_mix(amqp_url, messages, big_every=big_every)
+    deadline = time.monotonic() + 60
+    while stream_bounds(cfg, "default")[1] < pub.count and time.monotonic() < deadline:
+        time.sleep(0.2)
+    t_pub = time.monotonic()
+    if spark is None:
+        from bridge.spark import get_spark
+
+        spark = get_spark("diode-demo")
+    summary = run.run(spark, "available-now")
+    out = {
+        "published": pub.count,
+        "published_bytes": pub.bytes,
+        "by_exchange": pub.by_exchange,
+        "sealed": summary.messages,
+        "lost": summary.lost,
+        "bundles": summary.bundles,
+        "black_seconds": round(summary.seconds, 2),
+        "black_msg_per_s": round(summary.messages / summary.seconds, 1) if summary.seconds else None,
+        "publish_seconds": round(t_pub - t0, 2),
+        "workdir": str(workdir),
+        "outbox": str(cfg.black.outbox),
+        "config": str(cfg_path),
+        "ok": summary.messages == pub.count and summary.lost == 0,
+    }
+    return out
