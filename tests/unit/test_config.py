@@ -1,0 +1,95 @@
+"""Unit: configuration loading, validation messages, env overrides, example completeness."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+from pydantic import BaseModel
+
+from bridge.config import BlackConfig, BundleConfig, ChannelConfig, Config, LinkConfig, RedConfig, load_config
+from bridge.errors import ConfigError
+
+EXAMPLE = Path(__file__).resolve().parents[2] / "conf" / "diode.example.toml"
+FPR = "0123456789ABCDEF0123456789ABCDEF01234567"
+
+
+def _write(tmp_path: Path, text: str) -> Path:
+    p = tmp_path / "d.toml"
+    p.write_text(text)
+    return p
+
+
+def test_example_loads_and_documents_every_key() -> None:
+    cfg = load_config(EXAMPLE, environ={})
+    assert cfg.channels[0].name == "default"
+    text = EXAMPLE.read_text()
+    models: list[type[BaseModel]] = [LinkConfig, ChannelConfig, BlackConfig, BundleConfig, RedConfig]
+    for model in models:
+        for name in model.model_fields:
+            m = re.search(rf"^# .*\n{name} = ", text, re.M) or re.search(
+                rf"^# .*\n(?:#.*\n)*{name} = ", text, re.M
+            )
+            assert m or f"[{name}" in text or f"[channels.{name}]" in text, f"{model.__name__}.{name} undocumented"
+
+
+def test_unknown_key_is_rejected_with_a_fix(tmp_path: Path) -> None:
+    p = _write(tmp_path, '[[channels]]\nname="a"\nencrypt=false\n[black]\namqp_ulr="x"\n')
+    with pytest.raises(ConfigError) as e:
+        load_config(p, environ={})
+    assert "black.amqp_ulr" in str(e.value) and "unknown key" in str(e.value)
+
+
+def test_encrypted_channel_without_recipients_says_how_to_fix(tmp_path: Path) -> None:
+    p = _write(tmp_path, '[[channels]]\nname="a"\n')
+    with pytest.raises(ConfigError, match="no recipients.*encrypt = false"):
+        load_config(p, environ={})
+
+
+def test_bad_fingerprint_and_missing_file(tmp_path: Path) -> None:
+    p = _write(tmp_path, '[[channels]]\nname="a"\nrecipients=["ABC"]\n')
+    with pytest.raises(ConfigError, match="not a full OpenPGP fingerprint"):
+        load_config(p, environ={})
+    with pytest.raises(ConfigError, match="not found"):
+        load_config(tmp_path / "nope.toml", environ={})
+
+
+def test_signing_key_must_be_pinned(tmp_path: Path) -> None:
+    other = "F" * 40
+    p = _write(
+        tmp_path,
+        f'[link]\nblack_signers=["{other}"]\n[[channels]]\nname="a"\nencrypt=false\n'
+        f'[black]\nsigning_key="{FPR}"\n',
+    )
+    with pytest.raises(ConfigError, match="not listed in link.black_signers"):
+        load_config(p, environ={})
+
+
+def test_env_overrides_and_relative_paths(tmp_path: Path) -> None:
+    p = _write(tmp_path, '[[channels]]\nname="a"\nencrypt=false\n')
+    cfg = load_config(
+        p,
+        environ={
+            "DIODE__BLACK__BUNDLE__MAX_ROWS": "123",
+            "DIODE__BLACK__OUTBOX": "/abs/out",
+            "DIODE__LINK__BRIDGE_ID": "site-b",
+        },
+    )
+    assert cfg.black.bundle.max_rows == 123
+    assert cfg.black.outbox == Path("/abs/out")
+    assert cfg.black.state_dir == tmp_path / "black" / "state"
+    assert cfg.link.bridge_id == "site-b"
+
+
+def test_duplicate_channels_rejected(tmp_path: Path) -> None:
+    p = _write(tmp_path, '[[channels]]\nname="a"\nencrypt=false\n[[channels]]\nname="a"\nencrypt=false\n')
+    with pytest.raises(ConfigError, match="unique"):
+        load_config(p, environ={})
+
+
+def test_secrets_not_in_repr(tmp_path: Path) -> None:
+    p = _write(tmp_path, '[[channels]]\nname="a"\nencrypt=false\n[black]\namqp_url="amqp://u:hunter2@h/v"\n')
+    cfg = load_config(p, environ={})
+    assert "hunter2" not in repr(cfg) and "hunter2" not in str(cfg)
+    assert isinstance(cfg, Config)
