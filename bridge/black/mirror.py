@@ -1,0 +1,632 @@
+"""Black, mirror: bind each channel's exchanges into its own RabbitMQ stream queue (DESIGN §3.9).
+
+    exchanges (discovered | configured) ─plan_channel─> bindings ─> stream <prefix><channel>
+                         └─> catalog (state_dir/exchanges.json), written before any binding
+
+Catch-all bindings, verified on RabbitMQ 3.10: fanout "" ; topic "#" ; headers: an argument
+table with ``x-match: all`` and no other key (matches every message, headers or not; ``any`` with
+no keys matches nothing) ; direct: one binding per configured routing key (no catch-all exists).
+
+Stream offsets are not message counts: each new stream segment starts with a tracking chunk
+that takes one offset, so offsets have a hole at every segment boundary; and a passive declare's
+``message_count`` lags by seconds and counts retained offsets, not the next offset.
+:func:`stream_bounds` reads real delivery offsets instead.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+import urllib.parse
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from fnmatch import fnmatchcase
+from pathlib import Path
+from typing import Any
+
+import pika
+import pika.exceptions
+from pika.adapters.blocking_connection import BlockingChannel, BlockingConnection
+
+from bridge.black.catalog import load_catalog, merge_catalog, save_catalog
+from bridge.black.management import ManagementClient
+from bridge.config import BlackConfig, ChannelConfig, Config
+from bridge.errors import BrokerError, ConfigError, DiodeError, ManagementApiError
+from bridge.logs import get_logger, log_event
+from bridge.protocol.exchange import ExchangeDecl
+
+__all__ = [
+    "BUILTIN_DENY",
+    "HEADERS_CATCH_ALL",
+    "Binding",
+    "ChannelPlan",
+    "ChannelReport",
+    "Mirror",
+    "MirrorLoop",
+    "MirrorReport",
+    "connect",
+    "plan_channel",
+    "stream_bounds",
+    "stream_queue_name",
+    "stream_tail",
+]
+
+log = get_logger("bridge.black.mirror")
+
+BUILTIN_DENY = ("", "amq.*")
+"""Never mirrored: the default exchange and the broker's own amq.* exchanges."""
+
+HEADERS_CATCH_ALL: dict[str, Any] = {"x-match": "all"}
+"""Binding arguments that match every message of a headers exchange (no headers included)."""
+
+_GLOB = frozenset("*?[")
+
+
+# ---------------------------------------------------------------- plan (pure)
+
+
+@dataclass(frozen=True)
+class Binding:
+    """One binding of a channel's stream queue to an exchange."""
+
+    exchange: str
+    routing_key: str
+    arguments: dict[str, Any] = field(default_factory=dict)
+
+    def key(self) -> tuple[str, str, str]:
+        """Identity of the binding (RabbitMQ's: source, routing key, arguments)."""
+        return (self.exchange, self.routing_key, json.dumps(self.arguments, sort_keys=True))
+
+
+@dataclass(frozen=True)
+class ChannelPlan:
+    """What a channel's stream queue should be bound to."""
+
+    channel: str
+    bindings: list[Binding]
+    unbound_direct: list[str]
+    """Direct exchanges the channel matches but has no `direct_routing_keys` for."""
+    skipped: list[str]
+    """"'name': reason" for matched or named exchanges that are not mirrored."""
+
+    @property
+    def exchanges(self) -> list[str]:
+        return sorted({b.exchange for b in self.bindings})
+
+
+def _builtin_denied(name: str) -> bool:
+    return any(fnmatchcase(name, p) for p in BUILTIN_DENY)
+
+
+def _explicit_names(channel: ChannelConfig) -> set[str]:
+    exact = {p for p in channel.exchanges if not (_GLOB & set(p))}
+    return exact | set(channel.direct_routing_keys)
+
+
+def plan_channel(channel: ChannelConfig, exchanges: Sequence[ExchangeDecl]) -> ChannelPlan:
+    """Bindings mirroring every exchange of ``channel`` (fnmatch patterns minus deny lists).
+
+    Exchanges named exactly (in `exchanges` or `direct_routing_keys`) are candidates even when
+    no pattern matches; named ones that are absent or denied are reported in ``skipped``.
+    """
+    by_name = {d.name: d for d in exchanges}
+    explicit = _explicit_names(channel)
+    where = f"channels[{channel.name}]"
+    bindings: list[Binding] = []
+    unbound: list[str] = []
+    skipped: list[str] = []
+    for name in sorted(by_name):
+        decl = by_name[name]
+        named = name in explicit
+        if not named and not any(fnmatchcase(name, p) for p in channel.exchanges):
+            continue
+        if _builtin_denied(name):
+            if named:
+                skipped.append(f"{name!r}: built-in deny (the default exchange and amq.*)")
+            continue
+        deny = next((p for p in channel.deny if fnmatchcase(name, p)), None)
+        if deny is not None:
+            skipped.append(f"{name!r}: denied by {where}.deny pattern {deny!r}")
+            continue
+        if decl.type == "fanout":
+            bindings.append(Binding(name, ""))
+        elif decl.type == "topic":
+            bindings.append(Binding(name, "#"))
+        elif decl.type == "headers":
+            bindings.append(Binding(name, "", dict(HEADERS_CATCH_ALL)))
+        elif decl.type == "direct":
+            keys = list(dict.fromkeys(channel.direct_routing_keys.get(name, [])))
+            if keys:
+                bindings.extend(Binding(name, k) for k in keys)
+            else:
+                unbound.append(name)
+        elif decl.type == "":
+            skipped.append(
+                f"{name!r}: type unknown (management API unavailable and not in the catalog): "
+                f"make the management API reachable, or list it in {where}.direct_routing_keys "
+                "if it is a direct exchange"
+            )
+        else:
+            skipped.append(
+                f"{name!r}: exchange type {decl.type!r} has no known catch-all binding; "
+                f"its messages are not mirrored (add it to {where}.deny to silence this)"
+            )
+    for name in sorted(explicit - set(by_name)):
+        if _builtin_denied(name):
+            skipped.append(f"{name!r}: built-in deny (the default exchange and amq.*)")
+        else:
+            skipped.append(
+                f"{name!r}: named in {where} but not found in the vhost: declare it or fix the name"
+            )
+    return ChannelPlan(channel.name, bindings, unbound, skipped)
+
+
+def stream_queue_name(black: BlackConfig, channel: str) -> str:
+    """The stream queue mirroring ``channel``: ``<stream_prefix><channel>``."""
+    return f"{black.stream_prefix}{channel}"
+
+
+# ---------------------------------------------------------------- broker access
+
+
+def _parameters(black: BlackConfig, purpose: str) -> pika.URLParameters:
+    url = black.amqp_url.get_secret_value()
+    try:
+        params = pika.URLParameters(url)
+    except Exception as e:  # pika raises assorted types on malformed URLs
+        raise ConfigError(
+            f"black.amqp_url is not a valid AMQP URL ({type(e).__name__}); expected "
+            "amqp://user:password@host:5672/vhost (vhost URL-encoded, '/' is %2F)"
+        ) from None
+    query = urllib.parse.parse_qs(urllib.parse.urlsplit(url).query)
+    defaults = {
+        "connection_attempts": 1,
+        "retry_delay": 0,
+        "socket_timeout": 5,
+        "stack_timeout": 10,
+        "blocked_connection_timeout": 60,
+    }
+    for k, v in defaults.items():
+        if k not in query:
+            setattr(params, k, v)
+    params.client_properties = {"connection_name": f"diode-black-{purpose}"}
+    return params
+
+
+def describe_broker(params: pika.ConnectionParameters) -> str:
+    """``amqp://host:port/vhost`` without credentials, for messages and logs."""
+    vhost = urllib.parse.quote(params.virtual_host, safe="")
+    return f"amqp://{params.host}:{params.port}/{vhost}"
+
+
+def _scrub(text: str, params: pika.ConnectionParameters) -> str:
+    secret = getattr(params.credentials, "password", "")
+    return text.replace(secret, "***") if secret else text
+
+
+def connect(black: BlackConfig, *, purpose: str = "mirror") -> BlockingConnection:
+    """A blocking connection to the black broker that fails fast (one attempt, short timeouts)."""
+    params = _parameters(black, purpose)
+    where = describe_broker(params)
+    try:
+        return pika.BlockingConnection(params)
+    except (
+        pika.exceptions.ProbableAuthenticationError,
+        pika.exceptions.ProbableAccessDeniedError,
+    ) as e:
+        raise ConfigError(
+            f"RabbitMQ at {where} refused the login or the vhost ({type(e).__name__}): check user "
+            "and password in black.amqp_url, that the vhost exists and that the user has "
+            "permissions on it (rabbitmqctl set_permissions)"
+        ) from None
+    except (pika.exceptions.AMQPError, OSError) as e:
+        raise BrokerError(
+            f"RabbitMQ unreachable at {where} ({type(e).__name__}: {_scrub(str(e), params)}): "
+            "is the broker running and black.amqp_url right? retrying may help"
+        ) from None
+
+
+def _broker_refused(e: pika.exceptions.ChannelClosedByBroker, what: str, vhost: str) -> DiodeError:
+    if e.reply_code == 403:
+        return ConfigError(
+            f"RabbitMQ refused {what} in vhost {vhost!r}: {e.reply_text}; grant the black user "
+            "configure/write/read permissions on the vhost (rabbitmqctl set_permissions)"
+        )
+    return BrokerError(f"RabbitMQ refused {what} in vhost {vhost!r}: {e.reply_code} {e.reply_text}")
+
+
+# ---------------------------------------------------------------- sync
+
+
+@dataclass(frozen=True)
+class ChannelReport:
+    """What one sync did for one channel."""
+
+    channel: str
+    queue: str
+    bound: list[str]
+    """Exchanges whose bindings are all in place after this sync."""
+    newly_bound: list[str]
+    unbound_direct: list[str]
+    skipped: list[str]
+    removed: list[str] = field(default_factory=list)
+    """Exchanges whose stale bindings (no longer planned) were removed."""
+
+
+@dataclass(frozen=True)
+class MirrorReport:
+    """The outcome of :meth:`Mirror.sync`."""
+
+    vhost: str
+    channels: dict[str, ChannelReport]
+    catalog_changed: list[str]
+    discovered: bool
+
+    @property
+    def changed(self) -> bool:
+        return bool(self.catalog_changed) or any(
+            r.newly_bound or r.removed for r in self.channels.values()
+        )
+
+
+class Mirror:
+    """Keeps every channel's stream queue declared and bound; cheap to call periodically.
+
+    ``management`` defaults to a client built from ``cfg.black.management_*``. With
+    ``black.discover`` it is required; without it, it is only asked for the types of exchanges
+    named exactly, and its failures fall back to the catalog (names in `direct_routing_keys`
+    are then assumed to be direct exchanges).
+    """
+
+    def __init__(
+        self, cfg: Config, *, catalog_path: Path, management: ManagementClient | None = None
+    ) -> None:
+        self.cfg = cfg
+        self.catalog_path = Path(catalog_path)
+        self.vhost = _parameters(cfg.black, "mirror").virtual_host
+        b = cfg.black
+        self.management = management or ManagementClient(
+            b.management_url, b.management_user, b.management_password.get_secret_value()
+        )
+        self._lock = threading.Lock()
+        self._bound: dict[str, set[tuple[str, str, str]]] = {}
+        self._told: set[tuple[str, str]] = set()
+
+    def stream_arguments(self) -> dict[str, Any]:
+        b = self.cfg.black
+        return {
+            "x-queue-type": "stream",
+            "x-max-length-bytes": b.stream_max_bytes,
+            "x-max-age": b.stream_max_age,
+        }
+
+    def sync(self) -> MirrorReport:
+        """Discover, update the catalog, then declare and bind every channel's stream queue."""
+        with self._lock:
+            conn = connect(self.cfg.black, purpose="mirror")
+            try:
+                return self._sync(conn)
+            except pika.exceptions.AMQPError as e:
+                raise BrokerError(
+                    f"RabbitMQ connection lost during mirror sync of vhost {self.vhost!r} "
+                    f"({type(e).__name__}); retrying may help"
+                ) from None
+            finally:
+                if conn.is_open:
+                    try:
+                        conn.close()
+                    except pika.exceptions.AMQPError:
+                        pass
+
+    def _sync(self, conn: BlockingConnection) -> MirrorReport:
+        catalog = load_catalog(self.catalog_path)
+        exchanges, listed = self._learn(conn, catalog)
+        plans = [plan_channel(ch, exchanges) for ch in self.cfg.channels]
+        if self.cfg.black.discover:
+            to_catalog: list[ExchangeDecl] = exchanges
+        else:
+            planned = {b.exchange for p in plans for b in p.bindings}
+            to_catalog = [d for d in exchanges if d.name in planned]
+        merged, changed = merge_catalog(catalog, (d for d in to_catalog if d.type))
+        if changed:
+            save_catalog(self.catalog_path, merged)
+            log_event(log, logging.INFO, "exchange catalog updated", catalog=str(self.catalog_path),
+                      vhost=self.vhost, exchanges=changed)
+        reports = {p.channel: self._apply(conn, p, listed) for p in plans}
+        return MirrorReport(self.vhost, reports, changed, self.cfg.black.discover)
+
+    def _learn(
+        self, conn: BlockingConnection, catalog: dict[str, ExchangeDecl]
+    ) -> tuple[list[ExchangeDecl], bool]:
+        """(known exchanges, whether the management API answered)."""
+        try:
+            listing: list[ExchangeDecl] | None = self.management.list_exchanges(self.vhost)
+        except ManagementApiError as e:
+            if self.cfg.black.discover:
+                raise
+            self._tell("", "mgmt", f"management API unavailable, using passive declares: {e}")
+            listing = None
+        if self.cfg.black.discover:
+            assert listing is not None
+            return listing, True
+        explicit = set().union(*(_explicit_names(ch) for ch in self.cfg.channels))
+        direct = set().union(*(set(ch.direct_routing_keys) for ch in self.cfg.channels))
+        if listing is not None:
+            return [d for d in listing if d.name in explicit], True
+        found: list[ExchangeDecl] = []
+        chan = conn.channel()
+        for name in sorted(n for n in explicit if not _builtin_denied(n)):
+            try:
+                chan.exchange_declare(name, passive=True)
+            except pika.exceptions.ChannelClosedByBroker as e:
+                chan = conn.channel()
+                if e.reply_code == 404:
+                    continue
+                raise _broker_refused(
+                    e, f"a passive declare of exchange {name!r}", self.vhost
+                ) from None
+            if name in catalog:
+                found.append(catalog[name])
+            elif name in direct:
+                self._tell("", name, f"exchange {name!r}: type assumed direct (no management API)")
+                found.append(ExchangeDecl(name, "direct"))
+            else:
+                found.append(ExchangeDecl(name, ""))
+        chan.close()
+        return found, False
+
+    def _declare_stream(self, chan: BlockingChannel, channel: str, queue: str) -> None:
+        args = self.stream_arguments()
+        try:
+            chan.queue_declare(queue, durable=True, arguments=args)
+        except pika.exceptions.ChannelClosedByBroker as e:
+            if e.reply_code == 406:
+                raise ConfigError(
+                    f"stream queue {queue!r} of channel {channel!r} in vhost {self.vhost!r} "
+                    f"already exists with other arguments than configured {args}: the broker "
+                    f"answered {e.reply_text}. Fix: set black.stream_max_bytes / "
+                    "black.stream_max_age back to the queue's values (rabbitmqctl list_queues "
+                    f"--vhost {self.vhost} name arguments), or delete the queue (rabbitmqctl "
+                    f"delete_queue --vhost {self.vhost} {queue}) so the mirror re-creates it; "
+                    "deleting loses its unread messages and restarts its offsets at 0"
+                ) from None
+            raise _broker_refused(e, f"declaring stream queue {queue!r}", self.vhost) from None
+
+    def _existing(self, queue: str, listed: bool) -> set[tuple[str, str, str]] | None:
+        if not listed:
+            return None
+        try:
+            rows = self.management.list_queue_bindings(self.vhost, queue)
+        except ManagementApiError as e:
+            log_event(log, logging.WARNING, f"cannot list bindings, re-binding all: {e}",
+                      queue=queue)
+            return None
+        return {Binding(r.source, r.routing_key, r.arguments).key() for r in rows if r.source}
+
+    def _apply(self, conn: BlockingConnection, plan: ChannelPlan, listed: bool) -> ChannelReport:
+        queue = stream_queue_name(self.cfg.black, plan.channel)
+        chan = conn.channel()
+        self._declare_stream(chan, plan.channel, queue)
+        existing = self._existing(queue, listed)
+        prior = existing if existing is not None else self._bound.get(plan.channel, set())
+        skipped = list(plan.skipped)
+        done: set[tuple[str, str, str]] = set()
+        failed: set[str] = set()
+        newly: set[str] = set()
+        for b in plan.bindings:
+            if existing is not None and b.key() in existing:
+                done.add(b.key())
+                continue
+            try:
+                chan.queue_bind(queue, b.exchange, b.routing_key, arguments=b.arguments or None)
+            except pika.exceptions.ChannelClosedByBroker as e:
+                chan = conn.channel()
+                if e.reply_code == 404:  # deleted since discovery; the next sync sees it gone
+                    failed.add(b.exchange)
+                    skipped.append(f"{b.exchange!r}: vanished during sync ({e.reply_text})")
+                    continue
+                raise _broker_refused(
+                    e, f"binding {queue!r} to {b.exchange!r}", self.vhost
+                ) from None
+            done.add(b.key())
+            if b.key() not in prior:
+                newly.add(b.exchange)
+        removed: set[str] = set()
+        if existing is not None:
+            planned = {b.key() for b in plan.bindings}
+            for source, rk, args in sorted(existing - planned):
+                chan.queue_unbind(queue, source, rk, arguments=json.loads(args) or None)
+                removed.add(source)
+        chan.close()
+        self._bound[plan.channel] = done
+        bound = sorted({b.exchange for b in plan.bindings} - failed)
+        self._log(plan, queue, sorted(newly), sorted(removed), skipped)
+        return ChannelReport(
+            plan.channel, queue, bound, sorted(newly), list(plan.unbound_direct), skipped,
+            sorted(removed),
+        )
+
+    def _tell(self, channel: str, key: str, msg: str) -> None:
+        """Warn once per (channel, key) for the process lifetime; later repeats at debug."""
+        level = logging.DEBUG if (channel, key) in self._told else logging.WARNING
+        self._told.add((channel, key))
+        log_event(log, level, msg, channel=channel or None, vhost=self.vhost)
+
+    def _log(
+        self, plan: ChannelPlan, queue: str, newly: list[str], removed: list[str],
+        skipped: list[str],
+    ) -> None:
+        ch = plan.channel
+        if newly:
+            log_event(log, logging.INFO, "exchanges bound to stream", channel=ch, queue=queue,
+                      exchanges=newly)
+        if removed:
+            log_event(log, logging.INFO, "stale bindings removed from stream", channel=ch,
+                      queue=queue, exchanges=removed)
+        for name in plan.unbound_direct:
+            self._tell(ch, "direct:" + name, (
+                f"channel {ch}: direct exchange {name!r} is NOT mirrored: direct exchanges have "
+                f"no catch-all binding; list its routing keys in channels[{ch}]"
+                ".direct_routing_keys, or deny it"))
+        for s in skipped:
+            self._tell(ch, "skip:" + s, f"channel {ch}: not mirrored: {s}")
+
+
+class MirrorLoop:
+    """A daemon thread re-running :meth:`Mirror.sync` every ``interval`` seconds.
+
+    Transient :class:`BrokerError` s are logged and retried; a terminal error (ConfigError,
+    StateError) is logged, kept in :attr:`error` and ends the loop. Run ``mirror.sync()`` once
+    before :meth:`start` so startup errors surface (or pass ``run_now=True``).
+    """
+
+    def __init__(self, mirror: Mirror, interval: float, *, run_now: bool = False) -> None:
+        if interval <= 0:
+            raise ConfigError(f"mirror loop interval must be > 0, got {interval}")
+        self.mirror = mirror
+        self.interval = interval
+        self.run_now = run_now
+        self.last_report: MirrorReport | None = None
+        self.error: DiodeError | None = None
+        self.failures = 0
+        self.on_report: Callable[[MirrorReport], None] | None = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="diode-black-mirror", daemon=True)
+
+    def start(self) -> MirrorLoop:
+        self._thread.start()
+        return self
+
+    def stop(self, timeout: float | None = 10.0) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def _run(self) -> None:
+        if not self.run_now and self._stop.wait(self.interval):
+            return
+        while not self._stop.is_set():
+            try:
+                report = self.mirror.sync()
+            except BrokerError as e:
+                self.failures += 1
+                self.error = e
+                log_event(log, logging.WARNING, f"mirror sync failed, will retry: {e}",
+                          retry_in_s=self.interval, failures=self.failures)
+            except DiodeError as e:
+                self.error = e
+                log_event(log, logging.ERROR, f"mirror sync failed terminally, loop stopped: {e}")
+                return
+            except Exception:
+                self.failures += 1
+                log.exception("mirror sync crashed unexpectedly; retrying in %.0fs", self.interval)
+            else:
+                self.last_report, self.error = report, None
+                if self.on_report is not None:
+                    self.on_report(report)
+            if self._stop.wait(self.interval):
+                return
+
+
+# ---------------------------------------------------------------- stream offsets
+
+
+def _offset(props: pika.BasicProperties) -> int:
+    return int((props.headers or {})["x-stream-offset"])
+
+
+def stream_bounds(
+    cfg: Config,
+    channel: str,
+    *,
+    empty_wait: float = 0.5,
+    idle: float = 0.2,
+    settle: float = 0.5,
+    max_wait: float = 5.0,
+) -> tuple[int, int]:
+    """``(first retained offset, next offset)`` of a channel's stream; ``(0, 0)`` when empty.
+
+    Read from deliveries, not from ``message_count`` (which lags and counts offsets): one
+    consumer at ``first`` takes the first retained message, one at ``last`` drains the last
+    chunk until ``idle`` seconds pass without a delivery (at most ``settle`` seconds after its
+    first delivery: on a busy stream new chunks keep coming). ``next`` is the last *message*
+    offset + 1, so ``next - 1`` is always a real message (offset holes sit between segments).
+    On a busy stream ``next`` is a lower bound of the true tail, never beyond it. An empty
+    stream costs ``empty_wait`` seconds.
+    """
+    cfg.channel(channel)
+    queue = stream_queue_name(cfg.black, channel)
+    vhost = _parameters(cfg.black, "stream-bounds").virtual_host
+    conn = connect(cfg.black, purpose="stream-bounds")
+    try:
+        probe = conn.channel()
+        try:
+            count = probe.queue_declare(queue, passive=True).method.message_count
+        except pika.exceptions.ChannelClosedByBroker as e:
+            if e.reply_code == 404:
+                raise BrokerError(
+                    f"stream queue {queue!r} of channel {channel!r} does not exist in vhost "
+                    f"{vhost!r}: run the mirror (the black job) first"
+                ) from None
+            raise
+        first: list[int] = []
+        last: list[int] = []
+        c1 = conn.channel()
+        c1.basic_qos(prefetch_count=1)
+        c1.basic_consume(
+            queue, lambda c, m, p, b: first.append(_offset(p)),
+            arguments={"x-stream-offset": "first"},
+        )
+        c2 = conn.channel()
+        c2.basic_qos(prefetch_count=2000)
+
+        def on_last(c: BlockingChannel, m: Any, p: pika.BasicProperties, b: bytes) -> None:
+            last.append(_offset(p))
+            c.basic_ack(m.delivery_tag)
+
+        c2.basic_consume(queue, on_last, arguments={"x-stream-offset": "last"})
+        start = seen_at = time.monotonic()
+        began_at: float | None = None
+        seen = 0
+        while True:
+            conn.process_data_events(time_limit=0.02)
+            now = time.monotonic()
+            if len(last) != seen:
+                seen, seen_at = len(last), now
+                began_at = began_at or now
+            if first and began_at and (now - seen_at >= idle or now - began_at >= settle):
+                break
+            if not first and not last and now - start >= (empty_wait if count == 0 else max_wait):
+                if count:
+                    raise BrokerError(
+                        f"stream queue {queue!r} reports {count} messages but delivered none "
+                        f"in {max_wait}s; retrying may help"
+                    )
+                return (0, 0)
+            if now - start >= max_wait:
+                break
+        lo = first[0] if first else min(last)
+        hi = max(last) + 1 if last else lo + 1
+        return (lo, hi)
+    except pika.exceptions.AMQPError as e:
+        raise BrokerError(
+            f"RabbitMQ failed while reading the bounds of stream {queue!r} ({type(e).__name__}); "
+            "retrying may help"
+        ) from None
+    finally:
+        if conn.is_open:
+            try:
+                conn.close()  # never stop_consuming(): streams refuse the rejects (NOTES.md)
+            except pika.exceptions.AMQPError:
+                pass
+
+
+def stream_tail(cfg: Config, channel: str) -> int:
+    """The next offset to be written in the channel's stream (see :func:`stream_bounds`)."""
+    return stream_bounds(cfg, channel)[1]
