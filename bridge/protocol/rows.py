@@ -306,16 +306,90 @@ def row_to_message(row: dict[str, Any]) -> Message:
 
 
 def table_to_messages(
-    table: pa.Table | pa.RecordBatch | Iterable[pa.RecordBatch], *, chunk_rows: int = 4096
+    table: pa.Table | pa.RecordBatch | Iterable[pa.RecordBatch], *, chunk_rows: int = 8192
 ) -> Iterator[Message]:
-    """Messages of every row, in row order, converting ``chunk_rows`` rows at a time."""
+    """Messages of every row, in row order, converting ``chunk_rows`` rows at a time.
+
+    Columnar: same result as ``row_to_message`` per row, several times faster.
+    """
     if isinstance(table, pa.Table):
         batches: Iterable[pa.RecordBatch] = table.to_batches(max_chunksize=chunk_rows)
     elif isinstance(table, pa.RecordBatch):
         batches = [table]
     else:
         batches = table
+    exchanges: dict[tuple[Any, ...], ExchangeDecl] = {}
     for batch in batches:
         for off in range(0, batch.num_rows, chunk_rows):
-            for row in batch.slice(off, chunk_rows).to_pylist():
-                yield row_to_message(row)
+            yield from _chunk_messages(batch.slice(off, chunk_rows), exchanges)
+
+
+def _chunk_messages(
+    batch: pa.RecordBatch, exchanges: dict[tuple[Any, ...], ExchangeDecl]
+) -> Iterator[Message]:
+    try:
+        c = {name: batch.column(name).to_pylist() for name in _MESSAGE_COLUMNS}
+    except KeyError as e:
+        raise ProtocolError(f"rows lack a column: {e}") from None
+    xkeys = zip(*(c[n] for n in _EXCHANGE_COLUMNS), strict=True)
+    plists = zip(*(c[n] for n in _PROPERTY_COLUMNS), strict=True)
+    for i, (xkey, p) in enumerate(zip(xkeys, plists, strict=True)):
+        decl = exchanges.get(xkey)
+        if decl is None:
+            decl = exchanges[xkey] = row_to_message(_row_at(c, i)).exchange
+        try:
+            headers = decode_typed(c["headers_typed"][i])
+        except ProtocolError as e:
+            raise ProtocolError(f"row channel={c['channel'][i]!r} seq={c['seq'][i]!r}: {e}") from e
+        ts = p[8]
+        if ts is not None and ts < 0:
+            ts += _U64
+        # positional, in BasicProperties.__init__ order (headers third)
+        props = BasicProperties(p[0], p[1], headers, *p[2:8], ts, *p[9:])
+        yield Message(
+            exchange=decl,
+            routing_key=c["routing_key"][i],
+            properties=props,
+            body=c["body"][i],
+            channel=c["channel"][i],
+            seq=c["seq"][i],
+        )
+
+
+def _row_at(columns: dict[str, list[Any]], i: int) -> dict[str, Any]:
+    return {name: col[i] for name, col in columns.items()}
+
+
+_EXCHANGE_COLUMNS = (
+    "exchange",
+    "exchange_type",
+    "exchange_durable",
+    "exchange_auto_delete",
+    "exchange_internal",
+    "exchange_arguments",
+)
+# BasicProperties.__init__ order without headers (the third argument)
+_PROPERTY_COLUMNS = (
+    "content_type",
+    "content_encoding",
+    "delivery_mode",
+    "priority",
+    "correlation_id",
+    "reply_to",
+    "expiration",
+    "message_id",
+    "timestamp",
+    "type",
+    "user_id",
+    "app_id",
+    "cluster_id",
+)
+_MESSAGE_COLUMNS = (
+    "channel",
+    "seq",
+    *_EXCHANGE_COLUMNS,
+    "routing_key",
+    *_PROPERTY_COLUMNS,
+    "headers_typed",
+    "body",
+)

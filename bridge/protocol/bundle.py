@@ -1,0 +1,214 @@
+"""Protocol core (black packs, red unpacks): a bundle's plaintext — Parquet (zstd) + manifest.
+
+    rows (pa.Table of row_schema) + Manifest --pack_bundle--> bytes --unpack_bundle--> both
+
+The manifest travels as canonical JSON under the Parquet key-value metadata key
+``diode.manifest`` (DESIGN.md 3.3). Both directions check that the manifest agrees with
+the rows (count, channel, first/last seq, strictly increasing seqs, per-exchange counts,
+no row inside a declared gap) and raise ManifestError if not; unpacking raises
+ProtocolError (or a subclass) for any garbage, truncated or tampered input, never
+another exception. Bytes in, bytes out: pyarrow buffers, no file I/O, one copy out.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterable
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+
+from bridge.errors import DiodeError, ManifestError, ProtocolError
+from bridge.protocol.manifest import MANIFEST_KEY, Gap, Manifest
+from bridge.protocol.schema import ROW_SCHEMA_VERSION, row_schema
+
+__all__ = [
+    "pack_bundle",
+    "unpack_bundle",
+    "read_manifest",
+    "manifest_for",
+    "check_rows",
+    "sha256_hex",
+]
+
+_SCHEMA_VERSION_KEY = b"diode.schema_version"
+# low-cardinality columns: dictionary encoding pays; bodies and ids would only waste time
+_DICT_COLUMNS = [
+    "channel",
+    "exchange",
+    "exchange_type",
+    "exchange_arguments",
+    "routing_key",
+    "content_type",
+    "content_encoding",
+    "reply_to",
+    "expiration",
+    "type",
+    "user_id",
+    "app_id",
+    "cluster_id",
+]
+
+
+def sha256_hex(data: bytes | bytearray | memoryview | pa.Buffer) -> str:
+    """Lowercase hex SHA-256 of ``data`` (the hash chain links plaintext bundles)."""
+    return hashlib.sha256(memoryview(data)).hexdigest()
+
+
+def manifest_for(
+    table: pa.Table,
+    *,
+    channel: str,
+    bundle_seq: int,
+    bundle_id: str,
+    created_at: str,
+    bridge_id: str,
+    prev_sha256: str | None,
+    gaps: Iterable[Gap] = (),
+    schema_version: int = ROW_SCHEMA_VERSION,
+) -> Manifest:
+    """The manifest of ``table``: seq range, row and per-exchange counts from the rows."""
+    n = table.num_rows
+    exchanges: dict[str, int] = {}
+    first = last = None
+    if n:
+        seqs = table.column("seq")
+        first, last = seqs[0].as_py(), seqs[n - 1].as_py()
+        counts = pc.value_counts(table.column("exchange"))
+        exchanges = {
+            v.as_py(): c.as_py() for v, c in zip(counts.field(0), counts.field(1), strict=True)
+        }
+    return Manifest(
+        channel=channel,
+        bundle_seq=bundle_seq,
+        bundle_id=bundle_id,
+        first_seq=first,
+        last_seq=last,
+        rows=n,
+        exchanges=exchanges,
+        created_at=created_at,
+        bridge_id=bridge_id,
+        prev_sha256=prev_sha256,
+        gaps=tuple(gaps),
+        schema_version=schema_version,
+    )
+
+
+def check_rows(table: pa.Table, manifest: Manifest) -> None:
+    """Raise ManifestError unless ``table`` is exactly what ``manifest`` describes."""
+    w = manifest.where
+    expected = row_schema(manifest.schema_version)
+    if not table.schema.equals(expected, check_metadata=False):
+        raise ManifestError(f"{w}: rows do not have row schema v{manifest.schema_version}")
+    n = table.num_rows
+    if n != manifest.rows:
+        raise ManifestError(f"{w}: manifest says {manifest.rows} rows, the bundle holds {n}")
+    if n == 0:
+        return
+    for f in expected:
+        if not f.nullable and table.column(f.name).null_count:
+            raise ManifestError(f"{w}: column {f.name} holds nulls")
+    if pc.any(pc.not_equal(table.column("channel"), manifest.channel)).as_py():
+        raise ManifestError(f"{w}: rows of another channel in the bundle")
+    seqs = table.column("seq").to_numpy()
+    if int(seqs[0]) != manifest.first_seq or int(seqs[-1]) != manifest.last_seq:
+        raise ManifestError(
+            f"{w}: rows run seq {int(seqs[0])}..{int(seqs[-1])}, manifest says "
+            f"{manifest.first_seq}..{manifest.last_seq}"
+        )
+    if n > 1 and not bool(np.all(seqs[1:] > seqs[:-1])):
+        raise ManifestError(f"{w}: message seqs are not strictly increasing")
+    counts = pc.value_counts(table.column("exchange"))
+    actual = {v.as_py(): c.as_py() for v, c in zip(counts.field(0), counts.field(1), strict=True)}
+    if actual != manifest.exchanges:
+        raise ManifestError(f"{w}: per-exchange counts disagree with the rows")
+    for gap in manifest.gaps:
+        i = int(np.searchsorted(seqs, gap.first_seq, side="left"))
+        if i < n and int(seqs[i]) <= gap.last_seq:
+            raise ManifestError(
+                f"{w}: seq {int(seqs[i])} is a row but inside declared gap "
+                f"{gap.first_seq}..{gap.last_seq}"
+            )
+
+
+def pack_bundle(table: pa.Table, manifest: Manifest, *, zstd_level: int = 3) -> bytes:
+    """Parquet (zstd) of ``table`` with ``manifest`` embedded; deterministic bytes."""
+    if not 1 <= zstd_level <= 22:
+        raise ValueError(f"zstd_level must be in 1..22, got {zstd_level}")
+    if isinstance(table, pa.RecordBatch):
+        table = pa.Table.from_batches([table])
+    check_rows(table, manifest)
+    schema = row_schema(manifest.schema_version)
+    table = table.replace_schema_metadata(schema.metadata)
+    sink = pa.BufferOutputStream()
+    with pq.ParquetWriter(
+        sink,
+        schema,
+        compression="zstd",
+        compression_level=zstd_level,
+        use_dictionary=_DICT_COLUMNS,
+        write_statistics=["seq"],
+    ) as writer:
+        writer.write_table(table)
+        writer.add_key_value_metadata({MANIFEST_KEY: manifest.to_json()})
+    return sink.getvalue().to_pybytes()
+
+
+def _open(data: Any) -> tuple[pq.ParquetFile, Manifest]:
+    if not isinstance(data, bytes | bytearray | memoryview | pa.Buffer):
+        raise ProtocolError(f"a bundle is bytes, not {type(data).__name__}")
+    try:
+        pf = pq.ParquetFile(pa.BufferReader(data))
+        kv = pf.metadata.metadata or {}
+    except Exception as e:  # pyarrow raises many kinds on garbage input
+        size = memoryview(data).nbytes
+        raise ProtocolError(f"not a readable Parquet bundle ({size} bytes): {_err(e)}") from None
+    raw = kv.get(MANIFEST_KEY)
+    if raw is None:
+        key = MANIFEST_KEY.decode()
+        raise ManifestError(f"Parquet file ({memoryview(data).nbytes} bytes) has no {key} metadata")
+    manifest = Manifest.from_json(raw)
+    declared = kv.get(_SCHEMA_VERSION_KEY)
+    if declared is not None and declared != str(manifest.schema_version).encode():
+        raise ManifestError(f"{manifest.where}: Parquet and manifest disagree on schema version")
+    if pf.metadata.num_rows != manifest.rows:
+        raise ManifestError(
+            f"{manifest.where}: manifest says {manifest.rows} rows, "
+            f"the Parquet footer {pf.metadata.num_rows}"
+        )
+    return pf, manifest
+
+
+def _err(e: BaseException) -> str:
+    return f"{type(e).__name__}: {str(e)[:200]}"
+
+
+def read_manifest(data: bytes | bytearray | memoryview | pa.Buffer) -> Manifest:
+    """The manifest of a plaintext bundle, reading only the Parquet footer."""
+    return _open(data)[1]
+
+
+def unpack_bundle(data: bytes | bytearray | memoryview | pa.Buffer) -> tuple[Manifest, pa.Table]:
+    """Manifest and rows of a plaintext bundle, checked against each other.
+
+    The table has exactly ``row_schema(manifest.schema_version)`` (its metadata too).
+    """
+    pf, manifest = _open(data)
+    schema = row_schema(manifest.schema_version)
+    try:
+        table = pf.read(use_threads=True)
+        if not table.schema.equals(schema, check_metadata=False):
+            raise ManifestError(
+                f"{manifest.where}: rows do not have row schema v{manifest.schema_version}"
+            )
+        # cast: the Parquet round trip renames the map's entries field; the data is untouched
+        table = table.cast(schema)
+        check_rows(table, manifest)
+    except DiodeError:
+        raise
+    except Exception as e:  # pyarrow raises many kinds on garbage input
+        raise ProtocolError(f"{manifest.where}: rows unreadable: {_err(e)}") from None
+    return manifest, table
