@@ -12,13 +12,16 @@ from __future__ import annotations
 import datetime as dt
 import uuid
 from collections import Counter as Tally
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
 from bridge.black.chunking import plan_chunks, row_size_estimate
+from bridge.black.numbering import assign_seqs
 from bridge.black.state import ChannelState, StateStore
 from bridge.config import ChannelConfig, Config
 from bridge.crypto.gpg import Gpg
@@ -58,6 +61,14 @@ class ShippedBundle:
     sha256: str
 
 
+def _covered_last(manifest: Manifest, st: ChannelState) -> int:
+    """Highest message seq a bundle accounts for (its rows or its gaps)."""
+    covered = [g.last_seq for g in manifest.gaps]
+    if manifest.last_seq is not None:
+        covered.append(manifest.last_seq)
+    return max([st.last_seq, *covered])
+
+
 def _now_rfc3339() -> str:
     return dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
 
@@ -75,18 +86,23 @@ class BundleSealer:
         self.schema = row_schema(ROW_SCHEMA_VERSION)
 
     # -- public -----------------------------------------------------------------------------
-    def seal_rows(self, channel: ChannelConfig, table: pa.Table) -> list[ShippedBundle]:
-        """Seal every row of ``table`` (one channel) that no shipped bundle covers yet."""
-        table = table.select(self.schema.names).cast(self.schema)
+    def seal_rows(
+        self, channel: ChannelConfig, table: pa.Table, *, first_retained: Callable[[], int]
+    ) -> list[ShippedBundle]:
+        """Seal every row of ``table`` (one channel) that no shipped bundle covers yet.
+
+        Rows are identified by ``stream_offset``; their ``seq`` is assigned here, gapless,
+        continuing black's journal. ``first_retained`` returns the stream's first retained
+        message offset (asked only when offsets jump, to tell holes from retention loss).
+        """
         with self.store.lock(channel.name):
             st = self.store.load(channel.name)
+            table, offsets = self._number(table, st, first_retained)
             shipped: list[ShippedBundle] = []
-            if len(table):
-                table = table.filter(pc.greater(table.column("seq"), st.last_seq))
-                table = table.sort_by("seq")
             if st.pending is not None:
                 shipped.append(self._finish_pending(channel, st, table))
-                table = table.filter(pc.greater(table.column("seq"), st.last_seq))
+                keep = pc.greater(table.column("seq"), st.last_seq)
+                table, offsets = table.filter(keep), offsets[keep.to_numpy(zero_copy_only=False)]
             if len(table) == 0:
                 return shipped
             bundle = self.cfg.black.bundle
@@ -104,13 +120,36 @@ class BundleSealer:
             for i in dropped:
                 log_event(
                     log, 40, "message larger than the file ceiling: recorded as a gap",
-                    channel=channel.name, seq=int(seqs[i]), bytes=int(sizes[i]),
-                    max_file_bytes=bundle.max_file_bytes,
+                    channel=channel.name, seq=int(seqs[i]), stream_offset=int(offsets[i]),
+                    bytes=int(sizes[i]), max_file_bytes=bundle.max_file_bytes,
                 )
             for ch in chunks:
                 rows = table.slice(ch.start, ch.rows)
-                shipped.extend(self._seal_chunk(channel, st, rows, ch.gaps, max_plain))
+                shipped.extend(
+                    self._seal_chunk(channel, st, rows, ch.gaps, max_plain, seqs, offsets)
+                )
             return shipped
+
+    def _number(
+        self, table: pa.Table, st: ChannelState, first_retained: Callable[[], int]
+    ) -> tuple[pa.Table, np.ndarray]:
+        """Drop rows already shipped, sort by offset, assign seqs; returns (rows, offsets)."""
+        if len(table):
+            table = table.filter(pc.greater(table.column("stream_offset"), st.last_offset))
+            table = table.sort_by("stream_offset")
+        offsets = table.column("stream_offset").to_numpy(zero_copy_only=False).astype(np.int64)
+        seqs, _lost = assign_seqs(
+            offsets, last_offset=st.last_offset, last_seq=st.last_seq, first_retained=first_retained
+        )
+        idx = table.schema.get_field_index("seq")
+        table = table.set_column(idx, self.schema.field("seq"), pa.array(seqs, pa.int64()))
+        return table.select(self.schema.names).cast(self.schema), offsets
+
+    @staticmethod
+    def _offset_covering(seqs: np.ndarray, offsets: np.ndarray, seq: int, default: int) -> int:
+        """Stream offset of the last row with seq <= ``seq`` (rows dropped as gaps included)."""
+        i = int(np.searchsorted(seqs, seq, side="right")) - 1
+        return int(offsets[i]) if i >= 0 else default
 
     # -- internals --------------------------------------------------------------------------
     def _manifest(
@@ -135,19 +174,27 @@ class BundleSealer:
         )
 
     def _seal_chunk(
-        self, channel: ChannelConfig, st: ChannelState, rows: pa.Table, gaps: list[Gap], max_plain: int
+        self,
+        channel: ChannelConfig,
+        st: ChannelState,
+        rows: pa.Table,
+        gaps: list[Gap],
+        max_plain: int,
+        seqs: np.ndarray,
+        offsets: np.ndarray,
     ) -> list[ShippedBundle]:
         manifest = self._manifest(channel.name, st, rows, gaps)
         plain = pack_bundle(rows, manifest, zstd_level=self.cfg.black.bundle.zstd_level)
         if len(plain) > max_plain and len(rows) > 1:
             # the estimate was off (incompressible data): split in two and try again
             half = len(rows) // 2
-            first = self._seal_chunk(channel, st, rows.slice(0, half), gaps, max_plain)
-            return first + self._seal_chunk(channel, st, rows.slice(half), [], max_plain)
+            a = self._seal_chunk(channel, st, rows.slice(0, half), gaps, max_plain, seqs, offsets)
+            return a + self._seal_chunk(channel, st, rows.slice(half), [], max_plain, seqs, offsets)
         sha = sha256_hex(plain)
-        st.pending = {"manifest": manifest.to_json().decode(), "sha256": sha}
+        last_offset = self._offset_covering(seqs, offsets, _covered_last(manifest, st), st.last_offset)
+        st.pending = {"manifest": manifest.to_json().decode(), "sha256": sha, "last_offset": last_offset}
         self.store.save(st)  # intent: a crash from here on re-creates exactly this plaintext
-        return [self._ship(channel, st, manifest, plain, sha)]
+        return [self._ship(channel, st, manifest, plain, sha, last_offset)]
 
     def _finish_pending(
         self, channel: ChannelConfig, st: ChannelState, table: pa.Table
@@ -177,10 +224,16 @@ class BundleSealer:
             log, 30, "re-creating a bundle interrupted by a crash",
             channel=channel.name, bundle_seq=manifest.bundle_seq, bundle_id=manifest.bundle_id,
         )
-        return self._ship(channel, st, manifest, plain, sha)
+        return self._ship(channel, st, manifest, plain, sha, int(st.pending["last_offset"]))
 
     def _ship(
-        self, channel: ChannelConfig, st: ChannelState, manifest: Manifest, plain: bytes, sha: str
+        self,
+        channel: ChannelConfig,
+        st: ChannelState,
+        manifest: Manifest,
+        plain: bytes,
+        sha: str,
+        last_offset: int,
     ) -> ShippedBundle:
         name = bundle_name(manifest.channel, manifest.bundle_seq, manifest.bundle_id)
         plain_path = self.work / f".{name}.plain"
@@ -208,10 +261,8 @@ class BundleSealer:
         self.outbox.deliver(name, sealed, channel=channel.name)
         # shipped: advance the chain
         st.last_bundle_seq = manifest.bundle_seq
-        covered = [g.last_seq for g in manifest.gaps]
-        if manifest.last_seq is not None:
-            covered.append(manifest.last_seq)
-        st.last_seq = max([st.last_seq, *covered])
+        st.last_seq = _covered_last(manifest, st)
+        st.last_offset = max(st.last_offset, last_offset)
         st.last_sha256 = sha
         st.pending = None
         st.bump("bundles")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -12,6 +13,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from bridge.black.chunking import row_size_estimate
+from bridge.black.mirror import stream_bounds
 from bridge.black.seal import BundleSealer, ShippedBundle
 from bridge.black.source import READ_HINT_FILE
 from bridge.config import Config
@@ -46,6 +48,9 @@ class BatchSink:
         self.process(table, batch_id)
         self.results[-1].seconds = time.monotonic() - t0
 
+    def _first_retained(self, channel: str) -> Callable[[], int]:
+        return lambda: stream_bounds(self.cfg, channel)[0]
+
     def process(self, table: pa.Table, batch_id: int) -> BatchResult:
         res = BatchResult(batch_id=batch_id, rows=len(table))
         for ch in self.cfg.channels:
@@ -53,7 +58,9 @@ class BatchSink:
             if not len(sub):
                 continue
             self._avg[ch.name] = float(row_size_estimate(sub).mean())
-            res.bundles.extend(self.sealer.seal_rows(ch, sub))
+            res.bundles.extend(
+                self.sealer.seal_rows(ch, sub, first_retained=self._first_retained(ch.name))
+            )
         if self._avg:
             hint = Path(self.cfg.black.state_dir) / READ_HINT_FILE
             atomic_write_bytes(hint, json.dumps({"avg_row_bytes": self._avg}).encode())

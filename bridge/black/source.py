@@ -3,7 +3,8 @@
 Offsets are ``{channel: next stream offset}`` and live in Spark's checkpoint; a replayed
 micro-batch reads exactly the same offset range. Each channel's range is split into
 ``read_partitions`` ranges read in parallel by independent stream consumers. Message ``seq``
-is the stream offset. The per-batch read limit is the smaller of ``max_messages_per_batch``
+comes later, from black's journal (see bridge.black.numbering); rows carry their stream
+offset. The per-batch read limit is the smaller of ``max_messages_per_batch``
 and ``max_batch_bytes`` divided by the average row size black measured on earlier batches
 (``read-hint.json`` in the state dir), so memory stays flat under any backlog.
 
@@ -91,7 +92,7 @@ class RabbitStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
 
     def initialOffset(self) -> dict[str, int]:
         store = StateStore(self.cfg.black.state_dir)
-        return {ch: store.load(ch).last_seq + 1 for ch in self.channels}
+        return {ch: store.load(ch).last_offset + 1 for ch in self.channels}
 
     def getDefaultReadLimit(self) -> ReadLimit:
         return ReadMaxRows(self.cfg.black.max_messages_per_batch * len(self.channels))

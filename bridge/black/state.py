@@ -35,6 +35,8 @@ class ChannelState:
     """Last bundle seq shipped (0: none yet; the first bundle is 1)."""
     last_seq: int = -1
     """Last message seq covered by a shipped bundle (rows or gaps); -1: none yet."""
+    last_offset: int = -1
+    """Last stream offset covered by a shipped bundle; the Spark source restarts after it."""
     last_sha256: str | None = None
     """SHA-256 of the last shipped bundle's plaintext: the next bundle's prev_sha256."""
     pending: dict[str, Any] | None = None
