@@ -34,7 +34,7 @@ __all__ = [
 
 ENV_PREFIX = "DIODE__"
 NAME_RE = r"^[a-z0-9][a-z0-9_-]{0,62}$"
-FINGERPRINT_RE = re.compile(r"^[0-9A-F]{40}$|^[0-9A-F]{64}$")
+FINGERPRINT_RE = re.compile(r"[0-9A-F]{40}|[0-9A-F]{64}")
 
 
 class _Strict(BaseModel):
@@ -43,7 +43,7 @@ class _Strict(BaseModel):
 
 def _fingerprint(value: str, where: str) -> str:
     fpr = value.replace(" ", "").upper()
-    if not FINGERPRINT_RE.match(fpr):
+    if not FINGERPRINT_RE.fullmatch(fpr):
         raise ValueError(
             f"{where}: {value!r} is not a full OpenPGP fingerprint (40 or 64 hex digits); "
             "`diode keys init` prints them, `gpg --list-keys --with-colons` shows them"
