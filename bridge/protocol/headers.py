@@ -152,14 +152,14 @@ def _tag_table(table: dict[Any, Any], path: str) -> dict[str, Any]:
 def _tag(v: Any, path: str) -> list[Any]:  # one branch per AMQP type, pika's order
     t = type(v)
     if t is str:
-        return ["S", v]
+        return ["S", _utf8(v, path)]
     if t is int:
         return ["I" if _I32_MIN <= v <= _I32_MAX else "l", _int64(v, path)]
     if t is bool:
         return ["t", v]
     # the isinstance chain below follows pika.data.encode_value, so subclasses tag alike
     if isinstance(v, str):
-        return ["S", str(v)]
+        return ["S", _utf8(str(v), path)]
     if isinstance(v, bytes):
         return ["x", base64.b64encode(v).decode("ascii")]
     if isinstance(v, bool):
@@ -183,6 +183,15 @@ def _tag(v: Any, path: str) -> list[Any]:  # one branch per AMQP type, pika's or
     if v is None:
         return ["V", None]
     raise ProtocolError(f"value at {path!r} has type {t.__name__}, which AMQP tables cannot carry")
+
+
+def _utf8(v: str, path: str) -> str:
+    if not v.isascii():
+        try:
+            v.encode("utf-8")
+        except UnicodeEncodeError:
+            raise ProtocolError(f"string at {path!r} is not encodable as UTF-8") from None
+    return v
 
 
 def _int64(v: int, path: str) -> int:
