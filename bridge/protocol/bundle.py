@@ -157,7 +157,7 @@ def pack_bundle(table: pa.Table, manifest: Manifest, *, zstd_level: int = 3) -> 
     return sink.getvalue().to_pybytes()
 
 
-def _open(data: Any) -> tuple[pq.ParquetFile, Manifest]:
+def _parquet_file(data: Any) -> tuple[pq.ParquetFile, Manifest]:
     if not isinstance(data, bytes | bytearray | memoryview | pa.Buffer):
         raise ProtocolError(f"a bundle is bytes, not {type(data).__name__}")
     try:
@@ -188,7 +188,7 @@ def _err(e: BaseException) -> str:
 
 def read_manifest(data: bytes | bytearray | memoryview | pa.Buffer) -> Manifest:
     """The manifest of a plaintext bundle, reading only the Parquet footer."""
-    return _open(data)[1]
+    return _parquet_file(data)[1]
 
 
 def unpack_bundle(data: bytes | bytearray | memoryview | pa.Buffer) -> tuple[Manifest, pa.Table]:
@@ -196,7 +196,7 @@ def unpack_bundle(data: bytes | bytearray | memoryview | pa.Buffer) -> tuple[Man
 
     The table has exactly ``row_schema(manifest.schema_version)`` (its metadata too).
     """
-    pf, manifest = _open(data)
+    pf, manifest = _parquet_file(data)
     schema = row_schema(manifest.schema_version)
     try:
         table = pf.read(use_threads=True)

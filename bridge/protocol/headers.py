@@ -83,9 +83,7 @@ def encode_typed(table: dict[Any, Any] | None) -> str | None:
         raise ProtocolError("AMQP table is nested too deeply") from None
 
 
-def typed_into(
-    table: dict[Any, Any], keys_out: list[str], values_out: list[str | None]
-) -> str:
+def typed_into(table: dict[Any, Any], keys_out: list[str], values_out: list[str | None]) -> str:
     """``encode_typed(table)``, appending ``render_queryable(table)`` to two flat lists.
 
     The row builder's hot path: the flat lists become an Arrow map column without a

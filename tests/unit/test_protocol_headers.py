@@ -85,7 +85,9 @@ wire_scalars = st.one_of(
     st.tuples(st.just("d"), _f64),
     st.tuples(
         st.just("D"),
-        st.tuples(st.integers(0, 255) | st.integers(0, 12), st.integers(*I32) | st.sampled_from(I32)),
+        st.tuples(
+            st.integers(0, 255) | st.integers(0, 12), st.integers(*I32) | st.sampled_from(I32)
+        ),
     ),
     st.tuples(st.just("S"), st.binary(max_size=40) | st.text(max_size=20).map(str.encode)),
     st.tuples(st.just("x"), st.binary(max_size=40)),
@@ -188,7 +190,9 @@ py_scalars = st.one_of(
 )
 py_values = st.recursive(
     py_scalars,
-    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
+    lambda inner: (
+        st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4)
+    ),
     max_leaves=12,
 )
 py_tables = st.dictionaries(st.text(max_size=10), py_values, max_size=8)
@@ -341,7 +345,9 @@ def test_malformed_typed_json_is_a_protocol_error(text: str) -> None:
 
 json_docs = st.recursive(
     st.none() | st.booleans() | st.integers() | st.text(max_size=5) | st.sampled_from("SxtIlDTFAV"),
-    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=3), inner, max_size=3),
+    lambda inner: (
+        st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=3), inner, max_size=3)
+    ),
     max_leaves=10,
 )
 
