@@ -135,7 +135,11 @@ def check_rows(table: pa.Table, manifest: Manifest) -> None:
 
 
 def pack_bundle(table: pa.Table, manifest: Manifest, *, zstd_level: int = 3) -> bytes:
-    """Parquet (zstd) of ``table`` with ``manifest`` embedded; deterministic bytes."""
+    """Parquet (zstd) of ``table`` with ``manifest`` embedded.
+
+    Deterministic: the same rows and manifest give the same bytes (however the table is
+    chunked), for a given pyarrow version (its name is in the Parquet footer).
+    """
     if not 1 <= zstd_level <= 22:
         raise ValueError(f"zstd_level must be in 1..22, got {zstd_level}")
     if isinstance(table, pa.RecordBatch):

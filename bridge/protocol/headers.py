@@ -52,16 +52,21 @@ _I64_MIN, _I64_MAX = -(2**63), 2**63 - 1
 _T_MAX = 253402300799  # 9999-12-31T23:59:59Z, the last second a Python datetime holds
 _SEP = (",", ":")
 
-try:  # the C encoder called directly: 2x faster than json.dumps on small tables
-    from json.encoder import c_make_encoder as _c_make_encoder
+# The C encoder called directly is 2x faster than json.dumps on small tables; same output as
+# json.dumps(separators=(",", ":"), ensure_ascii=True) for the str/int/bool/None/list/dict we feed.
+_c_make_encoder = getattr(json.encoder, "c_make_encoder", None)
+_py_encoder = json.JSONEncoder(separators=_SEP, ensure_ascii=True, allow_nan=False)
+_c_dump = (
+    _c_make_encoder(None, None, _ascii, None, ":", ",", False, False, False)
+    if _c_make_encoder is not None
+    else None
+)
 
-    _c_dump = _c_make_encoder(None, None, _ascii, None, ":", ",", False, False, False)
 
-    def _dump(obj: Any) -> str:
-        return "".join(_c_dump(obj, 0))
-
-except ImportError:  # pragma: no cover - pure-Python json
-    _dump = json.JSONEncoder(separators=_SEP, ensure_ascii=True, allow_nan=False).encode
+def _dump(obj: Any) -> str:
+    if _c_dump is None:  # pragma: no cover - pure-Python json
+        return _py_encoder.encode(obj)
+    return "".join(_c_dump(obj, 0))
 
 
 # ---------------------------------------------------------------------------- encode

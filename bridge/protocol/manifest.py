@@ -123,7 +123,7 @@ def _load(data: bytes | str, what: str, *, floats: bool) -> dict[str, Any]:
             text,
             object_pairs_hook=_pairs,
             parse_constant=_reject,
-            **({} if floats else {"parse_float": _reject}),
+            parse_float=float if floats else _reject,
         )
     except (ValueError, RecursionError) as e:
         raise ManifestError(f"{what} is not valid strict UTF-8 JSON: {str(e)[:120]}") from None
@@ -193,6 +193,7 @@ class Manifest:
 
     ``first_seq``/``last_seq`` are None only for a bundle with zero rows (one that
     carries only gaps). ``prev_sha256`` is None exactly for ``bundle_seq`` 1.
+    ``gaps`` is stored as a tuple; ``exchanges`` is a dict, so a Manifest is not hashable.
     """
 
     channel: str

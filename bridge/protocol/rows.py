@@ -28,6 +28,7 @@ from pika.spec import BasicProperties
 from bridge.errors import ProtocolError
 from bridge.protocol.exchange import ExchangeDecl
 from bridge.protocol.headers import decode_typed, encode_typed, typed_into
+from bridge.protocol.naming import check_channel
 from bridge.protocol.schema import ROW_SCHEMA_VERSION, row_schema
 
 __all__ = [
@@ -89,7 +90,7 @@ class RowBuilder:
     )
 
     def __init__(self, channel: str, *, schema_version: int = ROW_SCHEMA_VERSION) -> None:
-        self.channel = channel
+        self.channel = check_channel(channel)
         self.schema_version = schema_version
         self._schema = row_schema(schema_version)
         self.lossy_rows = 0
