@@ -79,6 +79,7 @@ class RowBuilder:
         "lossy_rows",
         "_schema",
         "_seqs",
+        "_offsets",
         "_xidx",
         "_rks",
         "_props",
@@ -103,6 +104,7 @@ class RowBuilder:
     def clear(self) -> None:
         """Forget the appended rows (the last seq is kept: seqs are never reused)."""
         self._seqs: list[int] = []
+        self._offsets: list[int] = []
         self._xidx: list[int] = []
         self._rks: list[str] = []
         self._props: list[BasicProperties] = []
@@ -130,8 +132,13 @@ class RowBuilder:
         routing_key: str,
         properties: BasicProperties,
         body: bytes,
+        stream_offset: int | None = None,
     ) -> None:
-        """Add one delivery; ``exchange`` is the catalog entry, None when it is unknown."""
+        """Add one delivery; ``exchange`` is the catalog entry, None when it is unknown.
+
+        ``stream_offset`` is where black read it (defaults to ``seq``: black drains with
+        seq = offset and renumbers seqs gaplessly when it seals).
+        """
         if not seq > self._last_seq:
             raise ProtocolError(
                 f"channel {self.channel!r}: seq {seq!r} does not follow seq {self._last_seq} "
@@ -146,6 +153,7 @@ class RowBuilder:
             xi = self._exchange_index(seq, exchange, exchange_name)
         self._last_seq = seq
         self._seqs.append(seq)
+        self._offsets.append(seq if stream_offset is None else stream_offset)
         self._xidx.append(xi)
         self._rks.append(routing_key)
         self._props.append(properties)
@@ -177,6 +185,7 @@ class RowBuilder:
         cols: list[pa.Array] = [
             pa.array([self.channel] * n, pa.string()),
             pa.array(self._seqs, pa.int64()),
+            pa.array(self._offsets, pa.int64()),
         ]
         cols.extend(self._exchange_columns())
         cols.append(self._strings(self._rks, "routing_key"))

@@ -19,6 +19,8 @@ def _row_schema_v1() -> pa.Schema:
             # identity of a message everywhere on red: (channel, seq)
             pa.field("channel", s, nullable=False),
             pa.field("seq", i64, nullable=False),
+            # provenance: the message's offset in black's stream queue (not gapless)
+            pa.field("stream_offset", i64, nullable=False),
             # the exchange as declared on black, so red can re-declare it identically
             pa.field("exchange", s, nullable=False),
             pa.field("exchange_type", s, nullable=False),
