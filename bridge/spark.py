@@ -14,16 +14,25 @@ def get_spark(app_name: str, *, master: str | None = None):  # type: ignore[no-u
 
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
     os.environ.setdefault("PYSPARK_DRIVER_PYTHON", sys.executable)
+    master = master or os.environ.get("SPARK_MASTER", "local[2]")
+    local = master.startswith("local")
+    if local:  # nothing listens on all interfaces: keep a local driver on loopback
+        os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
     builder = (
         SparkSession.builder.appName(app_name)
-        .master(master or os.environ.get("SPARK_MASTER", "local[2]"))
+        .master(master)
         .config("spark.ui.enabled", "false")
+        .config("spark.ui.showConsoleProgress", "false")
         .config("spark.sql.shuffle.partitions", "2")
         .config("spark.sql.execution.arrow.pyspark.enabled", "true")
         .config("spark.sql.session.timeZone", "UTC")
         .config("spark.driver.memory", os.environ.get("DIODE_SPARK_DRIVER_MEMORY", "2g"))
         .config("spark.sql.streaming.stopGracefullyOnShutdown", "true")
     )
+    if local:
+        builder = builder.config("spark.driver.bindAddress", "127.0.0.1").config(
+            "spark.driver.host", "127.0.0.1"
+        )
     spark = builder.getOrCreate()
     spark.sparkContext.setLogLevel(os.environ.get("DIODE_SPARK_LOG_LEVEL", "WARN"))
     return spark

@@ -8,7 +8,6 @@ basic property, empty bodies and multi-MB binary bodies.
 from __future__ import annotations
 
 import datetime as dt
-import decimal
 import json
 import os
 import random
@@ -58,6 +57,8 @@ def declare_exchanges(url: str) -> None:
 
 
 def _every_header_type(i: int) -> dict[str, Any]:
+    """Every AMQP field type a RabbitMQ 3.10 stream accepts (decimals crash the broker's stream
+    conversion and close the publisher's connection: see docs/runbook.md)."""
     return {
         "str": f"value-{i}",
         "unicode": "température °C ✓",
@@ -65,10 +66,9 @@ def _every_header_type(i: int) -> dict[str, Any]:
         "int64": 2**40 + i,
         "bool": bool(i % 2),
         "bytes": bytes([0, 255, i % 256]) + b"\x80\xfe",
-        "decimal": decimal.Decimal("-12.345"),
         "timestamp": dt.datetime(2026, 11, 21, 12, 0, i % 60, tzinfo=dt.UTC),
         "none": None,
-        "nested": {"a": 1, "b": [1, "two", {"three": b"\x03"}], "c": {"d": decimal.Decimal("0.5")}},
+        "nested": {"a": 1, "b": [1, "two", {"three": b"\x03"}], "c": {"d": -7}},
         "array": [1, 2**33, "x", True, None, b"\x00"],
     }
 
@@ -133,5 +133,6 @@ def publish_mix(url: str, n: int, *, keep: bool = False, big_every: int = 0, see
     except pika.exceptions.AMQPError as e:
         raise RuntimeError(f"demo publish failed after {out.count} messages: {e}") from e
     finally:
-        conn.close()
+        if conn.is_open:
+            conn.close()
     return out
