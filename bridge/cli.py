@@ -83,9 +83,20 @@ def check(config_path: Path | None) -> None:
     """Validate the config and the black keys; exit non-zero with the fix if anything is wrong."""
     from bridge.black.job import check_black_config
 
+    from bridge.black.mirror import connect
+
     cfg = _load(config_path)
     check_black_config(cfg)
-    click.echo(f"ok: {len(cfg.channels)} channel(s), config {cfg.source}")
+    connect(cfg.black, purpose="diode check").close()
+    if cfg.black.discover:
+        from bridge.black.management import ManagementClient
+
+        mc = ManagementClient(cfg.black.management_url, cfg.black.management_user,
+                              cfg.black.management_password.get_secret_value())
+        version = mc.overview().get("rabbitmq_version")
+        mc.close()
+        click.echo(f"broker: RabbitMQ {version}")
+    click.echo(f"ok: {len(cfg.channels)} channel(s), keys present, broker reachable; config {cfg.source}")
 
 
 @cli.command("mirror")
@@ -121,6 +132,7 @@ def black_run(config_path: Path | None, trigger: str, timeout: float | None, met
 
     cfg = _load(config_path)
     run = BlackRun(cfg)  # fails fast on keys/config before Spark starts
+    run.mirror.sync()  # ... and on the broker, the management API and stream arguments
     if metrics_port:
         serve_metrics(metrics_port)
     spark = get_spark("diode-black")
