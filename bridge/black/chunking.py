@@ -39,13 +39,25 @@ class Chunk:
         return self.stop - self.start
 
 
+_SIZED_COLUMNS = (
+    "body", "headers_typed", "routing_key", "exchange_arguments", "content_type",
+    "content_encoding", "correlation_id", "reply_to", "expiration", "message_id", "type",
+    "user_id", "app_id", "cluster_id",
+)
+
+
 def row_size_estimate(table: pa.Table) -> np.ndarray:
-    """Estimated uncompressed bytes of every row (body + typed headers + fixed overhead)."""
-    body = pc.fill_null(pc.binary_length(table.column("body")), 0).to_numpy(zero_copy_only=False)
-    hdr = pc.fill_null(pc.binary_length(table.column("headers_typed")), 0).to_numpy(
-        zero_copy_only=False
-    )
-    return body.astype(np.int64) + hdr.astype(np.int64) + ROW_OVERHEAD_BYTES
+    """Estimated uncompressed bytes of every row: every variable-length column + overhead.
+
+    Typed headers count twice: they are stored typed and rendered (the ``headers`` map).
+    """
+    total = np.full(len(table), ROW_OVERHEAD_BYTES, dtype=np.int64)
+    for name in _SIZED_COLUMNS:
+        if name not in table.column_names:
+            continue
+        n = pc.fill_null(pc.binary_length(table.column(name)), 0).to_numpy(zero_copy_only=False)
+        total += n.astype(np.int64) * (2 if name == "headers_typed" else 1)
+    return total
 
 
 def plan_chunks(

@@ -170,7 +170,7 @@ class BundleSealer:
             bridge_id=self.cfg.link.bridge_id,
             schema_version=ROW_SCHEMA_VERSION,
             prev_sha256=st.last_sha256,
-            gaps=list(gaps),
+            gaps=tuple(gaps),
         )
 
     def _seal_chunk(
@@ -187,9 +187,14 @@ class BundleSealer:
         plain = pack_bundle(rows, manifest, zstd_level=self.cfg.black.bundle.zstd_level)
         if len(plain) > max_plain and len(rows) > 1:
             # the estimate was off (incompressible data): split in two and try again
-            half = len(rows) // 2
-            a = self._seal_chunk(channel, st, rows.slice(0, half), gaps, max_plain, seqs, offsets)
-            return a + self._seal_chunk(channel, st, rows.slice(half), [], max_plain, seqs, offsets)
+            head, tail = rows.slice(0, len(rows) // 2), rows.slice(len(rows) // 2)
+            cut = int(tail.column("seq")[0].as_py())  # no gap contains a row's seq
+            a = self._seal_chunk(
+                channel, st, head, [g for g in gaps if g.last_seq < cut], max_plain, seqs, offsets
+            )
+            return a + self._seal_chunk(
+                channel, st, tail, [g for g in gaps if g.first_seq > cut], max_plain, seqs, offsets
+            )
         sha = sha256_hex(plain)
         last_offset = self._offset_covering(seqs, offsets, _covered_last(manifest, st), st.last_offset)
         st.pending = {"manifest": manifest.to_json().decode(), "sha256": sha, "last_offset": last_offset}

@@ -45,8 +45,13 @@ class BatchSink:
     def __call__(self, df: Any, batch_id: int) -> None:
         t0 = time.monotonic()
         table: pa.Table = df.toArrow()
-        self.process(table, batch_id)
-        self.results[-1].seconds = time.monotonic() - t0
+        t1 = time.monotonic()
+        res = self.process(table, batch_id)
+        res.seconds = time.monotonic() - t0
+        log_event(
+            log, 20, "micro-batch timing", batch_id=batch_id, rows=res.rows,
+            collect_seconds=round(t1 - t0, 3), seal_seconds=round(res.seconds - (t1 - t0), 3),
+        )
 
     def _first_retained(self, channel: str) -> Callable[[], int]:
         return lambda: stream_bounds(self.cfg, channel)[0]

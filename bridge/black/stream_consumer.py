@@ -4,7 +4,8 @@ Streams are read, not drained: nothing is removed, so a replayed range yields th
 messages (as long as retention keeps them). Deliveries are acked only to keep the broker's
 credit flowing. Messages before ``start`` (a stream starts delivery at a chunk boundary) are
 skipped; the read stops at ``end`` (exclusive). If retention removed part of the range, the
-first offset delivered is beyond ``start``: the missing seqs become gaps downstream.
+first offset delivered is beyond ``start``: the missing seqs become gaps downstream. A read
+that stalls raises BrokerError rather than returning short (which would lose offsets).
 """
 
 from __future__ import annotations
@@ -86,11 +87,16 @@ def read_range(
                 conn.process_data_events(time_limit=0.25)
                 if not buf:
                     if time.monotonic() - idle_since > idle_timeout:
+                        # a short read would let Spark commit offsets never read: fail the
+                        # task instead, so the micro-batch is retried from the same offsets
                         log_event(
-                            log, 30, "stream read stopped early: no message arrived",
-                            queue=queue, start=start, end=end, idle_timeout=idle_timeout,
+                            log, 40, "stream read stalled", queue=queue, start=start, end=end,
+                            idle_timeout=idle_timeout,
                         )
-                        return
+                        raise BrokerError(
+                            f"stream {queue!r} stalled: no message for {idle_timeout:.0f}s while "
+                            f"reading offsets {start}..{end - 1}; the micro-batch will be retried"
+                        )
                     continue
             idle_since = time.monotonic()
             while buf:

@@ -130,7 +130,7 @@ def run_demo(workdir: Path, messages: int, *, vhost: str = "diode-demo", host: s
     summary = run.run(spark, "available-now")
     out = {
         "published": pub.count,
-        "published_bytes": pub.bytes,
+        "published_bytes": pub.body_bytes,
         "by_exchange": pub.by_exchange,
         "sealed": summary.messages,
         "lost": summary.lost,

@@ -38,7 +38,7 @@ class Published:
     """What the generator sent (for the summary and for tests that compare field by field)."""
 
     count: int = 0
-    bytes: int = 0
+    body_bytes: int = 0
     by_exchange: dict[str, int] = field(default_factory=dict)
     messages: list[tuple[str, str, BasicProperties, bytes]] = field(default_factory=list)
 
@@ -57,8 +57,9 @@ def declare_exchanges(url: str) -> None:
 
 
 def _every_header_type(i: int) -> dict[str, Any]:
-    """Every AMQP field type a RabbitMQ 3.10 stream accepts (decimals crash the broker's stream
-    conversion and close the publisher's connection: see docs/runbook.md)."""
+    """Every AMQP field type pika can send except decimals, which a RabbitMQ 3.10 stream
+    refuses by closing the publisher's connection. The stream also drops the table and
+    array entries below (docs/runbook.md, "Broker limits"); they show what red will miss."""
     return {
         "str": f"value-{i}",
         "unicode": "température °C ✓",
@@ -126,7 +127,7 @@ def publish_mix(url: str, n: int, *, keep: bool = False, big_every: int = 0, see
                 continue
             ch.basic_publish(ex, rk, body, props, mandatory=False)
             out.count += 1
-            out.bytes += len(body)
+            out.body_bytes += len(body)
             out.by_exchange[ex] = out.by_exchange.get(ex, 0) + 1
             if keep:
                 out.messages.append((ex, rk, props, body))

@@ -9,6 +9,7 @@ range out of band with ``diode resend``; red ignores exact duplicates.
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import time
 from dataclasses import dataclass
@@ -22,6 +23,7 @@ from bridge.protocol.naming import parse_bundle_name
 __all__ = ["Outbox", "ResendReport"]
 
 log = get_logger("bridge.diode.file_drop")
+_TEMP_RE = re.compile(r"^\.[A-Za-z0-9._-]+\.[0-9a-f]{12}\.tmp$")
 
 
 @dataclass
@@ -41,6 +43,15 @@ class Outbox:
         self.retention_seconds = retention_days * 86400.0
         self.outbox.mkdir(parents=True, exist_ok=True)
         self.archive.mkdir(parents=True, exist_ok=True)
+        self._remove_stale_temps()
+
+    def _remove_stale_temps(self) -> None:
+        """Partial files a crash left behind (hidden ``.<name>.<id>.tmp``): never delivered."""
+        for d in [self.outbox, *(p for p in self.archive.iterdir() if p.is_dir())]:
+            for p in d.glob(".*.tmp"):
+                if _TEMP_RE.match(p.name):
+                    p.unlink(missing_ok=True)
+                    log_event(log, 30, "removed a partial file left by a crash", file=str(p))
 
     def temp_for(self, name: str) -> Path:
         """A hidden temporary path inside the outbox (same file system: the rename is atomic)."""
