@@ -25,6 +25,7 @@ def get_spark(app_name: str, *, master: str | None = None):  # type: ignore[no-u
         .config("spark.ui.showConsoleProgress", "false")
         .config("spark.sql.shuffle.partitions", "2")
         .config("spark.sql.execution.arrow.pyspark.enabled", "true")
+        .config("spark.sql.execution.arrow.maxRecordsPerBatch", "50000")
         .config("spark.sql.session.timeZone", "UTC")
         .config("spark.driver.memory", os.environ.get("DIODE_SPARK_DRIVER_MEMORY", "2g"))
         .config("spark.sql.streaming.stopGracefullyOnShutdown", "true")

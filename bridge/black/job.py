@@ -121,6 +121,7 @@ class BlackRun:
         finally:
             if query.isActive:
                 query.stop()
+            self.sink.drain()  # every collected batch sealed (or the sealing error raised)
             if trigger == "continuous":
                 mirror_loop.stop()
             hb_loop.stop()

@@ -135,8 +135,12 @@ class BundleSealer:
     ) -> tuple[pa.Table, np.ndarray]:
         """Drop rows already shipped, sort by offset, assign seqs; returns (rows, offsets)."""
         if len(table):
-            table = table.filter(pc.greater(table.column("stream_offset"), st.last_offset))
-            table = table.sort_by("stream_offset")
+            offs = table.column("stream_offset").to_numpy(zero_copy_only=False)
+            if offs.min() <= st.last_offset:
+                table = table.filter(pc.greater(table.column("stream_offset"), st.last_offset))
+                offs = table.column("stream_offset").to_numpy(zero_copy_only=False)
+            if len(offs) > 1 and not bool(np.all(offs[1:] > offs[:-1])):
+                table = table.sort_by("stream_offset")  # partitions arrive in order as a rule
         offsets = table.column("stream_offset").to_numpy(zero_copy_only=False).astype(np.int64)
         seqs, _lost = assign_seqs(
             offsets, last_offset=st.last_offset, last_seq=st.last_seq, first_retained=first_retained

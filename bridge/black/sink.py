@@ -1,8 +1,20 @@
-"""Black, seal: the foreachBatch sink — one micro-batch of rows -> sealed bundles per channel."""
+"""Black, seal: the foreachBatch sink — one micro-batch of rows -> sealed bundles per channel.
+
+    foreachBatch(df, id) ── collect (Arrow) ──> [queue, 1 deep] ──> sealing thread ──> outbox
+
+Sealing batch N overlaps reading batch N+1. That is safe because black's journal, not Spark's
+checkpoint, decides what is shipped: when Spark has committed a batch that the sealing thread
+had not finished (a crash), the source re-reads from the journal's last shipped offset at the
+first batch of the next run (``RabbitStreamReader.partitions``), and the sealer drops offsets
+already shipped. A sealing failure stops the query at the next batch and is raised by
+``drain``.
+"""
 
 from __future__ import annotations
 
 import json
+import queue
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -17,12 +29,17 @@ from bridge.black.mirror import stream_bounds
 from bridge.black.seal import BundleSealer, ShippedBundle
 from bridge.black.source import READ_HINT_FILE
 from bridge.config import Config
+from bridge.errors import DiodeError
 from bridge.fsutil import atomic_write_bytes
 from bridge.logs import get_logger, log_event
 
-__all__ = ["BatchSink", "BatchResult"]
+__all__ = ["BatchSink", "BatchResult", "SealingFailed"]
 
 log = get_logger("bridge.black.sink")
+
+
+class SealingFailed(DiodeError):
+    """The sealing thread failed; the query must stop (the journal keeps what was shipped)."""
 
 
 @dataclass
@@ -31,26 +48,70 @@ class BatchResult:
     rows: int
     bundles: list[ShippedBundle] = field(default_factory=list)
     seconds: float = 0.0
+    collect_seconds: float = 0.0
 
 
 class BatchSink:
     """Callable for ``writeStream.foreachBatch``; runs in the driver's Python process."""
 
-    def __init__(self, cfg: Config, sealer: BundleSealer) -> None:
+    def __init__(self, cfg: Config, sealer: BundleSealer, *, overlap: bool = True) -> None:
         self.cfg = cfg
         self.sealer = sealer
+        self.overlap = overlap
         self.results: list[BatchResult] = []
         self._avg: dict[str, float] = {}
+        self._queue: queue.Queue[tuple[pa.Table, int, float] | None] = queue.Queue(maxsize=1)
+        self._error: BaseException | None = None
+        self._thread: threading.Thread | None = None
 
+    # -- Spark side ---------------------------------------------------------------------------
     def __call__(self, df: Any, batch_id: int) -> None:
+        self._raise_if_failed()
         t0 = time.monotonic()
         table: pa.Table = df.toArrow()
-        t1 = time.monotonic()
+        collect = time.monotonic() - t0
+        if not self.overlap:
+            self._seal(table, batch_id, collect)
+            return
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._worker, name="diode-sealer", daemon=True)
+            self._thread.start()
+        self._queue.put((table, batch_id, collect))  # blocks while the previous batch seals
+
+    def drain(self) -> None:
+        """Wait until every collected batch is sealed; raise if sealing failed."""
+        if self._thread is not None:
+            self._queue.put(None)
+            self._thread.join()
+            self._thread = None
+        self._raise_if_failed()
+
+    # -- sealing thread -----------------------------------------------------------------------
+    def _raise_if_failed(self) -> None:
+        if self._error is not None:
+            raise SealingFailed(f"sealing failed, stopping: {self._error}") from self._error
+
+    def _worker(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            if self._error is not None:
+                continue  # drop: nothing after a failure may ship out of order
+            try:
+                self._seal(*item)
+            except BaseException as e:  # noqa: BLE001 - reported through drain/next batch
+                log_event(log, 50, f"sealing failed: {e}", batch_id=item[1])
+                self._error = e
+
+    def _seal(self, table: pa.Table, batch_id: int, collect: float) -> None:
+        t0 = time.monotonic()
         res = self.process(table, batch_id)
-        res.seconds = time.monotonic() - t0
+        res.collect_seconds = collect
+        res.seconds = collect + time.monotonic() - t0
         log_event(
             log, 20, "micro-batch timing", batch_id=batch_id, rows=res.rows,
-            collect_seconds=round(t1 - t0, 3), seal_seconds=round(res.seconds - (t1 - t0), 3),
+            collect_seconds=round(collect, 3), seal_seconds=round(time.monotonic() - t0, 3),
         )
 
     def _first_retained(self, channel: str) -> Callable[[], int]:

@@ -33,6 +33,7 @@ from pyspark.sql.streaming.datasource import (
 from pyspark.sql.types import StructType
 
 from bridge.black.catalog import load_catalog
+from bridge.black.chunking import ROW_OVERHEAD_BYTES
 from bridge.black.mirror import stream_bounds, stream_queue_name
 from bridge.black.state import StateStore
 from bridge.black.stream_consumer import read_range
@@ -51,7 +52,7 @@ READ_HINT_FILE = "read-hint.json"
 BATCH_ROWS = 8192
 MIN_SPLIT = 5000
 FIRST_BATCH_PROBE = 2000
-"""Without a size hint yet (first batch ever), read at most this many messages per channel."""
+"""Read limit when no message size is known at all (the size probe found nothing)."""
 
 
 def spark_row_schema() -> StructType:
@@ -92,6 +93,7 @@ class RabbitStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
             self.cfg.channel(n)  # ConfigError for unknown names
         self.target: dict[str, int] | None = None
         self._tails: dict[str, int] = {}
+        self._planned = False  # partitions() not called yet in this run
 
     # -- driver -------------------------------------------------------------------------------
     def _tail(self, channel: str) -> int:
@@ -109,9 +111,15 @@ class RabbitStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
     def prepareForTriggerAvailableNow(self) -> None:
         self.target = {ch: self._tail(ch) for ch in self.channels}
 
-    def _cap(self, channel: str, hint: dict[str, float]) -> int:
+    def _cap(self, channel: str, hint: dict[str, float], start: int, tail: int) -> int:
         b = self.cfg.black
         avg = hint.get(channel)
+        if avg is None and tail > start:  # no batch seen yet: size one real message
+            url = b.amqp_url.get_secret_value()
+            first = next(iter(read_range(url, stream_queue_name(b, channel), start, tail)), None)
+            if first is not None:
+                avg = float(len(first.body) + ROW_OVERHEAD_BYTES) * 1.5
+                hint[channel] = avg
         if avg is None:
             return min(b.max_messages_per_batch, FIRST_BATCH_PROBE)
         return max(1, min(b.max_messages_per_batch, int(b.max_batch_bytes // max(avg, 1.0))))
@@ -138,7 +146,7 @@ class RabbitStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
                 )
             end = tail
             if not isinstance(limit, ReadAllAvailable):
-                end = min(end, s + self._cap(ch, hint))
+                end = min(end, s + self._cap(ch, hint, s, end))
             out[ch] = end
         return out
 
@@ -147,6 +155,8 @@ class RabbitStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         return dict(self._tails) or None
 
     def partitions(self, start: dict[str, int], end: dict[str, int]) -> Sequence[InputPartition]:
+        start = self._from_journal(start) if not self._planned else start
+        self._planned = True
         catalog = {
             k: v.to_json()
             for k, v in load_catalog(Path(self.cfg.black.state_dir) / "exchanges.json").items()
@@ -169,6 +179,25 @@ class RabbitStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
             for a in range(s, e, step):
                 parts.append(StreamRange(ch, q, a, min(e, a + step), catalog))
         return parts
+
+    def _from_journal(self, start: dict[str, int]) -> dict[str, int]:
+        """First batch of a run: start where the journal says shipping stopped.
+
+        The checkpoint can be ahead of the journal (the sink seals in the background, so a
+        crash can hit after Spark committed a batch that was not yet shipped). Re-reading
+        those offsets is harmless: the sealer drops what the journal already covers.
+        """
+        store = StateStore(self.cfg.black.state_dir)
+        out = dict(start)
+        for ch in self.channels:
+            shipped = store.load(ch).last_offset + 1
+            if ch in out and shipped < int(out[ch]):
+                log_event(
+                    log, 30, "re-reading offsets committed by Spark but not shipped",
+                    channel=ch, first_offset=shipped, last_offset=int(out[ch]) - 1,
+                )
+                out[ch] = shipped
+        return out
 
     def commit(self, end: dict[str, int]) -> None:
         """Nothing to acknowledge: the stream keeps messages until its retention drops them."""
