@@ -29,7 +29,10 @@ class _Group(click.Group):
 
 
 config_option = click.option(
-    "--config", "config_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
+    "--config",
+    "config_path",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=None,
     help="diode TOML (default: $DIODE_CONFIG or conf/diode.toml)",
 )
 
@@ -41,7 +44,9 @@ def _load(config_path: Path | None):  # type: ignore[no-untyped-def]
 
 
 @click.group(cls=_Group)
-@click.option("--log-level", default=None, help="DEBUG, INFO, WARNING (default $DIODE_LOG_LEVEL or INFO)")
+@click.option(
+    "--log-level", default=None, help="DEBUG, INFO, WARNING (default $DIODE_LOG_LEVEL or INFO)"
+)
 @click.option("--log-format", type=click.Choice(["json", "text"]), default=None)
 def cli(log_level: str | None, log_format: str | None) -> None:
     """diode-bridge: RabbitMQ traffic one way across a data diode."""
@@ -57,14 +62,28 @@ def keys() -> None:
 
 
 @keys.command("init")
-@click.option("--dir", "keys_dir", type=click.Path(file_okay=False, path_type=Path), default=Path("keys"),
-              show_default=True, help="creates <dir>/black, <dir>/red (GnuPG homes) and <dir>/pub")
-@click.option("--red-name", "red_names", multiple=True, default=("red",), show_default=True,
-              help="one red recipient key per name (repeat the option)")
+@click.option(
+    "--dir",
+    "keys_dir",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=Path("keys"),
+    show_default=True,
+    help="creates <dir>/black, <dir>/red (GnuPG homes) and <dir>/pub",
+)
+@click.option(
+    "--red-name",
+    "red_names",
+    multiple=True,
+    default=("red",),
+    show_default=True,
+    help="one red recipient key per name (repeat the option)",
+)
 @click.option("--algo", type=click.Choice(["ed25519", "rsa"]), default="ed25519", show_default=True)
 @click.option("--bridge-id", default="diode-bridge", show_default=True)
 @click.option("--force", is_flag=True, help="replace existing key homes")
-def keys_init(keys_dir: Path, red_names: tuple[str, ...], algo: str, bridge_id: str, force: bool) -> None:
+def keys_init(
+    keys_dir: Path, red_names: tuple[str, ...], algo: str, bridge_id: str, force: bool
+) -> None:
     """Create the black signing key and red recipient key(s); print the config lines."""
     from bridge.crypto.keys import init_keys
 
@@ -82,7 +101,6 @@ def keys_init(keys_dir: Path, red_names: tuple[str, ...], algo: str, bridge_id: 
 def check(config_path: Path | None) -> None:
     """Validate the config and the black keys; exit non-zero with the fix if anything is wrong."""
     from bridge.black.job import check_black_config
-
     from bridge.black.mirror import connect
 
     cfg = _load(config_path)
@@ -91,12 +109,17 @@ def check(config_path: Path | None) -> None:
     if cfg.black.discover:
         from bridge.black.management import ManagementClient
 
-        mc = ManagementClient(cfg.black.management_url, cfg.black.management_user,
-                              cfg.black.management_password.get_secret_value())
+        mc = ManagementClient(
+            cfg.black.management_url,
+            cfg.black.management_user,
+            cfg.black.management_password.get_secret_value(),
+        )
         version = mc.overview().get("rabbitmq_version")
         mc.close()
         click.echo(f"broker: RabbitMQ {version}")
-    click.echo(f"ok: {len(cfg.channels)} channel(s), keys present, broker reachable; config {cfg.source}")
+    click.echo(
+        f"ok: {len(cfg.channels)} channel(s), keys present, broker reachable; config {cfg.source}"
+    )
 
 
 @cli.command("mirror")
@@ -120,11 +143,20 @@ def black() -> None:
 
 @black.command("run")
 @config_option
-@click.option("--trigger", type=click.Choice(["available-now", "continuous"]), default="continuous",
-              show_default=True, help="available-now: drain the backlog and stop (schedulers)")
+@click.option(
+    "--trigger",
+    type=click.Choice(["available-now", "continuous"]),
+    default="continuous",
+    show_default=True,
+    help="available-now: drain the backlog and stop (schedulers)",
+)
 @click.option("--timeout", type=float, default=None, help="stop after N seconds")
-@click.option("--metrics-port", type=int, default=None, help="serve Prometheus /metrics on 127.0.0.1")
-def black_run(config_path: Path | None, trigger: str, timeout: float | None, metrics_port: int | None) -> None:
+@click.option(
+    "--metrics-port", type=int, default=None, help="serve Prometheus /metrics on 127.0.0.1"
+)
+def black_run(
+    config_path: Path | None, trigger: str, timeout: float | None, metrics_port: int | None
+) -> None:
     """Drain the mirrored exchanges into sealed bundles in the outbox."""
     from bridge.black.job import BlackRun
     from bridge.metrics import serve_metrics
@@ -154,12 +186,17 @@ def resend(config_path: Path | None, channel: str, first: int, last: int) -> Non
 
     cfg = _load(config_path)
     cfg.channel(channel)
-    ob = Outbox(cfg.black.outbox, cfg.black.archive, retention_days=cfg.black.archive_retention_days)
+    ob = Outbox(
+        cfg.black.outbox, cfg.black.archive, retention_days=cfg.black.archive_retention_days
+    )
     rep = ob.resend(channel, first, last)
     click.echo(json.dumps({"resent": rep.resent, "missing": rep.missing}))
     if rep.missing:
-        click.echo(f"warning: {len(rep.missing)} bundle(s) not in the archive (pruned?): "
-                   f"{rep.missing[:20]}", err=True)
+        click.echo(
+            f"warning: {len(rep.missing)} bundle(s) not in the archive (pruned?): "
+            f"{rep.missing[:20]}",
+            err=True,
+        )
         sys.exit(1)
 
 
@@ -167,50 +204,38 @@ def resend(config_path: Path | None, channel: str, first: int, last: int) -> Non
 @config_option
 def status(config_path: Path | None) -> None:
     """Per channel: last bundle and message seq, counters, pending work, outbox backlog."""
-    from bridge.black.state import StateStore
+    from bridge.black.report import channel_status
 
-    cfg = _load(config_path)
-    store = StateStore(cfg.black.state_dir)
-    outbox = Path(cfg.black.outbox)
-    backlog = sorted(p.name for p in outbox.iterdir() if not p.name.startswith(".")) if outbox.is_dir() else []
-    out = {"bridge_id": cfg.link.bridge_id, "outbox_files": len(backlog), "channels": {}}
-    for ch in cfg.channels:
-        st = store.load(ch.name)
-        out["channels"][ch.name] = {
-            "last_bundle_seq": st.last_bundle_seq,
-            "last_seq": st.last_seq,
-            "pending": bool(st.pending),
-            "heartbeat_seq": st.heartbeat_seq,
-            "counters": st.counters,
-            "encrypt": ch.encrypt,
-            "recipients": len(ch.recipients),
-        }
-    click.echo(json.dumps(out, indent=2))
+    click.echo(json.dumps(channel_status(_load(config_path)), indent=2))
 
 
 @cli.command("gaps")
 @config_option
 def gaps(config_path: Path | None) -> None:
     """Messages known lost on black (stream retention, oversize), per channel and reason."""
-    from bridge.black.state import StateStore
+    from bridge.black.report import channel_status
 
-    cfg = _load(config_path)
-    store = StateStore(cfg.black.state_dir)
-    out = {}
-    for ch in cfg.channels:
-        c = store.load(ch.name).counters
-        out[ch.name] = {k[len("lost_"):]: v for k, v in c.items() if k.startswith("lost_")}
-    click.echo(json.dumps(out, indent=2))
+    st = channel_status(_load(config_path))
+    click.echo(json.dumps({name: c["lost"] for name, c in st["channels"].items()}, indent=2))
 
 
-# -- demo --------------------------------------------------------------------------------------------
+# -- demo ------------------------------------------------------------------------------
 @cli.command("demo")
 @click.option("--messages", type=int, default=20000, show_default=True)
-@click.option("--workdir", type=click.Path(file_okay=False, path_type=Path), default=Path("demo-work"),
-              show_default=True)
+@click.option(
+    "--workdir",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=Path("demo-work"),
+    show_default=True,
+)
 @click.option("--vhost", default="diode-demo", show_default=True, help="black vhost (re-created)")
-@click.option("--big-every", type=int, default=5000, show_default=True,
-              help="every Nth message carries a 3 MB body (0: none)")
+@click.option(
+    "--big-every",
+    type=int,
+    default=5000,
+    show_default=True,
+    help="every Nth message carries a 3 MB body (0: none)",
+)
 @click.option("--json", "as_json", is_flag=True, help="print one JSON summary as the last line")
 def demo(messages: int, workdir: Path, vhost: str, big_every: int, as_json: bool) -> None:
     """Set up and run the pipeline on this machine: keys, traffic, black job, bundles."""

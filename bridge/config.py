@@ -235,7 +235,9 @@ class Config(_Strict):
         for ch in self.channels:
             if ch.name == name:
                 return ch
-        raise ConfigError(f"unknown channel {name!r}; configured: {[c.name for c in self.channels]}")
+        raise ConfigError(
+            f"unknown channel {name!r}; configured: {[c.name for c in self.channels]}"
+        )
 
 
 _PATH_KEYS = {
@@ -272,9 +274,7 @@ def _resolve_paths(data: dict[str, Any], base: Path) -> None:
         if not isinstance(sect, dict):
             sect = data.setdefault(section, {})
         for k in keys:
-            default = getattr(
-                BlackConfig if section == "black" else RedConfig, "model_fields"
-            )[k].default
+            default = (BlackConfig if section == "black" else RedConfig).model_fields[k].default
             value = Path(sect.get(k, default))
             sect[k] = str(value if value.is_absolute() else (base / value))
 
@@ -291,7 +291,11 @@ def _format_validation(err: ValidationError, source: str) -> str:
 
 
 def config_from_dict(
-    data: dict[str, Any], *, base: Path, source: str = "<dict>", environ: dict[str, str] | None = None
+    data: dict[str, Any],
+    *,
+    base: Path,
+    source: str = "<dict>",
+    environ: dict[str, str] | None = None,
 ) -> Config:
     """Validate a raw mapping (as read from TOML) into a Config; env overrides applied first."""
     data = {k: (dict(v) if isinstance(v, dict) else v) for k, v in data.items()}

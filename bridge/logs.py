@@ -11,7 +11,10 @@ from typing import Any
 
 __all__ = ["get_logger", "setup_logging", "log_event"]
 
-_RESERVED = set(vars(logging.LogRecord("", 0, "", 0, "", None, None)).keys()) | {"message", "asctime"}
+_RESERVED = set(vars(logging.LogRecord("", 0, "", 0, "", None, None)).keys()) | {
+    "message",
+    "asctime",
+}
 
 
 class JsonFormatter(logging.Formatter):
@@ -36,10 +39,14 @@ class JsonFormatter(logging.Formatter):
 def setup_logging(level: str | None = None, *, json_logs: bool | None = None) -> None:
     """Configure the root logger once (stderr). $DIODE_LOG_LEVEL, $DIODE_LOG_FORMAT=json|text."""
     lvl = (level or os.environ.get("DIODE_LOG_LEVEL", "INFO")).upper()
-    use_json = json_logs if json_logs is not None else os.environ.get("DIODE_LOG_FORMAT", "json") == "json"
+    use_json = (
+        json_logs if json_logs is not None else os.environ.get("DIODE_LOG_FORMAT", "json") == "json"
+    )
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(
-        JsonFormatter() if use_json else logging.Formatter("%(asctime)s %(levelname)s %(name)s %(message)s")
+        JsonFormatter()
+        if use_json
+        else logging.Formatter("%(asctime)s %(levelname)s %(name)s %(message)s")
     )
     root = logging.getLogger("bridge")
     root.handlers[:] = [handler]

@@ -12,13 +12,19 @@ REGISTRY = CollectorRegistry()
 class _Black:
     def __init__(self, reg: CollectorRegistry) -> None:
         self.messages_sealed = Counter(
-            "bridge_black_messages_sealed", "Messages sealed into bundles", ["channel"], registry=reg
+            "bridge_black_messages_sealed",
+            "Messages sealed into bundles",
+            ["channel"],
+            registry=reg,
         )
         self.bundles_sealed = Counter(
             "bridge_black_bundles_sealed", "Bundles sealed and delivered", ["channel"], registry=reg
         )
         self.bytes_sealed = Counter(
-            "bridge_black_bytes_sealed", "Sealed bytes written to the outbox", ["channel"], registry=reg
+            "bridge_black_bytes_sealed",
+            "Sealed bytes written to the outbox",
+            ["channel"],
+            registry=reg,
         )
         self.messages_lost = Counter(
             "bridge_black_messages_lost",

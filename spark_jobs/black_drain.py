@@ -1,6 +1,7 @@
 """Spark job, black: drain RabbitMQ stream mirrors into sealed bundles in the outbox.
 
-    spark-submit spark_jobs/black_drain.py --config conf/diode.toml [--trigger available-now|continuous]
+    spark-submit spark_jobs/black_drain.py --config conf/diode.toml \
+        [--trigger available-now|continuous]
 
 Wiring only: the logic lives in ``bridge.black``.
 """
@@ -18,10 +19,16 @@ def main(argv: list[str] | None = None) -> int:
     from bridge.logs import setup_logging
     from bridge.spark import get_spark
 
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--config", default=None, help="diode TOML (default: $DIODE_CONFIG or conf/diode.toml)")
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument(
+        "--config", default=None, help="diode TOML (default: $DIODE_CONFIG or conf/diode.toml)"
+    )
     p.add_argument("--trigger", choices=["available-now", "continuous"], default="available-now")
-    p.add_argument("--timeout", type=float, default=None, help="stop a continuous run after N seconds")
+    p.add_argument(
+        "--timeout", type=float, default=None, help="stop a continuous run after N seconds"
+    )
     a = p.parse_args(argv)
     setup_logging()
     cfg = load_config(a.config)

@@ -40,9 +40,20 @@ class Chunk:
 
 
 _SIZED_COLUMNS = (
-    "body", "headers_typed", "routing_key", "exchange_arguments", "content_type",
-    "content_encoding", "correlation_id", "reply_to", "expiration", "message_id", "type",
-    "user_id", "app_id", "cluster_id",
+    "body",
+    "headers_typed",
+    "routing_key",
+    "exchange_arguments",
+    "content_type",
+    "content_encoding",
+    "correlation_id",
+    "reply_to",
+    "expiration",
+    "message_id",
+    "type",
+    "user_id",
+    "app_id",
+    "cluster_id",
 )
 
 

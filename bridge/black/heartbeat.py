@@ -62,7 +62,11 @@ class HeartbeatWriter:
         durable_rename(tmp, self.outbox.outbox / name)
         BLACK.heartbeats_sent.labels(channel.name).inc()
         log_event(
-            log, 10, "heartbeat", channel=channel.name, heartbeat_seq=hb.heartbeat_seq,
+            log,
+            10,
+            "heartbeat",
+            channel=channel.name,
+            heartbeat_seq=hb.heartbeat_seq,
             last_bundle_seq=hb.last_bundle_seq,
         )
         return name

@@ -1,7 +1,7 @@
 """Black, job: wire mirror + Spark stream source + sealing sink + heartbeats into one run.
 
-    RabbitMQ exchanges --mirror--> stream queues --source "rabbitmq"--> micro-batches
-      --BatchSink (seal)--> outbox/ + archive/        (+ heartbeats every N s)
+RabbitMQ exchanges --mirror--> stream queues --source "rabbitmq"--> micro-batches
+  --BatchSink (seal)--> outbox/ + archive/        (+ heartbeats every N s)
 """
 
 from __future__ import annotations
@@ -37,6 +37,8 @@ class BlackSummary:
     bundle_names: list[str] = field(default_factory=list)
     lost: int = 0
     seconds: float = 0.0
+    drain_seconds: float = 0.0
+    """From the first micro-batch's read to the last bundle in the outbox (no query start-up)."""
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -46,25 +48,35 @@ class BlackSummary:
             "lost": self.lost,
             "seconds": round(self.seconds, 3),
             "msg_per_s": round(self.messages / self.seconds, 1) if self.seconds else None,
+            "drain_seconds": round(self.drain_seconds, 3),
+            "drain_msg_per_s": round(self.messages / self.drain_seconds, 1)
+            if self.drain_seconds
+            else None,
         }
 
 
 def check_black_config(cfg: Config) -> Gpg:
     """Fail fast, before Spark starts, on anything the operator must fix."""
     if cfg.source is None:
-        raise ConfigError("the black job needs a config file (the Spark source reads it): pass --config")
+        raise ConfigError(
+            "the black job needs a config file (the Spark source reads it): pass --config"
+        )
     if not cfg.black.signing_key:
         raise ConfigError(
             "black.signing_key is empty: run `diode keys init` and paste the fingerprint it prints"
         )
     gpg = Gpg(Path(cfg.black.gnupg_home))
-    gpg.require_keys([cfg.black.signing_key], secret=True, purpose="black signing key (black.signing_key)")
+    gpg.require_keys(
+        [cfg.black.signing_key], secret=True, purpose="black signing key (black.signing_key)"
+    )
     for ch in cfg.channels:
         if ch.encrypt:
             gpg.require_keys(ch.recipients, purpose=f"recipients of channel {ch.name!r}")
         else:
             log_event(
-                log, 30, "channel opted out of encryption: bundles are signed plaintext",
+                log,
+                30,
+                "channel opted out of encryption: bundles are signed plaintext",
                 channel=ch.name,
             )
     return gpg
@@ -78,7 +90,9 @@ class BlackRun:
         self.gpg = check_black_config(cfg)
         self.store = StateStore(Path(cfg.black.state_dir))
         self.outbox = Outbox(
-            Path(cfg.black.outbox), Path(cfg.black.archive), retention_days=cfg.black.archive_retention_days
+            Path(cfg.black.outbox),
+            Path(cfg.black.archive),
+            retention_days=cfg.black.archive_retention_days,
         )
         self.sealer = BundleSealer(cfg, store=self.store, gpg=self.gpg, outbox=self.outbox)
         self.sink = BatchSink(cfg, self.sealer)
@@ -87,11 +101,7 @@ class BlackRun:
 
     def start_query(self, spark: Any, trigger: Trigger, *, query_name: str = "diode_black") -> Any:
         spark.dataSource.register(RabbitStreamDataSource)
-        df = (
-            spark.readStream.format("rabbitmq")
-            .option("config", str(self.cfg.source))
-            .load()
-        )
+        df = spark.readStream.format("rabbitmq").option("config", str(self.cfg.source)).load()
         w = (
             df.writeStream.foreachBatch(self.sink)
             .option("checkpointLocation", str(self.cfg.black.checkpoint_dir))
@@ -128,6 +138,9 @@ class BlackRun:
         self.heartbeats.beat_all()  # a final heartbeat names the last bundle sealed
         self.outbox.prune_archive()
         s = BlackSummary(seconds=time.monotonic() - t0)
+        busy = [r for r in self.sink.results if r.rows]
+        if busy:
+            s.drain_seconds = max(r.ended for r in busy) - min(r.began for r in busy)
         for r in self.sink.results:
             s.batches += 1
             s.messages += sum(b.rows for b in r.bundles)
@@ -137,5 +150,7 @@ class BlackRun:
         return s
 
 
-def run_black(cfg: Config, spark: Any, trigger: Trigger = "available-now", **kw: Any) -> BlackSummary:
+def run_black(
+    cfg: Config, spark: Any, trigger: Trigger = "available-now", **kw: Any
+) -> BlackSummary:
     return BlackRun(cfg).run(spark, trigger, **kw)

@@ -332,8 +332,14 @@ class Mirror:
         merged, changed = merge_catalog(catalog, (d for d in to_catalog if d.type))
         if changed:
             save_catalog(self.catalog_path, merged)
-            log_event(log, logging.INFO, "exchange catalog updated", catalog=str(self.catalog_path),
-                      vhost=self.vhost, exchanges=changed)
+            log_event(
+                log,
+                logging.INFO,
+                "exchange catalog updated",
+                catalog=str(self.catalog_path),
+                vhost=self.vhost,
+                exchanges=changed,
+            )
         reports = {p.channel: self._apply(conn, p, listed) for p in plans}
         return MirrorReport(self.vhost, reports, changed, self.cfg.black.discover)
 
@@ -400,8 +406,9 @@ class Mirror:
         try:
             rows = self.management.list_queue_bindings(self.vhost, queue)
         except ManagementApiError as e:
-            log_event(log, logging.WARNING, f"cannot list bindings, re-binding all: {e}",
-                      queue=queue)
+            log_event(
+                log, logging.WARNING, f"cannot list bindings, re-binding all: {e}", queue=queue
+            )
             return None
         return {Binding(r.source, r.routing_key, r.arguments).key() for r in rows if r.source}
 
@@ -444,7 +451,12 @@ class Mirror:
         bound = sorted({b.exchange for b in plan.bindings} - failed)
         self._log(plan, queue, sorted(newly), sorted(removed), skipped)
         return ChannelReport(
-            plan.channel, queue, bound, sorted(newly), list(plan.unbound_direct), skipped,
+            plan.channel,
+            queue,
+            bound,
+            sorted(newly),
+            list(plan.unbound_direct),
+            skipped,
             sorted(removed),
         )
 
@@ -455,21 +467,43 @@ class Mirror:
         log_event(log, level, msg, channel=channel or None, vhost=self.vhost)
 
     def _log(
-        self, plan: ChannelPlan, queue: str, newly: list[str], removed: list[str],
+        self,
+        plan: ChannelPlan,
+        queue: str,
+        newly: list[str],
+        removed: list[str],
         skipped: list[str],
     ) -> None:
         ch = plan.channel
         if newly:
-            log_event(log, logging.INFO, "exchanges bound to stream", channel=ch, queue=queue,
-                      exchanges=newly)
+            log_event(
+                log,
+                logging.INFO,
+                "exchanges bound to stream",
+                channel=ch,
+                queue=queue,
+                exchanges=newly,
+            )
         if removed:
-            log_event(log, logging.INFO, "stale bindings removed from stream", channel=ch,
-                      queue=queue, exchanges=removed)
+            log_event(
+                log,
+                logging.INFO,
+                "stale bindings removed from stream",
+                channel=ch,
+                queue=queue,
+                exchanges=removed,
+            )
         for name in plan.unbound_direct:
-            self._tell(ch, "direct:" + name, (
-                f"channel {ch}: direct exchange {name!r} is NOT mirrored: direct exchanges have "
-                f"no catch-all binding; list its routing keys in channels[{ch}]"
-                ".direct_routing_keys, or deny it"))
+            self._tell(
+                ch,
+                "direct:" + name,
+                (
+                    f"channel {ch}: direct exchange {name!r} is NOT mirrored: "
+                    "direct exchanges have "
+                    f"no catch-all binding; list its routing keys in channels[{ch}]"
+                    ".direct_routing_keys, or deny it"
+                ),
+            )
         for s in skipped:
             self._tell(ch, "skip:" + s, f"channel {ch}: not mirrored: {s}")
 
@@ -517,8 +551,13 @@ class MirrorLoop:
             except BrokerError as e:
                 self.failures += 1
                 self.error = e
-                log_event(log, logging.WARNING, f"mirror sync failed, will retry: {e}",
-                          retry_in_s=self.interval, failures=self.failures)
+                log_event(
+                    log,
+                    logging.WARNING,
+                    f"mirror sync failed, will retry: {e}",
+                    retry_in_s=self.interval,
+                    failures=self.failures,
+                )
             except DiodeError as e:
                 self.error = e
                 log_event(log, logging.ERROR, f"mirror sync failed terminally, loop stopped: {e}")
@@ -580,7 +619,8 @@ def stream_bounds(
         c1 = conn.channel()
         c1.basic_qos(prefetch_count=1)
         c1.basic_consume(
-            queue, lambda c, m, p, b: first.append(_offset(p)),
+            queue,
+            lambda c, m, p, b: first.append(_offset(p)),
             arguments={"x-stream-offset": "first"},
         )
         c2 = conn.channel()

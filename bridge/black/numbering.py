@@ -42,7 +42,9 @@ def assign_seqs(
     prev[0] = last_offset
     prev[1:] = offs[:-1]
     if np.any(offs <= prev):
-        raise ValueError("stream offsets must be strictly increasing and after the last shipped one")
+        raise ValueError(
+            "stream offsets must be strictly increasing and after the last shipped one"
+        )
     jumps = offs > prev + 1
     if np.any(jumps):
         f = int(first_retained())

@@ -1,10 +1,10 @@
 """Black, seal: rows of a micro-batch -> manifests -> Parquet -> gpg -> outbox, journaled.
 
-    rows (one channel, any order)
-      -> drop seqs already shipped (a replayed micro-batch)
-      -> finish the pending bundle byte-identically, if a crash interrupted it
-      -> chunk by rows / bytes / file ceiling, gaps from missing seqs
-      -> per chunk: manifest, Parquet plaintext, journal intent, sign+encrypt, deliver, journal
+rows (one channel, any order)
+  -> drop seqs already shipped (a replayed micro-batch)
+  -> finish the pending bundle byte-identically, if a crash interrupted it
+  -> chunk by rows / bytes / file ceiling, gaps from missing seqs
+  -> per chunk: manifest, Parquet plaintext, journal intent, sign+encrypt, deliver, journal
 """
 
 from __future__ import annotations
@@ -119,9 +119,14 @@ class BundleSealer:
             )
             for i in dropped:
                 log_event(
-                    log, 40, "message larger than the file ceiling: recorded as a gap",
-                    channel=channel.name, seq=int(seqs[i]), stream_offset=int(offsets[i]),
-                    bytes=int(sizes[i]), max_file_bytes=bundle.max_file_bytes,
+                    log,
+                    40,
+                    "message larger than the file ceiling: recorded as a gap",
+                    channel=channel.name,
+                    seq=int(seqs[i]),
+                    stream_offset=int(offsets[i]),
+                    bytes=int(sizes[i]),
+                    max_file_bytes=bundle.max_file_bytes,
                 )
             for ch in chunks:
                 rows = table.slice(ch.start, ch.rows)
@@ -200,8 +205,14 @@ class BundleSealer:
                 channel, st, tail, [g for g in gaps if g.first_seq > cut], max_plain, seqs, offsets
             )
         sha = sha256_hex(plain)
-        last_offset = self._offset_covering(seqs, offsets, _covered_last(manifest, st), st.last_offset)
-        st.pending = {"manifest": manifest.to_json().decode(), "sha256": sha, "last_offset": last_offset}
+        last_offset = self._offset_covering(
+            seqs, offsets, _covered_last(manifest, st), st.last_offset
+        )
+        st.pending = {
+            "manifest": manifest.to_json().decode(),
+            "sha256": sha,
+            "last_offset": last_offset,
+        }
         self.store.save(st)  # intent: a crash from here on re-creates exactly this plaintext
         return [self._ship(channel, st, manifest, plain, sha, last_offset)]
 
@@ -230,8 +241,12 @@ class BundleSealer:
                 "`pending` in the channel state to continue with a new bundle"
             )
         log_event(
-            log, 30, "re-creating a bundle interrupted by a crash",
-            channel=channel.name, bundle_seq=manifest.bundle_seq, bundle_id=manifest.bundle_id,
+            log,
+            30,
+            "re-creating a bundle interrupted by a crash",
+            channel=channel.name,
+            bundle_seq=manifest.bundle_seq,
+            bundle_id=manifest.bundle_id,
         )
         return self._ship(channel, st, manifest, plain, sha, int(st.pending["last_offset"]))
 
@@ -264,7 +279,8 @@ class BundleSealer:
         if size > self.cfg.black.bundle.max_file_bytes:
             sealed.unlink(missing_ok=True)
             raise StateError(
-                f"channel {channel.name!r} bundle {manifest.bundle_seq} sealed to {size} bytes, over "
+                f"channel {channel.name!r} bundle {manifest.bundle_seq} sealed to {size} bytes, "
+                f"over "
                 f"max_file_bytes {self.cfg.black.bundle.max_file_bytes}: raise the ceiling"
             )
         self.outbox.deliver(name, sealed, channel=channel.name)
@@ -280,9 +296,14 @@ class BundleSealer:
             st.bump(f"lost_{g.reason}", g.last_seq - g.first_seq + 1)
             BLACK.messages_lost.labels(manifest.channel, g.reason).inc(g.last_seq - g.first_seq + 1)
             log_event(
-                log, 40, "gap: messages lost on black",
-                channel=manifest.channel, bundle_seq=manifest.bundle_seq, first_seq=g.first_seq,
-                last_seq=g.last_seq, reason=g.reason,
+                log,
+                40,
+                "gap: messages lost on black",
+                channel=manifest.channel,
+                bundle_seq=manifest.bundle_seq,
+                first_seq=g.first_seq,
+                last_seq=g.last_seq,
+                reason=g.reason,
             )
         self.store.save(st)
         BLACK.bundles_sealed.labels(manifest.channel).inc()
@@ -290,16 +311,27 @@ class BundleSealer:
         BLACK.bytes_sealed.labels(manifest.channel).inc(size)
         BLACK.last_bundle_seq.labels(manifest.channel).set(manifest.bundle_seq)
         log_event(
-            log, 20, "bundle sealed",
-            channel=manifest.channel, bundle_seq=manifest.bundle_seq, bundle_id=manifest.bundle_id,
-            rows=manifest.rows, plaintext_bytes=len(plain), sealed_bytes=size,
+            log,
+            20,
+            "bundle sealed",
+            channel=manifest.channel,
+            bundle_seq=manifest.bundle_seq,
+            bundle_id=manifest.bundle_id,
+            rows=manifest.rows,
+            plaintext_bytes=len(plain),
+            sealed_bytes=size,
             encrypted=channel.encrypt,
         )
         return ShippedBundle(
-            channel=manifest.channel, bundle_seq=manifest.bundle_seq, bundle_id=manifest.bundle_id,
-            name=name, rows=manifest.rows, first_seq=manifest.first_seq,
-            last_seq=manifest.last_seq, gaps=tuple(manifest.gaps), plaintext_bytes=len(plain),
-            sealed_bytes=size, sha256=sha,
+            channel=manifest.channel,
+            bundle_seq=manifest.bundle_seq,
+            bundle_id=manifest.bundle_id,
+            name=name,
+            rows=manifest.rows,
+            first_seq=manifest.first_seq,
+            last_seq=manifest.last_seq,
+            gaps=tuple(manifest.gaps),
+            plaintext_bytes=len(plain),
+            sealed_bytes=size,
+            sha256=sha,
         )
-
-

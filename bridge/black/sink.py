@@ -49,6 +49,10 @@ class BatchResult:
     bundles: list[ShippedBundle] = field(default_factory=list)
     seconds: float = 0.0
     collect_seconds: float = 0.0
+    began: float = 0.0
+    """time.monotonic() when Spark handed the batch over (its read starts then)."""
+    ended: float = 0.0
+    """time.monotonic() when its last bundle was durably in the outbox."""
 
 
 class BatchSink:
@@ -60,7 +64,7 @@ class BatchSink:
         self.overlap = overlap
         self.results: list[BatchResult] = []
         self._avg: dict[str, float] = {}
-        self._queue: queue.Queue[tuple[pa.Table, int, float] | None] = queue.Queue(maxsize=1)
+        self._queue: queue.Queue[tuple[pa.Table, int, float, float] | None] = queue.Queue(maxsize=1)
         self._error: BaseException | None = None
         self._thread: threading.Thread | None = None
 
@@ -71,12 +75,12 @@ class BatchSink:
         table: pa.Table = df.toArrow()
         collect = time.monotonic() - t0
         if not self.overlap:
-            self._seal(table, batch_id, collect)
+            self._seal(table, batch_id, collect, t0)
             return
         if self._thread is None:
             self._thread = threading.Thread(target=self._worker, name="diode-sealer", daemon=True)
             self._thread.start()
-        self._queue.put((table, batch_id, collect))  # blocks while the previous batch seals
+        self._queue.put((table, batch_id, collect, t0))  # blocks while the previous batch seals
 
     def drain(self) -> None:
         """Wait until every collected batch is sealed; raise if sealing failed."""
@@ -104,14 +108,20 @@ class BatchSink:
                 log_event(log, 50, f"sealing failed: {e}", batch_id=item[1])
                 self._error = e
 
-    def _seal(self, table: pa.Table, batch_id: int, collect: float) -> None:
+    def _seal(self, table: pa.Table, batch_id: int, collect: float, began: float) -> None:
         t0 = time.monotonic()
         res = self.process(table, batch_id)
         res.collect_seconds = collect
-        res.seconds = collect + time.monotonic() - t0
+        res.began, res.ended = began, time.monotonic()
+        res.seconds = collect + res.ended - t0
         log_event(
-            log, 20, "micro-batch timing", batch_id=batch_id, rows=res.rows,
-            collect_seconds=round(collect, 3), seal_seconds=round(time.monotonic() - t0, 3),
+            log,
+            20,
+            "micro-batch timing",
+            batch_id=batch_id,
+            rows=res.rows,
+            collect_seconds=round(collect, 3),
+            seal_seconds=round(time.monotonic() - t0, 3),
         )
 
     def _first_retained(self, channel: str) -> Callable[[], int]:
@@ -132,7 +142,11 @@ class BatchSink:
             atomic_write_bytes(hint, json.dumps({"avg_row_bytes": self._avg}).encode())
         self.results.append(res)
         log_event(
-            log, 20, "micro-batch sealed", batch_id=batch_id, rows=res.rows,
+            log,
+            20,
+            "micro-batch sealed",
+            batch_id=batch_id,
+            rows=res.rows,
             bundles=[b.name for b in res.bundles],
         )
         return res

@@ -1,4 +1,4 @@
-"""Black, drain: the Spark Python streaming data source "rabbitmq" that reads stream queues by offset.
+"""Black, drain: the Spark Python streaming data source "rabbitmq", reading stream queues by offset.
 
 Offsets are ``{channel: next stream offset}`` and live in Spark's checkpoint; a replayed
 micro-batch reads exactly the same offset range. Each channel's range is split into
@@ -193,8 +193,12 @@ class RabbitStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
             shipped = store.load(ch).last_offset + 1
             if ch in out and shipped < int(out[ch]):
                 log_event(
-                    log, 30, "re-reading offsets committed by Spark but not shipped",
-                    channel=ch, first_offset=shipped, last_offset=int(out[ch]) - 1,
+                    log,
+                    30,
+                    "re-reading offsets committed by Spark but not shipped",
+                    channel=ch,
+                    first_offset=shipped,
+                    last_offset=int(out[ch]) - 1,
                 )
                 out[ch] = shipped
         return out
@@ -224,8 +228,13 @@ class RabbitStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         if len(builder):
             yield builder.to_batch()
         log_event(
-            log, 20, "stream range read", channel=partition.channel, start=partition.start,
-            end=partition.end, seconds=round(time.monotonic() - t0, 3),
+            log,
+            20,
+            "stream range read",
+            channel=partition.channel,
+            start=partition.start,
+            end=partition.end,
+            seconds=round(time.monotonic() - t0, 3),
         )
 
 

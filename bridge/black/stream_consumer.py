@@ -90,7 +90,12 @@ def read_range(
                         # a short read would let Spark commit offsets never read: fail the
                         # task instead, so the micro-batch is retried from the same offsets
                         log_event(
-                            log, 40, "stream read stalled", queue=queue, start=start, end=end,
+                            log,
+                            40,
+                            "stream read stalled",
+                            queue=queue,
+                            start=start,
+                            end=end,
                             idle_timeout=idle_timeout,
                         )
                         raise BrokerError(
@@ -108,8 +113,10 @@ def read_range(
                 headers = props.headers or {}
                 off = headers.get("x-stream-offset")
                 if not isinstance(off, int):
-                    raise BrokerError(f"queue {queue!r} delivered a message without x-stream-offset: "
-                                      "is it really a stream queue (x-queue-type=stream)?")
+                    raise BrokerError(
+                        f"queue {queue!r} delivered a message without x-stream-offset: "
+                        "is it really a stream queue (x-queue-type=stream)?"
+                    )
                 if off < start:
                     continue
                 if off >= end:

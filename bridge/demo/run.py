@@ -32,7 +32,9 @@ def _reset_vhost(mgmt: str, vhost: str, auth: tuple[str, str]) -> None:
         r.raise_for_status()
         r = requests.put(
             f"{mgmt}/api/permissions/{q}/{auth[0]}",
-            json={"configure": ".*", "write": ".*", "read": ".*"}, auth=auth, timeout=30,
+            json={"configure": ".*", "write": ".*", "read": ".*"},
+            auth=auth,
+            timeout=30,
         )
         r.raise_for_status()
     except requests.RequestException as e:
@@ -42,8 +44,9 @@ def _reset_vhost(mgmt: str, vhost: str, auth: tuple[str, str]) -> None:
         ) from None
 
 
-def write_demo_config(workdir: Path, *, black_fpr: str, red_fprs: list[str], amqp_url: str,
-                      mgmt: str) -> Path:
+def write_demo_config(
+    workdir: Path, *, black_fpr: str, red_fprs: list[str], amqp_url: str, mgmt: str
+) -> Path:
     keys = ", ".join(f'"{f}"' for f in red_fprs)
     direct = "\n".join(
         f'"{ex}" = [{", ".join(chr(34) + k + chr(34) for k in keys_)}]'
@@ -91,10 +94,19 @@ inbox = "red/inbox"
     return p
 
 
-def run_demo(workdir: Path, messages: int, *, vhost: str = "diode-demo", host: str = "127.0.0.1",
-             port: int = 5672, mgmt: str = "http://127.0.0.1:15672",
-             user: str = "guest", password: str = "guest", big_every: int = 5000,
-             spark: Any = None) -> dict[str, Any]:
+def run_demo(
+    workdir: Path,
+    messages: int,
+    *,
+    vhost: str = "diode-demo",
+    host: str = "127.0.0.1",
+    port: int = 5672,
+    mgmt: str = "http://127.0.0.1:15672",
+    user: str = "guest",
+    password: str = "guest",
+    big_every: int = 5000,
+    spark: Any = None,
+) -> dict[str, Any]:
     """Run the black half of the pipeline on this machine; returns the summary."""
     t0 = time.monotonic()
     workdir = workdir.resolve()
@@ -112,8 +124,9 @@ def run_demo(workdir: Path, messages: int, *, vhost: str = "diode-demo", host: s
     q = urllib.parse.quote(vhost, safe="")
     amqp_url = f"amqp://{user}:{password}@{host}:{port}/{q}"
     declare_exchanges(amqp_url)
-    cfg_path = write_demo_config(workdir, black_fpr=black_fpr, red_fprs=red_fprs,
-                                 amqp_url=amqp_url, mgmt=mgmt)
+    cfg_path = write_demo_config(
+        workdir, black_fpr=black_fpr, red_fprs=red_fprs, amqp_url=amqp_url, mgmt=mgmt
+    )
     cfg = load_config(cfg_path)
     run = BlackRun(cfg)
     run.mirror.sync()  # streams exist before the first message is published
@@ -136,7 +149,9 @@ def run_demo(workdir: Path, messages: int, *, vhost: str = "diode-demo", host: s
         "lost": summary.lost,
         "bundles": summary.bundles,
         "black_seconds": round(summary.seconds, 2),
-        "black_msg_per_s": round(summary.messages / summary.seconds, 1) if summary.seconds else None,
+        "black_msg_per_s": round(summary.messages / summary.seconds, 1)
+        if summary.seconds
+        else None,
         "publish_seconds": round(t_pub - t0, 2),
         "workdir": str(workdir),
         "outbox": str(cfg.black.outbox),

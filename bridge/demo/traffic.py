@@ -21,7 +21,14 @@ from pika.spec import BasicProperties
 from bridge.black.stream_consumer import connect
 from bridge.protocol.exchange import ExchangeDecl
 
-__all__ = ["DEMO_EXCHANGES", "DEMO_DIRECT_KEYS", "Published", "declare_exchanges", "publish_mix", "sample_messages"]
+__all__ = [
+    "DEMO_EXCHANGES",
+    "DEMO_DIRECT_KEYS",
+    "Published",
+    "declare_exchanges",
+    "publish_mix",
+    "sample_messages",
+]
 
 DEMO_EXCHANGES = (
     ExchangeDecl("sensors", "topic", durable=True),
@@ -49,8 +56,12 @@ def declare_exchanges(url: str) -> None:
         ch = conn.channel()
         for x in DEMO_EXCHANGES:
             ch.exchange_declare(
-                x.name, x.type, durable=x.durable, auto_delete=x.auto_delete,
-                internal=x.internal, arguments=x.arguments or None,
+                x.name,
+                x.type,
+                durable=x.durable,
+                auto_delete=x.auto_delete,
+                internal=x.internal,
+                arguments=x.arguments or None,
             )
     finally:
         conn.close()
@@ -74,49 +85,89 @@ def _every_header_type(i: int) -> dict[str, Any]:
     }
 
 
-def sample_messages(n: int, *, seed: int = 7, big_every: int = 0, big_bytes: int = 3 * 1024 * 1024
-                    ) -> Iterator[tuple[str, str, BasicProperties, bytes]]:
+def sample_messages(
+    n: int, *, seed: int = 7, big_every: int = 0, big_bytes: int = 3 * 1024 * 1024
+) -> Iterator[tuple[str, str, BasicProperties, bytes]]:
     """``n`` (exchange, routing key, properties, body) in a deterministic varied mix."""
     rnd = random.Random(seed)
     now = int(dt.datetime(2026, 11, 21, tzinfo=dt.UTC).timestamp())
     for i in range(n):
         kind = i % 10
         if big_every and i % big_every == big_every - 1:
-            yield ("events", "", BasicProperties(content_type="application/octet-stream",
-                                                 delivery_mode=2, message_id=f"big-{i}"),
-                   os.urandom(big_bytes))
+            yield (
+                "events",
+                "",
+                BasicProperties(
+                    content_type="application/octet-stream", delivery_mode=2, message_id=f"big-{i}"
+                ),
+                os.urandom(big_bytes),
+            )
         elif kind < 6:
             sensor = f"s{rnd.randrange(40):02d}"
-            body = json.dumps({"sensor": sensor, "celsius": round(rnd.gauss(21.0, 4.0), 2),
-                               "seq": i}).encode()
-            yield ("sensors", f"site{rnd.randrange(3)}.temp.{sensor}",
-                   BasicProperties(content_type="application/json", delivery_mode=2,
-                                   timestamp=now + i, message_id=f"t-{i}", app_id="thermo"),
-                   body)
+            body = json.dumps(
+                {"sensor": sensor, "celsius": round(rnd.gauss(21.0, 4.0), 2), "seq": i}
+            ).encode()
+            yield (
+                "sensors",
+                f"site{rnd.randrange(3)}.temp.{sensor}",
+                BasicProperties(
+                    content_type="application/json",
+                    delivery_mode=2,
+                    timestamp=now + i,
+                    message_id=f"t-{i}",
+                    app_id="thermo",
+                ),
+                body,
+            )
         elif kind == 6:
             yield ("events", "", BasicProperties(), b"")  # empty body, no properties at all
         elif kind == 7:
-            yield ("audit", "ignored",
-                   BasicProperties(
-                       content_type="application/x-audit", content_encoding="identity",
-                       headers=_every_header_type(i), delivery_mode=2, priority=i % 10,
-                       correlation_id=f"corr-{i}", reply_to="audit.replies", expiration="600000",
-                       message_id=f"audit-{i}", timestamp=now + i, type="audit.record",
-                       user_id="guest", app_id="auditor",
-                   ),
-                   bytes(rnd.getrandbits(8) for _ in range(64)))  # binary, not UTF-8
+            yield (
+                "audit",
+                "ignored",
+                BasicProperties(
+                    content_type="application/x-audit",
+                    content_encoding="identity",
+                    headers=_every_header_type(i),
+                    delivery_mode=2,
+                    priority=i % 10,
+                    correlation_id=f"corr-{i}",
+                    reply_to="audit.replies",
+                    expiration="600000",
+                    message_id=f"audit-{i}",
+                    timestamp=now + i,
+                    type="audit.record",
+                    user_id="guest",
+                    app_id="auditor",
+                ),
+                bytes(rnd.getrandbits(8) for _ in range(64)),
+            )  # binary, not UTF-8
         elif kind == 8:
             key = DEMO_DIRECT_KEYS["orders"][i % 2]
-            yield ("orders", key, BasicProperties(content_type="text/plain", delivery_mode=1,
-                                                  headers={"order": i}),
-                   f"order {i}".encode())
+            yield (
+                "orders",
+                key,
+                BasicProperties(content_type="text/plain", delivery_mode=1, headers={"order": i}),
+                f"order {i}".encode(),
+            )
         else:
-            yield ("orders", "order.unmirrored",  # a routing key black is not configured to carry
-                   BasicProperties(), b"not mirrored")
+            yield (
+                "orders",
+                "order.unmirrored",  # a routing key black is not configured to carry
+                BasicProperties(),
+                b"not mirrored",
+            )
 
 
-def publish_mix(url: str, n: int, *, keep: bool = False, big_every: int = 0, seed: int = 7,
-                skip_unmirrored: bool = True) -> Published:
+def publish_mix(
+    url: str,
+    n: int,
+    *,
+    keep: bool = False,
+    big_every: int = 0,
+    seed: int = 7,
+    skip_unmirrored: bool = True,
+) -> Published:
     """Publish ``n`` sample messages (no confirms: callers check the stream tail instead)."""
     out = Published()
     conn = connect(url, what="demo publisher")

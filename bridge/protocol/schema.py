@@ -6,7 +6,12 @@ import pyarrow as pa
 
 from bridge.errors import SchemaVersionError
 
-__all__ = ["ROW_SCHEMA_VERSION", "KNOWN_ROW_SCHEMA_VERSIONS", "row_schema", "check_row_schema_version"]
+__all__ = [
+    "ROW_SCHEMA_VERSION",
+    "KNOWN_ROW_SCHEMA_VERSIONS",
+    "row_schema",
+    "check_row_schema_version",
+]
 
 ROW_SCHEMA_VERSION = 1
 KNOWN_ROW_SCHEMA_VERSIONS = frozenset({1})
@@ -38,7 +43,9 @@ def _row_schema_v1() -> pa.Schema:
             pa.field("reply_to", s, nullable=True),
             pa.field("expiration", s, nullable=True),
             pa.field("message_id", s, nullable=True),
-            pa.field("timestamp", i64, nullable=True),  # AMQP timestamp: seconds since epoch, as sent
+            pa.field(
+                "timestamp", i64, nullable=True
+            ),  # AMQP timestamp: seconds since epoch, as sent
             pa.field("type", s, nullable=True),
             pa.field("user_id", s, nullable=True),
             pa.field("app_id", s, nullable=True),

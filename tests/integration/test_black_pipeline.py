@@ -59,9 +59,21 @@ def gpg_decrypt_cli(red_home: Path, src: Path, dst: Path, black_fpr: str) -> Non
     """Decrypt+verify with the plain gpg CLI; with hidden recipients gpg may exit 2 on success,
     so success is judged from the status lines: GOODSIG + VALIDSIG by the pinned key."""
     r = subprocess.run(
-        ["gpg", "--homedir", str(red_home), "--batch", "--status-fd", "1", "--output", str(dst),
-         "--decrypt", str(src)],
-        capture_output=True, text=True, check=False,
+        [
+            "gpg",
+            "--homedir",
+            str(red_home),
+            "--batch",
+            "--status-fd",
+            "1",
+            "--output",
+            str(dst),
+            "--decrypt",
+            str(src),
+        ],
+        capture_output=True,
+        text=True,
+        check=False,
     )
     status = r.stdout
     assert "[GNUPG:] GOODSIG" in status, r.stderr
@@ -99,9 +111,17 @@ def publish(url: str, n: int) -> list[tuple[str, str, BasicProperties, bytes]]:
             type="t" if i % 9 == 0 else None,
             user_id="guest" if i % 10 == 0 else None,
             app_id="it" if i % 11 == 0 else None,
-            headers=None if i % 4 == 1 else {
-                "i": i, "big": 2**40 + i, "neg": -i, "s": f"é{i}", "b": bytes([i % 256, 0]),
-                "t": dt.datetime(2026, 1, 1, tzinfo=dt.UTC), "ok": bool(i % 2), "v": None,
+            headers=None
+            if i % 4 == 1
+            else {
+                "i": i,
+                "big": 2**40 + i,
+                "neg": -i,
+                "s": f"é{i}",
+                "b": bytes([i % 256, 0]),
+                "t": dt.datetime(2026, 1, 1, tzinfo=dt.UTC),
+                "ok": bool(i % 2),
+                "v": None,
                 "nest": {"arr": [1, "x", {"deep": b"\x00"}]},
             },
         )
@@ -123,7 +143,9 @@ def broker_preserved(headers: dict | None) -> dict | None:
     return kept or None
 
 
-def read_bundles(outbox: Path, red_home: Path, black_fpr: str, tmp: Path) -> list[tuple[dict, Any, str]]:
+def read_bundles(
+    outbox: Path, red_home: Path, black_fpr: str, tmp: Path
+) -> list[tuple[dict, Any, str]]:
     out = []
     for f in sorted(outbox.glob("*.dbundle")):
         plain = tmp / (f.name + ".parquet")
@@ -136,8 +158,9 @@ def read_bundles(outbox: Path, red_home: Path, black_fpr: str, tmp: Path) -> lis
 
 def test_every_message_once_and_identical(black_vhost, short_tmp: Path, spark) -> None:  # type: ignore[no-untyped-def]
     inv = init_keys(short_tmp / "keys", red_names=("red", "audit"))
-    cfg_path = write_config(short_tmp, black_vhost.amqp_url, inv.black_fpr, list(inv.red_fprs.values()),
-                            max_rows=700)
+    cfg_path = write_config(
+        short_tmp, black_vhost.amqp_url, inv.black_fpr, list(inv.red_fprs.values()), max_rows=700
+    )
     cfg = load_config(cfg_path)
     declare(black_vhost.amqp_url)
     run = BlackRun(cfg)
@@ -172,8 +195,20 @@ def test_every_message_once_and_identical(black_vhost, short_tmp: Path, spark) -
     for r, (name, rk, props, body) in zip(rows, sent, strict=True):
         assert (r["exchange"], r["routing_key"], r["body"]) == (name, rk, body)
         assert r["exchange_type"] == types[name] and r["exchange_durable"] is True
-        for f in ("content_type", "content_encoding", "delivery_mode", "priority", "correlation_id",
-                  "reply_to", "expiration", "message_id", "timestamp", "type", "user_id", "app_id"):
+        for f in (
+            "content_type",
+            "content_encoding",
+            "delivery_mode",
+            "priority",
+            "correlation_id",
+            "reply_to",
+            "expiration",
+            "message_id",
+            "timestamp",
+            "type",
+            "user_id",
+            "app_id",
+        ):
             assert r[f] == getattr(props, f), (f, r["seq"])
         want = broker_preserved(props.headers)
         got = decode_typed(r["headers_typed"])

@@ -21,7 +21,12 @@ import pytest
 pytestmark = pytest.mark.broker
 
 SIMPLE = {
-    "s": "é", "b": b"\x00\xff", "i": -5, "l": 2**40, "t": True, "v": None,
+    "s": "é",
+    "b": b"\x00\xff",
+    "i": -5,
+    "l": 2**40,
+    "t": True,
+    "v": None,
     "ts": dt.datetime(2026, 1, 1, tzinfo=dt.UTC),
 }
 
@@ -37,8 +42,11 @@ def _read_all(url: str, n: int) -> list[dict]:
     ch = conn.channel()
     ch.basic_qos(prefetch_count=100)
     got: list[dict] = []
-    ch.basic_consume("canary", lambda _c, _m, p, _b: got.append(dict(p.headers or {})),
-                     arguments={"x-stream-offset": "first"})
+    ch.basic_consume(
+        "canary",
+        lambda _c, _m, p, _b: got.append(dict(p.headers or {})),
+        arguments={"x-stream-offset": "first"},
+    )
     deadline = time.monotonic() + 10
     while len(got) < n and time.monotonic() < deadline:
         conn.process_data_events(time_limit=0.2)
@@ -52,8 +60,12 @@ def test_streams_keep_simple_headers_and_drop_tables_and_arrays(black_vhost) -> 
     conn = _stream(black_vhost.amqp_url)
     ch = conn.channel()
     ch.basic_publish("", "canary", b"1", pika.BasicProperties(headers=dict(SIMPLE)))
-    ch.basic_publish("", "canary", b"2", pika.BasicProperties(
-        headers={"keep": 1, "table": {"a": 1}, "array": [1, 2]}))
+    ch.basic_publish(
+        "",
+        "canary",
+        b"2",
+        pika.BasicProperties(headers={"keep": 1, "table": {"a": 1}, "array": [1, 2]}),
+    )
     conn.close()
     first, second = _read_all(black_vhost.amqp_url, 2)
     assert first == SIMPLE
@@ -65,5 +77,7 @@ def test_streams_refuse_decimal_headers_by_closing_the_publisher(black_vhost) ->
     ch = conn.channel()
     ch.confirm_delivery()
     with pytest.raises(pika.exceptions.AMQPError):
-        ch.basic_publish("", "canary", b"d", pika.BasicProperties(headers={"d": decimal.Decimal("1.5")}))
+        ch.basic_publish(
+            "", "canary", b"d", pika.BasicProperties(headers={"d": decimal.Decimal("1.5")})
+        )
     assert not conn.is_open

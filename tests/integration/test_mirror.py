@@ -33,8 +33,9 @@ pytestmark = pytest.mark.broker
 FPR = "A" * 40
 
 
-def make_cfg(vhost: Any, state: Path, *, black: dict[str, Any] | None = None,
-             **channel: Any) -> Config:
+def make_cfg(
+    vhost: Any, state: Path, *, black: dict[str, Any] | None = None, **channel: Any
+) -> Config:
     ch = ChannelConfig(name="c1", recipients=[FPR], **channel)
     b = BlackConfig(
         amqp_url=SecretStr(vhost.amqp_url),
@@ -102,11 +103,17 @@ def pub(ch: Any, exchange: str, rk: str, body: bytes, headers: dict | None = Non
     ch.basic_publish(exchange, rk, body, pika.BasicProperties(headers=headers))
 
 
-def test_sync_mirrors_every_exchange_type_exactly_once(black_vhost: Any, amqp: Any,
-                                                       tmp_path: Path) -> None:
+def test_sync_mirrors_every_exchange_type_exactly_once(
+    black_vhost: Any, amqp: Any, tmp_path: Path
+) -> None:
     declare_world(amqp)
-    cfg = make_cfg(black_vhost, tmp_path, exchanges=["ev.*"], deny=["ev.denied"],
-                   direct_routing_keys={"ev.direct": ["a", "b"]})
+    cfg = make_cfg(
+        black_vhost,
+        tmp_path,
+        exchanges=["ev.*"],
+        deny=["ev.denied"],
+        direct_routing_keys={"ev.direct": ["a", "b"]},
+    )
     catalog_path = tmp_path / "exchanges.json"
     mirror = Mirror(cfg, catalog_path=catalog_path)
     report = mirror.sync()
@@ -167,8 +174,9 @@ def test_sync_mirrors_every_exchange_type_exactly_once(black_vhost: Any, amqp: A
     assert stream_tail(cfg, "c1") == len(expected)
 
 
-def test_new_exchange_picked_up_and_stale_bindings_removed(black_vhost: Any, amqp: Any,
-                                                           tmp_path: Path) -> None:
+def test_new_exchange_picked_up_and_stale_bindings_removed(
+    black_vhost: Any, amqp: Any, tmp_path: Path
+) -> None:
     amqp.exchange_declare("ev.fan", "fanout")
     cfg = make_cfg(black_vhost, tmp_path, exchanges=["ev.*"])
     mirror = Mirror(cfg, catalog_path=tmp_path / "exchanges.json")
@@ -205,7 +213,8 @@ def test_new_exchange_picked_up_and_stale_bindings_removed(black_vhost: Any, amq
     q = urllib.parse.quote(black_vhost.name, safe="")
     rows = requests.get(
         f"{black_vhost.management_url}/api/queues/{q}/{r3.queue}/bindings",
-        auth=("guest", "guest"), timeout=10,
+        auth=("guest", "guest"),
+        timeout=10,
     ).json()
     assert sorted(b["source"] for b in rows) == ["", "ev.new"]
 
@@ -220,8 +229,9 @@ def test_stream_with_other_retention_is_a_config_error(black_vhost: Any, tmp_pat
     assert black_vhost.name in msg and "stream_max_bytes" in msg and "guest:guest" not in msg
 
 
-def test_discovery_off_uses_named_exchanges_only(black_vhost: Any, amqp: Any,
-                                                 tmp_path: Path) -> None:
+def test_discovery_off_uses_named_exchanges_only(
+    black_vhost: Any, amqp: Any, tmp_path: Path
+) -> None:
     amqp.exchange_declare("rpc", "direct")
     amqp.exchange_declare("named.fan", "fanout")
     amqp.exchange_declare("unnamed", "fanout")
@@ -306,16 +316,21 @@ def test_headers_catch_all_semantics_on_the_broker(amqp: Any) -> None:
     assert counts == {"empty": 4, "all": 4, "any": 0}
 
 
-def test_stream_bounds_after_retention_truncation(black_vhost: Any, amqp: Any,
-                                                  tmp_path: Path) -> None:
+def test_stream_bounds_after_retention_truncation(
+    black_vhost: Any, amqp: Any, tmp_path: Path
+) -> None:
     """Offsets: holes at segment boundaries; retention moves `first`; `next` stays last+1."""
     cfg = make_cfg(black_vhost, tmp_path)
     queue = stream_queue_name(cfg.black, "c1")
-    amqp.queue_declare(queue, durable=True, arguments={
-        "x-queue-type": "stream",
-        "x-max-length-bytes": 200_000,
-        "x-stream-max-segment-size-bytes": 20_000,
-    })
+    amqp.queue_declare(
+        queue,
+        durable=True,
+        arguments={
+            "x-queue-type": "stream",
+            "x-max-length-bytes": 200_000,
+            "x-stream-max-segment-size-bytes": 20_000,
+        },
+    )
     for _ in range(2000):
         amqp.basic_publish("", queue, b"x" * 1000)
     got = consume_all(black_vhost.amqp_url, queue, 10_000, timeout=3)

@@ -29,12 +29,22 @@ def _coverage(chunks, seqs) -> list[int]:  # type: ignore[no-untyped-def]
     max_row_bytes=st.integers(500, 6000),
 )
 def test_plan_covers_every_seq_once_within_limits(
-    last_seq: int, steps: list[int], sizes: list[int], max_rows: int, max_bytes: int, max_row_bytes: int
+    last_seq: int,
+    steps: list[int],
+    sizes: list[int],
+    max_rows: int,
+    max_bytes: int,
+    max_row_bytes: int,
 ) -> None:
     seqs = np.cumsum(np.array(steps, dtype=np.int64)) + last_seq
     sz = np.array(sizes[: len(seqs)], dtype=np.int64)
     chunks, dropped = plan_chunks(
-        seqs, sz, last_seq=last_seq, max_rows=max_rows, max_bytes=max_bytes, max_row_bytes=max_row_bytes
+        seqs,
+        sz,
+        last_seq=last_seq,
+        max_rows=max_rows,
+        max_bytes=max_bytes,
+        max_row_bytes=max_row_bytes,
     )
     end = int(seqs[-1]) if len(seqs) else last_seq
     # the chunks, in order, cover last_seq+1 .. end exactly once, with nothing out of order
@@ -54,7 +64,9 @@ def test_plan_covers_every_seq_once_within_limits(
 def test_gap_reasons() -> None:
     seqs = np.array([5, 6, 9, 10], dtype=np.int64)
     sz = np.array([10, 10_000, 10, 10], dtype=np.int64)
-    chunks, dropped = plan_chunks(seqs, sz, last_seq=2, max_rows=10, max_bytes=10**6, max_row_bytes=1000)
+    chunks, dropped = plan_chunks(
+        seqs, sz, last_seq=2, max_rows=10, max_bytes=10**6, max_row_bytes=1000
+    )
     assert dropped == [1]
     gaps = [(g.first_seq, g.last_seq, g.reason) for c in chunks for g in c.gaps]
     assert gaps == [(3, 4, "retention"), (6, 6, "oversize"), (7, 8, "retention")]
@@ -62,4 +74,11 @@ def test_gap_reasons() -> None:
 
 def test_unsorted_rows_are_a_bug() -> None:
     with pytest.raises(ValueError):
-        plan_chunks(np.array([3, 2]), np.array([1, 1]), last_seq=0, max_rows=5, max_bytes=99, max_row_bytes=99)
+        plan_chunks(
+            np.array([3, 2]),
+            np.array([1, 1]),
+            last_seq=0,
+            max_rows=5,
+            max_bytes=99,
+            max_row_bytes=99,
+        )

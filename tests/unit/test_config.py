@@ -8,7 +8,15 @@ from pathlib import Path
 import pytest
 from pydantic import BaseModel
 
-from bridge.config import BlackConfig, BundleConfig, ChannelConfig, Config, LinkConfig, RedConfig, load_config
+from bridge.config import (
+    BlackConfig,
+    BundleConfig,
+    ChannelConfig,
+    Config,
+    LinkConfig,
+    RedConfig,
+    load_config,
+)
 from bridge.errors import ConfigError
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "conf" / "diode.example.toml"
@@ -25,13 +33,21 @@ def test_example_loads_and_documents_every_key() -> None:
     cfg = load_config(EXAMPLE, environ={})
     assert cfg.channels[0].name == "default"
     text = EXAMPLE.read_text()
-    models: list[type[BaseModel]] = [LinkConfig, ChannelConfig, BlackConfig, BundleConfig, RedConfig]
+    models: list[type[BaseModel]] = [
+        LinkConfig,
+        ChannelConfig,
+        BlackConfig,
+        BundleConfig,
+        RedConfig,
+    ]
     for model in models:
         for name in model.model_fields:
             m = re.search(rf"^# .*\n{name} = ", text, re.M) or re.search(
                 rf"^# .*\n(?:#.*\n)*{name} = ", text, re.M
             )
-            assert m or f"[{name}" in text or f".{name}]" in text, f"{model.__name__}.{name} undocumented"
+            assert m or f"[{name}" in text or f".{name}]" in text, (
+                f"{model.__name__}.{name} undocumented"
+            )
 
 
 def test_unknown_key_is_rejected_with_a_fix(tmp_path: Path) -> None:
@@ -83,13 +99,18 @@ def test_env_overrides_and_relative_paths(tmp_path: Path) -> None:
 
 
 def test_duplicate_channels_rejected(tmp_path: Path) -> None:
-    p = _write(tmp_path, '[[channels]]\nname="a"\nencrypt=false\n[[channels]]\nname="a"\nencrypt=false\n')
+    p = _write(
+        tmp_path, '[[channels]]\nname="a"\nencrypt=false\n[[channels]]\nname="a"\nencrypt=false\n'
+    )
     with pytest.raises(ConfigError, match="unique"):
         load_config(p, environ={})
 
 
 def test_secrets_not_in_repr(tmp_path: Path) -> None:
-    p = _write(tmp_path, '[[channels]]\nname="a"\nencrypt=false\n[black]\namqp_url="amqp://u:hunter2@h/v"\n')
+    p = _write(
+        tmp_path,
+        '[[channels]]\nname="a"\nencrypt=false\n[black]\namqp_url="amqp://u:hunter2@h/v"\n',
+    )
     cfg = load_config(p, environ={})
     assert "hunter2" not in repr(cfg) and "hunter2" not in str(cfg)
     assert isinstance(cfg, Config)

@@ -118,8 +118,9 @@ def test_unknown_type_marker_explains_the_fix() -> None:
 def test_direct_routing_keys_bypass_patterns_but_not_deny() -> None:
     exchanges = [ex("rpc", "direct"), ex("audit", "direct"), ex("orders", "topic")]
     plan = plan_channel(
-        chan(exchanges=["orders"], direct_routing_keys={"rpc": ["a"], "audit": ["b"]},
-             deny=["audit"]),
+        chan(
+            exchanges=["orders"], direct_routing_keys={"rpc": ["a"], "audit": ["b"]}, deny=["audit"]
+        ),
         exchanges,
     )
     assert plan.bindings == [Binding("orders", "#"), Binding("rpc", "a")]

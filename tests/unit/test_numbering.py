@@ -45,10 +45,17 @@ def test_rejects_replayed_offsets() -> None:
         assign_seqs(np.array([5, 6]), last_offset=5, last_seq=0, first_retained=_never)
 
 
-@given(steps=st.lists(st.integers(1, 3), max_size=50), last_offset=st.integers(-1, 100),
-       last_seq=st.integers(-1, 100))
-def test_seqs_are_gapless_when_nothing_is_lost(steps: list[int], last_offset: int, last_seq: int) -> None:
+@given(
+    steps=st.lists(st.integers(1, 3), max_size=50),
+    last_offset=st.integers(-1, 100),
+    last_seq=st.integers(-1, 100),
+)
+def test_seqs_are_gapless_when_nothing_is_lost(
+    steps: list[int], last_offset: int, last_seq: int
+) -> None:
     offs = last_offset + np.cumsum(np.array(steps, dtype=np.int64))
-    seqs, lost = assign_seqs(offs, last_offset=last_offset, last_seq=last_seq, first_retained=lambda: 0)
+    seqs, lost = assign_seqs(
+        offs, last_offset=last_offset, last_seq=last_seq, first_retained=lambda: 0
+    )
     assert seqs.tolist() == list(range(last_seq + 1, last_seq + 1 + len(offs)))
     assert lost.sum() == 0

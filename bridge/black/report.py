@@ -1,0 +1,83 @@
+"""Black, report: what black has shipped and what waits in the outbox (for CLI and notebooks)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+
+from bridge.black.state import StateStore
+from bridge.config import Config
+from bridge.errors import BundleNameError
+from bridge.protocol.naming import parse_bundle_name, parse_heartbeat_name
+
+__all__ = ["channel_status", "files_table"]
+
+
+def channel_status(cfg: Config) -> dict[str, Any]:
+    """Per channel: journal position, counters (incl. losses), outbox backlog."""
+    store = StateStore(Path(cfg.black.state_dir))
+    outbox = Path(cfg.black.outbox)
+    waiting = (
+        [p.name for p in outbox.iterdir() if not p.name.startswith(".")] if outbox.is_dir() else []
+    )
+    out: dict[str, Any] = {
+        "bridge_id": cfg.link.bridge_id,
+        "outbox_files": len(waiting),
+        "channels": {},
+    }
+    for ch in cfg.channels:
+        st = store.load(ch.name)
+        out["channels"][ch.name] = {
+            "last_bundle_seq": st.last_bundle_seq,
+            "last_seq": st.last_seq,
+            "last_offset": st.last_offset,
+            "pending": bool(st.pending),
+            "heartbeat_seq": st.heartbeat_seq,
+            "counters": st.counters,
+            "lost": {k[len("lost_") :]: v for k, v in st.counters.items() if k.startswith("lost_")},
+            "encrypt": ch.encrypt,
+            "recipients": len(ch.recipients),
+            "outbox_bundles": sum(1 for n in waiting if _bundle_channel(n) == ch.name),
+        }
+    return out
+
+
+def _bundle_channel(name: str) -> str | None:
+    try:
+        return parse_bundle_name(name).channel
+    except BundleNameError:
+        return None
+
+
+def files_table(cfg: Config, *, where: str = "archive") -> pa.Table:
+    """One row per bundle or heartbeat file in the archive or the outbox (names parsed strictly)."""
+    root = Path(cfg.black.archive if where == "archive" else cfg.black.outbox)
+    paths = [p for p in root.rglob("*") if p.is_file() and not p.name.startswith(".")]
+    rows: dict[str, list[Any]] = {
+        k: [] for k in ("name", "kind", "channel", "seq", "bytes", "mtime")
+    }
+    for p in sorted(paths):
+        try:
+            b = parse_bundle_name(p.name)
+            kind, channel, seq = "bundle", b.channel, b.bundle_seq
+        except BundleNameError:
+            try:
+                h = parse_heartbeat_name(p.name)
+            except BundleNameError:
+                continue
+            kind, channel, seq = "heartbeat", h.channel, h.heartbeat_seq
+        st = p.stat()
+        for k, v in zip(rows, (p.name, kind, channel, seq, st.st_size, st.st_mtime), strict=True):
+            rows[k].append(v)
+    return pa.table(
+        {
+            "name": pa.array(rows["name"], pa.string()),
+            "kind": pa.array(rows["kind"], pa.string()),
+            "channel": pa.array(rows["channel"], pa.string()),
+            "seq": pa.array(rows["seq"], pa.int64()),
+            "bytes": pa.array(rows["bytes"], pa.int64()),
+            "mtime": pa.array(rows["mtime"], pa.float64()),
+        }
+    )
