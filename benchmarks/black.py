@@ -37,7 +37,7 @@ import requests
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bridge.black.job import BlackRun  # noqa: E402
-from bridge.black.mirror import stream_bounds  # noqa: E402
+from bridge.black.streams import stream_bounds  # noqa: E402
 from bridge.config import load_config  # noqa: E402
 from bridge.crypto.keys import init_keys  # noqa: E402
 from bridge.logs import setup_logging  # noqa: E402

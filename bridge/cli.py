@@ -100,8 +100,8 @@ def keys_init(
 @config_option
 def check(config_path: Path | None) -> None:
     """Validate the config and the black keys; exit non-zero with the fix if anything is wrong."""
+    from bridge.black.broker import connect
     from bridge.black.job import check_black_config
-    from bridge.black.mirror import connect
 
     cfg = _load(config_path)
     check_black_config(cfg)

@@ -7,10 +7,8 @@ Catch-all bindings, verified on RabbitMQ 3.10: fanout "" ; topic "#" ; headers: 
 table with ``x-match: all`` and no other key (matches every message, headers or not; ``any`` with
 no keys matches nothing) ; direct: one binding per configured routing key (no catch-all exists).
 
-Stream offsets are not message counts: each new stream segment starts with a tracking chunk
-that takes one offset, so offsets have a hole at every segment boundary; and a passive declare's
-``message_count`` lags by seconds and counts retained offsets, not the next offset.
-:func:`stream_bounds` reads real delivery offsets instead.
+Stream offsets and bounds live in :mod:`bridge.black.streams`; the broker connection in
+:mod:`bridge.black.broker`.
 """
 
 from __future__ import annotations
@@ -18,8 +16,6 @@ from __future__ import annotations
 import json
 import logging
 import threading
-import time
-import urllib.parse
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from fnmatch import fnmatchcase
@@ -30,6 +26,7 @@ import pika
 import pika.exceptions
 from pika.adapters.blocking_connection import BlockingChannel, BlockingConnection
 
+from bridge.black.broker import broker_refused, connect, connection_parameters
 from bridge.black.catalog import load_catalog, merge_catalog, save_catalog
 from bridge.black.management import ManagementClient
 from bridge.config import BlackConfig, ChannelConfig, Config
@@ -46,11 +43,8 @@ __all__ = [
     "Mirror",
     "MirrorLoop",
     "MirrorReport",
-    "connect",
     "plan_channel",
-    "stream_bounds",
     "stream_queue_name",
-    "stream_tail",
 ]
 
 log = get_logger("bridge.black.mirror")
@@ -171,72 +165,6 @@ def stream_queue_name(black: BlackConfig, channel: str) -> str:
 # ---------------------------------------------------------------- broker access
 
 
-def _parameters(black: BlackConfig, purpose: str) -> pika.URLParameters:
-    url = black.amqp_url.get_secret_value()
-    try:
-        params = pika.URLParameters(url)
-    except Exception as e:  # pika raises assorted types on malformed URLs
-        raise ConfigError(
-            f"black.amqp_url is not a valid AMQP URL ({type(e).__name__}); expected "
-            "amqp://user:password@host:5672/vhost (vhost URL-encoded, '/' is %2F)"
-        ) from None
-    query = urllib.parse.parse_qs(urllib.parse.urlsplit(url).query)
-    defaults = {
-        "connection_attempts": 1,
-        "retry_delay": 0,
-        "socket_timeout": 5,
-        "stack_timeout": 10,
-        "blocked_connection_timeout": 60,
-    }
-    for k, v in defaults.items():
-        if k not in query:
-            setattr(params, k, v)
-    params.client_properties = {"connection_name": f"diode-black-{purpose}"}
-    return params
-
-
-def describe_broker(params: pika.ConnectionParameters) -> str:
-    """``amqp://host:port/vhost`` without credentials, for messages and logs."""
-    vhost = urllib.parse.quote(params.virtual_host, safe="")
-    return f"amqp://{params.host}:{params.port}/{vhost}"
-
-
-def _scrub(text: str, params: pika.ConnectionParameters) -> str:
-    secret = getattr(params.credentials, "password", "")
-    return text.replace(secret, "***") if secret else text
-
-
-def connect(black: BlackConfig, *, purpose: str = "mirror") -> BlockingConnection:
-    """A blocking connection to the black broker that fails fast (one attempt, short timeouts)."""
-    params = _parameters(black, purpose)
-    where = describe_broker(params)
-    try:
-        return pika.BlockingConnection(params)
-    except (
-        pika.exceptions.ProbableAuthenticationError,
-        pika.exceptions.ProbableAccessDeniedError,
-    ) as e:
-        raise ConfigError(
-            f"RabbitMQ at {where} refused the login or the vhost ({type(e).__name__}): check user "
-            "and password in black.amqp_url, that the vhost exists and that the user has "
-            "permissions on it (rabbitmqctl set_permissions)"
-        ) from None
-    except (pika.exceptions.AMQPError, OSError) as e:
-        raise BrokerError(
-            f"RabbitMQ unreachable at {where} ({type(e).__name__}: {_scrub(str(e), params)}): "
-            "is the broker running and black.amqp_url right? retrying may help"
-        ) from None
-
-
-def _broker_refused(e: pika.exceptions.ChannelClosedByBroker, what: str, vhost: str) -> DiodeError:
-    if e.reply_code == 403:
-        return ConfigError(
-            f"RabbitMQ refused {what} in vhost {vhost!r}: {e.reply_text}; grant the black user "
-            "configure/write/read permissions on the vhost (rabbitmqctl set_permissions)"
-        )
-    return BrokerError(f"RabbitMQ refused {what} in vhost {vhost!r}: {e.reply_code} {e.reply_text}")
-
-
 # ---------------------------------------------------------------- sync
 
 
@@ -285,7 +213,7 @@ class Mirror:
     ) -> None:
         self.cfg = cfg
         self.catalog_path = Path(catalog_path)
-        self.vhost = _parameters(cfg.black, "mirror").virtual_host
+        self.vhost = connection_parameters(cfg.black, "mirror").virtual_host
         b = cfg.black
         self.management = management or ManagementClient(
             b.management_url, b.management_user, b.management_password.get_secret_value()
@@ -370,7 +298,7 @@ class Mirror:
                 chan = conn.channel()
                 if e.reply_code == 404:
                     continue
-                raise _broker_refused(
+                raise broker_refused(
                     e, f"a passive declare of exchange {name!r}", self.vhost
                 ) from None
             if name in catalog:
@@ -398,7 +326,7 @@ class Mirror:
                     f"delete_queue --vhost {self.vhost} {queue}) so the mirror re-creates it; "
                     "deleting loses its unread messages and restarts its offsets at 0"
                 ) from None
-            raise _broker_refused(e, f"declaring stream queue {queue!r}", self.vhost) from None
+            raise broker_refused(e, f"declaring stream queue {queue!r}", self.vhost) from None
 
     def _existing(self, queue: str, listed: bool) -> set[tuple[str, str, str]] | None:
         if not listed:
@@ -434,7 +362,7 @@ class Mirror:
                     failed.add(b.exchange)
                     skipped.append(f"{b.exchange!r}: vanished during sync ({e.reply_text})")
                     continue
-                raise _broker_refused(
+                raise broker_refused(
                     e, f"binding {queue!r} to {b.exchange!r}", self.vhost
                 ) from None
             done.add(b.key())
@@ -574,99 +502,3 @@ class MirrorLoop:
 
 
 # ---------------------------------------------------------------- stream offsets
-
-
-def _offset(props: pika.BasicProperties) -> int:
-    return int((props.headers or {})["x-stream-offset"])
-
-
-def stream_bounds(
-    cfg: Config,
-    channel: str,
-    *,
-    empty_wait: float = 0.5,
-    idle: float = 0.2,
-    settle: float = 0.5,
-    max_wait: float = 5.0,
-) -> tuple[int, int]:
-    """``(first retained offset, next offset)`` of a channel's stream; ``(0, 0)`` when empty.
-
-    Read from deliveries, not from ``message_count`` (which lags and counts offsets): one
-    consumer at ``first`` takes the first retained message, one at ``last`` drains the last
-    chunk until ``idle`` seconds pass without a delivery (at most ``settle`` seconds after its
-    first delivery: on a busy stream new chunks keep coming). ``next`` is the last *message*
-    offset + 1, so ``next - 1`` is always a real message (offset holes sit between segments).
-    On a busy stream ``next`` is a lower bound of the true tail, never beyond it. An empty
-    stream costs ``empty_wait`` seconds.
-    """
-    cfg.channel(channel)
-    queue = stream_queue_name(cfg.black, channel)
-    vhost = _parameters(cfg.black, "stream-bounds").virtual_host
-    conn = connect(cfg.black, purpose="stream-bounds")
-    try:
-        probe = conn.channel()
-        try:
-            count = probe.queue_declare(queue, passive=True).method.message_count
-        except pika.exceptions.ChannelClosedByBroker as e:
-            if e.reply_code == 404:
-                raise BrokerError(
-                    f"stream queue {queue!r} of channel {channel!r} does not exist in vhost "
-                    f"{vhost!r}: run the mirror (the black job) first"
-                ) from None
-            raise
-        first: list[int] = []
-        last: list[int] = []
-        c1 = conn.channel()
-        c1.basic_qos(prefetch_count=1)
-        c1.basic_consume(
-            queue,
-            lambda c, m, p, b: first.append(_offset(p)),
-            arguments={"x-stream-offset": "first"},
-        )
-        c2 = conn.channel()
-        c2.basic_qos(prefetch_count=2000)
-
-        def on_last(c: BlockingChannel, m: Any, p: pika.BasicProperties, b: bytes) -> None:
-            last.append(_offset(p))
-            c.basic_ack(m.delivery_tag)
-
-        c2.basic_consume(queue, on_last, arguments={"x-stream-offset": "last"})
-        start = seen_at = time.monotonic()
-        began_at: float | None = None
-        seen = 0
-        while True:
-            conn.process_data_events(time_limit=0.02)
-            now = time.monotonic()
-            if len(last) != seen:
-                seen, seen_at = len(last), now
-                began_at = began_at or now
-            if first and began_at and (now - seen_at >= idle or now - began_at >= settle):
-                break
-            if not first and not last and now - start >= (empty_wait if count == 0 else max_wait):
-                if count:
-                    raise BrokerError(
-                        f"stream queue {queue!r} reports {count} messages but delivered none "
-                        f"in {max_wait}s; retrying may help"
-                    )
-                return (0, 0)
-            if now - start >= max_wait:
-                break
-        lo = first[0] if first else min(last)
-        hi = max(last) + 1 if last else lo + 1
-        return (lo, hi)
-    except pika.exceptions.AMQPError as e:
-        raise BrokerError(
-            f"RabbitMQ failed while reading the bounds of stream {queue!r} ({type(e).__name__}); "
-            "retrying may help"
-        ) from None
-    finally:
-        if conn.is_open:
-            try:
-                conn.close()  # never stop_consuming(): streams refuse the rejects (NOTES.md)
-            except pika.exceptions.AMQPError:
-                pass
-
-
-def stream_tail(cfg: Config, channel: str) -> int:
-    """The next offset to be written in the channel's stream (see :func:`stream_bounds`)."""
-    return stream_bounds(cfg, channel)[1]

@@ -25,9 +25,9 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from bridge.black.chunking import row_size_estimate
-from bridge.black.mirror import stream_bounds
 from bridge.black.seal import BundleSealer, ShippedBundle
 from bridge.black.source import READ_HINT_FILE
+from bridge.black.streams import stream_bounds
 from bridge.config import Config
 from bridge.errors import DiodeError
 from bridge.fsutil import atomic_write_bytes

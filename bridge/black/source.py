@@ -34,9 +34,9 @@ from pyspark.sql.types import StructType
 
 from bridge.black.catalog import load_catalog
 from bridge.black.chunking import ROW_OVERHEAD_BYTES
-from bridge.black.mirror import stream_bounds, stream_queue_name
+from bridge.black.mirror import stream_queue_name
 from bridge.black.state import StateStore
-from bridge.black.stream_consumer import read_range
+from bridge.black.streams import read_range, stream_bounds
 from bridge.config import Config, load_config
 from bridge.errors import StateError
 from bridge.logs import get_logger, log_event, setup_logging

@@ -11,7 +11,7 @@ from typing import Any
 import requests
 
 from bridge.black.job import BlackRun
-from bridge.black.mirror import stream_bounds
+from bridge.black.streams import stream_bounds
 from bridge.config import load_config
 from bridge.crypto.gpg import Gpg
 from bridge.crypto.keys import init_keys

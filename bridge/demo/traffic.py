@@ -18,7 +18,7 @@ from typing import Any
 import pika
 from pika.spec import BasicProperties
 
-from bridge.black.stream_consumer import connect
+from bridge.black.broker import connect_url
 from bridge.protocol.exchange import ExchangeDecl
 
 __all__ = [
@@ -51,7 +51,7 @@ class Published:
 
 
 def declare_exchanges(url: str) -> None:
-    conn = connect(url, what="demo exchange declaration")
+    conn = connect_url(url, purpose="demo-declare")
     try:
         ch = conn.channel()
         for x in DEMO_EXCHANGES:
@@ -170,7 +170,7 @@ def publish_mix(
 ) -> Published:
     """Publish ``n`` sample messages (no confirms: callers check the stream tail instead)."""
     out = Published()
-    conn = connect(url, what="demo publisher")
+    conn = connect_url(url, purpose="demo-publish")
     try:
         ch = conn.channel()
         for ex, rk, props, body in sample_messages(n, seed=seed, big_every=big_every):

@@ -17,13 +17,8 @@ from pydantic import SecretStr
 
 from bridge.black.catalog import load_catalog
 from bridge.black.management import ManagementClient
-from bridge.black.mirror import (
-    Mirror,
-    MirrorLoop,
-    stream_bounds,
-    stream_queue_name,
-    stream_tail,
-)
+from bridge.black.mirror import Mirror, MirrorLoop, stream_queue_name
+from bridge.black.streams import stream_bounds, stream_tail
 from bridge.config import BlackConfig, ChannelConfig, Config
 from bridge.errors import BrokerError, ConfigError, ManagementApiError
 from bridge.protocol.exchange import ExchangeDecl

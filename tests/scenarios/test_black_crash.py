@@ -32,7 +32,8 @@ from typing import Any
 import pyarrow.parquet as pq
 import pytest
 
-from bridge.black.mirror import Mirror, stream_bounds
+from bridge.black.mirror import Mirror
+from bridge.black.streams import stream_bounds
 from bridge.config import Config, load_config
 from bridge.crypto.keys import init_keys
 from bridge.demo.run import write_demo_config
