@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sys
@@ -117,6 +118,18 @@ def check(config_path: Path | None) -> None:
         version = mc.overview().get("rabbitmq_version")
         mc.close()
         click.echo(f"broker: RabbitMQ {version}")
+    from bridge.black.probe import probe_stream_fidelity
+
+    fid = probe_stream_fidelity(cfg.black)
+    if fid.exact:
+        click.echo("stream fidelity: every AMQP header type is kept")
+    else:
+        click.echo(
+            f"warning: this broker's stream queues drop header types {fid.dropped} and refuse "
+            f"{fid.refused} (the publisher's connection is closed): messages with them cannot "
+            "cross unchanged; see docs/runbook.md, 'Broker limits'",
+            err=True,
+        )
     click.echo(
         f"ok: {len(cfg.channels)} channel(s), keys present, broker reachable; config {cfg.source}"
     )
@@ -132,7 +145,7 @@ def mirror(config_path: Path | None) -> None:
 
     cfg = _load(config_path)
     report = Mirror(cfg, catalog_path=P(cfg.black.state_dir) / "exchanges.json").sync()
-    click.echo(str(report))
+    click.echo(json.dumps(dataclasses.asdict(report), indent=2, default=str))
 
 
 # -- black -----------------------------------------------------------------------------------------

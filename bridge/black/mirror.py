@@ -32,6 +32,7 @@ from bridge.black.management import ManagementClient
 from bridge.config import BlackConfig, ChannelConfig, Config
 from bridge.errors import BrokerError, ConfigError, DiodeError, ManagementApiError
 from bridge.logs import get_logger, log_event
+from bridge.metrics import BLACK
 from bridge.protocol.exchange import ExchangeDecl
 
 __all__ = [
@@ -269,6 +270,8 @@ class Mirror:
                 exchanges=changed,
             )
         reports = {p.channel: self._apply(conn, p, listed) for p in plans}
+        for name, rep in reports.items():
+            BLACK.exchanges_unbound.labels(name).set(len(rep.unbound_direct))
         return MirrorReport(self.vhost, reports, changed, self.cfg.black.discover)
 
     def _learn(

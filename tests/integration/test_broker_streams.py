@@ -81,3 +81,23 @@ def test_streams_refuse_decimal_headers_by_closing_the_publisher(black_vhost) ->
             "", "canary", b"d", pika.BasicProperties(headers={"d": decimal.Decimal("1.5")})
         )
     assert not conn.is_open
+
+
+def test_fidelity_probe_reports_what_the_broker_does(black_vhost) -> None:  # type: ignore[no-untyped-def]
+    """`diode check` runs this probe: it must agree with the canaries above and clean up."""
+    from bridge.black.probe import probe_stream_fidelity
+    from bridge.config import BlackConfig
+
+    rep = probe_stream_fidelity(BlackConfig(amqp_url=black_vhost.amqp_url))
+    assert rep.dropped == ["table", "array"] and rep.refused == ["decimal"]
+    assert set(rep.kept) == {"string", "bytes", "int32", "int64", "bool", "timestamp", "void"}
+    assert not rep.exact
+    import urllib.parse
+
+    import requests
+
+    q = urllib.parse.quote(black_vhost.name, safe="")
+    queues = requests.get(
+        f"{black_vhost.management_url}/api/queues/{q}", auth=("guest", "guest"), timeout=10
+    ).json()
+    assert not [x["name"] for x in queues if x["name"].startswith("diode.probe.")]
