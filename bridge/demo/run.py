@@ -81,7 +81,7 @@ trigger_seconds = 2.0
 heartbeat_seconds = 5.0
 
 [black.bundle]
-max_rows = 50000
+max_rows = 5000
 max_bytes = 67108864
 max_file_bytes = 134217728
 
@@ -152,6 +152,7 @@ def run_demo(
         "black_msg_per_s": round(summary.messages / summary.seconds, 1)
         if summary.seconds
         else None,
+        "black_drain_msg_per_s": summary.to_json()["drain_msg_per_s"],
         "publish_seconds": round(t_pub - t0, 2),
         "workdir": str(workdir),
         "outbox": str(cfg.black.outbox),
