@@ -10,7 +10,8 @@ bad) and raises.
 
 Hot path (``seal``/``open``): gpg is run directly with ``--status-fd`` and reads/writes
 the files itself, so a 1 GB bundle never passes through Python memory or a pipe.
-Key listing, import and export go through python-gnupg.
+Key listing, import and export go through python-gnupg. What gpg's status lines mean,
+and which of them red accepts, is decided in ``bridge.crypto.verdict``.
 """
 
 from __future__ import annotations
@@ -21,13 +22,14 @@ import re
 import stat
 import subprocess
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
-from datetime import UTC, datetime
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
 import gnupg
 
+from bridge.crypto.verdict import Opened, Transcript, judge, parse_status
+from bridge.crypto.verdict import check_length as _check_length
 from bridge.errors import CryptoError, KeyMissingError, SignatureError
 from bridge.fsutil import durable_rename, tmp_path_for
 
@@ -36,26 +38,10 @@ __all__ = ["Gpg", "Opened", "normalize_fingerprint"]
 log = logging.getLogger(__name__)
 
 _FPR_RE = re.compile(r"[0-9A-F]{40}|[0-9A-F]{64}")
-_STATUS_PREFIX = "[GNUPG:] "
 # Bundles are sealed with -z 0, so a plaintext is never larger than its message; this
 # slack only covers packet overhead of small messages. Anything bigger is a compression
 # bomb (hostile input: gpg writes the plaintext BEFORE it checks the signature).
 _OUTPUT_SLACK = 1024 * 1024
-_HIDDEN_TRIAL_ERROR = "ecdh failed in gcry_cipher_decrypt: Checksum error"
-_FATAL_MARKERS = (
-    "error writing",
-    "error closing",
-    "error flushing",
-    "max-output",
-    "handle plaintext failed",
-    "no space left",
-    "read error",
-    "invalid packet",
-    "unexpected",
-    "premature",
-    "crc error",
-)
-_SIG_RESULTS = ("GOODSIG", "BADSIG", "EXPSIG", "EXPKEYSIG", "REVKEYSIG", "ERRSIG")
 # Long homes push gpg-agent's socket past the 108-byte AF_UNIX limit.
 _SOCKET_PATH_LIMIT = 100
 
@@ -71,45 +57,11 @@ def normalize_fingerprint(value: str, *, what: str = "fingerprint") -> str:
     return fpr
 
 
-@dataclass(frozen=True)
-class Opened:
-    """What red learned from a bundle that passed verification."""
-
-    signer_fpr: str
-    """Primary-key fingerprint of the (pinned) signer."""
-    signed_at: datetime
-    """Signature creation time, UTC."""
-    encrypted: bool
-    """False for a signed-only message (a channel that opted out of encryption)."""
-
-
 @dataclass
-class _Result:
-    rc: int
-    status: list[tuple[str, list[str]]] = field(default_factory=list)
-    diag: list[str] = field(default_factory=list)
+class _Result(Transcript):
+    """A status transcript plus what gpg wrote to stdout (``--output -``)."""
+
     stdout: bytes = b""
-
-    def has(self, keyword: str) -> bool:
-        return any(k == keyword for k, _ in self.status)
-
-    def all(self, keyword: str) -> list[list[str]]:
-        return [a for k, a in self.status if k == keyword]
-
-    def first(self, keyword: str) -> list[str] | None:
-        found = self.all(keyword)
-        return found[0] if found else None
-
-    def reason(self) -> str:
-        """gpg's own words: FAILURE/ERROR/INV_* status lines and the last diagnostics."""
-        codes = [
-            f"{k} {' '.join(a)}"
-            for k, a in self.status
-            if k in ("FAILURE", "ERROR", "INV_RECP", "INV_SGNR", "NO_SGNR", "KEY_NOT_CREATED")
-        ]
-        lines = [d.removeprefix("gpg: ") for d in self.diag if d.strip()][-4:]
-        parts = [f"gpg exit {self.rc}"] + codes + lines
-        return "; ".join(parts)
 
 
 class Gpg:
@@ -186,14 +138,8 @@ class Gpg:
             raise CryptoError(
                 f"gpg binary {self.binary!r} not found (home {self.home}); install GnuPG 2.2+"
             ) from None
-        res = _Result(rc=proc.returncode, stdout=proc.stdout)
-        for raw in proc.stderr.decode("utf-8", "replace").splitlines():
-            if raw.startswith(_STATUS_PREFIX):
-                words = raw[len(_STATUS_PREFIX) :].split(" ")
-                res.status.append((words[0], words[1:]))
-            else:
-                res.diag.append(raw)
-        return res
+        status, diag = parse_status(proc.stderr.decode("utf-8", "replace"))
+        return _Result(rc=proc.returncode, status=status, diag=diag, stdout=proc.stdout)
 
     def _hint(self) -> str:
         if len(str(self.home / "S.gpg-agent.extra")) > _SOCKET_PATH_LIMIT:
@@ -440,80 +386,8 @@ class Gpg:
         ]
 
     def _judge(self, res: _Result, pinned: set[str], what: str) -> Opened:
-        """Decide from gpg's status lines; the order goes from most to least specific."""
-        encrypted = any(
-            res.has(k) for k in ("ENC_TO", "BEGIN_DECRYPTION", "NO_SECKEY", "DECRYPTION_FAILED")
-        )
-        sigs = [(k, a) for k, a in res.status if k in _SIG_RESULTS]
-        pinned_txt = ", ".join(sorted(pinned))
-        for k, a in sigs:
-            if k == "BADSIG":
-                raise SignatureError(
-                    f"{what}: BAD signature by key {a[0] if a else '?'}: the content was "
-                    "altered after signing (tampered or corrupted in transit)"
-                )
-        if encrypted and not res.has("DECRYPTION_OKAY"):
-            nosec = [a[0] for a in res.all("NO_SECKEY") if a]
-            if nosec and not res.has("DECRYPTION_KEY"):
-                shown = ", ".join(sorted(set(nosec)))
-                raise CryptoError(
-                    f"{what}: cannot decrypt: not a recipient; no secret key in GnuPG home "
-                    f"{self.home} opens it (recipient key ids: {shown}; all zeros means "
-                    "hidden recipients). Is this red key listed in the channel's recipients?"
-                )
-            bad = " (integrity check failed: tampered)" if res.has("BADMDC") else ""
-            raise CryptoError(
-                f"{what}: cannot decrypt{bad}: {res.reason()}; garbage, truncated or tampered"
-            )
-        info = res.first("DECRYPTION_INFO")
-        if encrypted and info is not None and info[0] == "0" and (len(info) < 3 or info[2] == "0"):
-            raise CryptoError(f"{what}: encrypted without integrity protection (no MDC/AEAD)")
-        if not sigs:
-            if res.rc != 0 or not res.has("PLAINTEXT"):
-                raise CryptoError(
-                    f"{what}: not a readable OpenPGP message: {res.reason()}; "
-                    "garbage or truncated input"
-                )
-            raise SignatureError(f"{what}: no signature; pinned signers: {pinned_txt}")
-        if len(sigs) > 1 or len(res.all("NEWSIG")) > 1:
-            raise SignatureError(
-                f"{what}: {len(sigs)} signatures; a bundle carries exactly one (by a pinned key)"
-            )
-        kind, a = sigs[0]
-        if kind == "ERRSIG":
-            rc = a[5] if len(a) > 5 else "?"
-            issuer = a[6] if len(a) > 6 and a[6] != "-" else (a[0] if a else "?")
-            if rc == "9" or res.has("NO_PUBKEY"):
-                raise SignatureError(
-                    f"{what}: signed by unknown key {issuer} (not in GnuPG home {self.home}); "
-                    f"pinned signers: {pinned_txt}"
-                )
-            raise SignatureError(f"{what}: cannot check signature by {issuer}: {res.reason()}")
-        if kind in ("EXPKEYSIG", "REVKEYSIG", "EXPSIG"):
-            state = {
-                "EXPKEYSIG": "expired key",
-                "REVKEYSIG": "revoked key",
-                "EXPSIG": "expired signature",
-            }
-            raise SignatureError(f"{what}: signature by {state[kind]} {a[0] if a else '?'}")
-        valid = res.first("VALIDSIG")
-        if valid is None or len(valid) < 10:
-            raise SignatureError(f"{what}: good signature but no VALIDSIG from gpg: {res.reason()}")
-        primary = valid[9].upper()
-        if primary not in pinned:
-            raise SignatureError(
-                f"{what}: valid signature by key {primary}, which is NOT pinned "
-                f"(pinned: {pinned_txt}); if this black key is legitimate add it to "
-                "link.black_signers"
-            )
-        if valid[8] != "00":
-            raise SignatureError(
-                f"{what}: signature class {valid[8]} by {primary}; bundles are binary "
-                "signed messages (class 00), not clearsigned text"
-            )
-        if not res.has("PLAINTEXT") or (res.rc != 0 and not _only_hidden_key_trials(res)):
-            raise CryptoError(f"{what}: gpg failed after a good signature: {res.reason()}")
-        return Opened(signer_fpr=primary, signed_at=_sig_time(valid[2]), encrypted=encrypted)
+        """The verdict on one decrypt+verify run (``bridge.crypto.verdict.judge``)."""
+        return judge(res, pinned, what, home=self.home)
 
     def _pinned(self, pinned_signers: Sequence[str]) -> set[str]:
         pinned = {normalize_fingerprint(f, what="pinned signer") for f in pinned_signers}
@@ -573,35 +447,3 @@ class Gpg:
         opened = self._judge(res, pinned, what)
         _check_length(res, len(res.stdout), what)
         return res.stdout, opened
-
-
-def _only_hidden_key_trials(res: _Result) -> bool:
-    """True when gpg's non-zero exit only reflects trying our key on another's hidden slot.
-
-    With ``--throw-keyids`` gpg tries each secret key on each anonymous ECDH recipient
-    packet; a miss logs "ecdh failed ... Checksum error" and makes gpg exit 2 although
-    the message then decrypts and verifies (the plain gpg CLI exits 2 as well). Any other
-    error (disk full, max-output, bad packets) still fails the bundle.
-    """
-    hidden_ecdh = any(a[:2] == ["0000000000000000", "18"] for a in res.all("ENC_TO"))
-    missed = any(_HIDDEN_TRIAL_ERROR in d for d in res.diag)
-    fatal = any(m in d.lower() for d in res.diag for m in _FATAL_MARKERS)
-    done = res.has("DECRYPTION_OKAY") and res.has("END_DECRYPTION")
-    return hidden_ecdh and missed and done and not fatal
-
-
-def _check_length(res: _Result, written: int, what: str) -> None:
-    """The plaintext written must be as long as the literal packet said (catches ENOSPC)."""
-    declared = res.first("PLAINTEXT_LENGTH")
-    if declared and declared[0].isdigit() and int(declared[0]) != written:
-        raise CryptoError(
-            f"{what}: wrote {written} of {declared[0]} plaintext bytes (disk full?); "
-            "free space and retry"
-        )
-
-
-def _sig_time(value: str) -> datetime:
-    """VALIDSIG's timestamp: seconds since the epoch, or ISO 8601 ``YYYYMMDDThhmmss``."""
-    if "T" in value:
-        return datetime.strptime(value, "%Y%m%dT%H%M%S").replace(tzinfo=UTC)
-    return datetime.fromtimestamp(int(value), tz=UTC)
