@@ -1,0 +1,214 @@
+"""Integration: `diode resend` / `status` / `gaps` after a real black run, and archive pruning.
+
+A black run (in-process Spark, available-now, small bundles) ships >= 4 bundles; the vendor's
+mover then takes everything out of the outbox. The real CLI (a subprocess) re-drops a range
+from the archive, byte for byte; reports what the archive no longer holds (exit 1, JSON);
+refuses an unknown channel (exit 2); and ``status`` / ``gaps`` tell where black stands.
+Pruning removes archived bundles older than the retention and keeps the recent ones.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pika
+import pytest
+
+from bridge.black.job import BlackRun
+from bridge.config import load_config
+from bridge.crypto.keys import init_keys
+from bridge.diode.file_drop import Outbox
+
+REPO = Path(__file__).resolve().parents[2]
+CHANNEL = "ops"
+N = 50
+MAX_ROWS = 10
+DAY = 86400.0
+
+
+def write_config(work: Path, amqp_url: str, mgmt: str, black_fpr: str, red_fpr: str) -> Path:
+    p = work / "diode.toml"
+    p.write_text(
+        f"""
+[link]
+bridge_id = "resend-black"
+black_signers = ["{black_fpr}"]
+
+[[channels]]
+name = "{CHANNEL}"
+exchanges = ["ops.*"]
+recipients = ["{red_fpr}"]
+
+[black]
+amqp_url = "{amqp_url}"
+management_url = "{mgmt}"
+gnupg_home = "keys/black"
+signing_key = "{black_fpr}"
+trigger_seconds = 1.0
+heartbeat_seconds = 5.0
+archive_retention_days = 7
+
+[black.bundle]
+max_rows = {MAX_ROWS}
+"""
+    )
+    return p
+
+
+def diode(*args: str) -> subprocess.CompletedProcess[str]:
+    env = dict(os.environ)
+    env.pop("DIODE_CONFIG", None)
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    return subprocess.run(
+        [sys.executable, "-m", "bridge.cli", "--log-format", "json", *args],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+
+
+def bundle_seq(name: str) -> int:
+    return int(name.split(".")[1])
+
+
+def files(d: Path) -> list[str]:
+    return sorted(p.name for p in d.iterdir()) if d.is_dir() else []
+
+
+@pytest.mark.broker
+@pytest.mark.gpg
+@pytest.mark.spark
+def test_resend_status_gaps_after_a_black_run(black_vhost: Any, short_tmp: Path, spark) -> None:  # type: ignore[no-untyped-def]
+    inv = init_keys(short_tmp / "keys", red_names=("red",), bridge_id="resend-black")
+    cfg_path = write_config(
+        short_tmp,
+        black_vhost.amqp_url,
+        black_vhost.management_url,
+        inv.black_fpr,
+        next(iter(inv.red_fprs.values())),
+    )
+    cfg = load_config(cfg_path, environ={})
+    conn = pika.BlockingConnection(pika.URLParameters(black_vhost.amqp_url))
+    ch = conn.channel()
+    ch.confirm_delivery()
+    ch.exchange_declare("ops.events", "fanout", durable=True)
+    run = BlackRun(cfg)
+    run.mirror.sync()  # the stream exists before anything is published
+    for i in range(N):
+        ch.basic_publish("ops.events", "", f"event-{i}".encode())
+    conn.close()
+    deadline = time.monotonic() + 60
+    summary = run.run(spark, "available-now", timeout=240)
+    while summary.messages < N and time.monotonic() < deadline:  # the stream may lag a little
+        summary.messages += BlackRun(cfg).run(spark, "available-now", timeout=120).messages
+    assert summary.messages == N and summary.lost == 0
+
+    outbox, archive = Path(cfg.black.outbox), Path(cfg.black.archive) / CHANNEL
+    archived = {bundle_seq(n): archive / n for n in files(archive)}
+    top = max(archived)
+    assert top >= 4 and sorted(archived) == list(range(1, top + 1)), sorted(archived)
+    shipped = sorted(p.name for p in outbox.glob("*.dbundle"))
+    assert shipped == sorted(p.name for p in archived.values()), "archive != what was shipped"
+
+    # the vendor's mover takes everything (bundles and heartbeats)
+    for p in outbox.iterdir():
+        p.unlink()
+    assert files(outbox) == []
+
+    # ---- resend 2..3: exactly those two, byte-identical to the archive
+    r = diode("resend", "--config", str(cfg_path), "--channel", CHANNEL, "--from", "2", "--to", "3")
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert out == {"resent": [archived[2].name, archived[3].name], "missing": []}
+    assert files(outbox) == [archived[2].name, archived[3].name], "hidden temps or extra files"
+    for seq in (2, 3):
+        assert (outbox / archived[seq].name).read_bytes() == archived[seq].read_bytes()
+        assert not (outbox / archived[seq].name).samefile(archived[seq]), (
+            "the re-dropped file must be a copy: a mover deleting or rewriting it must never "
+            "touch the archive"
+        )
+
+    # ---- resend 1..99: everything archived is re-dropped, the rest reported missing, exit 1
+    r = diode(
+        "resend", "--config", str(cfg_path), "--channel", CHANNEL, "--from", "1", "--to", "99"
+    )
+    assert r.returncode == 1, (r.returncode, r.stdout, r.stderr)
+    out = json.loads(r.stdout)
+    assert out["missing"] == list(range(top + 1, 100))
+    assert out["resent"] == [archived[s].name for s in range(1, top + 1)]
+    assert "not in the archive" in r.stderr
+    assert files(outbox) == sorted(p.name for p in archived.values())
+    for p in archived.values():
+        assert (outbox / p.name).read_bytes() == p.read_bytes()
+
+    # ---- an unknown channel: exit 2, a clear message naming it and the configured ones
+    r = diode("resend", "--config", str(cfg_path), "--channel", "nope", "--from", "1", "--to", "2")
+    assert r.returncode == 2, (r.returncode, r.stdout, r.stderr)
+    assert "unknown channel 'nope'" in r.stderr and CHANNEL in r.stderr
+    assert r.stdout == ""
+    assert "Traceback" not in r.stderr
+
+    # ---- an empty range is refused (not a silent no-op)
+    r = diode("resend", "--config", str(cfg_path), "--channel", CHANNEL, "--from", "3", "--to", "2")
+    assert r.returncode != 0 and "empty" in r.stderr, (r.returncode, r.stderr)
+
+    # ---- status and gaps
+    r = diode("status", "--config", str(cfg_path))
+    assert r.returncode == 0, r.stderr
+    st = json.loads(r.stdout)
+    assert st["bridge_id"] == "resend-black"
+    c = st["channels"][CHANNEL]
+    assert c["last_bundle_seq"] == top and c["last_seq"] == N - 1
+    assert c["lost"] == {} and c["pending"] is False
+    assert c["outbox_bundles"] == top
+    r = diode("gaps", "--config", str(cfg_path))
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout) == {CHANNEL: {}}
+
+    # ---- pruning the real archive: bundles 1..2 aged past the retention go, the rest stay
+    now = time.time()
+    for seq in (1, 2):
+        os.utime(archived[seq], (now - 8 * DAY, now - 8 * DAY))
+    os.utime(archived[3], (now - 6 * DAY, now - 6 * DAY))  # inside the 7-day retention
+    ob = Outbox(outbox, Path(cfg.black.archive), retention_days=cfg.black.archive_retention_days)
+    assert ob.prune_archive() == 2
+    assert sorted(ob.archived(CHANNEL)) == list(range(3, top + 1))
+    r = diode("resend", "--config", str(cfg_path), "--channel", CHANNEL, "--from", "1", "--to", "3")
+    assert r.returncode == 1 and json.loads(r.stdout)["missing"] == [1, 2], r.stdout
+
+
+def test_prune_archive_removes_old_keeps_recent(tmp_path: Path) -> None:
+    ob = Outbox(tmp_path / "outbox", tmp_path / "archive", retention_days=2)
+    now = time.time()
+    ages = {1: 30 * DAY, 2: 2 * DAY + 60, 3: 2 * DAY - 60, 4: 0.0}  # seconds old
+    paths = {}
+    for ch in ("a", "b"):
+        d = tmp_path / "archive" / ch
+        d.mkdir(parents=True)
+        for seq, age in ages.items():
+            p = d / f"{ch}.{seq:012d}.{seq:032x}.dbundle"
+            p.write_bytes(b"x" * seq)
+            os.utime(p, (now - age, now - age))
+            paths[ch, seq] = p
+    hidden = tmp_path / "archive" / "a" / ".keep"
+    hidden.write_bytes(b"")
+    os.utime(hidden, (now - 90 * DAY, now - 90 * DAY))
+
+    assert ob.prune_archive(now=now) == 4  # seqs 1 and 2 of both channels
+    for (_ch, seq), p in paths.items():
+        assert p.exists() == (seq >= 3), p.name
+    assert hidden.exists(), "hidden files (temps in flight, dot files) are not the pruner's"
+    assert sorted(ob.archived("a")) == [3, 4]
+    assert ob.prune_archive(now=now) == 0  # idempotent
+    # a later clock: everything is past the retention
+    assert ob.prune_archive(now=now + 3 * DAY) == 4
+    assert ob.archived("a") == {} and ob.archived("b") == {}
