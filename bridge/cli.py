@@ -191,8 +191,10 @@ def black_run(
 @cli.command("resend")
 @config_option
 @click.option("--channel", required=True)
-@click.option("--from", "first", type=int, required=True, help="first bundle seq")
-@click.option("--to", "last", type=int, required=True, help="last bundle seq (inclusive)")
+@click.option("--from", "first", type=click.IntRange(1), required=True, help="first bundle seq")
+@click.option(
+    "--to", "last", type=click.IntRange(1), required=True, help="last bundle seq (inclusive)"
+)
 def resend(config_path: Path | None, channel: str, first: int, last: int) -> None:
     """Re-drop archived bundles of a channel, unchanged, into the outbox."""
     from bridge.diode.file_drop import Outbox

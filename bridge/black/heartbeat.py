@@ -33,6 +33,11 @@ class HeartbeatWriter:
         self.cfg, self.store, self.gpg, self.outbox = cfg, store, gpg, outbox
 
     def beat(self, channel: ChannelConfig) -> str:
+        """Write the next heartbeat of ``channel``; its seq is given back if writing fails.
+
+        (A kill -9 between saving the seq and the rename can still skip one heartbeat seq:
+        never a reused one.)
+        """
         with self.store.lock(channel.name):
             st = self.store.load(channel.name)
             st.heartbeat_seq += 1
@@ -48,18 +53,23 @@ class HeartbeatWriter:
                 counters=dict(st.counters),
             )
             self.store.save(st)
-        data = self.gpg.seal_bytes(
-            hb.to_json(),
-            signer=self.cfg.black.signing_key,
-            recipients=channel.recipients,
-            encrypt=channel.encrypt,
-            hide_recipients=self.cfg.black.bundle.hide_recipients,
-        )
-        name = heartbeat_name(channel.name, hb.heartbeat_seq)
-        tmp = self.outbox.temp_for(name)
-        with open(tmp, "wb") as f:
-            f.write(data)
-        durable_rename(tmp, self.outbox.outbox / name)
+            name = heartbeat_name(channel.name, hb.heartbeat_seq)
+            try:
+                data = self.gpg.seal_bytes(
+                    hb.to_json(),
+                    signer=self.cfg.black.signing_key,
+                    recipients=channel.recipients,
+                    encrypt=channel.encrypt,
+                    hide_recipients=self.cfg.black.bundle.hide_recipients,
+                )
+                tmp = self.outbox.temp_for(name)
+                with open(tmp, "wb") as f:
+                    f.write(data)
+                durable_rename(tmp, self.outbox.outbox / name)
+            except BaseException:
+                st.heartbeat_seq -= 1
+                self.store.save(st)
+                raise
         BLACK.heartbeats_sent.labels(channel.name).inc()
         log_event(
             log,

@@ -1,14 +1,13 @@
 """Diode, file drop: atomic delivery into the outbox, an archive with retention, resend.
 
 Black writes every sealed file under a hidden temporary name, fsyncs it and renames it into
-``outbox/``: a vendor's mover never sees a partial file. Each bundle is also hard-linked
-(or copied, across file systems) into ``archive/<channel>/`` so an operator can re-drop a
-range out of band with ``diode resend``; red ignores exact duplicates.
+``outbox/``: a vendor's mover never sees a partial file. Each bundle is also copied into
+``archive/<channel>/`` so an operator can re-drop a range out of band with ``diode resend``;
+red ignores exact duplicates.
 """
 
 from __future__ import annotations
 
-import os
 import re
 import shutil
 import time
@@ -18,7 +17,7 @@ from pathlib import Path
 from bridge.errors import BundleNameError, TransportError
 from bridge.fsutil import durable_rename, fsync_dir, tmp_path_for
 from bridge.logs import get_logger, log_event
-from bridge.protocol.naming import parse_bundle_name
+from bridge.protocol.naming import MAX_SEQ, parse_bundle_name
 
 __all__ = ["Outbox", "ResendReport"]
 
@@ -66,10 +65,9 @@ class Outbox:
                 adir.mkdir(parents=True, exist_ok=True)
                 dst = adir / name
                 tmp = tmp_path_for(dst)
-                try:
-                    os.link(sealed, tmp)
-                except OSError:
-                    shutil.copyfile(sealed, tmp)
+                # a copy, not a hard link: a mover that rewrote the outbox file in place
+                # would otherwise change the archived evidence too
+                shutil.copyfile(sealed, tmp)
                 durable_rename(tmp, dst)
             durable_rename(sealed, final)
         except OSError as e:
@@ -95,6 +93,10 @@ class Outbox:
         """Re-drop archived bundles ``first..last`` of ``channel`` unchanged into the outbox."""
         if last < first:
             raise TransportError(f"resend range {first}..{last} of channel {channel!r} is empty")
+        if first < 1 or last > MAX_SEQ:
+            raise TransportError(
+                f"resend range {first}..{last} of channel {channel!r}: bundle seqs are 1..{MAX_SEQ}"
+            )
         have = self.archived(channel)
         resent: list[str] = []
         missing: list[int] = []
@@ -113,7 +115,7 @@ class Outbox:
 
     def prune_archive(self, *, now: float | None = None) -> int:
         """Delete archived bundles older than the retention; returns how many."""
-        cutoff = (now or time.time()) - self.retention_seconds
+        cutoff = (time.time() if now is None else now) - self.retention_seconds
         removed = 0
         if not self.archive.is_dir():
             return 0
