@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import datetime as dt
 import hashlib
+import io
 import json
-import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +19,7 @@ from bridge.black.job import BlackRun
 from bridge.config import load_config
 from bridge.crypto.keys import init_keys
 from bridge.protocol.headers import decode_typed
+from tests.support import bundle_files, gpg_open_cli
 
 pytestmark = [pytest.mark.broker, pytest.mark.gpg, pytest.mark.spark]
 
@@ -53,34 +54,6 @@ max_messages_per_batch = 1500
 """
     )
     return work / "diode.toml"
-
-
-def gpg_decrypt_cli(red_home: Path, src: Path, dst: Path, black_fpr: str) -> None:
-    """Decrypt+verify with the plain gpg CLI; with hidden recipients gpg may exit 2 on success,
-    so success is judged from the status lines: GOODSIG + VALIDSIG by the pinned key."""
-    r = subprocess.run(
-        [
-            "gpg",
-            "--homedir",
-            str(red_home),
-            "--batch",
-            "--status-fd",
-            "1",
-            "--output",
-            str(dst),
-            "--decrypt",
-            str(src),
-        ],
-        capture_output=True,
-        text=True,
-        check=False,
-    )
-    status = r.stdout
-    assert "[GNUPG:] GOODSIG" in status, r.stderr
-    validsig = [ln.split() for ln in status.splitlines() if ln.startswith("[GNUPG:] VALIDSIG")]
-    assert validsig and validsig[0][-1] == black_fpr, status
-    assert "[GNUPG:] DECRYPTION_OKAY" in status
-    assert r.returncode in (0, 2), r.stderr
 
 
 def declare(url: str) -> None:
@@ -143,16 +116,13 @@ def broker_preserved(headers: dict | None) -> dict | None:
     return kept or None
 
 
-def read_bundles(
-    outbox: Path, red_home: Path, black_fpr: str, tmp: Path
-) -> list[tuple[dict, Any, str]]:
+def read_bundles(outbox: Path, red_home: Path, black_fpr: str) -> list[tuple[dict, Any, str]]:
     out = []
-    for f in sorted(outbox.glob("*.dbundle")):
-        plain = tmp / (f.name + ".parquet")
-        gpg_decrypt_cli(red_home, f, plain, black_fpr)
-        pf = pq.ParquetFile(plain)
+    for f in bundle_files(outbox):
+        plain = gpg_open_cli(red_home, f, black_fpr)
+        pf = pq.ParquetFile(io.BytesIO(plain))
         manifest = json.loads(pf.metadata.metadata[b"diode.manifest"])
-        out.append((manifest, pf.read(), hashlib.sha256(plain.read_bytes()).hexdigest()))
+        out.append((manifest, pf.read(), hashlib.sha256(plain).hexdigest()))
     return out
 
 
@@ -171,7 +141,7 @@ def test_every_message_once_and_identical(black_vhost, short_tmp: Path, spark) -
     summary = run.run(spark, "available-now", timeout=300)
     assert summary.messages == n and summary.lost == 0
 
-    bundles = read_bundles(cfg.black.outbox, inv.red_home, inv.black_fpr, short_tmp)
+    bundles = read_bundles(cfg.black.outbox, inv.red_home, inv.black_fpr)
     assert [m["bundle_seq"] for m, _, _ in bundles] == list(range(1, len(bundles) + 1))
     assert len(bundles) >= n // 700
     prev = None
@@ -220,9 +190,7 @@ def test_every_message_once_and_identical(black_vhost, short_tmp: Path, spark) -
     # heartbeats: signed, name the last bundle
     hbs = sorted(cfg.black.outbox.glob("*.dheartbeat"))
     assert hbs
-    hb_plain = short_tmp / "hb.json"
-    gpg_decrypt_cli(inv.red_home, hbs[-1], hb_plain, inv.black_fpr)
-    hb = json.loads(hb_plain.read_text())
+    hb = json.loads(gpg_open_cli(inv.red_home, hbs[-1], inv.black_fpr))
     assert hb["last_bundle_seq"] == len(bundles) and hb["last_seq"] == n - 1
 
     # a second run with nothing new ships nothing, and the archive holds every bundle

@@ -17,19 +17,12 @@ from __future__ import annotations
 import base64
 import datetime as dt
 import hashlib
-import io
 import json
-import os
 import random
-import signal
-import subprocess
-import sys
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import pyarrow.parquet as pq
 import pytest
 
 from bridge.black.mirror import Mirror
@@ -38,11 +31,10 @@ from bridge.config import Config, load_config
 from bridge.crypto.keys import init_keys
 from bridge.demo.run import write_demo_config
 from bridge.demo.traffic import DEMO_EXCHANGES, Published, declare_exchanges, publish_mix
+from tests.support import BlackJob, bundle_files, gpg_open_cli, read_plain_bundle, wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.broker, pytest.mark.gpg, pytest.mark.spark]
 
-REPO = Path(__file__).resolve().parents[2]
-JOB = REPO / "spark_jobs" / "black_drain.py"
 CHANNEL = "default"
 FIRST_BATCH = 8000
 SECOND_BATCH = 2000
@@ -67,76 +59,6 @@ EXCHANGE_TYPES = {x.name: x.type for x in DEMO_EXCHANGES}
 # --------------------------------------------------------------------------- the job
 
 
-class Job:
-    """``black_drain.py`` in its own process group, so SIGKILL reaches the JVM child too."""
-
-    def __init__(self, cfg_path: Path, trigger: str, log_dir: Path, n: int) -> None:
-        env = dict(os.environ)
-        env.update(
-            PYTHONPATH=os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]).rstrip(os.pathsep),
-            DIODE_LOG_LEVEL="INFO",
-            DIODE_LOG_FORMAT="text",
-            PYSPARK_PYTHON=sys.executable,
-            PYSPARK_DRIVER_PYTHON=sys.executable,
-        )
-        self.log = log_dir / f"job-{n}-{trigger}.log"
-        self._out = open(self.log, "wb")
-        self.proc = subprocess.Popen(
-            [sys.executable, str(JOB), "--config", str(cfg_path), "--trigger", trigger],
-            cwd=REPO,
-            env=env,
-            stdout=self._out,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-
-    def running(self) -> bool:
-        return self.proc.poll() is None
-
-    def kill(self) -> None:
-        """SIGKILL the whole group (python driver + Spark JVM + python workers)."""
-        try:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        try:
-            self.proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            pass
-        self._out.close()
-
-    def wait(self, timeout: float) -> int:
-        try:
-            return self.proc.wait(timeout=timeout)
-        finally:
-            self._out.close()
-
-    def tail(self, n: int = 60) -> str:
-        try:
-            return "\n".join(self.log.read_text(errors="replace").splitlines()[-n:])
-        except OSError:
-            return ""
-
-
-def bundle_files(outbox: Path) -> list[Path]:
-    return sorted(outbox.glob("*.dbundle"))
-
-
-def wait_for(
-    cond: Callable[[], bool], timeout: float, what: str, job: Job | None = None, poll: float = 0.2
-) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if cond():
-            return
-        if job is not None and not job.running():
-            pytest.fail(f"black job exited ({job.proc.returncode}) before {what}:\n{job.tail()}")
-        time.sleep(poll)
-    pytest.fail(
-        f"timed out after {timeout}s waiting for {what}" + (f":\n{job.tail()}" if job else "")
-    )
-
-
 def read_state(cfg: Config) -> dict[str, Any] | None:
     p = Path(cfg.black.state_dir) / f"channel-{CHANNEL}.json"
     try:
@@ -145,7 +67,7 @@ def read_state(cfg: Config) -> dict[str, Any] | None:
         return None  # not written yet (it is replaced atomically, never torn)
 
 
-def kill_in_crash_window(job: Job, cfg: Config, timeout: float) -> str:
+def kill_in_crash_window(job: BlackJob, cfg: Config, timeout: float) -> str:
     """SIGKILL the job while the journal holds a pending bundle (sealed, not yet delivered).
 
     Falls back to a random moment once ``timeout`` passes; returns which it was.
@@ -163,49 +85,6 @@ def kill_in_crash_window(job: Job, cfg: Config, timeout: float) -> str:
 
 
 # --------------------------------------------------------------------------- independent reading
-
-
-def gpg_decrypt(red_home: Path, src: Path, dst: Path, black_fpr: str) -> bytes:
-    """Plain ``gpg --decrypt``; returns the plaintext, failing unless the signature is good."""
-    r = subprocess.run(
-        [
-            "gpg",
-            "--homedir",
-            str(red_home),
-            "--batch",
-            "--yes",
-            "--status-fd",
-            "1",
-            "--output",
-            str(dst),
-            "--decrypt",
-            str(src),
-        ],
-        capture_output=True,
-        timeout=60,
-        check=False,
-    )
-    status = r.stdout.decode(errors="replace").splitlines()
-    good = any(line.startswith("[GNUPG:] GOODSIG ") for line in status)
-    valid = [line.split() for line in status if line.startswith("[GNUPG:] VALIDSIG ")]
-    signed_by_black = any(v[-1].upper() == black_fpr or v[2].upper() == black_fpr for v in valid)
-    ok_status = good and signed_by_black and "[GNUPG:] DECRYPTION_OKAY" in status
-    # with hidden recipients gpg tries each secret key on each anonymous slot and may exit 2
-    # although the message decrypted and verified: accept that only with a clean status
-    assert r.returncode in (0, 2) and ok_status and dst.exists(), (
-        f"gpg could not open {src.name} (exit {r.returncode}):\n"
-        f"{r.stdout.decode(errors='replace')}\n{r.stderr.decode(errors='replace')}"
-    )
-    data = dst.read_bytes()
-    dst.unlink()
-    return data
-
-
-def read_plain(data: bytes) -> tuple[dict[str, Any], list[dict[str, Any]]]:
-    pf = pq.ParquetFile(io.BytesIO(data))  # raises if gpg's output is not a whole Parquet file
-    kv = pf.metadata.metadata or {}
-    manifest = json.loads(kv[b"diode.manifest"])
-    return manifest, pf.read().to_pylist()
 
 
 def _typed(tagged: list[Any]) -> Any:
@@ -299,7 +178,7 @@ def test_kill_9_black_job_twice_loses_and_duplicates_nothing(
     for old, new in (
         ("trigger_seconds = 2.0", "trigger_seconds = 1.0\nmax_messages_per_batch = 1500"),
         ("heartbeat_seconds = 5.0", "heartbeat_seconds = 3.0"),
-        ("max_rows = 50000", "max_rows = 500"),
+        ("max_rows = 5000\n", "max_rows = 500\n"),
     ):
         assert old in text, f"demo config changed: {old!r} not found"
         text = text.replace(old, new)
@@ -312,11 +191,11 @@ def test_kill_9_black_job_twice_loses_and_duplicates_nothing(
     sent = publish_mix(black_vhost.amqp_url, FIRST_BATCH, keep=True, big_every=0)
     wait_for(lambda: stream_bounds(cfg, CHANNEL)[1] >= sent.count, 60, "the stream to hold batch 1")
 
-    jobs: list[Job] = []
+    jobs: list[BlackJob] = []
     kills: list[str] = []
     try:
         # run 1: continuous, killed once bundles flow
-        job = Job(cfg_path, "continuous", work, 1)
+        job = BlackJob(cfg_path, "continuous", work, tag="job1")
         jobs.append(job)
         wait_for(lambda: len(bundle_files(outbox)) >= 2, 90, "2 bundles in the outbox", job)
         job.kill()
@@ -327,7 +206,7 @@ def test_kill_9_black_job_twice_loses_and_duplicates_nothing(
         sent = Published(count=sent.count + more.count, messages=sent.messages + more.messages)
 
         # run 2: continuous again, killed inside the crash window (or at a random moment)
-        job = Job(cfg_path, "continuous", work, 2)
+        job = BlackJob(cfg_path, "continuous", work, tag="job2")
         jobs.append(job)
         n_before = len(bundle_files(outbox))
         wait_for(
@@ -342,11 +221,11 @@ def test_kill_9_black_job_twice_loses_and_duplicates_nothing(
         interrupted = st["pending"] if st and st.get("pending") else None
 
         # run 3: available-now drains everything and exits
-        job = Job(cfg_path, "available-now", work, 3)
+        job = BlackJob(cfg_path, "available-now", work, tag="job3")
         jobs.append(job)
         rc = job.wait(timeout=max(30.0, 170 - (time.monotonic() - t0)))
         assert rc == 0, f"available-now run failed ({rc}):\n{job.tail()}"
-        lines = [x for x in job.log.read_text().splitlines() if x.startswith('{"batches"')]
+        lines = [x for x in job.stdout_path.read_text().splitlines() if x.startswith('{"batches"')]
         assert lines, f"no summary printed:\n{job.tail()}"
         summary = json.loads(lines[-1])
         assert summary["lost"] == 0, summary
@@ -363,11 +242,10 @@ def test_kill_9_black_job_twice_loses_and_duplicates_nothing(
 
     # ---- read the outbox back with the gpg CLI and pyarrow.parquet only
     by_seq: dict[int, list[tuple[str, dict[str, Any], list[dict[str, Any]]]]] = {}
-    tmp = work / "plain.parquet"
     for p in bundle_files(outbox):
         assert p.stat().st_size <= cfg.black.bundle.max_file_bytes
-        plain = gpg_decrypt(inv.red_home, p, tmp, inv.black_fpr)
-        manifest, rows = read_plain(plain)
+        plain = gpg_open_cli(inv.red_home, p, inv.black_fpr)
+        manifest, rows = read_plain_bundle(plain)
         channel, seq_txt, bundle_id, suffix = p.name.split(".")
         assert (channel, int(seq_txt), bundle_id, suffix) == (
             manifest["channel"],

@@ -21,13 +21,8 @@ from __future__ import annotations
 import datetime as dt
 import io
 import json
-import os
-import signal
-import subprocess
-import sys
 import time
 import urllib.parse
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -37,11 +32,10 @@ import pytest
 import requests
 
 from bridge.crypto.keys import init_keys
+from tests.support import BlackJob, bundle_files, gpg_open_cli, wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.broker, pytest.mark.gpg, pytest.mark.spark]
 
-REPO = Path(__file__).resolve().parents[2]
-JOB = REPO / "spark_jobs" / "black_drain.py"
 AUTH = ("guest", "guest")
 CHANNEL = "live"
 BRIDGE_ID = "live-black"
@@ -86,117 +80,7 @@ max_rows = {MAX_ROWS}
 # --------------------------------------------------------------------------- the job
 
 
-class Job:
-    """``black_drain.py --trigger continuous`` in its own session (process group)."""
-
-    def __init__(self, cfg_path: Path, log_dir: Path) -> None:
-        env = dict(os.environ)
-        env.update(
-            PYTHONPATH=os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]).rstrip(os.pathsep),
-            DIODE_LOG_LEVEL="INFO",
-            DIODE_LOG_FORMAT="json",
-            PYSPARK_PYTHON=sys.executable,
-            PYSPARK_DRIVER_PYTHON=sys.executable,
-        )
-        env.pop("DIODE_CONFIG", None)
-        self.stdout_path = log_dir / "job.stdout"
-        self.stderr_path = log_dir / "job.stderr"
-        self._out = open(self.stdout_path, "wb")
-        self._err = open(self.stderr_path, "wb")
-        self.proc = subprocess.Popen(
-            [sys.executable, str(JOB), "--config", str(cfg_path), "--trigger", "continuous"],
-            cwd=REPO,
-            env=env,
-            stdout=self._out,
-            stderr=self._err,
-            start_new_session=True,
-        )
-
-    def running(self) -> bool:
-        return self.proc.poll() is None
-
-    def kill(self) -> None:
-        """SIGKILL the whole group: python driver, Spark JVM, python workers."""
-        try:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        try:
-            self.proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            pass
-        self._out.close()
-        self._err.close()
-
-    def log_events(self) -> list[dict[str, Any]]:
-        """The bridge's JSON log lines on stderr (Spark's own lines are skipped)."""
-        out = []
-        for line in self.stderr_path.read_text(errors="replace").splitlines():
-            if line.startswith("{"):
-                try:
-                    out.append(json.loads(line))
-                except ValueError:
-                    continue
-        return out
-
-    def tail(self, n: int = 40) -> str:
-        text = self.stderr_path.read_text(errors="replace") if self.stderr_path.exists() else ""
-        return "\n".join(text.splitlines()[-n:])
-
-
-def wait_for(
-    cond: Callable[[], Any], timeout: float, what: str, job: Job, poll: float = 0.2
-) -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        got = cond()
-        if got:
-            return got
-        if not job.running():
-            pytest.fail(f"black job exited ({job.proc.returncode}) before {what}:\n{job.tail()}")
-        time.sleep(poll)
-    pytest.fail(f"timed out after {timeout}s waiting for {what}:\n{job.tail()}")
-
-
 # --------------------------------------------------------------------------- independent reading
-
-
-def gpg_open(red_home: Path, src: Path, black_fpr: str) -> bytes:
-    """Decrypt + verify with the plain gpg CLI; the verdict comes from the status lines
-    (with hidden recipients gpg may exit 2 although decryption and signature are good)."""
-    dst = src.parent.parent / f"{src.name}.plain"
-    r = subprocess.run(
-        [
-            "gpg",
-            "--homedir",
-            str(red_home),
-            "--batch",
-            "--yes",
-            "--status-fd",
-            "1",
-            "--output",
-            str(dst),
-            "--decrypt",
-            str(src),
-        ],
-        capture_output=True,
-        timeout=60,
-        check=False,
-    )
-    status = r.stdout.decode(errors="replace").splitlines()
-    valid = [ln.split() for ln in status if ln.startswith("[GNUPG:] VALIDSIG ")]
-    ok = (
-        any(ln.startswith("[GNUPG:] GOODSIG ") for ln in status)
-        and any(v[2].upper() == black_fpr or v[-1].upper() == black_fpr for v in valid)
-        and "[GNUPG:] DECRYPTION_OKAY" in status
-    )
-    assert r.returncode in (0, 2) and ok and dst.exists(), (
-        f"gpg could not open {src.name} (exit {r.returncode}):\n"
-        f"{r.stdout.decode(errors='replace')}\n{r.stderr.decode(errors='replace')}"
-    )
-    data = dst.read_bytes()
-    dst.unlink()
-    return data
 
 
 def heartbeat_files(outbox: Path) -> dict[int, Path]:
@@ -206,10 +90,6 @@ def heartbeat_files(outbox: Path) -> dict[int, Path]:
         assert channel == CHANNEL, p.name
         out[int(seq)] = p
     return out
-
-
-def bundle_files(outbox: Path) -> list[Path]:
-    return sorted(outbox.glob("*.dbundle"))
 
 
 def check_heartbeat(hb: dict[str, Any], seq: int) -> None:
@@ -247,7 +127,7 @@ def test_live_job_heartbeats_picks_up_new_exchange_and_reports_unbound_direct(
     outbox = work / "black" / "outbox"
     queue = f"diode.mirror.{CHANNEL}"
 
-    job = Job(cfg_path, work)
+    job = BlackJob(cfg_path, "continuous", work)
     try:
         # ---- 1. idle heartbeats
         wait_for(lambda: heartbeat_files(outbox), 120, "the first heartbeat", job)
@@ -266,7 +146,7 @@ def test_live_job_heartbeats_picks_up_new_exchange_and_reports_unbound_direct(
         hbs = heartbeat_files(outbox)
         assert sorted(hbs) == list(range(1, len(hbs) + 1)), f"heartbeat seqs {sorted(hbs)}"
         for seq, p in sorted(hbs.items()):
-            hb = json.loads(gpg_open(inv.red_home, p, inv.black_fpr))
+            hb = json.loads(gpg_open_cli(inv.red_home, p, inv.black_fpr))
             check_heartbeat(hb, seq)
             assert hb["last_bundle_seq"] is None, "no bundle was ever shipped"
             assert hb["last_seq"] is None
@@ -331,7 +211,7 @@ def test_live_job_heartbeats_picks_up_new_exchange_and_reports_unbound_direct(
                 seq = int(p.name.split(".")[1])
                 if seq in manifests:
                     continue
-                pf = pq.ParquetFile(io.BytesIO(gpg_open(inv.red_home, p, inv.black_fpr)))
+                pf = pq.ParquetFile(io.BytesIO(gpg_open_cli(inv.red_home, p, inv.black_fpr)))
                 m = json.loads((pf.metadata.metadata or {})[b"diode.manifest"])
                 assert m["bundle_seq"] == seq and m["channel"] == CHANNEL
                 manifests[seq] = m
@@ -363,7 +243,7 @@ def test_live_job_heartbeats_picks_up_new_exchange_and_reports_unbound_direct(
             newest = max(hbs)
             if newest <= seen:
                 return None
-            hb = json.loads(gpg_open(inv.red_home, hbs[newest], inv.black_fpr))
+            hb = json.loads(gpg_open_cli(inv.red_home, hbs[newest], inv.black_fpr))
             check_heartbeat(hb, newest)
             return hb if hb["last_bundle_seq"] == top else None
 
@@ -384,7 +264,7 @@ def test_live_job_heartbeats_picks_up_new_exchange_and_reports_unbound_direct(
     for seq, p in sorted(hbs.items()):
         if seq <= idle_beats:
             continue
-        beat = json.loads(gpg_open(inv.red_home, p, inv.black_fpr))
+        beat = json.loads(gpg_open_cli(inv.red_home, p, inv.black_fpr))
         check_heartbeat(beat, seq)
         last.append(beat["last_bundle_seq"])
     known = [x for x in last if x is not None]
