@@ -22,6 +22,15 @@ JOB = REPO / "spark_jobs" / "black_drain.py"
 
 
 # ---------------------------------------------------------------------- independent reading
+AMQP_PROPERTIES = (
+    "content_type", "content_encoding", "delivery_mode", "priority", "correlation_id",
+    "reply_to", "expiration", "message_id", "timestamp", "type", "user_id", "app_id",
+    "cluster_id",
+)  # fmt: skip
+"""The AMQP 0-9-1 basic properties besides headers, written out from the spec (not imported
+from the bridge: these tests read bundles independently)."""
+
+
 def gpg_open_cli(red_home: Path, src: Path, black_fpr: str) -> bytes:
     """Decrypt + verify ``src`` with the plain gpg command line; returns the plaintext.
 

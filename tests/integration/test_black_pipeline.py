@@ -19,7 +19,7 @@ from bridge.black.job import BlackRun
 from bridge.config import load_config
 from bridge.crypto.keys import init_keys
 from bridge.protocol.headers import decode_typed
-from tests.support import bundle_files, gpg_open_cli
+from tests.support import AMQP_PROPERTIES, bundle_files, gpg_open_cli
 
 pytestmark = [pytest.mark.broker, pytest.mark.gpg, pytest.mark.spark]
 
@@ -165,20 +165,7 @@ def test_every_message_once_and_identical(black_vhost, short_tmp: Path, spark) -
     for r, (name, rk, props, body) in zip(rows, sent, strict=True):
         assert (r["exchange"], r["routing_key"], r["body"]) == (name, rk, body)
         assert r["exchange_type"] == types[name] and r["exchange_durable"] is True
-        for f in (
-            "content_type",
-            "content_encoding",
-            "delivery_mode",
-            "priority",
-            "correlation_id",
-            "reply_to",
-            "expiration",
-            "message_id",
-            "timestamp",
-            "type",
-            "user_id",
-            "app_id",
-        ):
+        for f in AMQP_PROPERTIES:
             assert r[f] == getattr(props, f), (f, r["seq"])
         want = broker_preserved(props.headers)
         got = decode_typed(r["headers_typed"])

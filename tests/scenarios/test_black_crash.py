@@ -31,28 +31,21 @@ from bridge.config import Config, load_config
 from bridge.crypto.keys import init_keys
 from bridge.demo.run import write_demo_config
 from bridge.demo.traffic import DEMO_EXCHANGES, Published, declare_exchanges, publish_mix
-from tests.support import BlackJob, bundle_files, gpg_open_cli, read_plain_bundle, wait_for
+from tests.support import (
+    AMQP_PROPERTIES,
+    BlackJob,
+    bundle_files,
+    gpg_open_cli,
+    read_plain_bundle,
+    wait_for,
+)
 
 pytestmark = [pytest.mark.slow, pytest.mark.broker, pytest.mark.gpg, pytest.mark.spark]
 
 CHANNEL = "default"
 FIRST_BATCH = 8000
 SECOND_BATCH = 2000
-PROPS = (
-    "content_type",
-    "content_encoding",
-    "delivery_mode",
-    "priority",
-    "correlation_id",
-    "reply_to",
-    "expiration",
-    "message_id",
-    "timestamp",
-    "type",
-    "user_id",
-    "app_id",
-    "cluster_id",
-)
+PROPS = AMQP_PROPERTIES
 EXCHANGE_TYPES = {x.name: x.type for x in DEMO_EXCHANGES}
 
 
