@@ -13,10 +13,12 @@ from typing import Any, Literal
 
 from bridge.black.heartbeat import HeartbeatLoop, HeartbeatWriter
 from bridge.black.mirror import Mirror, MirrorLoop
+from bridge.black.recovery import recover_committed
 from bridge.black.seal import BundleSealer
 from bridge.black.sink import BatchSink
 from bridge.black.source import RabbitStreamDataSource
 from bridge.black.state import StateStore
+from bridge.black.streams import stream_bounds
 from bridge.config import Config
 from bridge.crypto.gpg import Gpg
 from bridge.diode.file_drop import Outbox
@@ -37,6 +39,8 @@ class BlackSummary:
     bundle_names: list[str] = field(default_factory=list)
     lost: int = 0
     seconds: float = 0.0
+    recovered_bundles: int = 0
+    """Bundles shipped at start-up for offsets Spark had committed before a crash."""
     drain_seconds: float = 0.0
     """From the first micro-batch's read to the last bundle in the outbox (no query start-up)."""
 
@@ -46,6 +50,7 @@ class BlackSummary:
             "messages": self.messages,
             "bundles": self.bundles,
             "lost": self.lost,
+            "recovered_bundles": self.recovered_bundles,
             "seconds": round(self.seconds, 3),
             "msg_per_s": round(self.messages / self.seconds, 1) if self.seconds else None,
             "drain_seconds": round(self.drain_seconds, 3),
@@ -120,6 +125,12 @@ class BlackRun:
         t0 = time.monotonic()
         report = self.mirror.sync()  # declares streams + bindings; raises on misconfiguration
         log_event(log, 20, "mirror synced", report=str(report))
+        recovered = recover_committed(
+            self.cfg,
+            self.sealer,
+            self.store,
+            first_retained=lambda ch: stream_bounds(self.cfg, ch)[0],
+        )
         mirror_loop = MirrorLoop(self.mirror, self.cfg.black.discover_interval_seconds)
         hb_loop = HeartbeatLoop(self.heartbeats, self.cfg.black.heartbeat_seconds)
         if trigger == "continuous":
@@ -137,16 +148,16 @@ class BlackRun:
             hb_loop.stop()
         self.heartbeats.beat_all()  # a final heartbeat names the last bundle sealed
         self.outbox.prune_archive()
-        s = BlackSummary(seconds=time.monotonic() - t0)
+        s = BlackSummary(seconds=time.monotonic() - t0, recovered_bundles=len(recovered))
         busy = [r for r in self.sink.results if r.rows]
         if busy:
             s.drain_seconds = max(r.ended for r in busy) - min(r.began for r in busy)
-        for r in self.sink.results:
-            s.batches += 1
-            s.messages += sum(b.rows for b in r.bundles)
-            s.bundles += len(r.bundles)
-            s.bundle_names.extend(b.name for b in r.bundles)
-            s.lost += sum(g.last_seq - g.first_seq + 1 for b in r.bundles for g in b.gaps)
+        s.batches = len(self.sink.results)
+        for b in [*recovered, *(b for r in self.sink.results for b in r.bundles)]:
+            s.messages += b.rows
+            s.bundles += 1
+            s.bundle_names.append(b.name)
+            s.lost += sum(g.last_seq - g.first_seq + 1 for g in b.gaps)
         return s
 
 
