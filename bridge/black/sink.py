@@ -4,10 +4,10 @@
 
 Sealing batch N overlaps reading batch N+1. That is safe because black's journal, not Spark's
 checkpoint, decides what is shipped: when Spark has committed a batch that the sealing thread
-had not finished (a crash), the source re-reads from the journal's last shipped offset at the
-first batch of the next run (``RabbitStreamReader.partitions``), and the sealer drops offsets
-already shipped. A sealing failure stops the query at the next batch and is raised by
-``drain``.
+had not finished (a crash), the next run ships it before the query starts
+(:mod:`bridge.black.recovery`) and the source's first batch also starts at the journal
+(``RabbitStreamReader.partitions``); the sealer drops offsets already shipped. A sealing
+failure stops the query at the next batch and is raised by ``drain``.
 """
 
 from __future__ import annotations
