@@ -3,12 +3,8 @@
     exchanges (discovered | configured) ─plan_channel─> bindings ─> stream <prefix><channel>
                          └─> catalog (state_dir/exchanges.json), written before any binding
 
-Catch-all bindings, verified on RabbitMQ 3.10: fanout "" ; topic "#" ; headers: an argument
-table with ``x-match: all`` and no other key (matches every message, headers or not; ``any`` with
-no keys matches nothing) ; direct: one binding per configured routing key (no catch-all exists).
-
-Stream offsets and bounds live in :mod:`bridge.black.streams`; the broker connection in
-:mod:`bridge.black.broker`.
+The bindings are planned in :mod:`bridge.black.plan`; stream offsets and bounds live in
+:mod:`bridge.black.streams`; the broker connection in :mod:`bridge.black.broker`.
 """
 
 from __future__ import annotations
@@ -16,9 +12,8 @@ from __future__ import annotations
 import json
 import logging
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from fnmatch import fnmatchcase
 from pathlib import Path
 from typing import Any
 
@@ -29,142 +24,23 @@ from pika.adapters.blocking_connection import BlockingChannel, BlockingConnectio
 from bridge.black.broker import broker_refused, connect, connection_parameters
 from bridge.black.catalog import load_catalog, merge_catalog, save_catalog
 from bridge.black.management import ManagementClient
-from bridge.config import BlackConfig, ChannelConfig, Config
+from bridge.black.plan import (
+    Binding,
+    ChannelPlan,
+    builtin_denied,
+    explicit_names,
+    plan_channel,
+    stream_queue_name,
+)
+from bridge.config import Config
 from bridge.errors import BrokerError, ConfigError, DiodeError, ManagementApiError
 from bridge.logs import get_logger, log_event
 from bridge.metrics import BLACK
 from bridge.protocol.exchange import ExchangeDecl
 
-__all__ = [
-    "BUILTIN_DENY",
-    "HEADERS_CATCH_ALL",
-    "Binding",
-    "ChannelPlan",
-    "ChannelReport",
-    "Mirror",
-    "MirrorLoop",
-    "MirrorReport",
-    "plan_channel",
-    "stream_queue_name",
-]
+__all__ = ["ChannelReport", "Mirror", "MirrorLoop", "MirrorReport"]
 
 log = get_logger("bridge.black.mirror")
-
-BUILTIN_DENY = ("", "amq.*")
-"""Never mirrored: the default exchange and the broker's own amq.* exchanges."""
-
-HEADERS_CATCH_ALL: dict[str, Any] = {"x-match": "all"}
-"""Binding arguments that match every message of a headers exchange (no headers included)."""
-
-_GLOB = frozenset("*?[")
-
-
-# ---------------------------------------------------------------- plan (pure)
-
-
-@dataclass(frozen=True)
-class Binding:
-    """One binding of a channel's stream queue to an exchange."""
-
-    exchange: str
-    routing_key: str
-    arguments: dict[str, Any] = field(default_factory=dict)
-
-    def key(self) -> tuple[str, str, str]:
-        """Identity of the binding (RabbitMQ's: source, routing key, arguments)."""
-        return (self.exchange, self.routing_key, json.dumps(self.arguments, sort_keys=True))
-
-
-@dataclass(frozen=True)
-class ChannelPlan:
-    """What a channel's stream queue should be bound to."""
-
-    channel: str
-    bindings: list[Binding]
-    unbound_direct: list[str]
-    """Direct exchanges the channel matches but has no `direct_routing_keys` for."""
-    skipped: list[str]
-    """"'name': reason" for matched or named exchanges that are not mirrored."""
-
-    @property
-    def exchanges(self) -> list[str]:
-        return sorted({b.exchange for b in self.bindings})
-
-
-def _builtin_denied(name: str) -> bool:
-    return any(fnmatchcase(name, p) for p in BUILTIN_DENY)
-
-
-def _explicit_names(channel: ChannelConfig) -> set[str]:
-    exact = {p for p in channel.exchanges if not (_GLOB & set(p))}
-    return exact | set(channel.direct_routing_keys)
-
-
-def plan_channel(channel: ChannelConfig, exchanges: Sequence[ExchangeDecl]) -> ChannelPlan:
-    """Bindings mirroring every exchange of ``channel`` (fnmatch patterns minus deny lists).
-
-    Exchanges named exactly (in `exchanges` or `direct_routing_keys`) are candidates even when
-    no pattern matches; named ones that are absent or denied are reported in ``skipped``.
-    """
-    by_name = {d.name: d for d in exchanges}
-    explicit = _explicit_names(channel)
-    where = f"channels[{channel.name}]"
-    bindings: list[Binding] = []
-    unbound: list[str] = []
-    skipped: list[str] = []
-    for name in sorted(by_name):
-        decl = by_name[name]
-        named = name in explicit
-        if not named and not any(fnmatchcase(name, p) for p in channel.exchanges):
-            continue
-        if _builtin_denied(name):
-            if named:
-                skipped.append(f"{name!r}: built-in deny (the default exchange and amq.*)")
-            continue
-        deny = next((p for p in channel.deny if fnmatchcase(name, p)), None)
-        if deny is not None:
-            skipped.append(f"{name!r}: denied by {where}.deny pattern {deny!r}")
-            continue
-        if decl.type == "fanout":
-            bindings.append(Binding(name, ""))
-        elif decl.type == "topic":
-            bindings.append(Binding(name, "#"))
-        elif decl.type == "headers":
-            bindings.append(Binding(name, "", dict(HEADERS_CATCH_ALL)))
-        elif decl.type == "direct":
-            keys = list(dict.fromkeys(channel.direct_routing_keys.get(name, [])))
-            if keys:
-                bindings.extend(Binding(name, k) for k in keys)
-            else:
-                unbound.append(name)
-        elif decl.type == "":
-            skipped.append(
-                f"{name!r}: type unknown (management API unavailable and not in the catalog): "
-                f"make the management API reachable, or list it in {where}.direct_routing_keys "
-                "if it is a direct exchange"
-            )
-        else:
-            skipped.append(
-                f"{name!r}: exchange type {decl.type!r} has no known catch-all binding; "
-                f"its messages are not mirrored (add it to {where}.deny to silence this)"
-            )
-    for name in sorted(explicit - set(by_name)):
-        if _builtin_denied(name):
-            skipped.append(f"{name!r}: built-in deny (the default exchange and amq.*)")
-        else:
-            skipped.append(
-                f"{name!r}: named in {where} but not found in the vhost: declare it or fix the name"
-            )
-    return ChannelPlan(channel.name, bindings, unbound, skipped)
-
-
-def stream_queue_name(black: BlackConfig, channel: str) -> str:
-    """The stream queue mirroring ``channel``: ``<stream_prefix><channel>``."""
-    return f"{black.stream_prefix}{channel}"
-
-
-# ---------------------------------------------------------------- broker access
-
 
 # ---------------------------------------------------------------- sync
 
@@ -288,13 +164,13 @@ class Mirror:
         if self.cfg.black.discover:
             assert listing is not None
             return listing, True
-        explicit = set().union(*(_explicit_names(ch) for ch in self.cfg.channels))
+        explicit = set().union(*(explicit_names(ch) for ch in self.cfg.channels))
         direct = set().union(*(set(ch.direct_routing_keys) for ch in self.cfg.channels))
         if listing is not None:
             return [d for d in listing if d.name in explicit], True
         found: list[ExchangeDecl] = []
         chan = conn.channel()
-        for name in sorted(n for n in explicit if not _builtin_denied(n)):
+        for name in sorted(n for n in explicit if not builtin_denied(n)):
             try:
                 chan.exchange_declare(name, passive=True)
             except pika.exceptions.ChannelClosedByBroker as e:

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from bridge.black.catalog import load_catalog
-from bridge.black.mirror import stream_queue_name
+from bridge.black.plan import stream_queue_name
 from bridge.black.seal import BundleSealer, ShippedBundle
 from bridge.black.state import StateStore
 from bridge.black.streams import read_range

@@ -34,7 +34,7 @@ from pyspark.sql.types import StructType
 
 from bridge.black.catalog import load_catalog
 from bridge.black.chunking import ROW_OVERHEAD_BYTES
-from bridge.black.mirror import stream_queue_name
+from bridge.black.plan import stream_queue_name
 from bridge.black.state import StateStore
 from bridge.black.streams import read_range, stream_bounds
 from bridge.config import Config, load_config

@@ -22,7 +22,7 @@ from pika.adapters.blocking_connection import BlockingChannel
 from pika.spec import Basic, BasicProperties
 
 from bridge.black.broker import connect, connect_url, connection_parameters
-from bridge.black.mirror import stream_queue_name
+from bridge.black.plan import stream_queue_name
 from bridge.config import Config
 from bridge.errors import BrokerError
 from bridge.logs import get_logger, log_event

@@ -17,7 +17,8 @@ from pydantic import SecretStr
 
 from bridge.black.catalog import load_catalog
 from bridge.black.management import ManagementClient
-from bridge.black.mirror import Mirror, MirrorLoop, stream_queue_name
+from bridge.black.mirror import Mirror, MirrorLoop
+from bridge.black.plan import stream_queue_name
 from bridge.black.streams import stream_bounds, stream_tail
 from bridge.config import BlackConfig, ChannelConfig, Config
 from bridge.errors import BrokerError, ConfigError, ManagementApiError

@@ -8,7 +8,7 @@ import pytest
 
 from bridge.black import mirror
 from bridge.black.catalog import load_catalog, merge_catalog, save_catalog
-from bridge.black.mirror import HEADERS_CATCH_ALL, Binding, plan_channel, stream_queue_name
+from bridge.black.plan import HEADERS_CATCH_ALL, Binding, plan_channel, stream_queue_name
 from bridge.config import BlackConfig, ChannelConfig
 from bridge.errors import StateError
 from bridge.protocol.exchange import ExchangeDecl
