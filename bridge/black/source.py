@@ -38,7 +38,7 @@ from bridge.black.plan import stream_queue_name
 from bridge.black.state import StateStore
 from bridge.black.streams import read_range, stream_bounds
 from bridge.config import Config, load_config
-from bridge.errors import StateError
+from bridge.errors import BrokerError, StateError
 from bridge.logs import get_logger, log_event, setup_logging
 from bridge.protocol.exchange import ExchangeDecl
 from bridge.protocol.rows import RowBuilder
@@ -85,6 +85,8 @@ class RabbitStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
     """Driver side plans offset ranges; executors read them with pika."""
 
     def __init__(self, options: dict[str, str]) -> None:
+        if not logging.getLogger("bridge").handlers:  # Spark's source runner process
+            setup_logging()
         self.config_path = options.get("config", "")
         self.cfg: Config = load_config(self.config_path or None)
         names = [c.strip() for c in options.get("channels", "").split(",") if c.strip()]
@@ -134,7 +136,18 @@ class RabbitStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
             else:  # a channel added to the config after the query started
                 init = init or self.initialOffset()
                 s = init[ch]
-            tail = self.target[ch] if self.target is not None else self._tail(ch)
+            if self.target is not None:
+                tail = self.target[ch]
+            else:
+                try:
+                    tail = self._tail(ch)
+                except BrokerError as e:
+                    # a broker blip must not kill a continuous query: no new data this trigger
+                    log_event(
+                        log, 30, f"stream tail unknown, retrying next trigger: {e}", channel=ch
+                    )
+                    out[ch] = s
+                    continue
             if tail < s:
                 raise StateError(
                     f"channel {ch!r}: stream {stream_queue_name(self.cfg.black, ch)!r} ends at "
