@@ -2,11 +2,22 @@
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import os
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 
-__all__ = ["atomic_write_bytes", "fsync_dir", "durable_rename", "tmp_path_for"]
+from bridge.errors import StateError
+
+__all__ = [
+    "atomic_write_bytes",
+    "durable_rename",
+    "exclusive_lock",
+    "fsync_dir",
+    "tmp_path_for",
+]
 
 
 def fsync_dir(path: Path) -> None:
@@ -44,3 +55,24 @@ def atomic_write_bytes(final: Path, data: bytes) -> None:
         os.fsync(f.fileno())
     os.replace(tmp, final)
     fsync_dir(final.parent)
+
+
+@contextlib.contextmanager
+def exclusive_lock(path: Path, *, what: str) -> Iterator[None]:
+    """Hold an exclusive ``flock`` on ``path`` (created if missing); StateError if taken.
+
+    The kernel drops the lock when the process dies, so a kill -9 never leaves it stale.
+    """
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a+") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise StateError(
+                f"{what}: another process holds {path}; two black jobs must never share a "
+                "state_dir (they would fork the bundle chain). Stop the other job first"
+            ) from None
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import datetime as dt
 import threading
+import time
 
 from bridge.black.state import StateStore
 from bridge.config import ChannelConfig, Config
@@ -24,6 +25,7 @@ from bridge.protocol.naming import heartbeat_name
 __all__ = ["HeartbeatWriter", "HeartbeatLoop"]
 
 log = get_logger("bridge.black.heartbeat")
+PRUNE_EVERY_SECONDS = 3600.0
 
 
 class HeartbeatWriter:
@@ -67,8 +69,9 @@ class HeartbeatWriter:
                     f.write(data)
                 durable_rename(tmp, self.outbox.outbox / name)
             except BaseException:
-                st.heartbeat_seq -= 1
-                self.store.save(st)
+                if not (self.outbox.outbox / name).exists():  # never hand back a seq in use
+                    st.heartbeat_seq -= 1
+                    self.store.save(st)
                 raise
         BLACK.heartbeats_sent.labels(channel.name).inc()
         log_event(
@@ -92,14 +95,23 @@ class HeartbeatWriter:
 class HeartbeatLoop(threading.Thread):
     """Daemon thread: ``beat_all`` every ``heartbeat_seconds`` until stopped."""
 
-    def __init__(self, writer: HeartbeatWriter, interval: float) -> None:
+    def __init__(
+        self, writer: HeartbeatWriter, interval: float, outbox: Outbox | None = None
+    ) -> None:
         super().__init__(name="diode-heartbeat", daemon=True)
-        self.writer, self.interval = writer, interval
+        self.writer, self.interval, self.outbox = writer, interval, outbox
         self._stop_event = threading.Event()
 
     def run(self) -> None:
+        pruned_at = time.monotonic()
         while not self._stop_event.is_set():
             self.writer.beat_all()
+            if self.outbox is not None and time.monotonic() - pruned_at >= PRUNE_EVERY_SECONDS:
+                pruned_at = time.monotonic()
+                try:  # a continuous job keeps the archive within its retention
+                    self.outbox.prune_archive()
+                except OSError as e:
+                    log_event(log, 40, f"archive pruning failed: {e}")
             self._stop_event.wait(self.interval)
 
     def stop(self) -> None:

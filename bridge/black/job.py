@@ -7,7 +7,7 @@ RabbitMQ exchanges --mirror--> stream queues --source "rabbitmq"--> micro-batche
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
@@ -23,6 +23,7 @@ from bridge.config import Config
 from bridge.crypto.gpg import Gpg
 from bridge.diode.file_drop import Outbox
 from bridge.errors import ConfigError
+from bridge.fsutil import exclusive_lock
 from bridge.logs import get_logger, log_event
 
 __all__ = ["BlackRun", "BlackSummary", "run_black", "check_black_config", "Trigger"]
@@ -36,7 +37,6 @@ class BlackSummary:
     batches: int = 0
     messages: int = 0
     bundles: int = 0
-    bundle_names: list[str] = field(default_factory=list)
     lost: int = 0
     seconds: float = 0.0
     recovered_bundles: int = 0
@@ -121,8 +121,19 @@ class BlackRun:
     def run(
         self, spark: Any, trigger: Trigger = "available-now", *, timeout: float | None = None
     ) -> BlackSummary:
-        """Mirror, drain and seal. ``available-now`` stops when the backlog is sealed."""
+        """Mirror, drain and seal. ``available-now`` stops when the backlog is sealed.
+
+        Holds an exclusive lock on the state dir for the whole run: two black jobs on one
+        journal would fork the bundle chain.
+        """
+        with exclusive_lock(Path(self.cfg.black.state_dir) / "black.lock", what="black run"):
+            return self._run(spark, trigger, timeout)
+
+    def _run(self, spark: Any, trigger: Trigger, timeout: float | None) -> BlackSummary:
         t0 = time.monotonic()
+        self.outbox.sweep_stale_temps()
+        self.sealer.sweep_work_dir()
+        self.sink = BatchSink(self.cfg, self.sealer)  # a fresh sink: no stale error or results
         report = self.mirror.sync()  # declares streams + bindings; raises on misconfiguration
         log_event(log, 20, "mirror synced", report=str(report))
         recovered = recover_committed(
@@ -132,31 +143,37 @@ class BlackRun:
             first_retained=lambda ch: stream_bounds(self.cfg, ch)[0],
         )
         mirror_loop = MirrorLoop(self.mirror, self.cfg.black.discover_interval_seconds)
-        hb_loop = HeartbeatLoop(self.heartbeats, self.cfg.black.heartbeat_seconds)
+        hb_loop = HeartbeatLoop(self.heartbeats, self.cfg.black.heartbeat_seconds, self.outbox)
         if trigger == "continuous":
             mirror_loop.start()
+            # a mirror that failed for good (permissions, arguments) must stop the job: new
+            # exchanges would otherwise never reach the stream, and black could not tell
+            self.sink.health_checks.append(lambda: mirror_loop.error)
         hb_loop.start()
-        query = self.start_query(spark, trigger)
         try:
-            query.awaitTermination(timeout)
+            query = self.start_query(spark, trigger)
+            try:
+                query.awaitTermination(timeout)
+            finally:
+                try:
+                    if query.isActive:
+                        query.stop()
+                finally:
+                    self.sink.drain()  # every collected batch sealed (or the error raised)
         finally:
-            if query.isActive:
-                query.stop()
-            self.sink.drain()  # every collected batch sealed (or the sealing error raised)
             if trigger == "continuous":
                 mirror_loop.stop()
             hb_loop.stop()
         self.heartbeats.beat_all()  # a final heartbeat names the last bundle sealed
         self.outbox.prune_archive()
         s = BlackSummary(seconds=time.monotonic() - t0, recovered_bundles=len(recovered))
-        busy = [r for r in self.sink.results if r.rows]
-        if busy:
-            s.drain_seconds = max(r.ended for r in busy) - min(r.began for r in busy)
-        s.batches = len(self.sink.results)
-        for b in [*recovered, *(b for r in self.sink.results for b in r.bundles)]:
+        if self.sink.totals.first_began is not None:
+            s.drain_seconds = self.sink.totals.last_ended - self.sink.totals.first_began
+        t = self.sink.totals
+        s.batches, s.messages, s.bundles, s.lost = t.batches, t.messages, t.bundles, t.lost
+        for b in recovered:
             s.messages += b.rows
             s.bundles += 1
-            s.bundle_names.append(b.name)
             s.lost += sum(g.last_seq - g.first_seq + 1 for g in b.gaps)
         return s
 

@@ -86,6 +86,12 @@ class BundleSealer:
         self.schema = row_schema(ROW_SCHEMA_VERSION)
 
     # -- public -----------------------------------------------------------------------------
+    def sweep_work_dir(self) -> None:
+        """Delete plaintext a crash left in the work dir (never leave an encrypted channel's
+        plaintext on disk). Called by the job under its state lock."""
+        for p in self.work.glob(".*.plain"):
+            p.unlink(missing_ok=True)
+
     def seal_rows(
         self, channel: ChannelConfig, table: pa.Table, *, first_retained: Callable[[], int]
     ) -> list[ShippedBundle]:

@@ -12,6 +12,7 @@ failure stops the query at the next batch and is raised by ``drain``.
 
 from __future__ import annotations
 
+import collections
 import json
 import queue
 import threading
@@ -33,13 +34,35 @@ from bridge.errors import DiodeError
 from bridge.fsutil import atomic_write_bytes
 from bridge.logs import get_logger, log_event
 
-__all__ = ["BatchSink", "BatchResult", "SealingFailed"]
+__all__ = ["BatchSink", "BatchResult", "SealingFailed", "Totals"]
 
 log = get_logger("bridge.black.sink")
 
 
 class SealingFailed(DiodeError):
     """The sealing thread failed; the query must stop (the journal keeps what was shipped)."""
+
+
+@dataclass
+class Totals:
+    """Running totals of a run (results themselves are kept only for the last batches)."""
+
+    batches: int = 0
+    messages: int = 0
+    bundles: int = 0
+    lost: int = 0
+    first_began: float | None = None
+    last_ended: float = 0.0
+
+    def add(self, r: BatchResult) -> None:
+        self.batches += 1
+        self.messages += sum(b.rows for b in r.bundles)
+        self.bundles += len(r.bundles)
+        self.lost += sum(g.last_seq - g.first_seq + 1 for b in r.bundles for g in b.gaps)
+        if r.rows:
+            if self.first_began is None:
+                self.first_began = r.began
+            self.last_ended = r.ended
 
 
 @dataclass
@@ -62,7 +85,10 @@ class BatchSink:
         self.cfg = cfg
         self.sealer = sealer
         self.overlap = overlap
-        self.results: list[BatchResult] = []
+        self.results: collections.deque[BatchResult] = collections.deque(maxlen=100)
+        self.totals = Totals()
+        self.health_checks: list[Callable[[], BaseException | None]] = []
+        """Called before each batch; an error returned stops the query (e.g. a dead mirror)."""
         self._avg: dict[str, float] = {}
         self._queue: queue.Queue[tuple[pa.Table, int, float, float] | None] = queue.Queue(maxsize=1)
         self._error: BaseException | None = None
@@ -71,6 +97,10 @@ class BatchSink:
     # -- Spark side ---------------------------------------------------------------------------
     def __call__(self, df: Any, batch_id: int) -> None:
         self._raise_if_failed()
+        for check in self.health_checks:
+            err = check()
+            if err is not None:
+                raise SealingFailed(f"stopping the black job: {err}") from err
         t0 = time.monotonic()
         table: pa.Table = df.toArrow()
         collect = time.monotonic() - t0
@@ -114,6 +144,7 @@ class BatchSink:
         res.collect_seconds = collect
         res.began, res.ended = began, time.monotonic()
         res.seconds = collect + res.ended - t0
+        self.totals.add(res)
         log_event(
             log,
             20,

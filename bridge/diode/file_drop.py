@@ -42,10 +42,13 @@ class Outbox:
         self.retention_seconds = retention_days * 86400.0
         self.outbox.mkdir(parents=True, exist_ok=True)
         self.archive.mkdir(parents=True, exist_ok=True)
-        self._remove_stale_temps()
 
-    def _remove_stale_temps(self) -> None:
-        """Partial files a crash left behind (hidden ``.<name>.<id>.tmp``): never delivered."""
+    def sweep_stale_temps(self) -> None:
+        """Remove partial files a crash left behind (hidden ``.<name>.<id>.tmp``), never delivered.
+
+        Only the black job calls this, while it holds the state lock: a temp file may belong
+        to a running sealer otherwise.
+        """
         for d in [self.outbox, *(p for p in self.archive.iterdir() if p.is_dir())]:
             for p in d.glob(".*.tmp"):
                 if _TEMP_RE.match(p.name):
