@@ -47,7 +47,9 @@ def assign_seqs(
         )
     jumps = offs > prev + 1
     if np.any(jumps):
-        f = int(first_retained())
+        # F is asked now, possibly a batch after the read; but reading the row right after a
+        # jump proves that, at that moment, F <= its offset: cap F per jump by that row
+        f = np.minimum(int(first_retained()), offs)
         a = prev + 1  # first missing offset
         b = offs - 1  # last missing offset
         hi = np.minimum(b, f - 2)  # offsets below F-1 were dropped by retention

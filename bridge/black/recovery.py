@@ -79,9 +79,19 @@ def recover_committed(
         )
         decls = load_catalog(Path(cfg.black.state_dir) / "exchanges.json")
         queue = stream_queue_name(cfg.black, ch.name)
-        for a in range(start, end, step):
+        pending = store.load(ch.name).pending
+        # the first range must hold a pending bundle whole, or it cannot be re-created (reading
+        # past Spark's commit is harmless: the sealer drops offsets already shipped)
+        first_end = min(end, start + step)
+        if pending:
+            first_end = max(first_end, int(pending["last_offset"]) + 1)
+        bounds = [(start, first_end)]
+        bounds += [(a, min(end, a + step)) for a in range(first_end, end, step)]
+        for a, b in bounds:
+            if a >= b:
+                continue
             builder = RowBuilder(ch.name)
-            for d in read_range(url, queue, a, min(end, a + step)):
+            for d in read_range(url, queue, a, b):
                 builder.append(
                     d.offset,
                     decls.get(d.exchange),

@@ -190,9 +190,14 @@ def stream_bounds(
                 return (0, 0)
             if now - start >= max_wait:
                 break
-        lo = first[0] if first else min(last)
-        hi = max(last) + 1 if last else lo + 1
-        return (lo, hi)
+        if not first or not last:
+            # never guess a bound: a made-up tail could look like a re-created stream
+            raise BrokerError(
+                f"stream queue {queue!r}: bounds incomplete after {max_wait}s (first offset "
+                f"{'seen' if first else 'missing'}, tail {'seen' if last else 'missing'}); "
+                "retrying may help"
+            )
+        return (first[0], max(last) + 1)
     except pika.exceptions.AMQPError as e:
         raise BrokerError(
             f"RabbitMQ failed while reading the bounds of stream {queue!r} ({type(e).__name__}); "

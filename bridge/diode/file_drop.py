@@ -77,6 +77,22 @@ class Outbox:
             raise TransportError(f"cannot deliver {name} into {self.outbox}: {e}") from e
         return final
 
+    def has_archived(self, channel: str, name: str) -> bool:
+        """True when the sealed bundle ``name`` is (whole) in the archive."""
+        return (self.archive / channel / name).is_file()
+
+    def redrop(self, channel: str, name: str) -> int:
+        """Copy the archived bundle ``name`` into the outbox again, atomically; returns its size."""
+        src = self.archive / channel / name
+        final = self.outbox / name
+        tmp = tmp_path_for(final)
+        try:
+            shutil.copyfile(src, tmp)
+            durable_rename(tmp, final)
+        except OSError as e:
+            raise TransportError(f"cannot re-drop {name} of channel {channel!r}: {e}") from e
+        return final.stat().st_size
+
     def archived(self, channel: str) -> dict[int, Path]:
         """Archived bundles of ``channel`` by bundle seq."""
         out: dict[int, Path] = {}
@@ -108,10 +124,7 @@ class Outbox:
             if src is None:
                 missing.append(seq)
                 continue
-            final = self.outbox / src.name
-            tmp = tmp_path_for(final)
-            shutil.copyfile(src, tmp)
-            durable_rename(tmp, final)
+            self.redrop(channel, src.name)
             resent.append(src.name)
             log_event(log, 20, "bundle re-dropped", channel=channel, bundle_seq=seq, file=src.name)
         return ResendReport(resent=resent, missing=missing)

@@ -59,3 +59,11 @@ def test_seqs_are_gapless_when_nothing_is_lost(
     )
     assert seqs.tolist() == list(range(last_seq + 1, last_seq + 1 + len(offs)))
     assert lost.sum() == 0
+
+
+def test_retention_advancing_after_the_read_makes_no_false_gap() -> None:
+    # rows 1000..2999 read with segment holes at 1500 and 2500; by the time the batch is
+    # sealed, retention has moved the stream's start to 2501: the holes are still holes
+    offs = np.array([o for o in range(1000, 3000) if o not in (1500, 2500)])
+    seqs, lost = assign_seqs(offs, last_offset=999, last_seq=99, first_retained=lambda: 2501)
+    assert lost.sum() == 0 and seqs.tolist() == list(range(100, 100 + len(offs)))
