@@ -237,9 +237,16 @@ class RabbitStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
             )
             if len(builder) >= BATCH_ROWS:
                 yield builder.to_batch()
-                builder = RowBuilder(partition.channel)
+                builder.clear()
         if len(builder):
             yield builder.to_batch()
+        if builder.lossy_rows:
+            # short-string properties that were not UTF-8 had to be stored with U+FFFD
+            log_event(
+                log, 30, "messages with non-UTF-8 short-string properties stored lossily",
+                channel=partition.channel, start=partition.start, end=partition.end,
+                lossy_rows=builder.lossy_rows,
+            )  # fmt: skip
         log_event(
             log,
             20,

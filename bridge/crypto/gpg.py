@@ -67,6 +67,9 @@ class _Result(Transcript):
 class Gpg:
     """One GnuPG home, driven non-interactively (``--batch``, loopback pinentry, no tty)."""
 
+    timeout: float = 900.0
+    """Seconds one gpg call may take (a 1 GB bundle seals in well under a minute)."""
+
     def __init__(self, home: Path, *, binary: str = "gpg") -> None:
         self.home = Path(home)
         self.binary = binary
@@ -133,7 +136,13 @@ class Gpg:
                 capture_output=True,
                 env=env,
                 check=False,
+                timeout=self.timeout,
             )
+        except subprocess.TimeoutExpired:
+            raise CryptoError(
+                f"gpg (home {self.home}) did not finish within {self.timeout:.0f}s and was "
+                "killed: is gpg-agent hung? (gpgconf --homedir HOME --kill gpg-agent)"
+            ) from None
         except FileNotFoundError:
             raise CryptoError(
                 f"gpg binary {self.binary!r} not found (home {self.home}); install GnuPG 2.2+"
