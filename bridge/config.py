@@ -12,14 +12,14 @@ Unknown keys are errors. Relative paths are resolved against the config file's f
 from __future__ import annotations
 
 import os
-import re
 import tomllib
 from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, model_validator
 
-from bridge.errors import ConfigError
+from bridge.crypto.fingerprint import normalize_fingerprint
+from bridge.errors import ConfigError, CryptoError
 
 __all__ = [
     "BlackConfig",
@@ -34,7 +34,6 @@ __all__ = [
 
 ENV_PREFIX = "DIODE__"
 NAME_RE = r"^[a-z0-9][a-z0-9_-]{0,62}$"
-FINGERPRINT_RE = re.compile(r"[0-9A-F]{40}|[0-9A-F]{64}")
 
 
 class _Strict(BaseModel):
@@ -42,13 +41,10 @@ class _Strict(BaseModel):
 
 
 def _fingerprint(value: str, where: str) -> str:
-    fpr = value.replace(" ", "").upper()
-    if not FINGERPRINT_RE.fullmatch(fpr):
-        raise ValueError(
-            f"{where}: {value!r} is not a full OpenPGP fingerprint (40 or 64 hex digits); "
-            "`diode keys init` prints them, `gpg --list-keys --with-colons` shows them"
-        )
-    return fpr
+    try:
+        return normalize_fingerprint(value, what=where)
+    except CryptoError as e:  # pydantic reports ValueErrors with the key's location
+        raise ValueError(str(e)) from None
 
 
 class LinkConfig(_Strict):

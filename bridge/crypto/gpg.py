@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import logging
 import os
-import re
 import stat
 import subprocess
 from collections.abc import Iterable, Sequence
@@ -28,6 +27,7 @@ from typing import Literal
 
 import gnupg
 
+from bridge.crypto.fingerprint import normalize_fingerprint
 from bridge.crypto.verdict import Opened, Transcript, judge, parse_status
 from bridge.crypto.verdict import check_length as _check_length
 from bridge.errors import CryptoError, KeyMissingError, SignatureError
@@ -37,24 +37,12 @@ __all__ = ["Gpg", "Opened", "normalize_fingerprint"]
 
 log = logging.getLogger(__name__)
 
-_FPR_RE = re.compile(r"[0-9A-F]{40}|[0-9A-F]{64}")
 # Bundles are sealed with -z 0, so a plaintext is never larger than its message; this
 # slack only covers packet overhead of small messages. Anything bigger is a compression
 # bomb (hostile input: gpg writes the plaintext BEFORE it checks the signature).
 _OUTPUT_SLACK = 1024 * 1024
 # Long homes push gpg-agent's socket past the 108-byte AF_UNIX limit.
 _SOCKET_PATH_LIMIT = 100
-
-
-def normalize_fingerprint(value: str, *, what: str = "fingerprint") -> str:
-    """Uppercase, space-free full fingerprint, or CryptoError (never a short key id or name)."""
-    fpr = value.replace(" ", "").upper()
-    if not _FPR_RE.fullmatch(fpr):  # fullmatch: "$" would accept a trailing newline
-        raise CryptoError(
-            f"{what} {value!r} is not a full OpenPGP fingerprint (40 or 64 hex digits); "
-            "`diode keys init` prints them, `gpg --list-keys --with-colons` shows them"
-        )
-    return fpr
 
 
 @dataclass
