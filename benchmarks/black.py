@@ -32,11 +32,11 @@ from typing import Any
 
 import pika
 import psutil
-import requests
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bridge.black.job import BlackRun  # noqa: E402
+from bridge.black.management import ManagementClient  # noqa: E402
 from bridge.black.streams import stream_bounds  # noqa: E402
 from bridge.config import load_config  # noqa: E402
 from bridge.crypto.keys import init_keys  # noqa: E402
@@ -49,19 +49,12 @@ AUTH = ("guest", "guest")
 
 def make_vhost() -> tuple[str, str]:
     name = f"diode-bench-{uuid.uuid4().hex[:8]}"
-    q = urllib.parse.quote(name, safe="")
-    requests.put(f"{MGMT}/api/vhosts/{q}", auth=AUTH, timeout=30).raise_for_status()
-    requests.put(
-        f"{MGMT}/api/permissions/{q}/guest",
-        auth=AUTH,
-        timeout=30,
-        json={"configure": ".*", "write": ".*", "read": ".*"},
-    ).raise_for_status()
-    return name, f"amqp://guest:guest@127.0.0.1:5672/{q}"
+    ManagementClient(MGMT, *AUTH, timeout=30).put_vhost(name)
+    return name, f"amqp://guest:guest@127.0.0.1:5672/{urllib.parse.quote(name, safe='')}"
 
 
 def drop_vhost(name: str) -> None:
-    requests.delete(f"{MGMT}/api/vhosts/{urllib.parse.quote(name, safe='')}", auth=AUTH, timeout=60)
+    ManagementClient(MGMT, *AUTH, timeout=60).delete_vhost(name)
 
 
 def write_config(work: Path, url: str, inv: Any, channel: str, **black: Any) -> Path:

@@ -13,7 +13,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-import requests
+
+from bridge.black.management import ManagementClient
 
 MGMT = os.environ.get("DIODE_TEST_MGMT", "http://127.0.0.1:15672")
 AMQP_HOST = os.environ.get("DIODE_TEST_AMQP_HOST", "127.0.0.1")
@@ -31,22 +32,13 @@ class Vhost:
 
 def _create_vhost(prefix: str) -> Vhost:
     name = f"{prefix}-{uuid.uuid4().hex[:10]}"
+    ManagementClient(MGMT, *AUTH).put_vhost(name)
     q = urllib.parse.quote(name, safe="")
-    r = requests.put(f"{MGMT}/api/vhosts/{q}", auth=AUTH, timeout=10)
-    r.raise_for_status()
-    r = requests.put(
-        f"{MGMT}/api/permissions/{q}/guest",
-        json={"configure": ".*", "write": ".*", "read": ".*"},
-        auth=AUTH,
-        timeout=10,
-    )
-    r.raise_for_status()
     return Vhost(name=name, amqp_url=f"amqp://guest:guest@{AMQP_HOST}:5672/{q}")
 
 
 def _delete_vhost(v: Vhost) -> None:
-    q = urllib.parse.quote(v.name, safe="")
-    requests.delete(f"{MGMT}/api/vhosts/{q}", auth=AUTH, timeout=30)
+    ManagementClient(MGMT, *AUTH, timeout=60).delete_vhost(v.name)
 
 
 @pytest.fixture

@@ -52,17 +52,21 @@ class ManagementClient:
     def close(self) -> None:
         self._session.close()
 
-    def _get(
+    def _call(
         self,
         path: str,
         *,
         what: str,
         params: dict[str, str] | None = None,
         not_found: str = "",
+        method: str = "GET",
+        body: Any = None,
     ) -> Any:
         url = f"{self.base_url}{path}"
         try:
-            r = self._session.get(url, auth=self._auth, timeout=self.timeout, params=params)
+            r = self._session.request(
+                method, url, auth=self._auth, timeout=self.timeout, params=params, json=body
+            )
         except requests.RequestException as e:
             raise ManagementApiError(
                 f"management API unreachable at {url} ({type(e).__name__}) while {what}: "
@@ -82,6 +86,8 @@ class ManagementClient:
             raise ManagementApiError(
                 f"management API {url} answered HTTP {r.status_code} while {what}: {body}"
             )
+        if method != "GET":
+            return None
         try:
             return r.json()
         except ValueError:
@@ -90,16 +96,35 @@ class ManagementClient:
                 f"the management plugin (usually http://host:15672)? {ENABLE_HINT}"
             ) from None
 
+    def put_vhost(self, vhost: str, *, user: str | None = None) -> None:
+        """Create ``vhost`` (idempotent) and give ``user`` (default: ours) full permissions."""
+        q = urllib.parse.quote(vhost, safe="")
+        self._call(f"/api/vhosts/{q}", what=f"creating vhost {vhost!r}", method="PUT")
+        perms = {"configure": ".*", "write": ".*", "read": ".*"}
+        who = urllib.parse.quote(user or self._user, safe="")
+        self._call(
+            f"/api/permissions/{q}/{who}", what=f"granting {vhost!r}", method="PUT", body=perms
+        )
+
+    def delete_vhost(self, vhost: str) -> None:
+        """Delete ``vhost`` and everything in it; a missing vhost is fine."""
+        q = urllib.parse.quote(vhost, safe="")
+        try:
+            self._call(f"/api/vhosts/{q}", what=f"deleting vhost {vhost!r}", method="DELETE")
+        except ManagementApiError as e:
+            if "(404)" not in str(e):
+                raise
+
     def overview(self) -> dict[str, Any]:
         """``GET /api/overview``: broker version, cluster name, listeners."""
-        data = self._get("/api/overview", what="reading the overview")
+        data = self._call("/api/overview", what="reading the overview")
         if not isinstance(data, dict):
             raise ManagementApiError(f"management API {self.base_url}/api/overview: not an object")
         return data
 
     def list_exchanges(self, vhost: str) -> list[ExchangeDecl]:
         """Every exchange of ``vhost`` (including the default ``""`` and ``amq.*``), by name."""
-        rows = self._get(
+        rows = self._call(
             f"/api/exchanges/{_q(vhost)}",
             what=f"listing exchanges of vhost {vhost!r}",
             params={"columns": "name,type,durable,auto_delete,internal,arguments"},
@@ -125,7 +150,7 @@ class ManagementClient:
 
     def list_queue_bindings(self, vhost: str, queue: str) -> list[QueueBinding]:
         """Bindings of ``queue`` (the implicit default-exchange binding included)."""
-        rows = self._get(
+        rows = self._call(
             f"/api/queues/{_q(vhost)}/{_q(queue)}/bindings",
             what=f"listing bindings of queue {queue!r} in vhost {vhost!r}",
             not_found="the queue or vhost does not exist",

@@ -8,40 +8,18 @@ import urllib.parse
 from pathlib import Path
 from typing import Any
 
-import requests
-
 from bridge.black.job import BlackRun
+from bridge.black.management import ManagementClient
 from bridge.black.streams import stream_bounds
 from bridge.config import load_config
 from bridge.crypto.gpg import Gpg
 from bridge.crypto.keys import init_keys
 from bridge.demo.traffic import DEMO_DIRECT_KEYS, declare_exchanges, publish_mix
-from bridge.errors import ManagementApiError
 from bridge.logs import get_logger, log_event
 
 __all__ = ["run_demo", "write_demo_config"]
 
 log = get_logger("bridge.demo")
-
-
-def _reset_vhost(mgmt: str, vhost: str, auth: tuple[str, str]) -> None:
-    q = urllib.parse.quote(vhost, safe="")
-    try:
-        requests.delete(f"{mgmt}/api/vhosts/{q}", auth=auth, timeout=30)
-        r = requests.put(f"{mgmt}/api/vhosts/{q}", auth=auth, timeout=30)
-        r.raise_for_status()
-        r = requests.put(
-            f"{mgmt}/api/permissions/{q}/{auth[0]}",
-            json={"configure": ".*", "write": ".*", "read": ".*"},
-            auth=auth,
-            timeout=30,
-        )
-        r.raise_for_status()
-    except requests.RequestException as e:
-        raise ManagementApiError(
-            f"cannot (re)create demo vhost {vhost!r} through {mgmt}: {e}; is the management "
-            "plugin on? (rabbitmq-plugins enable rabbitmq_management)"
-        ) from None
 
 
 def write_demo_config(
@@ -120,7 +98,10 @@ def run_demo(
         black_fpr, red_fprs = inv.black_fpr, list(inv.red_fprs.values())
     for sub in ("black", "red"):  # a fresh run: new vhost, new black state
         shutil.rmtree(workdir / sub, ignore_errors=True)
-    _reset_vhost(mgmt, vhost, (user, password))
+    mc = ManagementClient(mgmt, user, password)
+    mc.delete_vhost(vhost)
+    mc.put_vhost(vhost)
+    mc.close()
     q = urllib.parse.quote(vhost, safe="")
     amqp_url = f"amqp://{user}:{password}@{host}:{port}/{q}"
     declare_exchanges(amqp_url)
