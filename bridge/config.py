@@ -149,6 +149,10 @@ class BlackConfig(_Strict):
     stream_max_age: str = Field(default="7D", pattern=r"^[0-9]+[YMDhms]$")
     """Stream retention by age (x-max-age), e.g. 7D, 12h."""
 
+    stream_max_segment_bytes: int | None = Field(default=None, ge=4096)
+    """Stream segment size (x-stream-max-segment-size-bytes); retention drops whole segments.
+    Unset: the broker's default (500 MB). Fixed when the stream queue is created."""
+
     gnupg_home: Path = Path("keys/black")
     """GnuPG home holding the black signing key and the recipients' public keys."""
 

@@ -101,11 +101,14 @@ class Mirror:
 
     def stream_arguments(self) -> dict[str, Any]:
         b = self.cfg.black
-        return {
+        args: dict[str, Any] = {
             "x-queue-type": "stream",
             "x-max-length-bytes": b.stream_max_bytes,
             "x-max-age": b.stream_max_age,
         }
+        if b.stream_max_segment_bytes is not None:
+            args["x-stream-max-segment-size-bytes"] = b.stream_max_segment_bytes
+        return args
 
     def sync(self) -> MirrorReport:
         """Discover, update the catalog, then declare and bind every channel's stream queue."""
