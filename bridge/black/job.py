@@ -132,7 +132,6 @@ class BlackRun:
     def _run(self, spark: Any, trigger: Trigger, timeout: float | None) -> BlackSummary:
         t0 = time.monotonic()
         self.outbox.sweep_stale_temps()
-        self.sealer.sweep_work_dir()
         self.sink = BatchSink(self.cfg, self.sealer)  # a fresh sink: no stale error or results
         report = self.mirror.sync()  # declares streams + bindings; raises on misconfiguration
         log_event(log, 20, "mirror synced", report=str(report))

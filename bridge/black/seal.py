@@ -14,7 +14,6 @@ import uuid
 from collections import Counter as Tally
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
@@ -82,17 +81,9 @@ class BundleSealer:
         self.store = store
         self.gpg = gpg
         self.outbox = outbox
-        self.work = Path(cfg.black.state_dir) / "work"
-        self.work.mkdir(parents=True, exist_ok=True)
         self.schema = row_schema(ROW_SCHEMA_VERSION)
 
     # -- public -----------------------------------------------------------------------------
-    def sweep_work_dir(self) -> None:
-        """Delete plaintext a crash left in the work dir (never leave an encrypted channel's
-        plaintext on disk). Called by the job under its state lock."""
-        for p in self.work.glob(".*.plain"):
-            p.unlink(missing_ok=True)
-
     def seal_rows(
         self, channel: ChannelConfig, table: pa.Table, *, first_retained: Callable[[], int]
     ) -> list[ShippedBundle]:
@@ -292,21 +283,15 @@ class BundleSealer:
         last_offset: int,
     ) -> ShippedBundle:
         name = bundle_name(manifest.channel, manifest.bundle_seq, manifest.bundle_id)
-        plain_path = self.work / f".{name}.plain"
-        with open(plain_path, "wb") as f:
-            f.write(plain)
         sealed = self.outbox.temp_for(name)
-        try:
-            self.gpg.seal(
-                plain_path,
-                sealed,
-                signer=self.cfg.black.signing_key,
-                recipients=channel.recipients,
-                encrypt=channel.encrypt,
-                hide_recipients=self.cfg.black.bundle.hide_recipients,
-            )
-        finally:
-            plain_path.unlink(missing_ok=True)
+        self.gpg.seal(  # plaintext piped to gpg: it never touches the disk
+            plain,
+            sealed,
+            signer=self.cfg.black.signing_key,
+            recipients=channel.recipients,
+            encrypt=channel.encrypt,
+            hide_recipients=self.cfg.black.bundle.hide_recipients,
+        )
         size = sealed.stat().st_size
         if size > self.cfg.black.bundle.max_file_bytes:
             sealed.unlink(missing_ok=True)

@@ -319,7 +319,7 @@ class Gpg:
 
     def seal(
         self,
-        src: Path,
+        src: Path | bytes,
         dst: Path,
         *,
         signer: str,
@@ -331,19 +331,27 @@ class Gpg:
         """Sign ``src`` with ``signer`` then encrypt it to all ``recipients``, into ``dst``.
 
         One OpenPGP message, binary, uncompressed (``-z 0``). ``encrypt=False`` writes a
-        binary signed message instead. gpg streams the files itself; ``dst`` is fsynced
-        but neither renamed nor moved (the caller owns temp names). On failure ``dst`` is
-        removed and CryptoError carries gpg's reason.
+        binary signed message instead. ``src`` is a file gpg streams itself, or bytes piped
+        to gpg's stdin (plaintext never touches the disk). ``dst`` is fsynced but neither
+        renamed nor moved (the caller owns temp names). On failure ``dst`` is removed and
+        CryptoError carries gpg's reason.
         """
         args = self._seal_args(
             signer=signer, recipients=recipients, encrypt=encrypt, hide_recipients=hide_recipients
         )
-        res = self._run(
-            [*args, "--yes", "--output", str(dst), "--", str(src)],
-            passphrase_file=passphrase_file,
-        )
+        if isinstance(src, bytes):
+            what = f"{len(src)} bytes"
+            res = self._run(
+                [*args, "--yes", "--output", str(dst)], data=src, passphrase_file=passphrase_file
+            )
+        else:
+            what = str(src)
+            res = self._run(
+                [*args, "--yes", "--output", str(dst), "--", str(src)],
+                passphrase_file=passphrase_file,
+            )
         try:
-            self._check_sealed(res, signer=signer, encrypt=encrypt, what=str(src))
+            self._check_sealed(res, signer=signer, encrypt=encrypt, what=what)
             fd = os.open(dst, os.O_RDONLY)
             try:
                 os.fsync(fd)

@@ -230,9 +230,10 @@ def test_seal_rows_ships_gapless_chained_bundles(rig: Rig) -> None:
     assert (st["last_bundle_seq"], st["last_seq"], st["last_offset"]) == (3, 119, 119)
     assert st["last_sha256"] == bundles[-1].sha256
     assert st["pending"] is None
-    # nothing left behind: no temporary sealed file in the outbox, no plaintext in work/
+    # nothing left behind: no temporary sealed file in the outbox, and no plaintext on disk
+    # (it is piped to gpg): the state dir holds the journal only
     assert [p.name for p in rig.outbox_dir.iterdir() if p.name.startswith(".")] == []
-    assert list((rig.state_dir / "work").iterdir()) == []
+    assert sorted(p.name for p in rig.state_dir.rglob("*")) == [f"channel-{CHANNEL}.json"]
     # every bundle is archived for `diode resend`
     archived = sorted(p.name for p in (Path(rig.cfg.black.archive) / CHANNEL).iterdir())
     assert archived == sorted(s.name for s in shipped)
