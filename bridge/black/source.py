@@ -136,8 +136,19 @@ class RabbitStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
             else:  # a channel added to the config after the query started
                 init = init or self.initialOffset()
                 s = init[ch]
+            known = self._tails.get(ch)
             if self.target is not None:
                 tail = self.target[ch]
+            elif (
+                not isinstance(limit, ReadAllAvailable)
+                and ch in hint
+                and known is not None
+                and known >= s + self._cap(ch, hint, s, known)
+            ):
+                # draining a backlog: the tail seen last time is still ahead of this whole
+                # batch, so skip the broker probe (0.2-0.9 s per trigger)
+                out[ch] = s + self._cap(ch, hint, s, known)
+                continue
             else:
                 try:
                     tail = self._tail(ch)

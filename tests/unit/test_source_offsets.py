@@ -59,3 +59,20 @@ def test_first_batch_starts_at_the_journal(tmp_path: Path) -> None:
     assert [(p.start, p.end) for p in parts] == [(150, 400)]  # type: ignore[attr-defined]
     parts = r.partitions({"a": 400, "b": 0}, {"a": 500, "b": 0})  # later batches: as planned
     assert [(p.start, p.end) for p in parts] == [(400, 500)]  # type: ignore[attr-defined]
+
+
+def test_backlog_skips_the_tail_probe(tmp_path: Path) -> None:
+    probes: list[str] = []
+    r = _reader(tmp_path, {"a": 1000, "b": 30})
+    real = r._tail
+
+    def counting(ch: str) -> int:
+        probes.append(ch)
+        r._tails[ch] = real(ch)
+        return r._tails[ch]
+
+    r._tail = counting  # type: ignore[method-assign]
+    assert r.latestOffset({"a": 0, "b": 0}, ReadMaxRows(200)) == {"a": 100, "b": 30}
+    assert probes == ["a", "b"]
+    assert r.latestOffset({"a": 100, "b": 30}, ReadMaxRows(200)) == {"a": 200, "b": 30}
+    assert probes == ["a", "b", "b"], "a's known tail (1000) is ahead of 100+100: no probe"
