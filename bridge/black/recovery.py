@@ -14,15 +14,16 @@ import json
 from collections.abc import Callable
 from pathlib import Path
 
+import pyarrow as pa
+
 from bridge.black.catalog import load_catalog
 from bridge.black.plan import stream_queue_name
 from bridge.black.seal import BundleSealer, ShippedBundle
 from bridge.black.state import StateStore
-from bridge.black.streams import read_range
+from bridge.black.streams import read_batches
 from bridge.config import Config
 from bridge.errors import StateError
 from bridge.logs import get_logger, log_event
-from bridge.protocol.rows import RowBuilder
 
 __all__ = ["committed_offsets", "recover_committed"]
 
@@ -66,7 +67,8 @@ def recover_committed(
     step = cfg.black.max_messages_per_batch
     for ch in cfg.channels:
         end = done.get(ch.name)
-        start = store.load(ch.name).last_offset + 1
+        journal = store.load(ch.name)
+        start = journal.last_offset + 1
         if end is None or start >= end:
             continue
         log_event(
@@ -79,7 +81,7 @@ def recover_committed(
         )
         decls = load_catalog(Path(cfg.black.state_dir) / "exchanges.json")
         queue = stream_queue_name(cfg.black, ch.name)
-        pending = store.load(ch.name).pending
+        pending = journal.pending
         # the first range must hold a pending bundle whole, or it cannot be re-created (reading
         # past Spark's commit is harmless: the sealer drops offsets already shipped)
         first_end = min(end, start + step)
@@ -90,20 +92,11 @@ def recover_committed(
         for a, b in bounds:
             if a >= b:
                 continue
-            builder = RowBuilder(ch.name)
-            for d in read_range(url, queue, a, b):
-                builder.append(
-                    d.offset,
-                    decls.get(d.exchange),
-                    d.exchange,
-                    d.routing_key,
-                    d.properties,
-                    d.body,
-                )
-            if len(builder):
+            batches = list(read_batches(url, queue, ch.name, a, b, decls))
+            if batches:
                 shipped += sealer.seal_rows(
                     ch,
-                    builder.to_table(),
+                    pa.Table.from_batches(batches),
                     first_retained=functools.partial(first_retained, ch.name),
                 )
     return shipped

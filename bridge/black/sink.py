@@ -12,7 +12,6 @@ failure stops the query at the next batch and is raised by ``drain``.
 
 from __future__ import annotations
 
-import collections
 import json
 import queue
 import threading
@@ -45,7 +44,7 @@ class SealingFailed(DiodeError):
 
 @dataclass
 class Totals:
-    """Running totals of a run (results themselves are kept only for the last batches)."""
+    """Running totals of a run (per-batch results are not kept: memory stays flat)."""
 
     batches: int = 0
     messages: int = 0
@@ -70,8 +69,6 @@ class BatchResult:
     batch_id: int
     rows: int
     bundles: list[ShippedBundle] = field(default_factory=list)
-    seconds: float = 0.0
-    collect_seconds: float = 0.0
     began: float = 0.0
     """time.monotonic() when Spark handed the batch over (its read starts then)."""
     ended: float = 0.0
@@ -85,7 +82,6 @@ class BatchSink:
         self.cfg = cfg
         self.sealer = sealer
         self.overlap = overlap
-        self.results: collections.deque[BatchResult] = collections.deque(maxlen=100)
         self.totals = Totals()
         self.health_checks: list[Callable[[], BaseException | None]] = []
         """Called before each batch; an error returned stops the query (e.g. a dead mirror)."""
@@ -141,9 +137,7 @@ class BatchSink:
     def _seal(self, table: pa.Table, batch_id: int, collect: float, began: float) -> None:
         t0 = time.monotonic()
         res = self.process(table, batch_id)
-        res.collect_seconds = collect
         res.began, res.ended = began, time.monotonic()
-        res.seconds = collect + res.ended - t0
         self.totals.add(res)
         log_event(
             log,
@@ -171,7 +165,6 @@ class BatchSink:
         if self._avg:
             hint = Path(self.cfg.black.state_dir) / READ_HINT_FILE
             atomic_write_bytes(hint, json.dumps({"avg_row_bytes": self._avg}).encode())
-        self.results.append(res)
         log_event(
             log,
             20,

@@ -36,12 +36,11 @@ from bridge.black.catalog import load_catalog
 from bridge.black.chunking import ROW_OVERHEAD_BYTES
 from bridge.black.plan import stream_queue_name
 from bridge.black.state import StateStore
-from bridge.black.streams import read_range, stream_bounds
+from bridge.black.streams import read_batches, read_range, stream_bounds
 from bridge.config import Config, load_config
 from bridge.errors import BrokerError, StateError
 from bridge.logs import get_logger, log_event, setup_logging
 from bridge.protocol.exchange import ExchangeDecl
-from bridge.protocol.rows import RowBuilder
 from bridge.protocol.schema import row_schema
 
 __all__ = ["RabbitStreamDataSource", "RabbitStreamReader", "READ_HINT_FILE", "spark_row_schema"]
@@ -139,17 +138,14 @@ class RabbitStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
             known = self._tails.get(ch)
             if self.target is not None:
                 tail = self.target[ch]
-            elif (
-                not isinstance(limit, ReadAllAvailable)
-                and ch in hint
-                and known is not None
-                and known >= s + self._cap(ch, hint, s, known)
-            ):
-                # draining a backlog: the tail seen last time is still ahead of this whole
-                # batch, so skip the broker probe (0.2-0.9 s per trigger)
-                out[ch] = s + self._cap(ch, hint, s, known)
-                continue
             else:
+                if not isinstance(limit, ReadAllAvailable) and ch in hint and known is not None:
+                    cap = self._cap(ch, hint, s, known)
+                    if known >= s + cap:
+                        # draining a backlog: the tail seen last time is still ahead of this
+                        # whole batch, so skip the broker probe (0.2-0.9 s per trigger)
+                        out[ch] = s + cap
+                        continue
                 try:
                     tail = self._tail(ch)
                 except BrokerError as e:
@@ -241,23 +237,10 @@ class RabbitStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
             setup_logging()
         catalog = {k: ExchangeDecl.from_json(v) for k, v in partition.catalog.items()}
         url = self.cfg.black.amqp_url.get_secret_value()
-        builder = RowBuilder(partition.channel)
-        for d in read_range(url, partition.queue, partition.start, partition.end):
-            builder.append(
-                d.offset, catalog.get(d.exchange), d.exchange, d.routing_key, d.properties, d.body
-            )
-            if len(builder) >= BATCH_ROWS:
-                yield builder.to_batch()
-                builder.clear()
-        if len(builder):
-            yield builder.to_batch()
-        if builder.lossy_rows:
-            # short-string properties that were not UTF-8 had to be stored with U+FFFD
-            log_event(
-                log, 30, "messages with non-UTF-8 short-string properties stored lossily",
-                channel=partition.channel, start=partition.start, end=partition.end,
-                lossy_rows=builder.lossy_rows,
-            )  # fmt: skip
+        yield from read_batches(
+            url, partition.queue, partition.channel, partition.start, partition.end, catalog,
+            batch_rows=BATCH_ROWS,
+        )  # fmt: skip
         log_event(
             log,
             20,

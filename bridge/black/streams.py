@@ -12,12 +12,13 @@ from __future__ import annotations
 
 import collections
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import pika
 import pika.exceptions
+import pyarrow as pa
 from pika.adapters.blocking_connection import BlockingChannel
 from pika.spec import Basic, BasicProperties
 
@@ -26,8 +27,10 @@ from bridge.black.plan import stream_queue_name
 from bridge.config import Config
 from bridge.errors import BrokerError
 from bridge.logs import get_logger, log_event
+from bridge.protocol.exchange import ExchangeDecl
+from bridge.protocol.rows import RowBuilder
 
-__all__ = ["Delivery", "read_range", "stream_bounds", "stream_tail"]
+__all__ = ["Delivery", "read_batches", "read_range", "stream_bounds", "stream_tail"]
 
 log = get_logger("bridge.black.streams")
 
@@ -214,3 +217,33 @@ def stream_bounds(
 def stream_tail(cfg: Config, channel: str) -> int:
     """The next offset to be written in the channel's stream (see :func:`stream_bounds`)."""
     return stream_bounds(cfg, channel)[1]
+
+
+def read_batches(
+    url: str,
+    queue: str,
+    channel: str,
+    start: int,
+    end: int,
+    catalog: Mapping[str, ExchangeDecl],
+    *,
+    batch_rows: int = 8192,
+) -> Iterator[pa.RecordBatch]:
+    """Offsets ``[start, end)`` of a stream as message-row batches (``seq`` = offset for now:
+    the sealer numbers them). Lossy rows (non-UTF-8 short strings) are logged."""
+    builder = RowBuilder(channel)
+    for d in read_range(url, queue, start, end):
+        builder.append(
+            d.offset, catalog.get(d.exchange), d.exchange, d.routing_key, d.properties, d.body
+        )
+        if len(builder) >= batch_rows:
+            yield builder.to_batch()
+            builder.clear()
+    if len(builder):
+        yield builder.to_batch()
+    if builder.lossy_rows:
+        # short-string properties that were not UTF-8 had to be stored with U+FFFD
+        log_event(
+            log, 30, "messages with non-UTF-8 short-string properties stored lossily",
+            channel=channel, start=start, end=end, lossy_rows=builder.lossy_rows,
+        )  # fmt: skip
