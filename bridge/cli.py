@@ -59,41 +59,153 @@ def cli(log_level: str | None, log_format: str | None) -> None:
 # -- keys ----------------------------------------------------------------------------------------
 @cli.group()
 def keys() -> None:
-    """Create and inspect the GnuPG keys of both sides."""
+    """Create, import and check the GnuPG keys; each side creates its own, on its own host."""
+
+
+def _passphrase_option(file: Path | None, env: str | None):  # type: ignore[no-untyped-def]
+    from bridge.crypto.passphrase import Passphrase
+
+    if file is not None and env is not None:
+        raise ConfigError("pass one of --passphrase-file and --passphrase-env, not both")
+    if file is None and env is None:
+        return None
+    pp = Passphrase(path=file) if file is not None else Passphrase(env_name=env)
+    pp.secret()  # fail fast: missing, empty, multi-line, or readable by others
+    return pp
 
 
 @keys.command("init")
 @click.option(
-    "--dir",
-    "keys_dir",
-    type=click.Path(file_okay=False, path_type=Path),
-    default=Path("keys"),
-    show_default=True,
-    help="creates <dir>/black, <dir>/red (GnuPG homes) and <dir>/pub",
+    "--side",
+    type=click.Choice(["black", "red"]),
+    required=True,
+    help="black: the signing key (run on black); red: a decryption key (run on red)",
 )
 @click.option(
-    "--red-name",
-    "red_names",
-    multiple=True,
-    default=("red",),
+    "--home",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=None,
+    help="GnuPG home (created 0700) [default: keys/black or keys/red]",
+)
+@click.option(
+    "--name",
+    default="red",
     show_default=True,
-    help="one red recipient key per name (repeat the option)",
+    help="red only: the key's name, exported as <name>.asc",
+)
+@click.option(
+    "--pub-dir",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=None,
+    help="where the public key is exported (0644) [default: <home>/../pub]",
 )
 @click.option("--algo", type=click.Choice(["ed25519", "rsa"]), default="ed25519", show_default=True)
-@click.option("--bridge-id", default="diode-bridge", show_default=True)
-@click.option("--force", is_flag=True, help="replace existing key homes")
+@click.option(
+    "--bridge-id", default="diode-bridge", show_default=True, help="goes in the key's uid"
+)
+@click.option(
+    "--passphrase-file",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=None,
+    help="protect the key with the passphrase in this file (one line, mode 0600)",
+)
+@click.option(
+    "--passphrase-env",
+    default=None,
+    metavar="VAR",
+    help="protect the key with the passphrase in environment variable VAR",
+)
+@click.option("--force", is_flag=True, help="DESTROY this side's existing key in --home first")
 def keys_init(
-    keys_dir: Path, red_names: tuple[str, ...], algo: str, bridge_id: str, force: bool
+    side: str,
+    home: Path | None,
+    name: str,
+    pub_dir: Path | None,
+    algo: str,
+    bridge_id: str,
+    passphrase_file: Path | None,
+    passphrase_env: str | None,
+    force: bool,
 ) -> None:
-    """Create the black signing key and red recipient key(s); print the config lines."""
-    from bridge.crypto.keys import init_keys
+    """Create THIS side's key, export its public key, print the config lines that pin it.
 
-    inv = init_keys(keys_dir, red_names=red_names, algo=algo, bridge_id=bridge_id, force=force)  # type: ignore[arg-type]
-    click.echo(f"black signing key: {inv.black_fpr}  (home {inv.black_home})")
-    for name, fpr in inv.red_fprs.items():
-        click.echo(f"red key {name!r}: {fpr}  (home {inv.red_home})")
-    click.echo(f"public keys exported to {inv.pub_dir}")
-    click.echo("\n# paste into your diode TOML:\n" + inv.to_toml_snippet())
+    Never creates the other side's secret key: run it on the black host with --side black and
+    on the red host with --side red, then carry the .asc files across and `diode keys import`.
+    """
+    from bridge.crypto.keys import init_side
+
+    pp = _passphrase_option(passphrase_file, passphrase_env)
+    home = home if home is not None else Path("keys") / side
+    made = init_side(
+        side,  # type: ignore[arg-type]
+        home,
+        name=name,
+        pub_dir=pub_dir,
+        algo=algo,  # type: ignore[arg-type]
+        bridge_id=bridge_id,
+        passphrase=pp,
+        force=force,
+    )
+    other = "red" if side == "black" else "black"
+    what = "black signing key" if side == "black" else f"red decryption key {name!r}"
+    click.echo(f"{what}: {made.fpr}")
+    click.echo(f"  GnuPG home:  {made.home.resolve()} (0700; the SECRET key: it stays here)")
+    click.echo(f"  public key:  {made.public_file.resolve()} (0644)")
+    if pp is not None:
+        click.echo(f"  passphrase:  from {pp.source}")
+    click.echo(
+        f"Carry {made.public_file.name} to the {other} host and run there: "
+        f"diode keys import --home <{other} gnupg_home> {made.public_file.name}"
+    )
+    click.echo("\n# paste into your diode TOML:\n" + made.to_toml_snippet())
+
+
+@keys.command("import")
+@click.option(
+    "--home",
+    type=click.Path(file_okay=False, path_type=Path),
+    required=True,
+    help="GnuPG home to import into (black.gnupg_home or red.gnupg_home)",
+)
+@click.argument("files", nargs=-1, required=True, type=click.Path(dir_okay=False, path_type=Path))
+def keys_import(home: Path, files: tuple[Path, ...]) -> None:
+    """Import PUBLIC keys (.asc) from the other side; refuses any secret key material."""
+    from bridge.crypto.keys import import_public_keys, import_snippet
+
+    found = import_public_keys(home, files)
+    click.echo(f"imported {len(found)} public key(s) into {home}:")
+    for k in found:
+        uid = k.uids[0] if k.uids else ""
+        click.echo(f"  {k.fpr}  {k.role:<9}  {uid}  (from {k.source})")
+    unusable = [k.fpr for k in found if k.role == "unusable"]
+    if unusable:
+        click.echo(f"warning: revoked, expired or unusable, not pinned: {unusable}", err=True)
+    snippet = import_snippet(found)
+    if snippet:
+        click.echo("\n# pin in your diode TOML (full fingerprints):\n" + snippet)
+
+
+@keys.command("check")
+@config_option
+@click.option("--side", type=click.Choice(["black", "red"]), required=True)
+def keys_check(config_path: Path | None, side: str) -> None:
+    """Check this side's keys: permissions, presence, passphrase (a test sign or decrypt).
+
+    Exit 1 if group/others can read the GnuPG home, its files, the passphrase file, or a
+    config file holding secrets (the running job only warns about these).
+    """
+    from bridge.crypto.keys import decryption_gpg, signing_gpg
+    from bridge.crypto.perms import permission_problems
+
+    cfg = _load(config_path)
+    problems = permission_problems(cfg, side=side)  # type: ignore[arg-type]
+    gpg = signing_gpg(cfg) if side == "black" else decryption_gpg(cfg)
+    for p in problems:
+        click.echo(f"error: {p}", err=True)
+    if problems:
+        sys.exit(1)
+    how = f"passphrase from {gpg.passphrase.source}" if gpg.passphrase else "no passphrase"
+    click.echo(f"ok: {side} keys in {gpg.home} usable unattended ({how}); permissions tight")
 
 
 # -- config / mirror ---------------------------------------------------------------------------
@@ -103,9 +215,15 @@ def check(config_path: Path | None) -> None:
     """Validate the config and the black keys; exit non-zero with the fix if anything is wrong."""
     from bridge.black.broker import connect
     from bridge.black.job import check_black_config
+    from bridge.crypto.perms import permission_problems
 
     cfg = _load(config_path)
     check_black_config(cfg)
+    problems = permission_problems(cfg, side="black")
+    for p in problems:
+        click.echo(f"error: {p}", err=True)
+    if problems:
+        sys.exit(1)
     connect(cfg.black, purpose="diode check").close()
     if cfg.black.discover:
         from bridge.black.management import ManagementClient
@@ -118,18 +236,6 @@ def check(config_path: Path | None) -> None:
         version = mc.overview().get("rabbitmq_version")
         mc.close()
         click.echo(f"broker: RabbitMQ {version}")
-    from bridge.black.probe import probe_stream_fidelity
-
-    fid = probe_stream_fidelity(cfg.black)
-    if fid.exact:
-        click.echo("stream fidelity: every AMQP header type is kept")
-    else:
-        click.echo(
-            f"warning: this broker's stream queues drop header types {fid.dropped} and refuse "
-            f"{fid.refused} (the publisher's connection is closed): messages with them cannot "
-            "cross unchanged; see docs/runbook.md, 'Broker limits'",
-            err=True,
-        )
     click.echo(
         f"ok: {len(cfg.channels)} channel(s), keys present, broker reachable; config {cfg.source}"
     )
@@ -138,7 +244,7 @@ def check(config_path: Path | None) -> None:
 @cli.command("mirror")
 @config_option
 def mirror(config_path: Path | None) -> None:
-    """Declare the stream queues and bindings once and print what is mirrored."""
+    """Declare the mirror queues and bindings once and print what is mirrored."""
     from pathlib import Path as P
 
     from bridge.black.mirror import Mirror
@@ -188,6 +294,20 @@ def black_run(
     click.echo(json.dumps(summary.to_json()))
 
 
+@black.command("tap")
+@config_option
+@click.argument("channel")
+@click.option(
+    "--until-empty", is_flag=True, help="stop once the mirror queue is drained into the spool"
+)
+def black_tap(config_path: Path | None, channel: str, until_empty: bool) -> None:
+    """Drain one channel's mirror queue into its spool (``black run`` starts one per channel)."""
+    from bridge.black.tap import run_tap
+
+    status = run_tap(_load(config_path), channel, until_empty=until_empty)
+    click.echo(json.dumps(dataclasses.asdict(status)))
+
+
 @cli.command("resend")
 @config_option
 @click.option("--channel", required=True)
@@ -195,16 +315,24 @@ def black_run(
 @click.option(
     "--to", "last", type=click.IntRange(1), required=True, help="last bundle seq (inclusive)"
 )
-def resend(config_path: Path | None, channel: str, first: int, last: int) -> None:
-    """Re-drop archived bundles of a channel, unchanged, into the outbox."""
+@click.option(
+    "--wait",
+    type=click.FloatRange(0),
+    default=120.0,
+    show_default=True,
+    help="seconds each re-drop may wait while a starting black job sweeps the staging dir",
+)
+def resend(config_path: Path | None, channel: str, first: int, last: int, wait: float) -> None:
+    """Re-drop archived bundles of a channel, unchanged, into the outbox.
+
+    Runs beside a running black job and the diode's mover: each bundle is copied from the
+    archive through the staging dir and appears in the outbox by one rename.
+    """
     from bridge.diode.file_drop import Outbox
 
     cfg = _load(config_path)
     cfg.channel(channel)
-    ob = Outbox(
-        cfg.black.outbox, cfg.black.archive, retention_days=cfg.black.archive_retention_days
-    )
-    rep = ob.resend(channel, first, last)
+    rep = Outbox.from_config(cfg.black, lock_wait=wait).resend(channel, first, last)
     click.echo(json.dumps({"resent": rep.resent, "missing": rep.missing}))
     if rep.missing:
         click.echo(
@@ -227,11 +355,21 @@ def status(config_path: Path | None) -> None:
 @cli.command("gaps")
 @config_option
 def gaps(config_path: Path | None) -> None:
-    """Messages known lost on black (stream retention, oversize), per channel and reason."""
-    from bridge.black.report import channel_status
+    """Messages known lost on black, per channel: seq ranges with reason, and totals."""
+    from bridge.black.report import channel_status, gap_ranges
 
-    st = channel_status(_load(config_path))
-    click.echo(json.dumps({name: c["lost"] for name, c in st["channels"].items()}, indent=2))
+    cfg = _load(config_path)
+    st = channel_status(cfg)
+    ranges = gap_ranges(cfg)
+    click.echo(
+        json.dumps(
+            {
+                name: {"totals": c["lost"], "ranges": ranges.get(name, [])}
+                for name, c in st["channels"].items()
+            },
+            indent=2,
+        )
+    )
 
 
 # -- demo ------------------------------------------------------------------------------

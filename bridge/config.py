@@ -34,6 +34,7 @@ __all__ = [
 
 ENV_PREFIX = "DIODE__"
 NAME_RE = r"^[a-z0-9][a-z0-9_-]{0,62}$"
+ENV_NAME_RE = r"^[A-Za-z_][A-Za-z0-9_]{0,127}$"
 
 
 class _Strict(BaseModel):
@@ -85,12 +86,18 @@ class ChannelConfig(_Strict):
     """False ships signed plaintext: an explicit, logged opt-out."""
 
     transport: Literal["file", "udp"] = "file"
-    """How bundles of this channel cross: dropped into the outbox, or sent as UDP datagrams."""
+    """How bundles of this channel cross: dropped into the outbox (UDP: not available yet)."""
 
     @model_validator(mode="after")
     def _check(self) -> ChannelConfig:
         fprs = [_fingerprint(f, f"channels[{self.name}].recipients") for f in self.recipients]
         object.__setattr__(self, "recipients", fprs)
+        if self.transport == "udp":
+            raise ValueError(
+                f"channel {self.name!r}: transport = \"udp\" is not implemented in this release "
+                "(a setting that does nothing is refused, not ignored): use transport = \"file\" "
+                "and let the diode vendor's mover carry the outbox"
+            )
         if self.encrypt and not fprs:
             raise ValueError(
                 f"channel {self.name!r} is encrypted but has no recipients: add red key "
@@ -118,6 +125,45 @@ class BundleConfig(_Strict):
     """gpg --throw-keyids: nobody learns from a bundle who else can read it."""
 
 
+class TapConfig(_Strict):
+    """The tap: mirror queue -> spool, acked only after fsync."""
+
+    prefetch: int = Field(default=2000, ge=1, le=65535)
+    """Deliveries in flight (basic.qos prefetch): also the most a crash can redeliver."""
+
+    group_messages: int = Field(default=500, ge=1)
+    """fsync the spool and ack (multiple) after this many deliveries..."""
+
+    group_seconds: float = Field(default=0.05, gt=0, le=10)
+    """...or this long after the first delivery not yet durable, whichever comes first."""
+
+    @model_validator(mode="after")
+    def _group_fits_window(self) -> TapConfig:
+        if self.group_messages > self.prefetch:
+            raise ValueError(
+                f"black.tap.group_messages ({self.group_messages}) must not exceed "
+                f"black.tap.prefetch ({self.prefetch}): a group could never fill"
+            )
+        return self
+
+
+class SpoolConfig(_Strict):
+    """Black's spool on disk."""
+
+    segment_bytes: int = Field(default=64 * 1024 * 1024, ge=1024 * 1024)
+    """A segment file is closed once it reaches this size (released whole once shipped)."""
+
+    segment_max_age_seconds: float = Field(default=300.0, gt=0)
+    """...or once it is this old, so shipped data leaves the disk even when traffic is low."""
+
+    max_bytes: int | None = Field(default=None, ge=16 * 1024 * 1024)
+    """Quota of one channel's spool; at the quota the tap pauses (the backlog waits in the
+    broker). Unset: only min_free_bytes limits it."""
+
+    min_free_bytes: int = Field(default=256 * 1024 * 1024, ge=0)
+    """The tap pauses while the spool's file system has less free space than this."""
+
+
 class BlackConfig(_Strict):
     """The black (low) side: RabbitMQ -> Spark -> bundles in the outbox."""
 
@@ -140,18 +186,15 @@ class BlackConfig(_Strict):
     discover_interval_seconds: float = Field(default=30.0, gt=0)
     """How often the running job looks for new exchanges."""
 
-    stream_prefix: str = "diode.mirror."
-    """Stream queues are named <stream_prefix><channel>."""
+    mirror_prefix: str = Field(default="diode.mirror.", pattern=r"^[A-Za-z0-9_.:-]{1,200}$")
+    """Mirror queues are named <mirror_prefix><channel>; their dead-letter queue
+    <mirror_prefix><channel>.dead and the dead-letter exchange <mirror_prefix>dead-letter."""
 
-    stream_max_bytes: int = Field(default=20 * 1024**3, ge=1024 * 1024)
-    """Stream retention by size (x-max-length-bytes). Unread messages dropped by it are gaps."""
+    mirror_queue_type: Literal["classic", "quorum"] = "classic"
+    """Mirror queue type. Both keep AMQP 0.9.1 messages unconverted; fixed at creation."""
 
-    stream_max_age: str = Field(default="7D", pattern=r"^[0-9]+[YMDhms]$")
-    """Stream retention by age (x-max-age), e.g. 7D, 12h."""
-
-    stream_max_segment_bytes: int | None = Field(default=None, ge=4096)
-    """Stream segment size (x-stream-max-segment-size-bytes); retention drops whole segments.
-    Unset: the broker's default (500 MB). Fixed when the stream queue is created."""
+    spool_dir: Path = Path("black/spool")
+    """Black's durable spool: per channel, the deliveries the tap acknowledged, by position."""
 
     gnupg_home: Path = Path("keys/black")
     """GnuPG home holding the black signing key and the recipients' public keys."""
@@ -159,11 +202,23 @@ class BlackConfig(_Strict):
     signing_key: str = ""
     """Fingerprint of the black signing key (must be listed in link.black_signers)."""
 
+    passphrase_file: Path | None = None
+    """File (mode 0600, one line) holding the signing key's passphrase. Unset: the key has
+    none, or the passphrase comes from the variable named by passphrase_env."""
+
+    passphrase_env: str | None = Field(default="DIODE_BLACK_PASSPHRASE", pattern=ENV_NAME_RE)
+    """Environment variable holding the signing key's passphrase, read when it is set."""
+
     outbox: Path = Path("black/outbox")
     """Where finished bundles appear (atomically) for the file diode's mover."""
 
     archive: Path = Path("black/archive")
     """Copies of sent bundles, kept for `diode resend`."""
+
+    staging_dir: Path | None = None
+    """Where files are written before one rename makes them appear in `outbox` (a mover never
+    sees a partial file). Must be on the outbox's file system, outside the outbox. Default:
+    `.<outbox name>.staging` beside the outbox."""
 
     archive_retention_days: float = Field(default=14.0, ge=0)
     """Archived bundles older than this are pruned (0 keeps nothing after sending)."""
@@ -183,14 +238,17 @@ class BlackConfig(_Strict):
     max_batch_bytes: int = Field(default=256 * 1024 * 1024, ge=1024 * 1024)
     """Memory budget of one micro-batch (estimated from the average message size seen so far)."""
 
-    read_partitions: int = Field(default=2, ge=1)
-    """Parallel stream consumers per channel and micro-batch."""
-
     heartbeat_seconds: float = Field(default=10.0, gt=0)
     """A signed .dheartbeat per channel is written this often, even when idle."""
 
     bundle: BundleConfig = Field(default_factory=BundleConfig)
     """Bundle rotation and size limits."""
+
+    tap: TapConfig = Field(default_factory=TapConfig)
+    """How the tap drains mirror queues into the spool."""
+
+    spool: SpoolConfig = Field(default_factory=SpoolConfig)
+    """Spool segments and disk limits."""
 
 
 class RedConfig(_Strict):
@@ -198,6 +256,13 @@ class RedConfig(_Strict):
 
     gnupg_home: Path = Path("keys/red")
     """GnuPG home holding the red decryption key(s) and the pinned black public key(s)."""
+
+    passphrase_file: Path | None = None
+    """File (mode 0600, one line) holding the red decryption keys' passphrase. Unset: the
+    keys have none, or the passphrase comes from the variable named by passphrase_env."""
+
+    passphrase_env: str | None = Field(default="DIODE_RED_PASSPHRASE", pattern=ENV_NAME_RE)
+    """Environment variable holding the red decryption keys' passphrase, read when it is set."""
 
     inbox: Path = Path("red/inbox")
     """Where bundles arrive from the diode."""
@@ -241,8 +306,16 @@ class Config(_Strict):
 
 
 _PATH_KEYS = {
-    "black": ("gnupg_home", "outbox", "archive", "state_dir", "checkpoint_dir"),
-    "red": ("gnupg_home", "inbox"),
+    "black": (
+        "gnupg_home",
+        "outbox",
+        "archive",
+        "state_dir",
+        "checkpoint_dir",
+        "spool_dir",
+        "passphrase_file",
+    ),
+    "red": ("gnupg_home", "inbox", "passphrase_file"),
 }
 
 
@@ -275,8 +348,18 @@ def _resolve_paths(data: dict[str, Any], base: Path) -> None:
             sect = data.setdefault(section, {})
         for k in keys:
             default = (BlackConfig if section == "black" else RedConfig).model_fields[k].default
-            value = Path(sect.get(k, default))
+            raw = sect.get(k, default)
+            if raw is None:  # optional path, unset
+                continue
+            value = Path(raw)
             sect[k] = str(value if value.is_absolute() else (base / value))
+    black = data["black"]
+    staging = black.get("staging_dir")
+    if staging is None:  # beside the outbox, on its file system
+        outbox = Path(black["outbox"])
+        black["staging_dir"] = str(outbox.parent / f".{outbox.name}.staging")
+    elif isinstance(staging, str) and not Path(staging).is_absolute():
+        black["staging_dir"] = str(base / staging)
 
 
 def _format_validation(err: ValidationError, source: str) -> str:

@@ -92,3 +92,92 @@ class TransportError(DiodeError):
     """A transport could not move a file."""
 
     retryable = True
+
+
+# -- AMQP client (bridge.amqp) ---------------------------------------------------------------
+#     BrokerError
+#      +-- AmqpConnectionError    could not connect, or the connection died (retryable)
+#      |    +-- AmqpAccessRefused   login or vhost refused: fix the URL or permissions
+#      |    +-- AmqpFrameError      the broker sent bytes that are not AMQP 0-9-1 frames
+#      +-- AmqpClosed             the broker closed a channel or the connection (reply code)
+__all__ += ["AmqpConnectionError", "AmqpAccessRefused", "AmqpFrameError", "AmqpClosed"]
+
+
+class AmqpConnectionError(BrokerError):
+    """The AMQP connection could not be made or was lost; the message names host and vhost."""
+
+
+class AmqpAccessRefused(AmqpConnectionError):
+    """The broker refused the login or the vhost: retrying cannot help."""
+
+    retryable = False
+
+
+class AmqpFrameError(AmqpConnectionError):
+    """The broker sent bytes that are not AMQP 0-9-1 frames; the connection is unusable."""
+
+
+class AmqpClosed(BrokerError):
+    """The broker closed a channel (``channel`` > 0) or the whole connection (``channel`` 0).
+
+    Carries the broker's ``reply_code`` / ``reply_text`` and the ids of the method it refused
+    (``class_id``, ``method_id``; 0 when none). Soft conditions a retry may cure (320
+    connection-forced, 405 resource-locked, 506 resource-error, 541 internal-error) are
+    retryable; the rest (404 not-found, 403 access-refused, 406 precondition-failed ...) are not.
+    """
+
+    RETRYABLE_CODES = frozenset({320, 405, 506, 541})
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        reply_code: int,
+        reply_text: str,
+        class_id: int = 0,
+        method_id: int = 0,
+        channel: int = 0,
+    ) -> None:
+        super().__init__(message)
+        self.reply_code = reply_code
+        self.reply_text = reply_text
+        self.class_id = class_id
+        self.method_id = method_id
+        self.channel = channel
+        self.retryable = reply_code in self.RETRYABLE_CODES
+
+
+# -- Black's spool (bridge.black.spool) --------------------------------------------------------
+#     DiodeError
+#      +-- SpoolFull              no room: quota, min_free_bytes or ENOSPC / EDQUOT (retryable)
+#     StateError
+#      +-- SpoolGapError          spool positions asked for are not (or no longer) on disk
+__all__ += ["SpoolFull", "SpoolGapError"]
+
+
+class SpoolFull(DiodeError):
+    """Black's spool has no room (quota, ``min_free_bytes`` or the file system is full).
+
+    Nothing is lost: the records stay buffered and the broker keeps the backlog; retrying once
+    space is back succeeds. ``errno`` is ENOSPC / EDQUOT when the file system refused a write,
+    None when a configured limit was reached first.
+    """
+
+    retryable = True
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        errno: int | None = None,
+        path: str | None = None,
+        free_bytes: int | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.errno = errno
+        self.path = path
+        self.free_bytes = free_bytes
+
+
+class SpoolGapError(StateError):
+    """Spool positions asked for are not on disk: released already, not durable yet, or damaged."""

@@ -1,10 +1,11 @@
-"""Both sides: durable file writes (temp name, fsync, rename) and conservative names."""
+"""Both sides: durable files and directories (temp name, fsync, rename), modes, and file locks."""
 
 from __future__ import annotations
 
 import contextlib
 import fcntl
 import os
+import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -12,12 +13,27 @@ from pathlib import Path
 from bridge.errors import StateError
 
 __all__ = [
+    "DIR_MODE",
+    "FILE_MODE",
     "atomic_write_bytes",
+    "durable_mkdir",
     "durable_rename",
     "exclusive_lock",
     "fsync_dir",
+    "shared_lock",
     "tmp_path_for",
 ]
+
+DIR_MODE = 0o750
+"""Directories the bridge creates: the owner writes, its group (e.g. the mover's) reads."""
+FILE_MODE = 0o640
+"""Files the bridge writes: the owner writes, its group reads, others nothing."""
+
+_RUN_HINT = (
+    "two black jobs must never share a state_dir (they would fork the bundle chain). "
+    "Stop the other job first"
+)
+_POLL_FIRST, _POLL_MAX = 0.001, 0.05  # seconds between tries while waiting for a lock
 
 
 def fsync_dir(path: Path) -> None:
@@ -29,8 +45,35 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def durable_mkdir(path: Path, *, mode: int = DIR_MODE) -> Path:
+    """Create ``path`` and its missing parents with exactly ``mode``; each new one is fsynced in
+    its parent, so a crash cannot lose a directory that files were durably written into.
+
+    An existing directory is left as it is (mode included); returns ``path``.
+    """
+    path = Path(path)
+    try:
+        os.mkdir(path, mode)
+    except FileExistsError:
+        if not path.is_dir():
+            raise NotADirectoryError(f"{path} exists and is not a directory") from None
+        return path
+    except FileNotFoundError:
+        durable_mkdir(path.parent, mode=mode)
+        try:
+            os.mkdir(path, mode)
+        except FileExistsError:  # created meanwhile by another process
+            if not path.is_dir():
+                raise NotADirectoryError(f"{path} exists and is not a directory") from None
+            fsync_dir(path.parent)
+            return path
+    os.chmod(path, mode)  # mkdir's mode is masked by the umask
+    fsync_dir(path.parent)
+    return path
+
+
 def tmp_path_for(final: Path) -> Path:
-    """A hidden temporary name beside ``final`` that no mover or watcher picks up."""
+    """A hidden, unique temporary name beside ``final``: ``.<name>.<12 hex>.tmp``."""
     return final.with_name(f".{final.name}.{uuid.uuid4().hex[:12]}.tmp")
 
 
@@ -45,34 +88,83 @@ def durable_rename(src: Path, dst: Path) -> None:
     fsync_dir(dst.parent)
 
 
-def atomic_write_bytes(final: Path, data: bytes) -> None:
-    """Write ``data`` to ``final`` so readers see the whole file or nothing."""
-    final.parent.mkdir(parents=True, exist_ok=True)
+def atomic_write_bytes(final: Path, data: bytes, *, mode: int = FILE_MODE) -> None:
+    """Write ``data`` to ``final`` (file mode ``mode``) so readers see the whole file or nothing.
+
+    The folder is created durably if missing; the temp file is removed if anything fails.
+    """
+    final = Path(final)
+    durable_mkdir(final.parent)
     tmp = tmp_path_for(final)
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, final)
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, mode)
+        try:
+            os.fchmod(fd, mode)  # the umask must not decide
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view) :]
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, final)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
     fsync_dir(final.parent)
 
 
-@contextlib.contextmanager
-def exclusive_lock(path: Path, *, what: str) -> Iterator[None]:
-    """Hold an exclusive ``flock`` on ``path`` (created if missing); StateError if taken.
-
-    The kernel drops the lock when the process dies, so a kill -9 never leaves it stale.
-    """
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "a+") as f:
+def _try_lock(fd: int, op: int, timeout: float) -> bool:
+    """flock ``fd`` with ``op``, retrying with a growing pause for up to ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    pause = _POLL_FIRST
+    while True:
         try:
-            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            fcntl.flock(fd, op | fcntl.LOCK_NB)
+            return True
         except BlockingIOError:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            time.sleep(min(pause, left))
+            pause = min(pause * 2, _POLL_MAX)
+
+
+@contextlib.contextmanager
+def _flock(path: Path, op: int, what: str, timeout: float, hint: str) -> Iterator[None]:
+    path = Path(path)
+    durable_mkdir(path.parent)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, FILE_MODE)
+    try:
+        if not _try_lock(fd, op, timeout):
+            kind = "an exclusive" if op == fcntl.LOCK_EX else "a shared"
+            waited = f"waited {timeout:g}s for {kind} lock on {path}, " if timeout > 0 else ""
             raise StateError(
-                f"{what}: another process holds {path}; two black jobs must never share a "
-                "state_dir (they would fork the bundle chain). Stop the other job first"
-            ) from None
+                f"{what}: {waited}another process holds {path}; {hint} "
+                f"(`fuser -v {path}` shows who holds it)"
+            )
         try:
             yield
         finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
+            fcntl.flock(fd, fcntl.LOCK_UN)
+    finally:
+        os.close(fd)
+
+
+def exclusive_lock(
+    path: Path, *, what: str, timeout: float = 0.0, hint: str = _RUN_HINT
+) -> contextlib.AbstractContextManager[None]:
+    """Hold an exclusive ``flock`` on ``path`` (created if missing).
+
+    ``timeout`` 0 (the default) refuses at once if the lock is taken; otherwise waits up to
+    ``timeout`` seconds. Either way a StateError names the lock, says what waited and adds
+    ``hint`` (how to fix). The kernel drops the lock when the holder dies, so a kill -9 never
+    leaves it stale. Locks are per open: two holders in one process exclude each other too.
+    """
+    return _flock(path, fcntl.LOCK_EX, what, timeout, hint)
+
+
+def shared_lock(
+    path: Path, *, what: str, timeout: float = 0.0, hint: str = "retry once it is free"
+) -> contextlib.AbstractContextManager[None]:
+    """Like :func:`exclusive_lock`, shared: any number of shared holders, no exclusive one."""
+    return _flock(path, fcntl.LOCK_SH, what, timeout, hint)

@@ -38,6 +38,45 @@ class _Black:
         self.last_bundle_seq = Gauge(
             "bridge_black_bundle_seq_last", "Last bundle seq delivered", ["channel"], registry=reg
         )
+        self.bundles_recovered = Counter(
+            "bridge_black_bundles_recovered",
+            "Bundles a crash interrupted, finished at restart: redropped, rebuilt or resealed",
+            ["channel", "how"],
+            registry=reg,
+        )
+        self.tap_delivered = Counter(
+            "bridge_black_tap_delivered",
+            "Deliveries the tap received from a mirror queue",
+            ["channel"],
+            registry=reg,
+        )
+        self.tap_spooled = Counter(
+            "bridge_black_tap_spooled",
+            "Records made durable in the spool (messages and lost markers)",
+            ["channel"],
+            registry=reg,
+        )
+        self.tap_redelivered_skipped = Counter(
+            "bridge_black_tap_redelivered_skipped",
+            "Redeliveries recognised as already spooled (a crash between fsync and ack)",
+            ["channel"],
+            registry=reg,
+        )
+        self.tap_dead_lettered = Counter(
+            "bridge_black_tap_dead_lettered",
+            "Messages the broker dropped from a mirror queue, by reason (recorded as gaps)",
+            ["channel", "reason"],
+            registry=reg,
+        )
+        self.tap_paused = Gauge(
+            "bridge_black_tap_paused",
+            "1 while the tap is paused because the spool is full",
+            ["channel"],
+            registry=reg,
+        )
+        self.spool_bytes = Gauge(
+            "bridge_black_spool_bytes", "Bytes in the channel's spool", ["channel"], registry=reg
+        )
         self.exchanges_unbound = Gauge(
             "bridge_black_exchanges_unbound",
             "Direct exchanges matching a channel but without routing keys",

@@ -1,4 +1,4 @@
-"""Spark job, black: drain RabbitMQ stream mirrors into sealed bundles in the outbox.
+"""Spark job, black: drain the mirror queues (tap -> spool) into sealed bundles in the outbox.
 
     spark-submit spark_jobs/black_drain.py --config conf/diode.toml \
         [--trigger available-now|continuous]

@@ -1,9 +1,9 @@
-"""Black, mirror: the exchange catalog kept in the state dir (every exchange a stream row may name).
+"""Black, mirror: the exchange catalog in the state dir (every exchange a spooled row may name).
 
 The catalog maps exchange name -> :class:`ExchangeDecl` and is written atomically to
 ``<state_dir>/exchanges.json``. The mirror updates it *before* binding, so any message found in a
-stream queue has its exchange (type, flags, arguments) in the catalog. Entries are never removed:
-rows of a deleted exchange may still sit in a stream. A re-declared exchange (other type, flags or
+mirror queue has its exchange (type, flags, arguments) in the catalog. Entries are never removed:
+rows of a deleted exchange may still sit in the spool. A re-declared exchange (other type, flags or
 arguments) replaces its entry: the newest declaration wins.
 """
 
@@ -46,7 +46,7 @@ def load_catalog(path: Path) -> dict[str, ExchangeDecl]:
         return {}
     fix = (
         "restore it from a backup, or move it aside to rebuild it from discovery (exchanges "
-        "deleted since will then be missing for rows still in the streams)"
+        "deleted since will then be missing for rows still in the spool)"
     )
     try:
         doc: Any = json.loads(raw)

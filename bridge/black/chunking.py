@@ -2,15 +2,17 @@
 
 Pure logic (no I/O). A chunk closes at ``max_rows`` or before its estimated bytes would pass
 ``max_bytes``. Message seqs that are missing between the last shipped seq and the rows (the
-stream's retention dropped them before black read them) become gaps of reason ``retention``;
-a single message too large for the configured file ceiling becomes a gap of reason
-``oversize``. Gaps ride in the manifest of the chunk that follows them, so the coverage of
-consecutive bundles — ``[min(first_seq, gap firsts), max(last_seq, gap lasts)]`` — is
+broker dropped them from the mirror queue: their spool records are *lost* markers) become
+gaps with the reason given for each seq (``gap_reasons``; ``missing`` if none); a single
+message too large for the configured file ceiling becomes a gap of reason ``oversize``.
+Gaps ride in the manifest of the chunk that follows them, so the coverage of consecutive
+bundles — ``[min(first_seq, gap firsts), max(last_seq, gap lasts)]`` — is
 contiguous on the wire.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -79,12 +81,25 @@ def plan_chunks(
     max_rows: int,
     max_bytes: int,
     max_row_bytes: int,
+    gap_reasons: Mapping[int, str] | None = None,
+    through_seq: int | None = None,
 ) -> tuple[list[Chunk], list[int]]:
     """Plan chunks over rows sorted by strictly increasing ``seqs``.
 
     Returns the chunks and the indexes of rows dropped as ``oversize`` (already listed as gaps
-    in the chunks). ``last_seq`` is the last seq already covered by shipped bundles.
+    in the chunks). ``last_seq`` is the last seq already covered by shipped bundles;
+    ``through_seq`` the last seq these rows account for (seqs after the last row up to it are
+    gaps too); ``gap_reasons`` the reason of each missing seq.
     """
+    reasons = gap_reasons or {}
+
+    def missing(first: int, last: int) -> list[Gap]:
+        return (
+            [Gap(s, s, reasons.get(s, "missing")) for s in range(first, last + 1)]
+            if (reasons)
+            else [Gap(first, last, "missing")]
+        )
+
     chunks: list[Chunk] = []
     dropped: list[int] = []
     cur: Chunk | None = None
@@ -96,7 +111,7 @@ def plan_chunks(
         if s < expected:
             raise ValueError(f"seq {s} not after {expected - 1}: rows must be sorted and new")
         if s > expected:
-            pending_gaps.append(Gap(expected, s - 1, "retention"))
+            pending_gaps.extend(missing(expected, s - 1))
         expected = s + 1
         size = int(sizes[i])
         if size > max_row_bytes:
@@ -120,6 +135,8 @@ def plan_chunks(
         cur.est_bytes += size
     if cur is not None:
         chunks.append(cur)
+    if through_seq is not None and through_seq >= expected:
+        pending_gaps.extend(missing(expected, through_seq))
     if pending_gaps:
         # gaps after the last row (or no rows at all): a zero-row bundle carries them
         chunks.append(Chunk(start=n, stop=n, gaps=pending_gaps))

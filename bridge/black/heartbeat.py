@@ -9,14 +9,17 @@ outbox under ``<channel>.<heartbeat seq>.dheartbeat``; they are not archived.
 from __future__ import annotations
 
 import datetime as dt
+import json
 import threading
 import time
+from pathlib import Path
 
 from bridge.black.state import StateStore
 from bridge.config import ChannelConfig, Config
 from bridge.crypto.gpg import Gpg
 from bridge.diode.file_drop import Outbox
-from bridge.fsutil import durable_rename
+from bridge.errors import StateError
+from bridge.fsutil import atomic_write_bytes
 from bridge.logs import get_logger, log_event
 from bridge.metrics import BLACK
 from bridge.protocol.heartbeat import Heartbeat
@@ -33,28 +36,49 @@ class HeartbeatWriter:
 
     def __init__(self, cfg: Config, *, store: StateStore, gpg: Gpg, outbox: Outbox) -> None:
         self.cfg, self.store, self.gpg, self.outbox = cfg, store, gpg, outbox
+        self._lock = threading.Lock()
+
+    def _seq_path(self, channel: str) -> Path:
+        return self.store.dir / f"heartbeat-{channel}.json"
+
+    def last_seq(self, channel: str) -> int:
+        """The last heartbeat seq written for ``channel`` (0: none yet)."""
+        try:
+            return int(json.loads(self._seq_path(channel).read_bytes())["heartbeat_seq"])
+        except FileNotFoundError:
+            return 0
+        except (ValueError, KeyError, TypeError) as e:
+            raise StateError(
+                f"{self._seq_path(channel)} is unreadable ({e}); restore it, or write "
+                '{"heartbeat_seq": N} with N above the last heartbeat red received'
+            ) from None
+
+    def _save_seq(self, channel: str, seq: int) -> None:
+        atomic_write_bytes(self._seq_path(channel), json.dumps({"heartbeat_seq": seq}).encode())
 
     def beat(self, channel: ChannelConfig) -> str:
         """Write the next heartbeat of ``channel``; its seq is given back if writing fails.
 
-        (A kill -9 between saving the seq and the rename can still skip one heartbeat seq:
-        never a reused one.)
+        (A kill -9 or a failed rename after saving the seq can still skip one heartbeat seq:
+        never a reused one.) It never waits for the sealer: the journal is read as last
+        committed (it is replaced atomically), and the heartbeat seq lives in its own file, so
+        heartbeats keep their period while a channel seals a large batch.
         """
-        with self.store.lock(channel.name):
+        with self._lock:
             st = self.store.load(channel.name)
-            st.heartbeat_seq += 1
+            seq = self.last_seq(channel.name) + 1
             hb = Heartbeat(
                 format=1,
                 channel=channel.name,
                 bridge_id=self.cfg.link.bridge_id,
-                heartbeat_seq=st.heartbeat_seq,
+                heartbeat_seq=seq,
                 last_bundle_seq=st.last_bundle_seq or None,
                 last_seq=st.last_seq if st.last_seq >= 0 else None,
                 black_time=dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ"),
                 interval_seconds=float(self.cfg.black.heartbeat_seconds),
                 counters=dict(st.counters),
             )
-            self.store.save(st)
+            self._save_seq(channel.name, seq)
             name = heartbeat_name(channel.name, hb.heartbeat_seq)
             try:
                 data = self.gpg.seal_bytes(
@@ -64,15 +88,13 @@ class HeartbeatWriter:
                     encrypt=channel.encrypt,
                     hide_recipients=self.cfg.black.bundle.hide_recipients,
                 )
-                tmp = self.outbox.temp_for(name)
-                with open(tmp, "wb") as f:
-                    f.write(data)
-                durable_rename(tmp, self.outbox.outbox / name)
-            except BaseException:
-                if not (self.outbox.outbox / name).exists():  # never hand back a seq in use
-                    st.heartbeat_seq -= 1
-                    self.store.save(st)
+                staged = self.outbox.stage_bytes(name, data)  # in the staging dir, fsynced
+            except BaseException:  # nothing reached the outbox: the seq is given back
+                self._save_seq(channel.name, seq - 1)
                 raise
+            # from the rename on, the seq is never given back (the mover may take the file at
+            # once, so its absence proves nothing); a failed rename only skips a seq
+            self.outbox.publish(staged, name)
         BLACK.heartbeats_sent.labels(channel.name).inc()
         log_event(
             log,
@@ -103,16 +125,17 @@ class HeartbeatLoop(threading.Thread):
         self._stop_event = threading.Event()
 
     def run(self) -> None:
-        pruned_at = time.monotonic()
+        pruned_at = due = time.monotonic()
         while not self._stop_event.is_set():
             self.writer.beat_all()
+            due += self.interval  # a fixed cadence: the time a beat takes is not added to it
             if self.outbox is not None and time.monotonic() - pruned_at >= PRUNE_EVERY_SECONDS:
                 pruned_at = time.monotonic()
                 try:  # a continuous job keeps the archive within its retention
                     self.outbox.prune_archive()
                 except OSError as e:
                     log_event(log, 40, f"archive pruning failed: {e}")
-            self._stop_event.wait(self.interval)
+            self._stop_event.wait(max(0.0, due - time.monotonic()))
 
     def stop(self) -> None:
         self._stop_event.set()

@@ -1,7 +1,11 @@
-"""Black, job: wire mirror + Spark stream source + sealing sink + heartbeats into one run.
+"""Black, job: wire mirror + taps + Spark spool source + sealing sink + heartbeats into one run.
 
-RabbitMQ exchanges --mirror--> stream queues --source "rabbitmq"--> micro-batches
-  --BatchSink (seal)--> outbox/ + archive/        (+ heartbeats every N s)
+RabbitMQ exchanges --mirror--> mirror queues --tap (one process per channel)--> spool
+  --source "diode_spool"--> micro-batches --BatchSink (seal)--> outbox/ + archive/
+  (+ heartbeats every N s)
+
+``available-now`` first drains every mirror queue into the spool (taps run until the queues
+are empty), then seals the spool; ``continuous`` keeps the taps running beside the query.
 """
 
 from __future__ import annotations
@@ -16,11 +20,12 @@ from bridge.black.mirror import Mirror, MirrorLoop
 from bridge.black.recovery import recover_committed
 from bridge.black.seal import BundleSealer
 from bridge.black.sink import BatchSink
-from bridge.black.source import RabbitStreamDataSource
+from bridge.black.source import SpoolDataSource
 from bridge.black.state import StateStore
-from bridge.black.streams import stream_bounds
+from bridge.black.taps import TapSupervisor, run_taps_until_empty
 from bridge.config import Config
 from bridge.crypto.gpg import Gpg
+from bridge.crypto.keys import signing_gpg
 from bridge.diode.file_drop import Outbox
 from bridge.errors import ConfigError
 from bridge.fsutil import exclusive_lock
@@ -40,7 +45,7 @@ class BlackSummary:
     lost: int = 0
     seconds: float = 0.0
     recovered_bundles: int = 0
-    """Bundles shipped at start-up for offsets Spark had committed before a crash."""
+    """Bundles shipped at start-up for positions Spark had committed before a crash."""
     drain_seconds: float = 0.0
     """From the first micro-batch's read to the last bundle in the outbox (no query start-up)."""
 
@@ -68,12 +73,10 @@ def check_black_config(cfg: Config) -> Gpg:
         )
     if not cfg.black.signing_key:
         raise ConfigError(
-            "black.signing_key is empty: run `diode keys init` and paste the fingerprint it prints"
+            "black.signing_key is empty: run `diode keys init --side black` and paste the "
+            "fingerprint it prints"
         )
-    gpg = Gpg(Path(cfg.black.gnupg_home))
-    gpg.require_keys(
-        [cfg.black.signing_key], secret=True, purpose="black signing key (black.signing_key)"
-    )
+    gpg = signing_gpg(cfg)  # the key is there, usable, unlocked; no red secret key beside it
     for ch in cfg.channels:
         if ch.encrypt:
             gpg.require_keys(ch.recipients, purpose=f"recipients of channel {ch.name!r}")
@@ -94,19 +97,16 @@ class BlackRun:
         self.cfg = cfg
         self.gpg = check_black_config(cfg)
         self.store = StateStore(Path(cfg.black.state_dir))
-        self.outbox = Outbox(
-            Path(cfg.black.outbox),
-            Path(cfg.black.archive),
-            retention_days=cfg.black.archive_retention_days,
-        )
+        self.outbox = Outbox.from_config(cfg.black)
         self.sealer = BundleSealer(cfg, store=self.store, gpg=self.gpg, outbox=self.outbox)
         self.sink = BatchSink(cfg, self.sealer)
         self.mirror = Mirror(cfg, catalog_path=Path(cfg.black.state_dir) / "exchanges.json")
         self.heartbeats = HeartbeatWriter(cfg, store=self.store, gpg=self.gpg, outbox=self.outbox)
+        self.taps: TapSupervisor | None = None
 
     def start_query(self, spark: Any, trigger: Trigger, *, query_name: str = "diode_black") -> Any:
-        spark.dataSource.register(RabbitStreamDataSource)
-        df = spark.readStream.format("rabbitmq").option("config", str(self.cfg.source)).load()
+        spark.dataSource.register(SpoolDataSource)
+        df = spark.readStream.format("diode_spool").option("config", str(self.cfg.source)).load()
         w = (
             df.writeStream.foreachBatch(self.sink)
             .option("checkpointLocation", str(self.cfg.black.checkpoint_dir))
@@ -133,21 +133,21 @@ class BlackRun:
         t0 = time.monotonic()
         self.outbox.sweep_stale_temps()
         self.sink = BatchSink(self.cfg, self.sealer)  # a fresh sink: no stale error or results
-        report = self.mirror.sync()  # declares streams + bindings; raises on misconfiguration
+        report = self.mirror.sync()  # declares queues + bindings; raises on misconfiguration
         log_event(log, 20, "mirror synced", report=str(report))
-        recovered = recover_committed(
-            self.cfg,
-            self.sealer,
-            self.store,
-            first_retained=lambda ch: stream_bounds(self.cfg, ch)[0],
-        )
+        recovered = recover_committed(self.cfg, self.sealer, self.store)
         mirror_loop = MirrorLoop(self.mirror, self.cfg.black.discover_interval_seconds)
         hb_loop = HeartbeatLoop(self.heartbeats, self.cfg.black.heartbeat_seconds, self.outbox)
+        taps: TapSupervisor | None = None
         if trigger == "continuous":
             mirror_loop.start()
             # a mirror that failed for good (permissions, arguments) must stop the job: new
-            # exchanges would otherwise never reach the stream, and black could not tell
+            # exchanges would otherwise never reach the mirror queue, and black could not tell
             self.sink.health_checks.append(lambda: mirror_loop.error)
+            taps = self.taps = TapSupervisor(self.cfg).start()
+            self.sink.health_checks.append(lambda: taps.error if taps else None)
+        else:
+            run_taps_until_empty(self.cfg, timeout=timeout)
         hb_loop.start()
         try:
             query = self.start_query(spark, trigger)
@@ -162,6 +162,8 @@ class BlackRun:
         finally:
             if trigger == "continuous":
                 mirror_loop.stop()
+            if taps is not None:
+                taps.stop()
             hb_loop.stop()
         self.heartbeats.beat_all()  # a final heartbeat names the last bundle sealed
         self.outbox.prune_archive()

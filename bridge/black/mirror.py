@@ -1,10 +1,15 @@
-"""Black, mirror: bind each channel's exchanges into its own RabbitMQ stream queue (DESIGN §3.9).
+"""Black, mirror: bind each channel's exchanges into its own durable mirror queue (DESIGN §3.9).
 
-    exchanges (discovered | configured) ─plan_channel─> bindings ─> stream <prefix><channel>
+    exchanges (discovered | configured) ─plan_channel─> bindings ─> queue <prefix><channel>
                          └─> catalog (state_dir/exchanges.json), written before any binding
+    <prefix><channel> ─dead letters (overflow, expiry)─> <prefix>dead-letter
+                      ─> <prefix><channel>.dead
 
-The bindings are planned in :mod:`bridge.black.plan`; stream offsets and bounds live in
-:mod:`bridge.black.streams`; the broker connection in :mod:`bridge.black.broker`.
+Mirror queues are classic (default) or quorum: both keep AMQP 0.9.1 messages unconverted.
+Whatever the broker drops from a mirror queue — a length limit an operator set, a message's
+own ``expiration`` — is dead-lettered into the channel's dead queue, which the tap turns into
+recorded gaps. The bindings are planned in :mod:`bridge.black.plan`; the broker connection in
+:mod:`bridge.black.broker`.
 """
 
 from __future__ import annotations
@@ -28,12 +33,15 @@ from bridge.black.plan import (
     Binding,
     ChannelPlan,
     builtin_denied,
+    dead_letter_exchange,
+    dead_queue_name,
     explicit_names,
+    mirror_queue_name,
     plan_channel,
-    stream_queue_name,
 )
 from bridge.config import Config
 from bridge.errors import BrokerError, ConfigError, DiodeError, ManagementApiError
+from bridge.fsutil import exclusive_lock
 from bridge.logs import get_logger, log_event
 from bridge.metrics import BLACK
 from bridge.protocol.exchange import ExchangeDecl
@@ -77,7 +85,7 @@ class MirrorReport:
 
 
 class Mirror:
-    """Keeps every channel's stream queue declared and bound; cheap to call periodically.
+    """Keeps every channel's mirror queue declared and bound; cheap to call periodically.
 
     ``management`` defaults to a client built from ``cfg.black.management_*``. With
     ``black.discover`` it is required; without it, it is only asked for the types of exchanges
@@ -99,19 +107,16 @@ class Mirror:
         self._bound: dict[str, set[tuple[str, str, str]]] = {}
         self._told: set[tuple[str, str]] = set()
 
-    def stream_arguments(self) -> dict[str, Any]:
+    def queue_arguments(self, channel: str) -> dict[str, Any]:
         b = self.cfg.black
-        args: dict[str, Any] = {
-            "x-queue-type": "stream",
-            "x-max-length-bytes": b.stream_max_bytes,
-            "x-max-age": b.stream_max_age,
+        return {
+            "x-queue-type": b.mirror_queue_type,
+            "x-dead-letter-exchange": dead_letter_exchange(b),
+            "x-dead-letter-routing-key": channel,
         }
-        if b.stream_max_segment_bytes is not None:
-            args["x-stream-max-segment-size-bytes"] = b.stream_max_segment_bytes
-        return args
 
     def sync(self) -> MirrorReport:
-        """Discover, update the catalog, then declare and bind every channel's stream queue."""
+        """Discover, update the catalog, then declare and bind every channel's mirror queue."""
         with self._lock:
             conn = connect(self.cfg.black, purpose="mirror")
             try:
@@ -129,8 +134,18 @@ class Mirror:
                         pass
 
     def _sync(self, conn: BlockingConnection) -> MirrorReport:
+        # `diode mirror` and a running job's MirrorLoop both rewrite the catalog
+        with exclusive_lock(
+            self.catalog_path.with_name("catalog.lock"), what="mirror sync", timeout=60,
+            hint="another `diode mirror` or black job is syncing the same state_dir",
+        ):  # fmt: skip
+            return self._sync_locked(conn)
+
+    def _sync_locked(self, conn: BlockingConnection) -> MirrorReport:
         catalog = load_catalog(self.catalog_path)
         exchanges, listed = self._learn(conn, catalog)
+        own = self.cfg.black.mirror_prefix
+        exchanges = [d for d in exchanges if not d.name.startswith(own)]  # our dead-letter exchange
         plans = [plan_channel(ch, exchanges) for ch in self.cfg.channels]
         if self.cfg.black.discover:
             to_catalog: list[ExchangeDecl] = exchanges
@@ -193,22 +208,41 @@ class Mirror:
         chan.close()
         return found, False
 
-    def _declare_stream(self, chan: BlockingChannel, channel: str, queue: str) -> None:
-        args = self.stream_arguments()
-        try:
-            chan.queue_declare(queue, durable=True, arguments=args)
-        except pika.exceptions.ChannelClosedByBroker as e:
-            if e.reply_code == 406:
-                raise ConfigError(
-                    f"stream queue {queue!r} of channel {channel!r} in vhost {self.vhost!r} "
-                    f"already exists with other arguments than configured {args}: the broker "
-                    f"answered {e.reply_text}. Fix: set black.stream_max_bytes / "
-                    "black.stream_max_age back to the queue's values (rabbitmqctl list_queues "
-                    f"--vhost {self.vhost} name arguments), or delete the queue (rabbitmqctl "
-                    f"delete_queue --vhost {self.vhost} {queue}) so the mirror re-creates it; "
-                    "deleting loses its unread messages and restarts its offsets at 0"
-                ) from None
-            raise broker_refused(e, f"declaring stream queue {queue!r}", self.vhost) from None
+    def _declare(self, chan: BlockingChannel, channel: str) -> BlockingChannel:
+        """Declare the dead-letter exchange, the dead queue and the mirror queue (idempotent)."""
+        b = self.cfg.black
+        dlx, dead, queue = (
+            dead_letter_exchange(b),
+            dead_queue_name(b, channel),
+            mirror_queue_name(b, channel),
+        )
+        qtype = {"x-queue-type": b.mirror_queue_type}
+        steps: list[tuple[str, Callable[[], Any]]] = [
+            (f"exchange {dlx!r}", lambda: chan.exchange_declare(dlx, "direct", durable=True)),
+            (f"queue {dead!r}", lambda: chan.queue_declare(dead, durable=True, arguments=qtype)),
+            (f"binding {dead!r}", lambda: chan.queue_bind(dead, dlx, channel)),
+            (
+                f"queue {queue!r}",
+                lambda: chan.queue_declare(
+                    queue, durable=True, arguments=self.queue_arguments(channel)
+                ),
+            ),
+        ]
+        for what, step in steps:
+            try:
+                step()
+            except pika.exceptions.ChannelClosedByBroker as e:
+                if e.reply_code == 406:
+                    raise ConfigError(
+                        f"channel {channel!r}: {what} already exists in vhost {self.vhost!r} "
+                        f"with other arguments than black needs ({e.reply_text}). Fix: set "
+                        "black.mirror_queue_type back to the queue's type (rabbitmqctl "
+                        f"list_queues --vhost {self.vhost} name type arguments), or, once the "
+                        f"queue is empty, delete it (rabbitmqctl delete_queue --vhost "
+                        f"{self.vhost} {queue}) so the mirror re-creates it"
+                    ) from None
+                raise broker_refused(e, f"declaring {what}", self.vhost) from None
+        return chan
 
     def _existing(self, queue: str, listed: bool) -> set[tuple[str, str, str]] | None:
         if not listed:
@@ -223,9 +257,8 @@ class Mirror:
         return {Binding(r.source, r.routing_key, r.arguments).key() for r in rows if r.source}
 
     def _apply(self, conn: BlockingConnection, plan: ChannelPlan, listed: bool) -> ChannelReport:
-        queue = stream_queue_name(self.cfg.black, plan.channel)
-        chan = conn.channel()
-        self._declare_stream(chan, plan.channel, queue)
+        queue = mirror_queue_name(self.cfg.black, plan.channel)
+        chan = self._declare(conn.channel(), plan.channel)
         existing = self._existing(queue, listed)
         prior = existing if existing is not None else self._bound.get(plan.channel, set())
         skipped = list(plan.skipped)
@@ -289,7 +322,7 @@ class Mirror:
             log_event(
                 log,
                 logging.INFO,
-                "exchanges bound to stream",
+                "exchanges bound to mirror queue",
                 channel=ch,
                 queue=queue,
                 exchanges=newly,
@@ -298,7 +331,7 @@ class Mirror:
             log_event(
                 log,
                 logging.INFO,
-                "stale bindings removed from stream",
+                "stale bindings removed from mirror queue",
                 channel=ch,
                 queue=queue,
                 exchanges=removed,
@@ -381,6 +414,3 @@ class MirrorLoop:
                     self.on_report(report)
             if self._stop.wait(self.interval):
                 return
-
-
-# ---------------------------------------------------------------- stream offsets

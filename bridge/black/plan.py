@@ -1,4 +1,4 @@
-"""Black, mirror plan: which bindings mirror a channel's exchanges into its stream (pure logic).
+"""Black, mirror plan: which bindings mirror a channel's exchanges into its queue (pure logic).
 
 Catch-all bindings, verified on RabbitMQ 3.10: fanout "" ; topic "#" ; headers: an argument
 table with ``x-match: all`` and no other key (matches every message, headers or not; ``any``
@@ -25,7 +25,9 @@ __all__ = [
     "builtin_denied",
     "explicit_names",
     "plan_channel",
-    "stream_queue_name",
+    "mirror_queue_name",
+    "dead_queue_name",
+    "dead_letter_exchange",
 ]
 
 BUILTIN_DENY = ("", "amq.*")
@@ -39,7 +41,7 @@ _GLOB = frozenset("*?[")
 
 @dataclass(frozen=True)
 class Binding:
-    """One binding of a channel's stream queue to an exchange."""
+    """One binding of a channel's mirror queue to an exchange."""
 
     exchange: str
     routing_key: str
@@ -52,7 +54,7 @@ class Binding:
 
 @dataclass(frozen=True)
 class ChannelPlan:
-    """What a channel's stream queue should be bound to."""
+    """What a channel's mirror queue should be bound to."""
 
     channel: str
     bindings: list[Binding]
@@ -135,6 +137,16 @@ def plan_channel(channel: ChannelConfig, exchanges: Sequence[ExchangeDecl]) -> C
     return ChannelPlan(channel.name, bindings, unbound, skipped)
 
 
-def stream_queue_name(black: BlackConfig, channel: str) -> str:
-    """The stream queue mirroring ``channel``: ``<stream_prefix><channel>``."""
-    return f"{black.stream_prefix}{channel}"
+def mirror_queue_name(black: BlackConfig, channel: str) -> str:
+    """The queue mirroring ``channel``: ``<mirror_prefix><channel>``."""
+    return f"{black.mirror_prefix}{channel}"
+
+
+def dead_queue_name(black: BlackConfig, channel: str) -> str:
+    """Where the broker dead-letters what the mirror queue drops (overflow, expiry)."""
+    return f"{black.mirror_prefix}{channel}.dead"
+
+
+def dead_letter_exchange(black: BlackConfig) -> str:
+    """Black's own direct exchange for dead letters of the mirror queues (routing key: channel)."""
+    return f"{black.mirror_prefix}dead-letter"

@@ -2,17 +2,20 @@
 
 from __future__ import annotations
 
+import json
+import time
 from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
 
+from bridge.black.gaplog import read_gaps
 from bridge.black.state import StateStore
 from bridge.config import Config
 from bridge.errors import BundleNameError
 from bridge.protocol.naming import parse_bundle_name, parse_heartbeat_name
 
-__all__ = ["channel_status", "files_table"]
+__all__ = ["channel_status", "files_table", "gap_ranges"]
 
 
 def channel_status(cfg: Config) -> dict[str, Any]:
@@ -32,9 +35,9 @@ def channel_status(cfg: Config) -> dict[str, Any]:
         out["channels"][ch.name] = {
             "last_bundle_seq": st.last_bundle_seq,
             "last_seq": st.last_seq,
-            "last_offset": st.last_offset,
+            "spool": _spool_status(cfg, ch.name),
             "pending": bool(st.pending),
-            "heartbeat_seq": st.heartbeat_seq,
+            "heartbeat_seq": _heartbeat_seq(cfg, ch.name),
             "counters": st.counters,
             "lost": {k[len("lost_") :]: v for k, v in st.counters.items() if k.startswith("lost_")},
             "encrypt": ch.encrypt,
@@ -42,6 +45,36 @@ def channel_status(cfg: Config) -> dict[str, Any]:
             "outbox_bundles": sum(1 for n in waiting if _bundle_channel(n) == ch.name),
         }
     return out
+
+
+def _spool_status(cfg: Config, channel: str) -> dict[str, Any]:
+    """The channel's spool and tap, as the tap last reported them."""
+    from bridge.black.tap import tap_status
+
+    st = tap_status(cfg, channel)
+    if st is None:
+        return {"tap": "never ran"}
+    return {
+        "durable_end": st.durable_end,
+        "acked_through": st.acked_through,
+        "paused": st.paused,
+        "tap_pid": st.pid,
+        "status_age_s": round(max(0.0, time.time() - st.updated), 1),
+        "counters": st.counters,
+    }
+
+
+def _heartbeat_seq(cfg: Config, channel: str) -> int | None:
+    p = Path(cfg.black.state_dir) / f"heartbeat-{channel}.json"
+    try:
+        return int(json.loads(p.read_bytes())["heartbeat_seq"])
+    except (FileNotFoundError, ValueError, KeyError, TypeError):
+        return None
+
+
+def gap_ranges(cfg: Config) -> dict[str, list[dict[str, Any]]]:
+    """Per channel, every message seq range known lost on black, with its reason and bundle."""
+    return {ch.name: read_gaps(Path(cfg.black.state_dir), ch.name) for ch in cfg.channels}
 
 
 def _bundle_channel(name: str) -> str | None:

@@ -1,10 +1,16 @@
 """Black, seal: rows of a micro-batch -> manifests -> Parquet -> gpg -> outbox, journaled.
 
-rows (one channel, any order)
+rows (one channel, any order; seq = spool position)
   -> drop seqs already shipped (a replayed micro-batch)
-  -> finish the pending bundle byte-identically, if a crash interrupted it
-  -> chunk by rows / bytes / file ceiling, gaps from missing seqs
+  -> finish the pending bundle a crash interrupted: byte-identically if its rows rebuild the
+     same plaintext, else re-sealed under the same bundle seq and chain link (red never saw it)
+  -> lost markers (the broker dropped those messages) become gaps with their reason
+  -> chunk by rows / bytes / file ceiling
   -> per chunk: manifest, Parquet plaintext, journal intent, sign+encrypt, deliver, journal
+
+Determinism of a rebuild depends on: the spool records (kept until the bundle is shipped), the
+manifest recorded in the journal intent (created_at and bundle id included), the zstd level
+and the pyarrow version (pinned by the deployment; a change is handled by re-sealing).
 """
 
 from __future__ import annotations
@@ -12,7 +18,6 @@ from __future__ import annotations
 import datetime as dt
 import uuid
 from collections import Counter as Tally
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -20,12 +25,14 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from bridge.black.chunking import plan_chunks, row_size_estimate
-from bridge.black.numbering import assign_seqs
+from bridge.black.gaplog import append_gaps
+from bridge.black.spool_rows import LOST_REASON
 from bridge.black.state import ChannelState, StateStore
 from bridge.config import ChannelConfig, Config
 from bridge.crypto.gpg import Gpg
 from bridge.diode.file_drop import Outbox
 from bridge.errors import StateError
+from bridge.faults import crash_point
 from bridge.logs import get_logger, log_event
 from bridge.metrics import BLACK
 from bridge.protocol.bundle import pack_bundle, sha256_hex
@@ -69,6 +76,16 @@ def _covered_last(manifest: Manifest, st: ChannelState) -> int:
     return max([st.last_seq, *covered])
 
 
+def _merge_gaps(gaps: list[Gap]) -> list[Gap]:
+    out: list[Gap] = []
+    for g in gaps:
+        if out and out[-1].reason == g.reason and out[-1].last_seq + 1 == g.first_seq:
+            out[-1] = Gap(out[-1].first_seq, g.last_seq, g.reason)
+        else:
+            out.append(g)
+    return out
+
+
 def _now_rfc3339() -> str:
     return dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
 
@@ -84,25 +101,36 @@ class BundleSealer:
         self.schema = row_schema(ROW_SCHEMA_VERSION)
 
     # -- public -----------------------------------------------------------------------------
-    def seal_rows(
-        self, channel: ChannelConfig, table: pa.Table, *, first_retained: Callable[[], int]
-    ) -> list[ShippedBundle]:
+    def seal_rows(self, channel: ChannelConfig, table: pa.Table) -> list[ShippedBundle]:
         """Seal every row of ``table`` (one channel) that no shipped bundle covers yet.
 
-        Rows are identified by ``stream_offset``; their ``seq`` is assigned here, gapless,
-        continuing black's journal. ``first_retained`` returns the stream's first retained
-        message offset (asked only when offsets jump, to tell holes from retention loss).
+        ``seq`` is the spool position. Rows with ``lost_reason`` set are lost markers: their
+        seqs become gaps. Returns the bundles shipped, in order.
         """
         with self.store.lock(channel.name):
             st = self.store.load(channel.name)
-            table, offsets = self._number(table, st, first_retained)
+            table = self._fresh(table, st)
             shipped: list[ShippedBundle] = []
             if st.pending is not None:
                 shipped.append(self._finish_pending(channel, st, table))
-                keep = pc.greater(table.column("seq"), st.last_seq)
-                table, offsets = table.filter(keep), offsets[keep.to_numpy(zero_copy_only=False)]
+                table = table.filter(pc.greater(table.column("seq"), st.last_seq))
             if len(table) == 0:
                 return shipped
+            through = int(pc.max(table.column("seq")).as_py())
+            reasons: dict[int, str] = {}
+            if LOST_REASON in table.column_names:
+                lost = pc.is_valid(table.column(LOST_REASON))
+                if bool(pc.any(lost).as_py()):
+                    marked = table.filter(lost)
+                    reasons = dict(
+                        zip(
+                            marked.column("seq").to_pylist(),
+                            marked.column(LOST_REASON).to_pylist(),
+                            strict=True,
+                        )
+                    )
+                    table = table.filter(pc.invert(lost))
+            table = table.select(self.schema.names).cast(self.schema)
             bundle = self.cfg.black.bundle
             max_plain = bundle.max_file_bytes - seal_overhead_bytes(
                 len(channel.recipients), bundle.max_file_bytes
@@ -116,6 +144,8 @@ class BundleSealer:
                 max_rows=bundle.max_rows,
                 max_bytes=min(bundle.max_bytes, max_plain),
                 max_row_bytes=max_plain - 4096,
+                gap_reasons=reasons,
+                through_seq=through,
             )
             for i in dropped:
                 log_event(
@@ -124,41 +154,27 @@ class BundleSealer:
                     "message larger than the file ceiling: recorded as a gap",
                     channel=channel.name,
                     seq=int(seqs[i]),
-                    stream_offset=int(offsets[i]),
                     bytes=int(sizes[i]),
                     max_file_bytes=bundle.max_file_bytes,
                 )
             for ch in chunks:
                 rows = table.slice(ch.start, ch.rows)
-                shipped.extend(
-                    self._seal_chunk(channel, st, rows, ch.gaps, max_plain, seqs, offsets)
-                )
+                shipped.extend(self._seal_chunk(channel, st, rows, ch.gaps, max_plain))
             return shipped
 
-    def _number(
-        self, table: pa.Table, st: ChannelState, first_retained: Callable[[], int]
-    ) -> tuple[pa.Table, np.ndarray]:
-        """Drop rows already shipped, sort by offset, assign seqs; returns (rows, offsets)."""
-        if len(table):
-            offs = table.column("stream_offset").to_numpy(zero_copy_only=False)
-            if offs.min() <= st.last_offset:
-                table = table.filter(pc.greater(table.column("stream_offset"), st.last_offset))
-                offs = table.column("stream_offset").to_numpy(zero_copy_only=False)
-            if len(offs) > 1 and not bool(np.all(offs[1:] > offs[:-1])):
-                table = table.sort_by("stream_offset")  # partitions arrive in order as a rule
-        offsets = table.column("stream_offset").to_numpy(zero_copy_only=False).astype(np.int64)
-        seqs, _lost = assign_seqs(
-            offsets, last_offset=st.last_offset, last_seq=st.last_seq, first_retained=first_retained
-        )
-        idx = table.schema.get_field_index("seq")
-        table = table.set_column(idx, self.schema.field("seq"), pa.array(seqs, pa.int64()))
-        return table.select(self.schema.names).cast(self.schema), offsets
-
     @staticmethod
-    def _offset_covering(seqs: np.ndarray, offsets: np.ndarray, seq: int, default: int) -> int:
-        """Stream offset of the last row with seq <= ``seq`` (rows dropped as gaps included)."""
-        i = int(np.searchsorted(seqs, seq, side="right")) - 1
-        return int(offsets[i]) if i >= 0 else default
+    def _fresh(table: pa.Table, st: ChannelState) -> pa.Table:
+        """Rows not shipped yet, sorted by seq (partitions arrive in order as a rule)."""
+        if not len(table):
+            return table
+        seqs = table.column("seq")
+        if int(pc.min(seqs).as_py()) <= st.last_seq:
+            table = table.filter(pc.greater(seqs, st.last_seq))
+            seqs = table.column("seq")
+        arr = seqs.to_numpy(zero_copy_only=False)
+        if len(arr) > 1 and not bool(np.all(arr[1:] > arr[:-1])):
+            table = table.sort_by("seq")
+        return table
 
     # -- internals --------------------------------------------------------------------------
     def _manifest(
@@ -189,8 +205,6 @@ class BundleSealer:
         rows: pa.Table,
         gaps: list[Gap],
         max_plain: int,
-        seqs: np.ndarray,
-        offsets: np.ndarray,
     ) -> list[ShippedBundle]:
         manifest = self._manifest(channel.name, st, rows, gaps)
         plain = pack_bundle(rows, manifest, zstd_level=self.cfg.black.bundle.zstd_level)
@@ -210,68 +224,113 @@ class BundleSealer:
             head, tail = rows.slice(0, len(rows) // 2), rows.slice(len(rows) // 2)
             cut = int(tail.column("seq")[0].as_py())  # no gap contains a row's seq
             a = self._seal_chunk(
-                channel, st, head, [g for g in gaps if g.last_seq < cut], max_plain, seqs, offsets
+                channel, st, head, [g for g in gaps if g.last_seq < cut], max_plain
             )
             return a + self._seal_chunk(
-                channel, st, tail, [g for g in gaps if g.first_seq > cut], max_plain, seqs, offsets
+                channel, st, tail, [g for g in gaps if g.first_seq > cut], max_plain
             )
         sha = sha256_hex(plain)
-        last_offset = self._offset_covering(
-            seqs, offsets, _covered_last(manifest, st), st.last_offset
-        )
         st.pending = {
             "manifest": manifest.to_json().decode(),
             "sha256": sha,
-            "last_offset": last_offset,
             "plaintext_bytes": len(plain),
         }
         self.store.save(st)  # intent: a crash from here on re-creates exactly this plaintext
-        return [self._ship(channel, st, manifest, plain, sha, last_offset)]
+        crash_point("seal.after_intent")
+        return [self._ship(channel, st, manifest, plain, sha)]
 
     def _finish_pending(
         self, channel: ChannelConfig, st: ChannelState, table: pa.Table
     ) -> ShippedBundle:
-        """Finish a bundle a crash interrupted: re-drop its sealed copy if it was archived,
-        else re-create it byte-identically from the replayed rows."""
+        """Finish a bundle a crash interrupted.
+
+        * sealed and archived before the crash: red may hold it, so re-drop exactly those bytes;
+        * else, rebuilt from the replayed rows: byte-identical in the normal case;
+        * else (rows missing, or pyarrow / zstd output changed since): it never reached the
+          outbox, so red has not seen it: re-seal it under the same bundle seq and chain link
+          with what the rows give now, seqs without a row recorded as ``unrecoverable`` gaps.
+        """
         assert st.pending is not None
         manifest = Manifest.from_json(st.pending["manifest"].encode())
         want = st.pending["sha256"]
-        last_offset = int(st.pending["last_offset"])
         name = bundle_name(manifest.channel, manifest.bundle_seq, manifest.bundle_id)
         if self.outbox.has_archived(channel.name, name):
-            # sealed and archived (renamed whole) before the crash: red may already hold it,
-            # so send exactly those bytes again rather than a new encryption of them
             size = self.outbox.redrop(channel.name, name)
             log_event(
                 log, 30, "re-dropping the archived copy of a bundle interrupted by a crash",
                 channel=channel.name, bundle_seq=manifest.bundle_seq, bundle_id=manifest.bundle_id,
             )  # fmt: skip
+            BLACK.bundles_recovered.labels(channel.name, "redropped").inc()
             plain_bytes = int(st.pending.get("plaintext_bytes", 0))
-            return self._commit(channel, st, manifest, want, size, plain_bytes, last_offset)
-        if manifest.rows:
-            mask = pc.and_(
-                pc.greater_equal(table.column("seq"), manifest.first_seq),
-                pc.less_equal(table.column("seq"), manifest.last_seq),
-            )
-            rows = table.filter(mask)
-        else:
-            rows = table.slice(0, 0)
+            return self._commit(channel, st, manifest, want, size, plain_bytes)
+        rows = self._rows_of(manifest, table)
         plain = pack_bundle(rows, manifest, zstd_level=self.cfg.black.bundle.zstd_level)
         sha = sha256_hex(plain)
-        if sha != want:
-            raise StateError(
-                f"channel {channel.name!r} bundle {manifest.bundle_seq} ({manifest.bundle_id}) was "
-                f"interrupted before delivery and its rows no longer rebuild the same plaintext "
-                f"(sha {sha[:12]} != {want[:12]}, {len(rows)} of {manifest.rows} rows): the "
-                "stream lost messages between the crash and the restart, or pyarrow changed. "
-                "It never reached the outbox (no archived copy), so red has not seen it: inspect "
-                "the stream retention, then clear `pending` in the channel state to go on"
-            )
+        if sha == want:
+            log_event(
+                log, 30, "re-creating a bundle interrupted by a crash (byte-identical)",
+                channel=channel.name, bundle_seq=manifest.bundle_seq, bundle_id=manifest.bundle_id,
+            )  # fmt: skip
+            BLACK.bundles_recovered.labels(channel.name, "rebuilt").inc()
+            return self._ship(channel, st, manifest, plain, sha)
+        manifest = self._reseal_manifest(manifest, rows)
+        plain = pack_bundle(rows, manifest, zstd_level=self.cfg.black.bundle.zstd_level)
+        sha = sha256_hex(plain)
         log_event(
-            log, 30, "re-creating a bundle interrupted by a crash",
+            log, 40, "bundle interrupted by a crash does not rebuild byte-identically: re-sealed "
+            "under its bundle seq (it never reached the outbox)",
             channel=channel.name, bundle_seq=manifest.bundle_seq, bundle_id=manifest.bundle_id,
+            rows=len(rows), gaps=[g.to_json() for g in manifest.gaps],
         )  # fmt: skip
-        return self._ship(channel, st, manifest, plain, sha, last_offset)
+        BLACK.bundles_recovered.labels(channel.name, "resealed").inc()
+        st.bump("bundles_resealed")
+        st.pending = {
+            "manifest": manifest.to_json().decode(),
+            "sha256": sha,
+            "plaintext_bytes": len(plain),
+        }
+        self.store.save(st)
+        return self._ship(channel, st, manifest, plain, sha)
+
+    def _rows_of(self, manifest: Manifest, table: pa.Table) -> pa.Table:
+        if not manifest.rows or manifest.first_seq is None or manifest.last_seq is None:
+            return table.select(self.schema.names).cast(self.schema).slice(0, 0)
+        mask = pc.and_(
+            pc.greater_equal(table.column("seq"), manifest.first_seq),
+            pc.less_equal(table.column("seq"), manifest.last_seq),
+        )
+        rows = table.filter(mask)
+        if LOST_REASON in rows.column_names:
+            rows = rows.filter(pc.is_null(rows.column(LOST_REASON)))
+        return rows.select(self.schema.names).cast(self.schema)
+
+    def _reseal_manifest(self, old: Manifest, rows: pa.Table) -> Manifest:
+        """Same bundle seq, chain link and coverage; a new id; missing rows become gaps."""
+        have = set(rows.column("seq").to_pylist())
+        gaps = list(old.gaps)
+        if old.first_seq is not None and old.last_seq is not None:
+            gaps += [
+                Gap(s, s, "unrecoverable")
+                for s in range(old.first_seq, old.last_seq + 1)
+                if s not in have and not any(g.first_seq <= s <= g.last_seq for g in old.gaps)
+            ]
+        gaps.sort(key=lambda g: g.first_seq)
+        n = len(rows)
+        return Manifest(
+            format=1,
+            channel=old.channel,
+            bundle_seq=old.bundle_seq,
+            bundle_id=uuid.uuid4().hex,
+            first_seq=int(pc.min(rows.column("seq")).as_py()) if n else None,
+            last_seq=int(pc.max(rows.column("seq")).as_py()) if n else None,
+            rows=n,
+            exchanges=dict(sorted(Tally(rows.column("exchange").to_pylist()).items())),
+            created_at=_now_rfc3339(),
+            bridge_id=old.bridge_id,
+            schema_version=ROW_SCHEMA_VERSION,
+            prev_sha256=old.prev_sha256,
+            gaps=tuple(_merge_gaps(gaps)),
+        )
 
     def _ship(
         self,
@@ -280,7 +339,6 @@ class BundleSealer:
         manifest: Manifest,
         plain: bytes,
         sha: str,
-        last_offset: int,
     ) -> ShippedBundle:
         name = bundle_name(manifest.channel, manifest.bundle_seq, manifest.bundle_id)
         sealed = self.outbox.temp_for(name)
@@ -300,8 +358,9 @@ class BundleSealer:
                 f"over max_file_bytes {self.cfg.black.bundle.max_file_bytes}: a bug in the "
                 "overhead bound (seal_overhead_bytes); raise the ceiling to go on"
             )
-        self.outbox.deliver(name, sealed, channel=channel.name)
-        return self._commit(channel, st, manifest, sha, size, len(plain), last_offset)
+        self.outbox.deliver(name, sealed, channel=channel.name, synced=True)  # gpg fsynced it
+        crash_point("seal.after_deliver")
+        return self._commit(channel, st, manifest, sha, size, len(plain))
 
     def _commit(
         self,
@@ -311,17 +370,16 @@ class BundleSealer:
         sha: str,
         size: int,
         plain_bytes: int,
-        last_offset: int,
     ) -> ShippedBundle:
         """The bundle is durably in the outbox: advance the chain and the journal."""
         name = bundle_name(manifest.channel, manifest.bundle_seq, manifest.bundle_id)
         st.last_bundle_seq = manifest.bundle_seq
         st.last_seq = _covered_last(manifest, st)
-        st.last_offset = max(st.last_offset, last_offset)
         st.last_sha256 = sha
         st.pending = None
         st.bump("bundles")
         st.bump("messages", manifest.rows)
+        append_gaps(self.store.dir, manifest.channel, manifest.bundle_seq, manifest.gaps)
         for g in manifest.gaps:
             st.bump(f"lost_{g.reason}", g.last_seq - g.first_seq + 1)
             BLACK.messages_lost.labels(manifest.channel, g.reason).inc(g.last_seq - g.first_seq + 1)

@@ -1,12 +1,13 @@
-"""Black, seal: the foreachBatch sink — one micro-batch of rows -> sealed bundles per channel.
+"""Black, seal: the foreachBatch sink — one micro-batch of spool ranges -> sealed bundles.
 
-    foreachBatch(df, id) ── collect (Arrow) ──> [queue, 1 deep] ──> sealing thread ──> outbox
+    foreachBatch(df, id) ── ranges (channel, start, end) ──> [queue, 1 deep]
+        ──> sealing thread: spool records -> rows (row schema v2) -> bundles ──> outbox
 
 Sealing batch N overlaps reading batch N+1. That is safe because black's journal, not Spark's
 checkpoint, decides what is shipped: when Spark has committed a batch that the sealing thread
 had not finished (a crash), the next run ships it before the query starts
 (:mod:`bridge.black.recovery`) and the source's first batch also starts at the journal
-(``RabbitStreamReader.partitions``); the sealer drops offsets already shipped. A sealing
+(``SpoolStreamReader.partitions``); the sealer drops seqs already shipped. A sealing
 failure stops the query at the next batch and is raised by ``drain``.
 """
 
@@ -22,12 +23,12 @@ from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
-import pyarrow.compute as pc
 
+from bridge.black.catalog import load_catalog
 from bridge.black.chunking import row_size_estimate
 from bridge.black.seal import BundleSealer, ShippedBundle
 from bridge.black.source import READ_HINT_FILE
-from bridge.black.streams import stream_bounds
+from bridge.black.spool_rows import read_rows, source_schema
 from bridge.config import Config
 from bridge.errors import DiodeError
 from bridge.fsutil import atomic_write_bytes
@@ -149,19 +150,29 @@ class BatchSink:
             seal_seconds=round(time.monotonic() - t0, 3),
         )
 
-    def _first_retained(self, channel: str) -> Callable[[], int]:
-        return lambda: stream_bounds(self.cfg, channel)[0]
-
-    def process(self, table: pa.Table, batch_id: int) -> BatchResult:
-        res = BatchResult(batch_id=batch_id, rows=len(table))
+    def process(self, ranges: pa.Table, batch_id: int) -> BatchResult:
+        """Seal the spool ranges of one micro-batch (one row per channel: start, end)."""
+        spans = {
+            ch: (int(a), int(b))
+            for ch, a, b in zip(
+                ranges.column("channel").to_pylist(),
+                ranges.column("start").to_pylist(),
+                ranges.column("end").to_pylist(),
+                strict=True,
+            )
+        }
+        res = BatchResult(batch_id=batch_id, rows=sum(b - a for a, b in spans.values()))
+        catalog = load_catalog(Path(self.cfg.black.state_dir) / "exchanges.json")
         for ch in self.cfg.channels:
-            sub = table.filter(pc.equal(table.column("channel"), ch.name)) if len(table) else table
+            if ch.name not in spans:
+                continue
+            a, b = spans[ch.name]
+            batches = list(read_rows(Path(self.cfg.black.spool_dir), ch.name, a, b, catalog))
+            sub = pa.Table.from_batches(batches, schema=source_schema())
             if not len(sub):
                 continue
             self._avg[ch.name] = float(row_size_estimate(sub).mean())
-            res.bundles.extend(
-                self.sealer.seal_rows(ch, sub, first_retained=self._first_retained(ch.name))
-            )
+            res.bundles.extend(self.sealer.seal_rows(ch, sub))
         if self._avg:
             hint = Path(self.cfg.black.state_dir) / READ_HINT_FILE
             atomic_write_bytes(hint, json.dumps({"avg_row_bytes": self._avg}).encode())

@@ -1,26 +1,31 @@
-"""Black, drain: the Spark Python streaming data source "rabbitmq", reading stream queues by offset.
+"""Black, drain: the Spark Python streaming data source "diode_spool": black's spool by position.
 
-Offsets are ``{channel: next stream offset}`` and live in Spark's checkpoint; a replayed
-micro-batch reads exactly the same offset range. Each channel's range is split into
-``read_partitions`` ranges read in parallel by independent stream consumers. Message ``seq``
-comes later, from black's journal (see bridge.black.numbering); rows carry their stream
-offset. The per-batch read limit is the smaller of ``max_messages_per_batch``
-and ``max_batch_bytes`` divided by the average row size black measured on earlier batches
-(``read-hint.json`` in the state dir), so memory stays flat under any backlog.
+The tap (bridge.black.tap) drains each channel's mirror queue into the channel's spool; this
+source plans what each micro-batch covers. Offsets are ``{channel: next spool position}`` and
+live in Spark's checkpoint; positions are gapless and a record's position is its message
+``seq``, so a replayed micro-batch covers exactly the same messages.
 
-Options: ``config`` (path of the diode TOML; read on the driver and on executors),
-``channels`` (comma-separated, default: all configured).
+A micro-batch holds one row per channel, ``(channel, start, end)``: the spool positions
+``[start, end)`` it covers. The sink reads those records from the spool itself
+(memory-mapped, zero-copy) and seals them: message bodies never take the detour through the
+JVM and back, which cost more than gpg itself for large messages. The spool is on black's
+own disk, where the driver runs (DESIGN §8: one black host per link).
+
+The per-batch read limit is the smaller of ``max_messages_per_batch`` and ``max_batch_bytes``
+divided by the average row size black measured on earlier batches (``read-hint.json`` in the
+state dir), so memory stays flat under any backlog.
+
+Options: ``config`` (path of the diode TOML, read on the driver), ``channels``
+(comma-separated, default: all configured).
 """
 
 from __future__ import annotations
 
 import json
 import logging
-import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import pyarrow as pa
 from pyspark.sql.datasource import DataSource, DataSourceStreamReader, InputPartition
@@ -32,43 +37,39 @@ from pyspark.sql.streaming.datasource import (
 )
 from pyspark.sql.types import StructType
 
-from bridge.black.catalog import load_catalog
 from bridge.black.chunking import ROW_OVERHEAD_BYTES
-from bridge.black.plan import stream_queue_name
+from bridge.black.spool import SpoolReader
 from bridge.black.state import StateStore
-from bridge.black.streams import read_batches, read_range, stream_bounds
 from bridge.config import Config, load_config
-from bridge.errors import BrokerError, StateError
 from bridge.logs import get_logger, log_event, setup_logging
-from bridge.protocol.exchange import ExchangeDecl
-from bridge.protocol.schema import row_schema
 
-__all__ = ["RabbitStreamDataSource", "RabbitStreamReader", "READ_HINT_FILE", "spark_row_schema"]
+__all__ = ["SpoolDataSource", "SpoolStreamReader", "READ_HINT_FILE", "RANGE_SCHEMA", "SpoolRange"]
 
 log = get_logger("bridge.black.source")
 
 READ_HINT_FILE = "read-hint.json"
-BATCH_ROWS = 8192
-MIN_SPLIT = 5000
 FIRST_BATCH_PROBE = 2000
 """Read limit when no message size is known at all (the size probe found nothing)."""
+SIZE_PROBE_ROWS = 64
 
 
-def spark_row_schema() -> StructType:
-    from pyspark.sql.pandas.types import from_arrow_schema
-
-    return from_arrow_schema(row_schema(), prefer_timestamp_ntz=False)
+RANGE_SCHEMA = pa.schema(
+    [
+        pa.field("channel", pa.string(), nullable=False),
+        pa.field("start", pa.int64(), nullable=False),
+        pa.field("end", pa.int64(), nullable=False),
+    ]
+)
+"""One row per channel and micro-batch: spool positions ``[start, end)``."""
 
 
 @dataclass(frozen=True)
-class StreamRange(InputPartition):
-    """One Spark task: offsets ``[start, end)`` of one channel's stream queue."""
+class SpoolRange(InputPartition):
+    """One Spark task: positions ``[start, end)`` of one channel's spool."""
 
     channel: str
-    queue: str
     start: int
     end: int
-    catalog: dict[str, dict[str, Any]]
 
 
 def read_hint(state_dir: Path) -> dict[str, float]:
@@ -80,8 +81,8 @@ def read_hint(state_dir: Path) -> dict[str, float]:
         return {}
 
 
-class RabbitStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
-    """Driver side plans offset ranges; executors read them with pika."""
+class SpoolStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
+    """Plans position ranges per channel; the sink reads them from the spool."""
 
     def __init__(self, options: dict[str, str]) -> None:
         if not logging.getLogger("bridge").handlers:  # Spark's source runner process
@@ -93,18 +94,19 @@ class RabbitStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         for n in self.channels:
             self.cfg.channel(n)  # ConfigError for unknown names
         self.target: dict[str, int] | None = None
-        self._tails: dict[str, int] = {}
         self._planned = False  # partitions() not called yet in this run
+        self._lagging: set[str] = set()
 
     # -- driver -------------------------------------------------------------------------------
+    def _spool(self, channel: str) -> SpoolReader:
+        return SpoolReader(Path(self.cfg.black.spool_dir), channel)
+
     def _tail(self, channel: str) -> int:
-        tail = stream_bounds(self.cfg, channel)[1]
-        self._tails[channel] = tail
-        return tail
+        return self._spool(channel).durable_end()
 
     def initialOffset(self) -> dict[str, int]:
         store = StateStore(self.cfg.black.state_dir)
-        return {ch: store.load(ch).last_offset + 1 for ch in self.channels}
+        return {ch: store.load(ch).last_seq + 1 for ch in self.channels}
 
     def getDefaultReadLimit(self) -> ReadLimit:
         return ReadMaxRows(self.cfg.black.max_messages_per_batch * len(self.channels))
@@ -115,12 +117,15 @@ class RabbitStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
     def _cap(self, channel: str, hint: dict[str, float], start: int, tail: int) -> int:
         b = self.cfg.black
         avg = hint.get(channel)
-        if avg is None and tail > start:  # no batch seen yet: size one real message
-            url = b.amqp_url.get_secret_value()
-            first = next(iter(read_range(url, stream_queue_name(b, channel), start, tail)), None)
-            if first is not None:
-                avg = float(len(first.body) + ROW_OVERHEAD_BYTES) * 1.5
-                hint[channel] = avg
+        if avg is None and tail > start:  # no batch seen yet: size a few real messages
+            end = min(tail, start + SIZE_PROBE_ROWS)
+            sizes = [
+                int(pa.compute.sum(pa.compute.binary_length(x.column("body"))).as_py() or 0)
+                + ROW_OVERHEAD_BYTES * x.num_rows
+                for x in self._spool(channel).read(start, end)
+            ]
+            avg = 1.5 * sum(sizes) / max(end - start, 1)
+            hint[channel] = avg
         if avg is None:
             return min(b.max_messages_per_batch, FIRST_BATCH_PROBE)
         return max(1, min(b.max_messages_per_batch, int(b.max_batch_bytes // max(avg, 1.0))))
@@ -135,52 +140,29 @@ class RabbitStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
             else:  # a channel added to the config after the query started
                 init = init or self.initialOffset()
                 s = init[ch]
-            known = self._tails.get(ch)
-            if self.target is not None:
-                tail = self.target[ch]
-            else:
-                if not isinstance(limit, ReadAllAvailable) and ch in hint and known is not None:
-                    cap = self._cap(ch, hint, s, known)
-                    if known >= s + cap:
-                        # draining a backlog: the tail seen last time is still ahead of this
-                        # whole batch, so skip the broker probe (0.2-0.9 s per trigger)
-                        out[ch] = s + cap
-                        continue
-                try:
-                    tail = self._tail(ch)
-                except BrokerError as e:
-                    # a broker blip must not kill a continuous query: no new data this trigger
-                    log_event(
-                        log, 30, f"stream tail unknown, retrying next trigger: {e}", channel=ch
-                    )
-                    out[ch] = s
-                    continue
+            tail = self.target[ch] if self.target is not None else self._tail(ch)
             if tail < s:
-                raise StateError(
-                    f"channel {ch!r}: stream {stream_queue_name(self.cfg.black, ch)!r} ends at "
-                    f"offset {tail} but black already shipped up to offset {s - 1}: the stream "
-                    "queue was deleted and re-created (its offsets restarted). Messages published "
-                    "in between may be lost. To go on: stop black, set last_offset to -1 in "
-                    f"{Path(self.cfg.black.state_dir) / f'channel-{ch}.json'} (seqs continue "
-                    "from last_seq), delete the checkpoint dir, and restart"
-                )
+                # TAIL is written after each fsync but not itself fsynced: after a power loss
+                # it can lag until the tap reopens the spool and rewrites it. The tap, not the
+                # source, refuses a spool that really ends before the shipped seq.
+                if ch not in self._lagging:
+                    log_event(
+                        log, 30, "spool tail behind the shipped seq: waiting for the tap",
+                        channel=ch, spool_end=tail, next_seq=s,
+                    )  # fmt: skip
+                    self._lagging.add(ch)
+                out[ch] = s
+                continue
+            self._lagging.discard(ch)
             end = tail
             if not isinstance(limit, ReadAllAvailable):
                 end = min(end, s + self._cap(ch, hint, s, end))
             out[ch] = end
         return out
 
-    def reportLatestOffset(self) -> dict[str, int] | None:
-        """The tails seen by the last ``latestOffset`` (probing the broker again costs ~0.5 s)."""
-        return dict(self._tails) or None
-
     def partitions(self, start: dict[str, int], end: dict[str, int]) -> Sequence[InputPartition]:
         start = self._from_journal(start) if not self._planned else start
         self._planned = True
-        catalog = {
-            k: v.to_json()
-            for k, v in load_catalog(Path(self.cfg.black.state_dir) / "exchanges.json").items()
-        }
         init: dict[str, int] | None = None
         parts: list[InputPartition] = []
         for ch in self.channels:
@@ -190,14 +172,8 @@ class RabbitStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
                 init = init or self.initialOffset()
                 s = init[ch]
             e = int(end.get(ch, s))
-            if e <= s:
-                continue
-            n = e - s
-            k = max(1, min(self.cfg.black.read_partitions, n // MIN_SPLIT))
-            step = -(-n // k)
-            q = stream_queue_name(self.cfg.black, ch)
-            for a in range(s, e, step):
-                parts.append(StreamRange(ch, q, a, min(e, a + step), catalog))
+            if e > s:
+                parts.append(SpoolRange(ch, s, e))
         return parts
 
     def _from_journal(self, start: dict[str, int]) -> dict[str, int]:
@@ -210,57 +186,45 @@ class RabbitStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         store = StateStore(self.cfg.black.state_dir)
         out = dict(start)
         for ch in self.channels:
-            shipped = store.load(ch).last_offset + 1
+            shipped = store.load(ch).last_seq + 1
             if ch in out and shipped < int(out[ch]):
                 log_event(
                     log,
                     30,
-                    "re-reading offsets committed by Spark but not shipped",
+                    "re-reading positions committed by Spark but not shipped",
                     channel=ch,
-                    first_offset=shipped,
-                    last_offset=int(out[ch]) - 1,
+                    first_seq=shipped,
+                    last_seq=int(out[ch]) - 1,
                 )
                 out[ch] = shipped
         return out
 
     def commit(self, end: dict[str, int]) -> None:
-        """Nothing to acknowledge: the stream keeps messages until its retention drops them."""
+        """Nothing to do: the tap releases spool segments once black's journal covers them."""
 
     def stop(self) -> None:
         """No driver-side connection is held between calls."""
 
     # -- executors ----------------------------------------------------------------------------
     def read(self, partition: InputPartition) -> Iterator[pa.RecordBatch]:
-        assert isinstance(partition, StreamRange)
-        t0 = time.monotonic()
-        if not logging.getLogger("bridge").handlers:  # an executor's Python worker
-            setup_logging()
-        catalog = {k: ExchangeDecl.from_json(v) for k, v in partition.catalog.items()}
-        url = self.cfg.black.amqp_url.get_secret_value()
-        yield from read_batches(
-            url, partition.queue, partition.channel, partition.start, partition.end, catalog,
-            batch_rows=BATCH_ROWS,
-        )  # fmt: skip
-        log_event(
-            log,
-            20,
-            "stream range read",
-            channel=partition.channel,
-            start=partition.start,
-            end=partition.end,
-            seconds=round(time.monotonic() - t0, 3),
+        assert isinstance(partition, SpoolRange)
+        yield pa.RecordBatch.from_pydict(
+            {"channel": [partition.channel], "start": [partition.start], "end": [partition.end]},
+            schema=RANGE_SCHEMA,
         )
 
 
-class RabbitStreamDataSource(DataSource):
-    """``spark.readStream.format("rabbitmq").option("config", path).load()``."""
+class SpoolDataSource(DataSource):
+    """``spark.readStream.format("diode_spool").option("config", path).load()``."""
 
     @classmethod
     def name(cls) -> str:
-        return "rabbitmq"
+        return "diode_spool"
 
     def schema(self) -> StructType:
-        return spark_row_schema()
+        from pyspark.sql.pandas.types import from_arrow_schema
+
+        return from_arrow_schema(RANGE_SCHEMA, prefer_timestamp_ntz=False)
 
     def streamReader(self, schema: StructType) -> DataSourceStreamReader:
-        return RabbitStreamReader(dict(self.options))
+        return SpoolStreamReader(dict(self.options))

@@ -8,8 +8,9 @@ The state is the single source of truth for bundle numbering. It is replaced ato
 2. *shipped*: once the sealed file is durably in the outbox and archive, the counters advance
    and ``pending`` is cleared.
 
-Spark's checkpoint holds the stream offsets; this journal makes a replayed micro-batch skip
-what was already shipped and re-create byte-identically what was in flight.
+Spark's checkpoint holds the spool positions; this journal makes a replayed micro-batch skip
+what was already shipped and finish what was in flight. ``last_seq`` is also what lets the
+tap release spool segments.
 """
 
 from __future__ import annotations
@@ -35,13 +36,10 @@ class ChannelState:
     """Last bundle seq shipped (0: none yet; the first bundle is 1)."""
     last_seq: int = -1
     """Last message seq covered by a shipped bundle (rows or gaps); -1: none yet."""
-    last_offset: int = -1
-    """Last stream offset covered by a shipped bundle; the Spark source restarts after it."""
     last_sha256: str | None = None
     """SHA-256 of the last shipped bundle's plaintext: the next bundle's prev_sha256."""
     pending: dict[str, Any] | None = None
     """Manifest (as JSON object) + plaintext sha of a bundle sealed but not yet shipped."""
-    heartbeat_seq: int = 0
     counters: dict[str, int] = field(default_factory=dict)
 
     def bump(self, name: str, n: int = 1) -> None:

@@ -12,6 +12,10 @@ Hot path (``seal``/``open``): gpg is run directly with ``--status-fd`` and reads
 the files itself, so a 1 GB bundle never passes through Python memory or a pipe.
 Key listing, import and export go through python-gnupg. What gpg's status lines mean,
 and which of them red accepts, is decided in ``bridge.crypto.verdict``.
+
+A passphrase-protected key works when the ``Gpg`` is built with a ``Passphrase``: every call
+that uses a secret key gets it through a pipe (``--passphrase-fd``), never on argv, and the
+environment variable it came from is removed from gpg's environment.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from typing import Literal
 import gnupg
 
 from bridge.crypto.fingerprint import normalize_fingerprint
+from bridge.crypto.passphrase import Passphrase
 from bridge.crypto.verdict import Opened, Transcript, judge, parse_status
 from bridge.crypto.verdict import check_length as _check_length
 from bridge.errors import CryptoError, KeyMissingError, SignatureError
@@ -45,6 +50,35 @@ _OUTPUT_SLACK = 1024 * 1024
 _SOCKET_PATH_LIMIT = 100
 
 
+def _passphrase_pipe(secret: bytes) -> int:
+    """A pipe already holding ``secret`` + newline; returns the read end (caller closes it)."""
+    rfd, wfd = os.pipe()  # both ends close-on-exec; pass_fds opens the read end to gpg only
+    try:
+        view = memoryview(secret + b"\n")  # at most 4 KiB: one write, never blocks
+        while view:
+            view = view[os.write(wfd, view) :]
+    except BaseException:
+        os.close(rfd)
+        raise
+    finally:
+        os.close(wfd)
+    return rfd
+
+
+def _passphrase_hint(res: Transcript, passphrase: Passphrase | None) -> str:
+    """Why a secret-key operation failed, when it is the passphrase (never the secret)."""
+    if any("bad passphrase" in d.lower() for d in res.diag):
+        if passphrase is None:
+            return " (bad passphrase)"
+        return f" (the {passphrase.source} does not unlock the key: bad passphrase)"
+    if res.has("NEED_PASSPHRASE") or any("can't get input" in d for d in res.diag):
+        return (
+            " (the key is passphrase-protected and no passphrase is configured: set "
+            "<side>.passphrase_file or the variable named by <side>.passphrase_env)"
+        )
+    return ""
+
+
 @dataclass
 class _Result(Transcript):
     """A status transcript plus what gpg wrote to stdout (``--output -``)."""
@@ -58,9 +92,13 @@ class Gpg:
     timeout: float = 900.0
     """Seconds one gpg call may take (a 1 GB bundle seals in well under a minute)."""
 
-    def __init__(self, home: Path, *, binary: str = "gpg") -> None:
+    def __init__(
+        self, home: Path, *, binary: str = "gpg", passphrase: Passphrase | None = None
+    ) -> None:
         self.home = Path(home)
         self.binary = binary
+        self.passphrase = passphrase
+        """Passphrase of the secret keys of this home (None: they have none)."""
         if not self.home.exists():
             self.home.mkdir(mode=0o700, parents=True)
             os.chmod(self.home, 0o700)  # mkdir's mode is masked by the umask
@@ -83,7 +121,9 @@ class Gpg:
     def _gnupg(self) -> gnupg.GPG:
         if self._pg is None:
             try:
-                self._pg = gnupg.GPG(gnupghome=str(self.home), gpgbinary=self.binary)
+                self._pg = gnupg.GPG(
+                    gnupghome=str(self.home), gpgbinary=self.binary, env=self._child_env()
+                )
             except (OSError, ValueError) as e:
                 raise CryptoError(
                     f"cannot run gpg binary {self.binary!r} for home {self.home}: {e}; "
@@ -91,14 +131,25 @@ class Gpg:
                 ) from None
         return self._pg
 
+    def _child_env(self) -> dict[str, str]:
+        """gpg's environment: C locale, and never the variable holding the passphrase."""
+        env = {**os.environ, "LC_ALL": "C", "LANGUAGE": "C"}
+        env.pop("GPG_AGENT_INFO", None)
+        if self.passphrase is not None and self.passphrase.env_name:
+            env.pop(self.passphrase.env_name, None)  # gpg and its agent never see it
+        return env
+
     def _run(
         self,
         args: Sequence[str],
         *,
         data: bytes | None = None,
-        passphrase_file: Path | None = None,
+        secret: bool = False,
     ) -> _Result:
-        """Run gpg with status lines on stderr; stdin is closed unless ``data`` is given."""
+        """Run gpg with status lines on stderr; stdin is closed unless ``data`` is given.
+
+        ``secret``: the call uses a secret key, so the passphrase (if any) goes down a pipe.
+        """
         cmd = [
             self.binary,
             "--homedir",
@@ -111,11 +162,13 @@ class Gpg:
             "2",
             "--no-auto-key-retrieve",  # red is air-gapped; never reach for a keyserver
         ]
-        if passphrase_file is not None:
-            cmd += ["--passphrase-file", str(passphrase_file)]  # the path, never the secret
+        env = self._child_env()
+        pass_fds: tuple[int, ...] = ()
+        if secret and self.passphrase is not None:
+            rfd = _passphrase_pipe(self.passphrase.secret())
+            pass_fds = (rfd,)
+            cmd += ["--passphrase-fd", str(rfd)]  # a descriptor number, never the secret
         cmd += list(args)
-        env = {**os.environ, "LC_ALL": "C", "LANGUAGE": "C"}
-        env.pop("GPG_AGENT_INFO", None)
         try:
             proc = subprocess.run(
                 cmd,
@@ -125,6 +178,7 @@ class Gpg:
                 env=env,
                 check=False,
                 timeout=self.timeout,
+                pass_fds=pass_fds,
             )
         except subprocess.TimeoutExpired:
             raise CryptoError(
@@ -135,6 +189,9 @@ class Gpg:
             raise CryptoError(
                 f"gpg binary {self.binary!r} not found (home {self.home}); install GnuPG 2.2+"
             ) from None
+        finally:
+            for fd in pass_fds:
+                os.close(fd)
         status, diag = parse_status(proc.stderr.decode("utf-8", "replace"))
         return _Result(rc=proc.returncode, status=status, diag=diag, stdout=proc.stdout)
 
@@ -240,9 +297,20 @@ class Gpg:
             )
         return armored
 
+    def _new_key_protection(self) -> tuple[list[str], bool]:
+        """gpg arguments that protect a new key with ``self.passphrase``, or with none."""
+        if self.passphrase is None:
+            return ["--passphrase", ""], False  # the empty string is no secret
+        return [], True
+
     def quick_gen_key(self, uid: str, *, algo: str, usage: str, expire: str = "never") -> str:
-        """Create a primary key without a passphrase (``--quick-gen-key``); returns its fpr."""
-        res = self._run(["--passphrase", "", "--quick-gen-key", "--", uid, algo, usage, expire])
+        """Create a primary key (``--quick-gen-key``); returns its fingerprint.
+
+        Protected by ``self.passphrase`` if set, else without a passphrase.
+        """
+        prot, secret = self._new_key_protection()
+        args = [*prot, "--yes", "--quick-gen-key", "--", uid, algo, usage, expire]
+        res = self._run(args, secret=secret)  # --yes: a uid may repeat (keys.init_side guards)
         created = [a for a in res.all("KEY_CREATED") if a and a[0] in ("P", "B")]
         if res.rc != 0 or not created:
             raise CryptoError(
@@ -252,9 +320,10 @@ class Gpg:
         return created[0][1].upper()
 
     def quick_add_key(self, fpr: str, *, algo: str, usage: str, expire: str = "never") -> str:
-        """Add a subkey without a passphrase (``--quick-add-key``); returns the subkey fpr."""
+        """Add a subkey (``--quick-add-key``, protected like its primary); returns its fpr."""
         fpr = normalize_fingerprint(fpr)
-        res = self._run(["--passphrase", "", "--quick-add-key", fpr, algo, usage, expire])
+        prot, secret = self._new_key_protection()
+        res = self._run([*prot, "--quick-add-key", fpr, algo, usage, expire], secret=secret)
         created = [a for a in res.all("KEY_CREATED") if a and a[0] == "S"]
         if res.rc != 0 or not created:
             raise CryptoError(
@@ -262,6 +331,130 @@ class Gpg:
                 f"{res.reason()}"
             )
         return created[0][1].upper()
+
+    # ------------------------------------------------------------------ passphrases
+
+    def keygrips(
+        self, fpr: str, *, capability: Literal["sign", "encrypt"] | None = None
+    ) -> list[str]:
+        """Keygrips of the usable secret (sub)keys of ``fpr`` (that can ``capability``)."""
+        fpr = normalize_fingerprint(fpr)
+        res = self._run(["--with-colons", "--with-keygrip", "--list-secret-keys", "--", fpr])
+        want = {"sign": "s", "encrypt": "e", None: ""}[capability]
+        grips: list[str] = []
+        take = False
+        for line in res.stdout.decode("utf-8", "replace").splitlines():
+            f = line.split(":")
+            if f[0] in ("sec", "ssb") and len(f) > 11:
+                take = f[1] not in ("r", "e", "i", "d") and want in f[11]
+            elif f[0] == "grp" and len(f) > 9 and take:
+                grips.append(f[9].upper())
+                take = False
+        return grips
+
+    def _agent(self, *commands: str) -> list[str]:
+        """Run gpg-agent commands (``gpg-connect-agent``) for this home; returns its lines."""
+        binary = str(Path(self.binary).with_name("gpg-connect-agent"))
+        if os.sep not in self.binary:
+            binary = "gpg-connect-agent"
+        try:
+            proc = subprocess.run(
+                [binary, "--homedir", str(self.home), *commands, "/bye"],
+                stdin=subprocess.DEVNULL,
+                capture_output=True,
+                env=self._child_env(),
+                check=False,
+                timeout=60,
+            )
+        except (OSError, subprocess.TimeoutExpired) as e:
+            raise CryptoError(
+                f"cannot ask gpg-agent of GnuPG home {self.home} ({binary}): {e}{self._hint()}"
+            ) from None
+        lines = proc.stdout.decode("utf-8", "replace").splitlines()
+        errors = [ln for ln in lines if ln.startswith("ERR ")]
+        if proc.returncode != 0 or errors:
+            raise CryptoError(
+                f"gpg-agent of GnuPG home {self.home} refused {commands[0].split()[0]}: "
+                f"{'; '.join(errors) or proc.stderr.decode('utf-8', 'replace').strip()}"
+                f"{self._hint()}"
+            )
+        return lines
+
+    def needs_passphrase(self, fpr: str, *, capability: Literal["sign", "encrypt"]) -> bool:
+        """Whether the secret key that would ``capability`` for ``fpr`` is passphrase-protected.
+
+        Asked from gpg-agent's key info, so a passphrase it still caches does not hide it.
+        Raises KeyMissingError when no usable secret key of ``fpr`` can ``capability``.
+        """
+        grips = self.keygrips(fpr, capability=capability)
+        if not grips:
+            raise KeyMissingError(
+                f"no usable secret key of {normalize_fingerprint(fpr)} that can {capability} "
+                f"in GnuPG home {self.home}; list them with "
+                f"`gpg --homedir {self.home} --list-secret-keys`"
+            )
+        protection = {}
+        for line in self._agent("KEYINFO --list"):
+            words = line.split()
+            if len(words) > 7 and words[:2] == ["S", "KEYINFO"]:
+                protection[words[2].upper()] = words[7]
+        return any(protection.get(g) == "P" for g in grips)
+
+    def forget_passphrase(self, fpr: str) -> None:
+        """Drop every cached passphrase of ``fpr``'s secret keys from gpg-agent."""
+        grips = self.keygrips(fpr)
+        if grips:
+            self._agent(*(f"CLEAR_PASSPHRASE --mode=normal {g}" for g in grips))
+
+    def check_unlock(
+        self,
+        fpr: str,
+        *,
+        capability: Literal["sign", "encrypt"],
+        purpose: str,
+        fix: str = "configure <side>.passphrase_file or the variable named by "
+        "<side>.passphrase_env",
+    ) -> None:
+        """Fail fast when the secret key cannot be used unattended: a test sign or decrypt.
+
+        A protected key without a configured passphrase (``fix`` says how to configure
+        one), or with a wrong one, raises CryptoError; messages never hold the passphrase. A
+        passphrase gpg-agent still caches is forgotten first: it would hide a wrong one
+        until the cache expires, in the middle of a run.
+        """
+        fpr = normalize_fingerprint(fpr, what=purpose)
+        protected = self.needs_passphrase(fpr, capability=capability)
+        if protected and self.passphrase is None:
+            raise CryptoError(
+                f"{purpose}: key {fpr} in GnuPG home {self.home} is passphrase-protected and "
+                f"no passphrase is configured: {fix}"
+            )
+        if protected:
+            self.forget_passphrase(fpr)
+        probe = b"diode-bridge key check"
+        if capability == "sign":
+            res = self._run(
+                ["--local-user", fpr, "-z", "0", "--sign", "--output", "-"],
+                data=probe,
+                secret=True,
+            )
+            ok = res.rc == 0 and res.has("SIG_CREATED")
+        else:
+            enc = self._run(
+                ["--trust-model", "always", "--no-encrypt-to", "-z", "0", "--recipient", fpr]
+                + ["--encrypt", "--output", "-"],
+                data=probe,
+            )
+            if enc.rc != 0 or not enc.stdout:
+                raise CryptoError(f"{purpose}: cannot encrypt to {fpr}: {enc.reason()}")
+            res = self._run(["--decrypt", "--output", "-"], data=enc.stdout, secret=True)
+            ok = res.rc == 0 and res.has("DECRYPTION_OKAY") and res.stdout == probe
+        if not ok:
+            raise CryptoError(
+                f"{purpose}: test {'signature' if capability == 'sign' else 'decryption'} "
+                f"with key {fpr} in GnuPG home {self.home} failed: {res.reason()}"
+                f"{_passphrase_hint(res, self.passphrase)}{self._hint()}"
+            )
 
     # ------------------------------------------------------------------ seal (black)
 
@@ -305,11 +498,7 @@ class Gpg:
     def _check_sealed(self, res: _Result, *, signer: str, encrypt: bool, what: str) -> None:
         ok = res.rc == 0 and res.has("SIG_CREATED") and (res.has("END_ENCRYPTION") or not encrypt)
         if not ok:
-            hint = ""
-            if res.has("NEED_PASSPHRASE") or any(
-                "passphrase" in d.lower() or "can't get input" in d for d in res.diag
-            ):
-                hint = " (the signing key is passphrase-protected: pass passphrase_file)"
+            hint = _passphrase_hint(res, self.passphrase)
             raise CryptoError(
                 f"cannot seal {what} with signer {signer} in GnuPG home {self.home}: "
                 f"{res.reason()}{hint}{self._hint()}; check the keys with "
@@ -326,7 +515,6 @@ class Gpg:
         recipients: Sequence[str],
         encrypt: bool = True,
         hide_recipients: bool = True,
-        passphrase_file: Path | None = None,
     ) -> None:
         """Sign ``src`` with ``signer`` then encrypt it to all ``recipients``, into ``dst``.
 
@@ -341,15 +529,10 @@ class Gpg:
         )
         if isinstance(src, bytes):
             what = f"{len(src)} bytes"
-            res = self._run(
-                [*args, "--yes", "--output", str(dst)], data=src, passphrase_file=passphrase_file
-            )
+            res = self._run([*args, "--yes", "--output", str(dst)], data=src, secret=True)
         else:
             what = str(src)
-            res = self._run(
-                [*args, "--yes", "--output", str(dst), "--", str(src)],
-                passphrase_file=passphrase_file,
-            )
+            res = self._run([*args, "--yes", "--output", str(dst), "--", str(src)], secret=True)
         try:
             self._check_sealed(res, signer=signer, encrypt=encrypt, what=what)
             fd = os.open(dst, os.O_RDONLY)
@@ -369,13 +552,12 @@ class Gpg:
         recipients: Sequence[str],
         encrypt: bool = True,
         hide_recipients: bool = True,
-        passphrase_file: Path | None = None,
     ) -> bytes:
         """``seal`` for small payloads (heartbeats), in memory."""
         args = self._seal_args(
             signer=signer, recipients=recipients, encrypt=encrypt, hide_recipients=hide_recipients
         )
-        res = self._run([*args, "--output", "-"], data=data, passphrase_file=passphrase_file)
+        res = self._run([*args, "--output", "-"], data=data, secret=True)
         self._check_sealed(res, signer=signer, encrypt=encrypt, what=f"{len(data)} bytes")
         return res.stdout
 
@@ -428,7 +610,8 @@ class Gpg:
         tmp = tmp_path_for(dst)
         try:
             res = self._run(
-                [*self._open_args(limit), "--output", str(tmp), "--decrypt", "--", str(src)]
+                [*self._open_args(limit), "--output", str(tmp), "--decrypt", "--", str(src)],
+                secret=True,
             )
             opened = self._judge(res, pinned, str(src))
             if not tmp.exists():
@@ -447,7 +630,9 @@ class Gpg:
         """``open`` for small messages (heartbeats), in memory; plaintext only if valid."""
         pinned = self._pinned(pinned_signers)
         limit = max_output if max_output is not None else len(data) + _OUTPUT_SLACK
-        res = self._run([*self._open_args(limit), "--output", "-", "--decrypt"], data=data)
+        res = self._run(
+            [*self._open_args(limit), "--output", "-", "--decrypt"], data=data, secret=True
+        )
         what = f"message of {len(data)} bytes"
         opened = self._judge(res, pinned, what)
         _check_length(res, len(res.stdout), what)

@@ -1,35 +1,61 @@
-"""Crypto: create the black and red GnuPG homes and the pinned fingerprints for the config.
+"""Crypto (both sides): each side creates its own keys, imports the other's public keys, and
+opens its configured keys at startup.
 
-Layout written by ``init_keys`` (``diode keys init``)::
+On a real install the secret keys never leave their host::
 
-    keys_dir/black/   black signing key (secret) + every red public key
-    keys_dir/red/     red decryption key(s) (secret) + the pinned black public key
-    keys_dir/pub/     black.asc, <red name>.asc: public keys to carry across
+    black host: diode keys init --side black --home keys/black    -> keys/pub/black.asc
+    red host:   diode keys init --side red --name ops --home keys/red -> keys/pub/ops.asc
+    carry the .asc files across (public keys only), then
+    black host: diode keys import --home keys/black ops.asc       (a recipient)
+    red host:   diode keys import --home keys/red black.asc       (the signer to pin)
 
-Keys have NO passphrase: the bridge runs unattended, so their protection is the 0700
-home folder (keep it on an encrypted disk, readable only by the service account).
-Passphrase-protected keys work with ``Gpg.seal(..., passphrase_file=...)`` once imported.
-Keys never expire (an expiry would silently stop the link); rotate them by running
-``init_keys`` again with ``force=True`` and redeploying the public keys and config.
+Every command prints the config lines that pin full fingerprints. Keys never expire (an
+expiry would silently stop the link). By default they have no passphrase (the bridge runs
+unattended; the 0700 home on an encrypted disk protects them); with a ``Passphrase`` they are
+protected, and the running side reads it from a file or the environment
+(``bridge.crypto.passphrase``). ``signing_gpg`` / ``decryption_gpg`` check at startup, with a
+test signature or decryption, that the configured keys can be used unattended.
+
+``init_keys`` creates BOTH sides in one folder: for the demo and tests on one machine only.
 """
 
 from __future__ import annotations
 
+import logging
 import re
 import shutil
 import subprocess
-from collections.abc import Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
+from bridge.config import Config
+from bridge.crypto.fingerprint import normalize_fingerprint
 from bridge.crypto.gpg import Gpg
-from bridge.errors import CryptoError
-from bridge.fsutil import atomic_write_bytes
+from bridge.crypto.passphrase import Passphrase, resolve_passphrase
+from bridge.crypto.perms import PUBLIC_FILE_MODE, lock_down_home, permission_problems, write_file
+from bridge.errors import ConfigError, CryptoError, KeyMissingError
 
-__all__ = ["KeyInventory", "init_keys", "generate_key", "Algo"]
+__all__ = [
+    "Algo",
+    "ImportedKey",
+    "KeyInventory",
+    "Side",
+    "SideKeys",
+    "decryption_gpg",
+    "generate_key",
+    "import_public_keys",
+    "import_snippet",
+    "init_keys",
+    "init_side",
+    "signing_gpg",
+]
+
+log = logging.getLogger(__name__)
 
 Algo = Literal["ed25519", "rsa"]
+Side = Literal["black", "red"]
 
 _NAME_RE = re.compile(r"^[a-z0-9][a-z0-9_-]{0,62}$")
 # primary algorithm, encryption subkey algorithm
@@ -37,6 +63,412 @@ _ALGOS: dict[str, tuple[str, str]] = {
     "ed25519": ("ed25519", "cv25519"),
     "rsa": ("rsa3072", "rsa3072"),  # 128-bit security; 4096 only costs generation time
 }
+_MAX_KEY_FILE = 4 * 1024 * 1024  # a public key (even RSA with many signatures) is far smaller
+
+
+def _toml_str(value: object) -> str:
+    """A TOML basic string: quote, backslash and control characters escaped, the rest raw."""
+    out = []
+    for ch in str(value):
+        if ch in '"\\':
+            out.append("\\" + ch)
+        elif ch < " " or ch == "\x7f":
+            out.append(f"\\u{ord(ch):04X}")
+        else:
+            out.append(ch)
+    return '"' + "".join(out) + '"'
+
+
+def _check_algo(algo: str) -> None:
+    if algo not in _ALGOS:
+        raise CryptoError(f"unknown key algorithm {algo!r}; choose one of {sorted(_ALGOS)}")
+
+
+def _check_name(name: str) -> None:
+    if not _NAME_RE.match(name):
+        raise CryptoError(
+            f"red key name {name!r}: use lowercase letters, digits, '-' and '_' (max 63); it "
+            "becomes <name>.asc"
+        )
+
+
+def generate_key(
+    gpg: Gpg, uid: str, *, role: Literal["sign", "encrypt"], algo: Algo = "ed25519"
+) -> str:
+    """Create one key in ``gpg``'s home; returns its primary fingerprint.
+
+    ``sign``: a signing primary key (black). ``encrypt``: a certify-only primary key with one
+    encryption subkey (red never signs anything). Protected by ``gpg.passphrase`` if set.
+    """
+    _check_algo(algo)
+    primary, sub = _ALGOS[algo]
+    if role == "sign":
+        return gpg.quick_gen_key(uid, algo=primary, usage="sign")
+    fpr = gpg.quick_gen_key(uid, algo=primary, usage="cert")
+    gpg.quick_add_key(fpr, algo=sub, usage="encr")
+    return fpr
+
+
+def _uid(side: Side, bridge_id: str, name: str) -> str:
+    return f"{bridge_id} black signer" if side == "black" else f"{bridge_id} red {name}"
+
+
+# ---------------------------------------------------------------------------- one side's keys
+
+
+@dataclass(frozen=True)
+class SideKeys:
+    """What ``init_side`` created: one secret key in ``home``, its public key in a file."""
+
+    side: Side
+    name: str
+    home: Path
+    fpr: str
+    public_file: Path
+    passphrase: Passphrase | None = None
+
+    def to_toml_snippet(self) -> str:
+        """Config lines that pin this key (fingerprints, never key ids)."""
+        home = _toml_str(self.home.resolve())
+        pp: list[str] = []
+        if self.passphrase is not None and self.passphrase.path is not None:
+            pp = [f"passphrase_file = {_toml_str(self.passphrase.path.resolve())}"]
+        elif self.passphrase is not None:
+            pp = [f"passphrase_env = {_toml_str(self.passphrase.env_name)}"]
+        if self.side == "black":
+            lines = [
+                "# on BOTH sides: red lands only bundles signed by a pinned key",
+                "[link]",
+                f"black_signers = [{_toml_str(self.fpr)}]",
+                "",
+                "# black host",
+                "[black]",
+                f"gnupg_home = {home}",
+                f"signing_key = {_toml_str(self.fpr)}",
+                *pp,
+            ]
+        else:
+            lines = [
+                "# red host",
+                "[red]",
+                f"gnupg_home = {home}",
+                *pp,
+                "",
+                f"# on BOTH sides: add to `recipients` of every channel red key {self.name!r} "
+                "may read",
+                "[[channels]]",
+                'name = "default"',
+                f"recipients = [{_toml_str(self.fpr)}]",
+            ]
+        return "\n".join([*lines, ""])
+
+
+def _secret_roles(gpg: Gpg) -> dict[str, tuple[str, str]]:
+    """fingerprint -> (capabilities, first uid) of every secret key in the home."""
+    public = {str(k["fingerprint"]).upper(): k for k in gpg._list(secret=False)}
+    out = {}
+    for k in gpg._list(secret=True):
+        fpr = str(k["fingerprint"]).upper()
+        pub = public.get(fpr, k)
+        uids = pub.get("uids")
+        first = uids[0] if isinstance(uids, list) and uids else ""
+        out[fpr] = (str(pub.get("cap") or ""), str(first))
+    return out
+
+
+def _delete_secret_key(gpg: Gpg, fpr: str) -> None:
+    res = gpg._run(["--yes", "--delete-secret-and-public-keys", "--", fpr])
+    if res.rc != 0:
+        raise CryptoError(f"cannot delete key {fpr} from GnuPG home {gpg.home}: {res.reason()}")
+
+
+def init_side(
+    side: Side,
+    home: Path,
+    *,
+    name: str = "red",
+    pub_dir: Path | None = None,
+    algo: Algo = "ed25519",
+    bridge_id: str = "diode-bridge",
+    passphrase: Passphrase | None = None,
+    force: bool = False,
+) -> SideKeys:
+    """Create this side's secret key in ``home`` and export its public key (mode 0644).
+
+    black: the signing key, exported to ``pub_dir/black.asc``. red: decryption key ``name``,
+    exported to ``pub_dir/<name>.asc``. ``pub_dir`` defaults to ``home/../pub``. The home is
+    left 0700 with its files 0600.
+
+    Refuses (CryptoError) to create a second black signing key, a red key whose name exists,
+    or any key in a home holding the OTHER side's secret keys (red secrets never sit on black,
+    nor black's on red). ``force`` deletes the conflicting key of the same side once the new
+    one exists: it is gone for good.
+    """
+    if side not in ("black", "red"):
+        raise CryptoError(f"side must be 'black' or 'red', got {side!r}")
+    _check_algo(algo)
+    if side == "red":
+        _check_name(name)
+    home = Path(home)
+    pub_dir = Path(pub_dir) if pub_dir is not None else home.parent / "pub"
+    fresh = not home.exists()
+    gpg = Gpg(home, passphrase=passphrase)
+    uid = _uid(side, bridge_id, name)
+    other = "red" if side == "black" else "black"
+    conflicting: list[str] = []  # "FPR ('uid')" of this side's keys that would be replaced
+    conflicting_fprs: list[str] = []
+    for fpr, (caps, key_uid) in _secret_roles(gpg).items():
+        is_black = "S" in caps and "E" not in caps
+        if is_black != (side == "black"):
+            raise CryptoError(
+                f"GnuPG home {home} holds the {other} secret key {fpr} ({key_uid!r}): each "
+                f"side keeps its keys on its own host, in its own home. Use another --home for "
+                f"the {side} key, and move the {other} key to the {other} host"
+            )
+        if side == "black" or key_uid == uid:
+            conflicting.append(f"{fpr} ({key_uid!r})")
+            conflicting_fprs.append(fpr)
+    if conflicting and not force:
+        raise CryptoError(
+            f"refusing to overwrite: GnuPG home {home} already holds {side} secret key "
+            f"{', '.join(conflicting)}; it may be the only copy. Move the home "
+            "away, use another --home, or re-run with --force to destroy them and create a "
+            "new key (then redeploy its public key and the pinned fingerprint)"
+        )
+    try:
+        fpr = generate_key(gpg, uid, role="sign" if side == "black" else "encrypt", algo=algo)
+        public = pub_dir / ("black.asc" if side == "black" else f"{name}.asc")
+        write_file(public, gpg.export_public(fpr).encode("ascii"), mode=PUBLIC_FILE_MODE)
+        for old in conflicting_fprs:  # only once the new key exists
+            _delete_secret_key(gpg, old)
+        lock_down_home(home)
+    except BaseException:
+        if fresh:  # never remove a home we did not create
+            _kill_agent(home)
+            shutil.rmtree(home, ignore_errors=True)
+        raise
+    return SideKeys(side, name, home, fpr, public, passphrase)
+
+
+# ---------------------------------------------------------------------------- public keys
+
+
+@dataclass(frozen=True)
+class ImportedKey:
+    """A public key found in an imported file."""
+
+    fpr: str
+    uids: tuple[str, ...]
+    capabilities: str
+    """gpg's capability letters of the whole key: S sign, E encrypt, C certify."""
+    validity: str
+    """gpg's validity letter: 'r' revoked, 'e' expired, else usable."""
+    source: Path
+
+    @property
+    def role(self) -> str:
+        """'signer' (a black key to pin), 'recipient' (a red key) or 'unusable'."""
+        if self.validity in ("r", "e", "i", "d"):
+            return "unusable"
+        if "E" in self.capabilities:
+            return "recipient"
+        return "signer" if "S" in self.capabilities else "unusable"
+
+
+@dataclass
+class _Primary:
+    caps: str
+    validity: str
+    fpr: str = ""
+    uids: list[str] = field(default_factory=list)
+
+
+def _show_keys(gpg: Gpg, data: bytes, source: Path) -> list[ImportedKey]:
+    """Parse a key file without importing it; CryptoError if it holds any secret key."""
+    if b"PRIVATE KEY BLOCK" in data:
+        raise CryptoError(_secret_refusal(source, []))
+    res = gpg._run(["--with-colons", "--show-keys"], data=data)
+    primaries: list[_Primary] = []
+    secret: list[str] = []
+    fpr_of: _Primary | None = None  # the primary whose fpr record comes next
+    for line in res.stdout.decode("utf-8", "replace").splitlines():
+        f = line.split(":")
+        kind = f[0]
+        if kind in ("sec", "ssb"):
+            secret.append(f[4] if len(f) > 4 else "?")
+        if kind in ("pub", "sec") and len(f) > 11:
+            fpr_of = _Primary(caps=f[11], validity=f[1])
+            primaries.append(fpr_of)
+        elif kind in ("sub", "ssb"):
+            fpr_of = None
+        elif kind == "fpr" and fpr_of is not None and len(f) > 9:
+            fpr_of.fpr, fpr_of = f[9].upper(), None
+        elif kind == "uid" and primaries and len(f) > 9:
+            primaries[-1].uids.append(f[9])
+    keys = [
+        ImportedKey(k.fpr, tuple(k.uids), k.caps, k.validity, source) for k in primaries if k.fpr
+    ]
+    if secret:
+        raise CryptoError(_secret_refusal(source, secret))
+    if not keys:
+        raise CryptoError(
+            f"{source}: no OpenPGP public key found ({res.reason()}); pass an exported public "
+            "key such as black.asc or <red name>.asc"
+        )
+    return keys
+
+
+def _secret_refusal(source: Path, ids: Sequence[str]) -> str:
+    shown = f" ({', '.join(ids)})" if ids else ""
+    return (
+        f"{source} contains SECRET key material{shown}: refusing to import it (nothing was "
+        "imported). Carry only public keys across: `diode keys init` writes them, or "
+        "`gpg --armor --export FPR`. A secret key that left its host should be treated as "
+        "exposed: create a new one"
+    )
+
+
+def import_public_keys(home: Path, files: Iterable[Path]) -> list[ImportedKey]:
+    """Import public keys from ``files`` into ``home``; returns what they held.
+
+    Every file is checked before anything is imported: a file holding secret key material,
+    or no key at all, makes the whole call fail (CryptoError) with nothing imported.
+    """
+    gpg = Gpg(Path(home))
+    found: list[tuple[bytes, list[ImportedKey]]] = []
+    for path in (Path(f) for f in files):
+        try:
+            size = path.stat().st_size
+            if size > _MAX_KEY_FILE:
+                raise CryptoError(f"{path}: {size} bytes is too large for a public key file")
+            data = path.read_bytes()
+        except OSError as e:
+            raise CryptoError(f"cannot read key file {path}: {e.strerror}") from None
+        found.append((data, _show_keys(gpg, data, path)))
+    if not found:
+        raise CryptoError("no key files given: pass one or more exported public keys (.asc)")
+    out: list[ImportedKey] = []
+    for data, keys in found:
+        gpg.import_keys(data)
+        out.extend(keys)
+    lock_down_home(gpg.home)
+    return out
+
+
+def import_snippet(keys: Sequence[ImportedKey]) -> str:
+    """Config lines that pin imported keys: black signers and red recipients."""
+    signers = [k.fpr for k in keys if k.role == "signer"]
+    recipients = [k.fpr for k in keys if k.role == "recipient"]
+    lines: list[str] = []
+    if signers:
+        lines += [
+            "# black signing key(s): pin on BOTH sides",
+            "[link]",
+            f"black_signers = [{', '.join(_toml_str(f) for f in signers)}]",
+            "",
+        ]
+    if recipients:
+        lines += [
+            "# red key(s): add to `recipients` of every channel they may read",
+            "[[channels]]",
+            'name = "default"',
+            f"recipients = [{', '.join(_toml_str(f) for f in recipients)}]",
+            "",
+        ]
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------- at startup
+
+
+def _passphrase(cfg: Config, side: Side, environ: Mapping[str, str] | None) -> Passphrase | None:
+    sect = cfg.black if side == "black" else cfg.red
+    return resolve_passphrase(
+        file=sect.passphrase_file, env_name=sect.passphrase_env, side=side, environ=environ
+    )
+
+
+def _passphrase_fix(cfg: Config, side: Side) -> str:
+    sect = cfg.black if side == "black" else cfg.red
+    env = sect.passphrase_env or f"DIODE_{side.upper()}_PASSPHRASE"
+    return (
+        f"write it as one line to a file readable only by the service account (chmod 600) "
+        f"and set {side}.passphrase_file to its path, or export it in {env} "
+        f"({side}.passphrase_env); never put it in the config or on a command line"
+    )
+
+
+def _warn_permissions(cfg: Config, side: Side) -> None:
+    for problem in permission_problems(cfg, side=side):
+        log.warning("%s", problem)
+
+
+def signing_gpg(cfg: Config, *, environ: Mapping[str, str] | None = None) -> Gpg:
+    """Black's GnuPG home with the signing key unlocked; fails fast on anything to fix.
+
+    Checks: the signing key is configured, present and can sign; the home holds no red
+    secret key; a protected key has a passphrase that works (a test signature). Loose
+    permissions are logged as warnings (``diode keys check`` fails on them).
+    """
+    if not cfg.black.signing_key:
+        raise ConfigError(
+            "black.signing_key is empty: run `diode keys init --side black` on the black host "
+            "and paste the fingerprint it prints"
+        )
+    _warn_permissions(cfg, "black")
+    fpr = normalize_fingerprint(cfg.black.signing_key, what="black.signing_key")
+    gpg = Gpg(Path(cfg.black.gnupg_home), passphrase=_passphrase(cfg, "black", environ))
+    gpg.require_keys([fpr], secret=True, purpose="black.signing_key", capability="sign")
+    red = [f for f, (caps, _) in _secret_roles(gpg).items() if f != fpr and "E" in caps]
+    if red:
+        raise CryptoError(
+            f"black GnuPG home {gpg.home} holds secret key(s) that can decrypt: "
+            f"{', '.join(red)}. Black must hold no red secret key: keep them on red only, and "
+            f"delete them here (`gpg --homedir {gpg.home} --delete-secret-keys FPR`)"
+        )
+    gpg.check_unlock(
+        fpr, capability="sign", purpose="black.signing_key", fix=_passphrase_fix(cfg, "black")
+    )
+    return gpg
+
+
+def decryption_gpg(cfg: Config, *, environ: Mapping[str, str] | None = None) -> Gpg:
+    """Red's GnuPG home with its decryption keys unlocked; fails fast on anything to fix.
+
+    Checks: at least one secret decryption key; every pinned black signer is present; no
+    pinned black key's SECRET is here; each protected key opens with the passphrase (a
+    test decryption).
+    """
+    _warn_permissions(cfg, "red")
+    if not cfg.link.black_signers:
+        raise ConfigError(
+            "link.black_signers is empty: red accepts nothing unpinned. Import black.asc "
+            "(`diode keys import --home RED_HOME black.asc`) and paste the line it prints"
+        )
+    gpg = Gpg(Path(cfg.red.gnupg_home), passphrase=_passphrase(cfg, "red", environ))
+    gpg.require_keys(cfg.link.black_signers, purpose="link.black_signers", capability="sign")
+    roles = _secret_roles(gpg)
+    black_secret = [f for f in cfg.link.black_signers if f in roles]
+    if black_secret:
+        raise CryptoError(
+            f"red GnuPG home {gpg.home} holds the SECRET of pinned black key(s) "
+            f"{', '.join(black_secret)}: red must never be able to sign as black. Delete it "
+            f"here (`gpg --homedir {gpg.home} --delete-secret-keys FPR`)"
+        )
+    mine = [f for f, (caps, _) in roles.items() if "E" in caps]
+    if not mine:
+        raise KeyMissingError(
+            f"red GnuPG home {gpg.home} holds no secret decryption key: run "
+            f"`diode keys init --side red --name NAME --home {gpg.home}` on the red host"
+        )
+    for f in mine:
+        gpg.check_unlock(
+            f, capability="encrypt", purpose="red decryption key", fix=_passphrase_fix(cfg, "red")
+        )
+    return gpg
+
+
+# ---------------------------------------------------------------------------- demo and tests
 
 
 @dataclass(frozen=True)
@@ -50,20 +482,20 @@ class KeyInventory:
     pub_dir: Path = Path("keys/pub")
 
     def to_toml_snippet(self) -> str:
-        """Config lines to paste into ``conf/diode.toml`` (both sides share them)."""
-        recipients = ", ".join(f'"{f}"' for f in self.red_fprs.values())
+        """Config lines for a single-machine setup (both sides share them)."""
+        recipients = ", ".join(_toml_str(f) for f in self.red_fprs.values())
         names = ", ".join(self.red_fprs)
         return "\n".join(
             [
                 "[link]",
-                f'black_signers = ["{self.black_fpr}"]',
+                f"black_signers = [{_toml_str(self.black_fpr)}]",
                 "",
                 "[black]",
-                f'gnupg_home = "{self.black_home}"',
-                f'signing_key = "{self.black_fpr}"',
+                f"gnupg_home = {_toml_str(self.black_home)}",
+                f"signing_key = {_toml_str(self.black_fpr)}",
                 "",
                 "[red]",
-                f'gnupg_home = "{self.red_home}"',
+                f"gnupg_home = {_toml_str(self.red_home)}",
                 "",
                 "[[channels]]",
                 'name = "default"',
@@ -72,24 +504,6 @@ class KeyInventory:
                 "",
             ]
         )
-
-
-def generate_key(
-    gpg: Gpg, uid: str, *, role: Literal["sign", "encrypt"], algo: Algo = "ed25519"
-) -> str:
-    """Create one passphrase-less key in ``gpg``'s home; returns its primary fingerprint.
-
-    ``sign``: a signing primary key (black). ``encrypt``: a certify-only primary key
-    with one encryption subkey (red never signs anything).
-    """
-    if algo not in _ALGOS:
-        raise CryptoError(f"unknown key algorithm {algo!r}; choose one of {sorted(_ALGOS)}")
-    primary, sub = _ALGOS[algo]
-    if role == "sign":
-        return gpg.quick_gen_key(uid, algo=primary, usage="sign")
-    fpr = gpg.quick_gen_key(uid, algo=primary, usage="cert")
-    gpg.quick_add_key(fpr, algo=sub, usage="encr")
-    return fpr
 
 
 def _kill_agent(home: Path) -> None:
@@ -112,10 +526,13 @@ def init_keys(
     bridge_id: str = "diode-bridge",
     force: bool = False,
 ) -> KeyInventory:
-    """Create black and red GnuPG homes under ``keys_dir`` with cross-imported public keys.
+    """Demo and tests ONLY: both sides' homes on one machine, public keys cross-imported.
 
-    Refuses (CryptoError) to touch an existing, non-empty home unless ``force=True``,
-    which destroys the old secret keys for good.
+    Creates ``keys_dir/black`` (black signing key + red public keys), ``keys_dir/red`` (red
+    decryption keys + black public key) and ``keys_dir/pub``. A real install runs
+    ``init_side`` on each host instead, so black never holds a red secret key. Refuses
+    (CryptoError) to touch an existing, non-empty home unless ``force=True``, which destroys
+    both homes and their secret keys for good.
     """
     names = list(red_names)
     bad = [n for n in names if not _NAME_RE.match(n)]
@@ -124,8 +541,7 @@ def init_keys(
             f"red names must be unique, non-empty, lowercase letters/digits/'-'/'_' "
             f"(they become pub/<name>.asc); got {names!r}"
         )
-    if algo not in _ALGOS:
-        raise CryptoError(f"unknown key algorithm {algo!r}; choose one of {sorted(_ALGOS)}")
+    _check_algo(algo)
     keys_dir = Path(keys_dir)
     black_home, red_home, pub_dir = keys_dir / "black", keys_dir / "red", keys_dir / "pub"
     existing = [h for h in (black_home, red_home) if _occupied(h)]
@@ -134,41 +550,29 @@ def init_keys(
         raise CryptoError(
             f"refusing to overwrite existing GnuPG home(s) {shown}: they may hold the only "
             "copy of a secret key. Move them away first, or re-run with force=True "
-            "(`diode keys init --force`) to destroy them and create new keys"
+            "to destroy them and create new keys"
         )
     for home in existing:
         _kill_agent(home)
         shutil.rmtree(home)
-
     keys_dir.mkdir(parents=True, exist_ok=True)
-    created: list[Path] = []
     try:
-        for home in (black_home, red_home):
-            created.append(home)
-            home.mkdir(mode=0o700)
-            home.chmod(0o700)
-        black, red = Gpg(black_home), Gpg(red_home)
-        black_fpr = generate_key(black, f"{bridge_id} black signer", role="sign", algo=algo)
-        red_fprs = {
-            n: generate_key(red, f"{bridge_id} red {n}", role="encrypt", algo=algo) for n in names
-        }
-        pub_dir.mkdir(parents=True, exist_ok=True)
-        black_pub = black.export_public(black_fpr)
-        atomic_write_bytes(pub_dir / "black.asc", black_pub.encode("ascii"))
-        for n, fpr in red_fprs.items():
-            red_pub = red.export_public(fpr)
-            atomic_write_bytes(pub_dir / f"{n}.asc", red_pub.encode("ascii"))
-            black.import_keys(red_pub)
-        red.import_keys(black_pub)
+        black = init_side("black", black_home, pub_dir=pub_dir, algo=algo, bridge_id=bridge_id)
+        reds = [
+            init_side("red", red_home, name=n, pub_dir=pub_dir, algo=algo, bridge_id=bridge_id)
+            for n in names
+        ]
+        import_public_keys(black_home, [r.public_file for r in reds])
+        import_public_keys(red_home, [black.public_file])
     except BaseException:
-        for home in created:
+        for home in (black_home, red_home):
             _kill_agent(home)
             shutil.rmtree(home, ignore_errors=True)
         raise
     return KeyInventory(
         black_home=black_home,
         red_home=red_home,
-        black_fpr=black_fpr,
-        red_fprs=red_fprs,
+        black_fpr=black.fpr,
+        red_fprs={r.name: r.fpr for r in reds},
         pub_dir=pub_dir,
     )

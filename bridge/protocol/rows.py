@@ -1,56 +1,62 @@
-"""Protocol core (black builds, red reads): AMQP message <-> Arrow row of ``row_schema()``.
+"""Protocol core (black builds, red reads): AMQP deliveries <-> Arrow rows of row schema v2.
 
-Black: ``RowBuilder(channel).append(seq, ...)`` per delivery, then ``to_batch()``.
-Red:   ``table_to_messages(table)`` / ``row_to_message(row)`` give back what to publish.
+Black: ``build_rows(channel, seqs, ...)`` turns a batch of spool records (Arrow arrays or
+lists) into a RecordBatch of ``row_schema()``; ``RowBuilder`` does the same one delivery at a
+time. Red: ``table_to_messages`` / ``row_to_message`` give back what to publish.
 
-Exactness rules (DESIGN.md 3.1), and the two places where the row cannot be exact:
+The row is exact because ``properties_raw`` holds the content header's property bytes as the
+broker delivered them; red replays those bytes. Every other property column is derived from
+them (``bridge.protocol.properties``) for queries:
 
-* headers travel as typed JSON (``headers.encode_typed``) plus a queryable map;
-* the broker-added header ``x-stream-offset`` (every stream delivery carries it) is
-  stripped, and a headers table that is empty after that is stored as **null**: black
-  cannot tell "no headers" from "empty table" once the broker has added its own;
-* ``timestamp`` is an unsigned 64-bit AMQP field in a signed int64 column: values at or
-  above 2**63 are stored as ``value - 2**64`` (negative) and restored on the way out;
-* a short-string property (message id, type, ...) that is not UTF-8 (pika hands it over
-  as bytes) cannot live in a string column: it is stored with U+FFFD replacements and
-  counted in ``RowBuilder.lossy_rows`` so the caller can count and audit it.
+* short-string properties are text, with U+FFFD where the wire bytes are not UTF-8;
+* ``timestamp`` is AMQP's unsigned 64-bit field in an int64 column: values at or above 2**63
+  are stored as ``value - 2**64`` (negative);
+* ``headers_typed`` is typed JSON and ``headers`` its queryable text (``headers.py``); both are
+  null exactly when the headers property is absent (an empty table is ``[]`` / an empty map);
+* property bytes that do not decode (an unknown field type, a truncated table, ...) still
+  travel in ``properties_raw``; their decoded columns are all null and they are counted
+  (``RowBuilder.undecodable_rows``, ``build_rows(..., undecodable=[])``).
+
+Decoding is columnar and cached: identical property blocks (common) are decoded once per
+batch, and identical header tables once per batch even when other properties differ.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+import gc
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import pyarrow as pa
-from pika.spec import BasicProperties
+import pyarrow.compute as pc
 
 from bridge.errors import ProtocolError
 from bridge.protocol.exchange import ExchangeDecl
-from bridge.protocol.headers import decode_typed, encode_typed, typed_into
+from bridge.protocol.headers import decode_typed, encode_typed, table_columns
 from bridge.protocol.naming import check_channel
-from bridge.protocol.schema import ROW_SCHEMA_VERSION, row_schema
+from bridge.protocol.properties import scan_properties
+from bridge.protocol.schema import row_schema
 
 __all__ = [
     "RowBuilder",
+    "build_rows",
     "Message",
     "row_to_message",
     "table_to_messages",
-    "STREAM_OFFSET_HEADER",
     "UNKNOWN_EXCHANGE_TYPE",
 ]
 
-STREAM_OFFSET_HEADER = "x-stream-offset"
 UNKNOWN_EXCHANGE_TYPE = "unknown"
 
 _U64 = 2**64
 _I64_MAX = 2**63 - 1
-_ROW_OVERHEAD = 96  # rough bytes per row besides body, routing key and headers
-
-# short-string basic properties, in schema order, around the two int ones
-_STR_PROPS = ("content_type", "content_encoding")
-_STR_PROPS2 = ("correlation_id", "reply_to", "expiration", "message_id")
-_STR_PROPS3 = ("type", "user_id", "app_id", "cluster_id")
+_ROW_OVERHEAD = 96  # rough bytes per row besides body, routing key and property bytes
+_SCHEMA = row_schema()
+_HEADERS_TYPE = _SCHEMA.field("headers").type
+_STRING_PROPS = (0, 1, 5, 6, 7, 8, 10, 11, 12, 13)  # indexes in properties.PROPERTY_NAMES
+_NONE14: tuple[None, ...] = (None,) * 14
+_MISSING: Any = object()
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,44 +65,272 @@ class Message:
 
     exchange: ExchangeDecl
     routing_key: str
-    properties: BasicProperties
+    properties_raw: bytes
     body: bytes
     channel: str | None = None
     seq: int | None = None
 
 
-class RowBuilder:
-    """Columnar accumulator of message rows for one channel (not thread-safe).
+# ---------------------------------------------------------------------------- black
 
-    ``append`` only stores references (cheap); the columns are built in ``to_batch``.
-    Do not mutate a ``properties`` object after appending it. ``seq`` must be strictly
-    increasing across the builder's life (also across ``clear``).
+
+def build_rows(
+    channel: str,
+    seqs: pa.Array | pa.ChunkedArray | Sequence[int],
+    exchange_names: pa.Array | pa.ChunkedArray | Sequence[str],
+    routing_keys: pa.Array | pa.ChunkedArray | Sequence[str],
+    redelivered: pa.Array | pa.ChunkedArray | Sequence[bool],
+    properties_raw: pa.Array | pa.ChunkedArray | Sequence[bytes],
+    bodies: pa.Array | pa.ChunkedArray | Sequence[bytes],
+    catalog: Mapping[str, ExchangeDecl],
+    *,
+    undecodable: list[int] | None = None,
+) -> pa.RecordBatch:
+    """Rows of ``row_schema()`` for one batch of deliveries, in the given order.
+
+    ``catalog`` maps exchange names to their declarations (a name not in it gets type
+    ``unknown``, not durable). ``seqs`` must be strictly increasing and >= 0; no input may
+    hold nulls (ProtocolError naming the channel otherwise). Bodies are passed through
+    without a copy when they are an Arrow binary array. The seqs of rows whose property
+    bytes do not decode are appended to ``undecodable`` when it is given.
+    """
+    check_channel(channel)
+    seq = _column(seqs, pa.int64(), "seq", channel)
+    n = len(seq)
+    names = _column(exchange_names, pa.string(), "exchange", channel)
+    columns = (
+        _column(routing_keys, pa.string(), "routing_key", channel),
+        _column(redelivered, pa.bool_(), "redelivered", channel),
+        _column(properties_raw, pa.binary(), "properties_raw", channel),
+        _column(bodies, pa.binary(), "body", channel),
+    )
+    if any(len(c) != n for c in (names, *columns)):
+        lengths = [len(c) for c in (seq, names, *columns)]
+        raise ProtocolError(f"channel {channel!r}: build_rows got columns of lengths {lengths}")
+    _check_seqs(channel, seq)
+    encoded = pc.dictionary_encode(names)
+    decls = []
+    for name in encoded.dictionary.to_pylist():
+        decls.append(_declaration(channel, name, catalog.get(name)))
+    return _assemble(channel, seq, decls, encoded.indices, *columns, undecodable)
+
+
+def _column(values: Any, type_: pa.DataType, name: str, channel: str) -> pa.Array:
+    if isinstance(values, pa.ChunkedArray):
+        values = values.combine_chunks()
+    if isinstance(values, pa.Array):
+        arr = values if values.type == type_ else values.cast(type_)
+    else:
+        try:
+            arr = pa.array(values, type_)
+        except (pa.ArrowInvalid, pa.ArrowTypeError, TypeError, OverflowError) as e:
+            raise ProtocolError(f"channel {channel!r}: column {name} is malformed: {e}") from None
+    if arr.null_count:
+        raise ProtocolError(f"channel {channel!r}: column {name} holds {arr.null_count} null(s)")
+    return arr
+
+
+def _check_seqs(channel: str, seq: pa.Array) -> None:
+    if len(seq) == 0:
+        return
+    first = seq[0].as_py()
+    if first < 0:
+        raise ProtocolError(f"channel {channel!r}: seq {first} is negative")
+    if len(seq) > 1 and not pc.all(pc.greater(seq[1:], seq[:-1])).as_py():
+        bad = pc.index(pc.less_equal(seq[1:], seq[:-1]), True).as_py()
+        raise ProtocolError(
+            f"channel {channel!r}: seq {seq[bad + 1].as_py()} does not follow seq "
+            f"{seq[bad].as_py()} (message seqs must be strictly increasing)"
+        )
+
+
+def _declaration(channel: str, name: str, decl: ExchangeDecl | None) -> ExchangeDecl:
+    if decl is None:
+        return ExchangeDecl(name=name, type=UNKNOWN_EXCHANGE_TYPE, durable=False)
+    if decl.name != name:
+        raise ProtocolError(
+            f"channel {channel!r}: delivery from exchange {name!r} "
+            f"was given the declaration of exchange {decl.name!r}"
+        )
+    return decl
+
+
+def _assemble(
+    channel: str,
+    seq: pa.Array,
+    decls: list[ExchangeDecl],
+    xidx: pa.Array,
+    routing_keys: pa.Array,
+    redelivered: pa.Array,
+    properties_raw: pa.Array,
+    bodies: pa.Array,
+    undecodable: list[int] | None,
+) -> pa.RecordBatch:
+    n = len(seq)
+    encoded = pc.dictionary_encode(properties_raw)
+    unique = encoded.dictionary
+    prop_cols, bad = _property_columns(unique.to_pylist())
+    if len(unique) != n:  # repeated blocks: expand the per-block columns
+        prop_cols = [c.take(encoded.indices) for c in prop_cols]
+        if bad and undecodable is not None:
+            undecodable.extend(seq.filter(pa.array(bad).take(encoded.indices)).to_pylist())
+    elif bad and undecodable is not None:
+        undecodable.extend(seq.filter(pa.array(bad)).to_pylist())
+    cols = [pa.repeat(pa.scalar(channel, pa.string()), n), seq]
+    cols.extend(_exchange_columns(channel, decls, xidx))
+    cols.extend((routing_keys, redelivered, properties_raw))
+    cols.extend(prop_cols)
+    cols.append(bodies)
+    return pa.RecordBatch.from_arrays(cols, schema=_SCHEMA)
+
+
+def _exchange_columns(channel: str, decls: list[ExchangeDecl], xidx: pa.Array) -> list[pa.Array]:
+    arguments = []
+    for d in decls:
+        try:
+            arguments.append(encode_typed(d.arguments))
+        except ProtocolError as e:
+            raise ProtocolError(f"channel {channel!r}: exchange {d.name!r} arguments: {e}") from e
+    small = [
+        pa.array([d.name for d in decls], pa.string()),
+        pa.array([d.type for d in decls], pa.string()),
+        pa.array([bool(d.durable) for d in decls], pa.bool_()),
+        pa.array([bool(d.auto_delete) for d in decls], pa.bool_()),
+        pa.array([bool(d.internal) for d in decls], pa.bool_()),
+        pa.array(arguments, pa.string()),
+    ]
+    if len(decls) == 1:
+        n = len(xidx)
+        return [pa.repeat(a[0], n) for a in small]
+    return [a.take(xidx) for a in small]
+
+
+def _property_columns(blocks: list[bytes]) -> tuple[list[pa.Array], list[bool] | None]:
+    """The 15 derived columns (13 properties, headers_typed, headers) for each block, and a
+    per-block undecodable flag list (None when every block decoded)."""
+    # the loop allocates many small acyclic objects: cyclic GC passes would cost a third
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        return _property_columns_nogc(blocks)
+    finally:
+        if enabled:
+            gc.enable()
+
+
+def _property_columns_nogc(blocks: list[bytes]) -> tuple[list[pa.Array], list[bool] | None]:
+    rows: list[Any] = []
+    typed: list[str | None] = []
+    offsets = [0]
+    keys: list[str] = []
+    values: list[str | None] = []
+    bad: list[bool] | None = None
+    tables: dict[bytes, Any] = {}
+    for i, raw in enumerate(blocks):
+        try:
+            vals = scan_properties(raw)
+            table = vals[2]
+            if table is not None:
+                entry = tables.get(table, _MISSING)
+                if entry is _MISSING:
+                    entry = tables[table] = _headers_entry(table)
+                if entry is None:
+                    raise ProtocolError("headers table does not decode")
+        except ProtocolError:
+            if bad is None:
+                bad = [False] * len(blocks)
+            bad[i] = True
+            rows.append(_NONE14)
+            typed.append(None)
+            offsets.append(len(keys))
+            continue
+        rows.append(vals)
+        if table is None:
+            typed.append(None)
+        else:
+            typed.append(entry[0])
+            keys.extend(entry[1])
+            values.extend(entry[2])
+        offsets.append(len(keys))
+    per_prop = list(zip(*rows, strict=True)) if rows else [()] * 14
+    cols: list[pa.Array] = []
+    for i in range(14):
+        if i in _STRING_PROPS:
+            cols.append(_strings(per_prop[i]))
+        elif i == 3 or i == 4:
+            cols.append(pa.array(per_prop[i], pa.int32()))
+        elif i == 9:
+            cols.append(_timestamps(per_prop[i]))
+    typed_arr = pa.array(typed, pa.string())
+    cols.append(typed_arr)
+    cols.append(
+        pa.MapArray.from_arrays(
+            pa.array(offsets, pa.int32()),
+            pa.array(keys, pa.string()),
+            pa.array(values, pa.string()),
+            type=_HEADERS_TYPE,
+            mask=typed_arr.is_null(),
+        )
+    )
+    return cols, bad
+
+
+def _headers_entry(table_bytes: bytes) -> tuple[str, list[str], list[str | None]] | None:
+    try:
+        return table_columns(table_bytes)
+    except ProtocolError:
+        return None
+
+
+def _strings(values: Sequence[Any]) -> pa.Array:
+    try:
+        return pa.array(values, pa.string())
+    except (pa.ArrowInvalid, pa.ArrowTypeError):  # bytes that are not UTF-8
+        return pa.array(
+            [v.decode("utf-8", "replace") if type(v) is bytes else v for v in values],
+            pa.string(),
+        )
+
+
+def _timestamps(values: Sequence[int | None]) -> pa.Array:
+    try:
+        return pa.array(values, pa.int64())
+    except (OverflowError, pa.ArrowInvalid):
+        wrapped = [v - _U64 if v is not None and v > _I64_MAX else v for v in values]
+        return pa.array(wrapped, pa.int64())
+
+
+class RowBuilder:
+    """Accumulates deliveries of one channel and builds them into rows (not thread-safe).
+
+    ``append`` only stores references; ``to_batch`` does the columnar work of
+    ``build_rows``. ``seq`` must be strictly increasing across the builder's life (also
+    across ``clear``). Unlike ``build_rows``, each row keeps the declaration it was appended
+    with, so a re-declared exchange is described per row.
     """
 
     __slots__ = (
         "channel",
-        "schema_version",
-        "lossy_rows",
-        "_schema",
+        "undecodable_rows",
         "_seqs",
-        "_offsets",
         "_xidx",
         "_rks",
+        "_redelivered",
         "_props",
         "_bodies",
         "_nbytes",
         "_last_seq",
+        "_counted_through",
         "_xcache",
         "_xdecls",
     )
 
-    def __init__(self, channel: str, *, schema_version: int = ROW_SCHEMA_VERSION) -> None:
+    def __init__(self, channel: str) -> None:
         self.channel = check_channel(channel)
-        self.schema_version = schema_version
-        self._schema = row_schema(schema_version)
-        self.lossy_rows = 0
-        """Rows whose string properties were not UTF-8 and were stored with replacements."""
+        self.undecodable_rows = 0
+        """Rows (counted once, by ``to_batch``) whose property bytes did not decode."""
         self._last_seq = -1
+        self._counted_through = -1
         self._xcache: dict[str, tuple[ExchangeDecl | None, int]] = {}
         self._xdecls: list[ExchangeDecl] = []
         self.clear()
@@ -104,10 +338,10 @@ class RowBuilder:
     def clear(self) -> None:
         """Forget the appended rows (the last seq is kept: seqs are never reused)."""
         self._seqs: list[int] = []
-        self._offsets: list[int] = []
         self._xidx: list[int] = []
         self._rks: list[str] = []
-        self._props: list[BasicProperties] = []
+        self._redelivered: list[bool] = []
+        self._props: list[bytes] = []
         self._bodies: list[bytes] = []
         self._nbytes = 0
 
@@ -121,7 +355,7 @@ class RowBuilder:
 
     @property
     def nbytes_estimate(self) -> int:
-        """Uncompressed size estimate of the appended rows: bodies, routing keys, overhead."""
+        """Uncompressed size estimate of the appended rows."""
         return self._nbytes
 
     def append(
@@ -130,15 +364,11 @@ class RowBuilder:
         exchange: ExchangeDecl | None,
         exchange_name: str,
         routing_key: str,
-        properties: BasicProperties,
+        redelivered: bool,
+        properties_raw: bytes,
         body: bytes,
-        stream_offset: int | None = None,
     ) -> None:
-        """Add one delivery; ``exchange`` is the catalog entry, None when it is unknown.
-
-        ``stream_offset`` is where black read it (defaults to ``seq``: black drains with
-        seq = offset and renumbers seqs gaplessly when it seals).
-        """
+        """Add one delivery; ``exchange`` is the catalog entry, None when it is unknown."""
         if not seq > self._last_seq:
             raise ProtocolError(
                 f"channel {self.channel!r}: seq {seq!r} does not follow seq {self._last_seq} "
@@ -146,30 +376,33 @@ class RowBuilder:
             )
         if seq > _I64_MAX:
             raise ProtocolError(f"channel {self.channel!r}: seq {seq} does not fit in 64 bits")
+        if type(properties_raw) is not bytes or type(body) is not bytes:
+            properties_raw, body = self._as_bytes(seq, properties_raw, body)
         cached = self._xcache.get(exchange_name)
         if cached is not None and cached[0] is exchange:
             xi = cached[1]
         else:
-            xi = self._exchange_index(seq, exchange, exchange_name)
+            xi = self._exchange_index(exchange, exchange_name)
         self._last_seq = seq
         self._seqs.append(seq)
-        self._offsets.append(seq if stream_offset is None else stream_offset)
         self._xidx.append(xi)
         self._rks.append(routing_key)
-        self._props.append(properties)
+        self._redelivered.append(bool(redelivered))
+        self._props.append(properties_raw)
         self._bodies.append(body)
-        self._nbytes += len(body) + len(routing_key) + _ROW_OVERHEAD
+        self._nbytes += len(body) + len(routing_key) + len(properties_raw) + _ROW_OVERHEAD
 
-    def _exchange_index(self, seq: int, exchange: ExchangeDecl | None, name: str) -> int:
-        if exchange is None:
-            decl = ExchangeDecl(name=name, type=UNKNOWN_EXCHANGE_TYPE, durable=False)
-        elif exchange.name != name:
-            raise ProtocolError(
-                f"channel {self.channel!r} seq {seq}: delivery from exchange {name!r} "
-                f"was given the declaration of exchange {exchange.name!r}"
-            )
-        else:
-            decl = exchange
+    def _as_bytes(self, seq: int, props: Any, body: Any) -> tuple[bytes, bytes]:
+        for what, v in (("properties_raw", props), ("body", body)):
+            if not isinstance(v, bytes | bytearray | memoryview):
+                raise ProtocolError(
+                    f"channel {self.channel!r} seq {seq}: {what} must be bytes, "
+                    f"not {type(v).__name__}"
+                )
+        return bytes(props), bytes(body)
+
+    def _exchange_index(self, exchange: ExchangeDecl | None, name: str) -> int:
+        decl = _declaration(self.channel, name, exchange)
         try:
             index = self._xdecls.index(decl)
         except ValueError:
@@ -179,132 +412,55 @@ class RowBuilder:
         return index
 
     def to_batch(self) -> pa.RecordBatch:
-        """The appended rows as a RecordBatch of exactly ``row_schema(schema_version)``."""
-        n = len(self._seqs)
-        props = self._props
-        cols: list[pa.Array] = [
-            pa.array([self.channel] * n, pa.string()),
+        """The appended rows as a RecordBatch of exactly ``row_schema()``."""
+        bad: list[int] = []
+        batch = _assemble(
+            self.channel,
             pa.array(self._seqs, pa.int64()),
-            pa.array(self._offsets, pa.int64()),
-        ]
-        cols.extend(self._exchange_columns())
-        cols.append(self._strings(self._rks, "routing_key"))
-        for name in _STR_PROPS:
-            cols.append(self._strings([getattr(p, name) for p in props], name))
-        cols.append(pa.array([p.delivery_mode for p in props], pa.int32()))
-        cols.append(pa.array([p.priority for p in props], pa.int32()))
-        for name in _STR_PROPS2:
-            cols.append(self._strings([getattr(p, name) for p in props], name))
-        cols.append(_timestamps([p.timestamp for p in props]))
-        for name in _STR_PROPS3:
-            cols.append(self._strings([getattr(p, name) for p in props], name))
-        cols.extend(self._header_columns(props))
-        cols.append(pa.array(self._bodies, pa.binary()))
-        return pa.RecordBatch.from_arrays(cols, schema=self._schema)
-
-    def _header_columns(self, props: list[BasicProperties]) -> list[pa.Array]:
-        typed: list[str | None] = []
-        offsets = [0]
-        keys: list[str] = []
-        values: list[str | None] = []
-        for p in props:
-            h = p.headers
-            if h and STREAM_OFFSET_HEADER in h:
-                h = {k: v for k, v in h.items() if k != STREAM_OFFSET_HEADER}
-            typed.append(typed_into(h, keys, values) if h else None)
-            offsets.append(len(keys))
-        typed_arr = pa.array(typed, pa.string())
-        rendered = pa.MapArray.from_arrays(
-            pa.array(offsets, pa.int32()),
-            pa.array(keys, pa.string()),
-            pa.array(values, pa.string()),
-            type=self._schema.field("headers").type,
-            mask=typed_arr.is_null(),
+            self._xdecls,
+            pa.array(self._xidx, pa.int32()),
+            pa.array(self._rks, pa.string()),
+            pa.array(self._redelivered, pa.bool_()),
+            pa.array(self._props, pa.binary()),
+            pa.array(self._bodies, pa.binary()),
+            bad,
         )
-        return [typed_arr, rendered]
+        fresh = [s for s in bad if s > self._counted_through]
+        self.undecodable_rows += len(fresh)
+        if self._seqs:
+            self._counted_through = max(self._counted_through, self._seqs[-1])
+        return batch
 
     def to_table(self) -> pa.Table:
         """``to_batch()`` as a one-batch Table (what ``pack_bundle`` takes)."""
-        return pa.Table.from_batches([self.to_batch()], schema=self._schema)
-
-    def _exchange_columns(self) -> list[pa.Array]:
-        decls = self._xdecls
-        idx = pa.array(self._xidx, pa.int32())
-        small = [
-            pa.array([d.name for d in decls], pa.string()),
-            pa.array([d.type for d in decls], pa.string()),
-            pa.array([bool(d.durable) for d in decls], pa.bool_()),
-            pa.array([bool(d.auto_delete) for d in decls], pa.bool_()),
-            pa.array([bool(d.internal) for d in decls], pa.bool_()),
-            pa.array([encode_typed(d.arguments or None) for d in decls], pa.string()),
-        ]
-        return [a.take(idx) for a in small]
-
-    def _strings(self, values: list[Any], column: str) -> pa.Array:
-        try:
-            return pa.array(values, pa.string())
-        except (pa.ArrowInvalid, pa.ArrowTypeError, TypeError):
-            pass
-        fixed: list[str | None] = []
-        for v in values:
-            if isinstance(v, bytes):
-                try:
-                    v = v.decode("utf-8")
-                except UnicodeDecodeError:
-                    v = v.decode("utf-8", "replace")
-                    self.lossy_rows += 1
-            elif v is not None and not isinstance(v, str):
-                raise ProtocolError(
-                    f"channel {self.channel!r}: column {column} got a {type(v).__name__}, not str"
-                )
-            fixed.append(v)
-        return pa.array(fixed, pa.string())
+        return pa.Table.from_batches([self.to_batch()], schema=_SCHEMA)
 
 
-def _timestamps(values: list[int | None]) -> pa.Array:
+# ---------------------------------------------------------------------------- red
+
+
+def row_to_message(row: Mapping[str, Any]) -> Message:
+    """The message a row describes (``row`` as from ``Table.to_pylist()``).
+
+    Red publishes ``properties_raw`` byte for byte: it never re-encodes from the decoded
+    columns, so rows whose property bytes did not decode on black replay unchanged too.
+    """
     try:
-        return pa.array(values, pa.int64())
-    except (OverflowError, pa.ArrowInvalid):
-        wrapped = [v - _U64 if v is not None and v > _I64_MAX else v for v in values]
-        return pa.array(wrapped, pa.int64())
-
-
-def row_to_message(row: dict[str, Any]) -> Message:
-    """The message a row describes (``row`` as from ``Table.to_pylist()``)."""
-    try:
-        ts = row["timestamp"]
-        arguments = decode_typed(row["exchange_arguments"]) or {}
         exchange = ExchangeDecl(
             name=row["exchange"],
             type=row["exchange_type"],
             durable=row["exchange_durable"],
             auto_delete=row["exchange_auto_delete"],
             internal=row["exchange_internal"],
-            arguments=arguments,
+            arguments=decode_typed(row["exchange_arguments"]) or {},
         )
-        props = BasicProperties(
-            content_type=row["content_type"],
-            content_encoding=row["content_encoding"],
-            headers=decode_typed(row["headers_typed"]),
-            delivery_mode=row["delivery_mode"],
-            priority=row["priority"],
-            correlation_id=row["correlation_id"],
-            reply_to=row["reply_to"],
-            expiration=row["expiration"],
-            message_id=row["message_id"],
-            timestamp=ts + _U64 if ts is not None and ts < 0 else ts,
-            type=row["type"],
-            user_id=row["user_id"],
-            app_id=row["app_id"],
-            cluster_id=row["cluster_id"],
-        )
-        return Message(
-            exchange=exchange,
-            routing_key=row["routing_key"],
-            properties=props,
-            body=row["body"],
-            channel=row["channel"],
-            seq=row["seq"],
+        return _message(
+            exchange,
+            row["routing_key"],
+            row["properties_raw"],
+            row["body"],
+            row["channel"],
+            row["seq"],
         )
     except KeyError as e:
         raise ProtocolError(
@@ -313,6 +469,14 @@ def row_to_message(row: dict[str, Any]) -> Message:
     except ProtocolError as e:
         where = f"row channel={row.get('channel')!r} seq={row.get('seq')!r}"
         raise ProtocolError(f"{where}: {e}") from e
+
+
+def _message(
+    exchange: ExchangeDecl, routing_key: Any, props: Any, body: Any, channel: Any, seq: Any
+) -> Message:
+    if type(props) is not bytes or type(body) is not bytes or type(routing_key) is not str:
+        raise ProtocolError("properties_raw and body must be bytes and routing_key text")
+    return Message(exchange, routing_key, props, body, channel, seq)
 
 
 def table_to_messages(
@@ -342,32 +506,17 @@ def _chunk_messages(
     except KeyError as e:
         raise ProtocolError(f"rows lack a column: {e}") from None
     xkeys = zip(*(c[n] for n in _EXCHANGE_COLUMNS), strict=True)
-    plists = zip(*(c[n] for n in _PROPERTY_COLUMNS), strict=True)
-    for i, (xkey, p) in enumerate(zip(xkeys, plists, strict=True)):
+    rest = zip(
+        c["routing_key"], c["properties_raw"], c["body"], c["channel"], c["seq"], strict=True
+    )
+    for i, (xkey, (rk, props, body, channel, seq)) in enumerate(zip(xkeys, rest, strict=True)):
         decl = exchanges.get(xkey)
         if decl is None:
-            decl = exchanges[xkey] = row_to_message(_row_at(c, i)).exchange
+            decl = exchanges[xkey] = row_to_message({n: col[i] for n, col in c.items()}).exchange
         try:
-            headers = decode_typed(c["headers_typed"][i])
+            yield _message(decl, rk, props, body, channel, seq)
         except ProtocolError as e:
-            raise ProtocolError(f"row channel={c['channel'][i]!r} seq={c['seq'][i]!r}: {e}") from e
-        ts = p[8]
-        if ts is not None and ts < 0:
-            ts += _U64
-        # positional, in BasicProperties.__init__ order (headers third)
-        props = BasicProperties(p[0], p[1], headers, *p[2:8], ts, *p[9:])
-        yield Message(
-            exchange=decl,
-            routing_key=c["routing_key"][i],
-            properties=props,
-            body=c["body"][i],
-            channel=c["channel"][i],
-            seq=c["seq"][i],
-        )
-
-
-def _row_at(columns: dict[str, list[Any]], i: int) -> dict[str, Any]:
-    return {name: col[i] for name, col in columns.items()}
+            raise ProtocolError(f"row channel={channel!r} seq={seq!r}: {e}") from e
 
 
 _EXCHANGE_COLUMNS = (
@@ -378,28 +527,11 @@ _EXCHANGE_COLUMNS = (
     "exchange_internal",
     "exchange_arguments",
 )
-# BasicProperties.__init__ order without headers (the third argument)
-_PROPERTY_COLUMNS = (
-    "content_type",
-    "content_encoding",
-    "delivery_mode",
-    "priority",
-    "correlation_id",
-    "reply_to",
-    "expiration",
-    "message_id",
-    "timestamp",
-    "type",
-    "user_id",
-    "app_id",
-    "cluster_id",
-)
 _MESSAGE_COLUMNS = (
     "channel",
     "seq",
     *_EXCHANGE_COLUMNS,
     "routing_key",
-    *_PROPERTY_COLUMNS,
-    "headers_typed",
+    "properties_raw",
     "body",
 )

@@ -9,58 +9,67 @@ from bridge.errors import SchemaVersionError
 __all__ = [
     "ROW_SCHEMA_VERSION",
     "KNOWN_ROW_SCHEMA_VERSIONS",
+    "PROPERTY_COLUMNS",
     "row_schema",
     "check_row_schema_version",
 ]
 
-ROW_SCHEMA_VERSION = 1
-KNOWN_ROW_SCHEMA_VERSIONS = frozenset({1})
+ROW_SCHEMA_VERSION = 2
+KNOWN_ROW_SCHEMA_VERSIONS = frozenset({2})
+
+PROPERTY_COLUMNS = (
+    "content_type",
+    "content_encoding",
+    "delivery_mode",
+    "priority",
+    "correlation_id",
+    "reply_to",
+    "expiration",
+    "message_id",
+    "timestamp",
+    "type",
+    "user_id",
+    "app_id",
+    "cluster_id",
+)
+"""The decoded basic properties besides headers, in column (and AMQP flag) order."""
 
 
-def _row_schema_v1() -> pa.Schema:
+def _row_schema_v2() -> pa.Schema:
     s, i32, i64, b = pa.string(), pa.int32(), pa.int64(), pa.bool_()
+    props = [pa.field(name, s, nullable=True) for name in PROPERTY_COLUMNS]
+    props[2] = pa.field("delivery_mode", i32, nullable=True)
+    props[3] = pa.field("priority", i32, nullable=True)
+    props[8] = pa.field("timestamp", i64, nullable=True)  # seconds as sent; >= 2**63 wraps
     return pa.schema(
         [
             # identity of a message everywhere on red: (channel, seq)
             pa.field("channel", s, nullable=False),
             pa.field("seq", i64, nullable=False),
-            # provenance: the message's offset in black's stream queue (not gapless)
-            pa.field("stream_offset", i64, nullable=False),
             # the exchange as declared on black, so red can re-declare it identically
             pa.field("exchange", s, nullable=False),
             pa.field("exchange_type", s, nullable=False),
             pa.field("exchange_durable", b, nullable=False),
             pa.field("exchange_auto_delete", b, nullable=False),
             pa.field("exchange_internal", b, nullable=False),
-            pa.field("exchange_arguments", s, nullable=True),  # typed JSON (see headers.py)
+            pa.field("exchange_arguments", s, nullable=True),  # typed JSON (headers.py)
             pa.field("routing_key", s, nullable=False),
-            # every AMQP basic property, null when absent
-            pa.field("content_type", s, nullable=True),
-            pa.field("content_encoding", s, nullable=True),
-            pa.field("delivery_mode", i32, nullable=True),
-            pa.field("priority", i32, nullable=True),
-            pa.field("correlation_id", s, nullable=True),
-            pa.field("reply_to", s, nullable=True),
-            pa.field("expiration", s, nullable=True),
-            pa.field("message_id", s, nullable=True),
-            pa.field(
-                "timestamp", i64, nullable=True
-            ),  # AMQP timestamp: seconds since epoch, as sent
-            pa.field("type", s, nullable=True),
-            pa.field("user_id", s, nullable=True),
-            pa.field("app_id", s, nullable=True),
-            pa.field("cluster_id", s, nullable=True),
-            # headers: exact AMQP types (typed JSON, used to re-publish) + a queryable rendering
-            pa.field("headers_typed", s, nullable=True),
-            pa.field("headers", pa.map_(s, s), nullable=True),
+            # provenance: the broker had delivered the message to black before
+            pa.field("redelivered", b, nullable=False),
+            # the content header's property bytes as delivered: the source of truth for replay
+            pa.field("properties_raw", pa.binary(), nullable=False),
+            # derived from properties_raw, for queries; null when absent (or undecodable)
+            *props,
+            pa.field("headers_typed", s, nullable=True),  # typed JSON (headers.py)
+            pa.field("headers", pa.map_(s, s), nullable=True),  # queryable text
             # the body, bytes never decoded
             pa.field("body", pa.binary(), nullable=False),
         ],
-        metadata={b"diode.schema_version": str(ROW_SCHEMA_VERSION).encode()},
+        metadata={b"diode.schema_version": b"2"},
     )
 
 
-_SCHEMAS = {1: _row_schema_v1}
+_SCHEMAS = {2: _row_schema_v2}
 
 
 def row_schema(version: int = ROW_SCHEMA_VERSION) -> pa.Schema:

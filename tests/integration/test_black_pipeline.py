@@ -1,9 +1,11 @@
-"""Integration: RabbitMQ (fanout/topic/headers/direct) -> black Spark job -> bundles, read back
-with the plain gpg command line and pyarrow alone (no bridge code on the reading side)."""
+"""Integration: RabbitMQ (fanout/topic/headers/direct) -> mirror queue -> tap -> spool -> black
+Spark job -> bundles, taken by a greedy mover the moment they appear, read back with the plain
+gpg command line and pyarrow alone (no bridge code on the reading side, except the property
+codec to compare decoded values)."""
 
 from __future__ import annotations
 
-import datetime as dt
+import decimal
 import hashlib
 import io
 import json
@@ -13,13 +15,32 @@ from typing import Any
 import pika
 import pyarrow.parquet as pq
 import pytest
-from pika.spec import BasicProperties
 
+from bridge.amqp.client import Connection
 from bridge.black.job import BlackRun
 from bridge.config import load_config
+from bridge.crypto.gpg import Gpg
 from bridge.crypto.keys import init_keys
-from bridge.protocol.headers import decode_typed
-from tests.support import AMQP_PROPERTIES, bundle_files, gpg_open_cli
+from bridge.protocol.headers import typed_json_to_headers
+from bridge.protocol.properties import (
+    ByteArray,
+    Float32,
+    Float64,
+    Int8,
+    Int16,
+    Int64,
+    LongString,
+    Properties,
+    Timestamp,
+    UInt8,
+    UInt16,
+    UInt32,
+    decode_properties,
+    encode_properties,
+    field_table,
+)
+from tests.mover import greedy_mover  # noqa: F401 - the fixture
+from tests.support import AMQP_PROPERTIES, gpg_open_cli
 
 pytestmark = [pytest.mark.broker, pytest.mark.gpg, pytest.mark.spark]
 
@@ -64,61 +85,65 @@ def declare(url: str) -> None:
     conn.close()
 
 
-def publish(url: str, n: int) -> list[tuple[str, str, BasicProperties, bytes]]:
-    conn = pika.BlockingConnection(pika.URLParameters(url))
+def every_type(i: int) -> Any:
+    """A header table with every AMQP 0-9-1 field type, nested, in a fixed key order."""
+    return field_table(
+        {
+            "i32": i, "i8": Int8(-(i % 128)), "u8": UInt8(i % 256), "i16": Int16(-i),
+            "u16": UInt16(i % 65536), "u32": UInt32(2**32 - 1 - i), "i64": Int64(-(2**40) - i),
+            "f": Float32(1.5), "d": Float64(i / 7), "dec": decimal.Decimal("-12.340"),
+            "s": f"é{i}", "S": LongString(b"\xff\x00 not utf-8"),
+            "x": ByteArray(bytes([i % 256, 0])),
+            "t": Timestamp(1_700_000_000 + i), "ok": bool(i % 2), "v": None,
+            "nest": {"arr": [1, "x", {"deep": ByteArray(b"\x00")}, [Float32(-0.0)]]},
+        }
+    )  # fmt: skip
+
+
+def props_for(i: int) -> Properties:
+    return Properties(
+        content_type="application/octet-stream" if i % 3 else None,
+        content_encoding="gzip" if i % 5 == 0 else None,
+        headers=None if i % 4 == 1 else every_type(i),
+        delivery_mode=1 + i % 2,
+        priority=i % 10 if i % 4 == 0 else None,
+        correlation_id=f"c{i}" if i % 2 else None,
+        reply_to="r" if i % 6 == 0 else None,
+        expiration="600000" if i % 8 == 0 else None,
+        message_id=f"m{i}",
+        timestamp=1_700_000_000 + i if i % 3 == 0 else None,
+        type="t" if i % 9 == 0 else None,
+        user_id="guest" if i % 10 == 0 else None,
+        app_id="it" if i % 11 == 0 else None,
+    )
+
+
+def publish(url: str, n: int) -> list[tuple[str, str, bytes, bytes]]:
+    """Publish with the bridge's client (raw property bytes, confirms); returns what was sent."""
+    conn = Connection.open(url)
     ch = conn.channel()
-    sent = []
+    ch.confirm_select()
+    sent, last = [], 0
     for i in range(n):
         name, kind = EXCHANGES[i % 4]
         rk = {"fanout": "", "topic": f"a.b{i % 7}", "headers": "x", "direct": f"k{1 + i % 2}"}[kind]
-        props = BasicProperties(
-            content_type="application/octet-stream" if i % 3 else None,
-            content_encoding="gzip" if i % 5 == 0 else None,
-            delivery_mode=1 + i % 2,
-            priority=i % 10 if i % 4 == 0 else None,
-            correlation_id=f"c{i}" if i % 2 else None,
-            reply_to="r" if i % 6 == 0 else None,
-            expiration="60000" if i % 8 == 0 else None,
-            message_id=f"m{i}",
-            timestamp=1_700_000_000 + i if i % 3 == 0 else None,
-            type="t" if i % 9 == 0 else None,
-            user_id="guest" if i % 10 == 0 else None,
-            app_id="it" if i % 11 == 0 else None,
-            headers=None
-            if i % 4 == 1
-            else {
-                "i": i,
-                "big": 2**40 + i,
-                "neg": -i,
-                "s": f"é{i}",
-                "b": bytes([i % 256, 0]),
-                "t": dt.datetime(2026, 1, 1, tzinfo=dt.UTC),
-                "ok": bool(i % 2),
-                "v": None,
-                "nest": {"arr": [1, "x", {"deep": b"\x00"}]},
-            },
-        )
+        raw = encode_properties(props_for(i))
         body = bytes([i % 256]) * (i % 2000) if i % 13 else b""
-        ch.basic_publish(name, rk, body, props)
-        sent.append((name, rk, props, body))
-    # an unconfigured routing key on the direct exchange is not mirrored, by design
-    ch.basic_publish("dir", "not-configured", b"x")
+        last = ch.publish(name, rk, raw, body)
+        sent.append((name, rk, raw, body))
+    ch.publish("dir", "not-configured", b"\x00\x00", b"x")  # not mirrored, by design
+    acked = 0
+    while acked < last + 1:
+        for c in conn.poll(1.0).confirms:
+            assert c.ack
+            acked = max(acked, c.delivery_tag)
     conn.close()
     return sent
 
 
-def broker_preserved(headers: dict | None) -> dict | None:
-    """What a RabbitMQ 3.10 stream keeps of a header table: entries whose value is a table or
-    an array are dropped by the broker itself (pinned by test_broker_streams.py)."""
-    if headers is None:
-        return None
-    kept = {k: v for k, v in headers.items() if not isinstance(v, dict | list)}
-    return kept or None
-
-
-def read_bundles(outbox: Path, red_home: Path, black_fpr: str) -> list[tuple[dict, Any, str]]:
+def read_bundles(folder: Path, red_home: Path, black_fpr: str) -> list[tuple[dict, Any, str]]:
     out = []
-    for f in bundle_files(outbox):
+    for f in sorted(folder.glob("*.dbundle")):
         plain = gpg_open_cli(red_home, f, black_fpr)
         pf = pq.ParquetFile(io.BytesIO(plain))
         manifest = json.loads(pf.metadata.metadata[b"diode.manifest"])
@@ -126,7 +151,9 @@ def read_bundles(outbox: Path, red_home: Path, black_fpr: str) -> list[tuple[dic
     return out
 
 
-def test_every_message_once_and_identical(black_vhost, short_tmp: Path, spark) -> None:  # type: ignore[no-untyped-def]
+def test_every_message_once_and_identical(  # type: ignore[no-untyped-def]
+    black_vhost, short_tmp: Path, spark, greedy_mover  # noqa: F811
+) -> None:
     inv = init_keys(short_tmp / "keys", red_names=("red", "audit"))
     cfg_path = write_config(
         short_tmp, black_vhost.amqp_url, inv.black_fpr, list(inv.red_fprs.values()), max_rows=700
@@ -138,51 +165,63 @@ def test_every_message_once_and_identical(black_vhost, short_tmp: Path, spark) -
     assert "main" in str(report)
     n = 4000
     sent = publish(black_vhost.amqp_url, n)
-    summary = run.run(spark, "available-now", timeout=300)
-    assert summary.messages == n and summary.lost == 0
 
-    bundles = read_bundles(cfg.black.outbox, inv.red_home, inv.black_fpr)
+    # a pika producer sending a decimal header keeps its connection (a stream mirror closed it)
+    conn = pika.BlockingConnection(pika.URLParameters(black_vhost.amqp_url))
+    pch = conn.channel()
+    pch.confirm_delivery()
+    dec = pika.BasicProperties(headers={"price": decimal.Decimal("9.99")})
+    pch.basic_publish("fan", "", b"decimal", dec)
+    pch.basic_publish("fan", "", b"after", pika.BasicProperties())
+    assert conn.is_open and pch.is_open
+    conn.close()
+
+    mover = greedy_mover(cfg.black.outbox)
+    summary = run.run(spark, "available-now", timeout=300)
+    assert summary.messages == n + 2 and summary.lost == 0
+    mover.stop()
+    taken = mover.validate(Gpg(inv.red_home), [inv.black_fpr])
+    assert taken.bundles and taken.heartbeats, "the mover only ever saw whole, valid files"
+
+    bundles = read_bundles(mover.dst, inv.red_home, inv.black_fpr)
     assert [m["bundle_seq"] for m, _, _ in bundles] == list(range(1, len(bundles) + 1))
-    assert len(bundles) >= n // 700
     prev = None
     rows: list[dict[str, Any]] = []
     for m, table, sha in bundles:
-        assert m["format"] == 1 and m["schema_version"] == 1 and m["channel"] == "main"
+        assert m["format"] == 1 and m["schema_version"] == 2 and m["channel"] == "main"
         assert m["prev_sha256"] == prev, f"hash chain broken at bundle {m['bundle_seq']}"
         assert m["gaps"] == [] and m["rows"] == table.num_rows <= 700
-        assert m["bridge_id"] == "it-black" and m["created_at"].endswith("Z")
         seqs = table.column("seq").to_pylist()
         assert seqs == sorted(seqs) and (m["first_seq"], m["last_seq"]) == (seqs[0], seqs[-1])
-        counts: dict[str, int] = {}
-        for x in table.column("exchange").to_pylist():
-            counts[x] = counts.get(x, 0) + 1
-        assert m["exchanges"] == counts
         prev = sha
         rows.extend(table.to_pylist())
 
-    assert [r["seq"] for r in rows] == list(range(n)), "message seqs must be gapless, each once"
+    assert [r["seq"] for r in rows] == list(range(n + 2)), "seqs gapless, each message once"
     types = dict(EXCHANGES)
-    for r, (name, rk, props, body) in zip(rows, sent, strict=True):
+    for r, (name, rk, raw, body) in zip(rows, sent, strict=False):
         assert (r["exchange"], r["routing_key"], r["body"]) == (name, rk, body)
         assert r["exchange_type"] == types[name] and r["exchange_durable"] is True
+        assert r["properties_raw"] == raw, f"property bytes changed at seq {r['seq']}"
+        want = decode_properties(raw)
         for f in AMQP_PROPERTIES:
-            assert r[f] == getattr(props, f), (f, r["seq"])
-        want = broker_preserved(props.headers)
-        got = decode_typed(r["headers_typed"])
-        assert got == want, r["seq"]
-        if want:
-            assert pika.data.encode_table([], got) == pika.data.encode_table([], want)
-            assert dict(r["headers"])["s"] == want["s"]  # queryable rendering
+            assert r[f] == getattr(want, f), (f, r["seq"])
+        got = None if r["headers_typed"] is None else typed_json_to_headers(r["headers_typed"])
+        assert got == want.headers, r["seq"]
+        if want.headers:
+            assert dict(r["headers"])["s"] == f"é{r['seq']}"  # queryable rendering
+    tail = rows[n:]
+    assert [r["body"] for r in tail] == [b"decimal", b"after"]
+    assert decode_properties(tail[0]["properties_raw"]).headers == (
+        ("price", ("D", decimal.Decimal("9.99"))),
+    )
 
-    # heartbeats: signed, name the last bundle
-    hbs = sorted(cfg.black.outbox.glob("*.dheartbeat"))
-    assert hbs
+    hbs = sorted(mover.dst.glob("*.dheartbeat"))
     hb = json.loads(gpg_open_cli(inv.red_home, hbs[-1], inv.black_fpr))
-    assert hb["last_bundle_seq"] == len(bundles) and hb["last_seq"] == n - 1
+    assert hb["last_bundle_seq"] == len(bundles) and hb["last_seq"] == n + 1
 
     # a second run with nothing new ships nothing, and the archive holds every bundle
     again = BlackRun(cfg).run(spark, "available-now", timeout=120)
     assert again.bundles == 0
     assert sorted(p.name for p in (cfg.black.archive / "main").iterdir()) == sorted(
-        p.name for p in cfg.black.outbox.glob("*.dbundle")
+        p.name for p in mover.dst.glob("*.dbundle")
     )

@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 from bridge.config import config_from_dict
 from bridge.crypto.gpg import Gpg, Opened
 from bridge.crypto.keys import generate_key, init_keys
+from bridge.crypto.passphrase import Passphrase
 from bridge.errors import CryptoError, KeyMissingError, SignatureError
 
 pytestmark = pytest.mark.gpg
@@ -421,6 +422,7 @@ def test_passphrase_file(world: World) -> None:
     pw = world.root / "pw"
     pw.write_text(secret + "\n")
     pw.chmod(0o600)
-    sealed = locked.seal_bytes(b"x", signer=fpr, recipients=[], encrypt=False, passphrase_file=pw)
+    unlocked = Gpg(home, passphrase=Passphrase(path=pw))
+    sealed = unlocked.seal_bytes(b"x", signer=fpr, recipients=[], encrypt=False)
     world.red1.import_keys(locked.export_public(fpr))
     assert world.red1.open_bytes(sealed, pinned_signers=[fpr])[0] == b"x"

@@ -2,9 +2,14 @@
 
 A black run (in-process Spark, available-now, small bundles) ships >= 4 bundles; the vendor's
 mover then takes everything out of the outbox. The real CLI (a subprocess) re-drops a range
-from the archive, byte for byte; reports what the archive no longer holds (exit 1, JSON);
-refuses an unknown channel (exit 2); and ``status`` / ``gaps`` tell where black stands.
-Pruning removes archived bundles older than the retention and keeps the recent ones.
+from the archive, byte for byte, through the staging dir; reports what the archive no longer
+holds (exit 1, JSON); refuses an unknown channel (exit 2); and ``status`` / ``gaps`` tell where
+black stands. Pruning removes archived bundles older than the retention and keeps the recent
+ones.
+
+Coordination (no Spark needed): ``resend`` never takes the job's run lock (``black.lock``), so
+it works while a job runs; it waits, per re-drop, only for a starting job's sweep of the
+staging dir (the drop lock), and says so clearly when that lasts longer than ``--wait``.
 """
 
 from __future__ import annotations
@@ -20,7 +25,6 @@ from typing import Any
 import pika
 import pytest
 
-from bridge.black.job import BlackRun
 from bridge.config import load_config
 from bridge.crypto.keys import init_keys
 from bridge.diode.file_drop import Outbox
@@ -88,6 +92,8 @@ def files(d: Path) -> list[str]:
 @pytest.mark.gpg
 @pytest.mark.spark
 def test_resend_status_gaps_after_a_black_run(black_vhost: Any, short_tmp: Path, spark) -> None:  # type: ignore[no-untyped-def]
+    from bridge.black.job import BlackRun  # Spark and the whole job: only this test
+
     inv = init_keys(short_tmp / "keys", red_names=("red",), bridge_id="resend-black")
     cfg_path = write_config(
         short_tmp,
@@ -130,6 +136,8 @@ def test_resend_status_gaps_after_a_black_run(black_vhost: Any, short_tmp: Path,
     out = json.loads(r.stdout)
     assert out == {"resent": [archived[2].name, archived[3].name], "missing": []}
     assert files(outbox) == [archived[2].name, archived[3].name], "hidden temps or extra files"
+    assert cfg.black.staging_dir is not None
+    assert files(cfg.black.staging_dir) == [".drop.lock"], "no temp left in staging"
     for seq in (2, 3):
         assert (outbox / archived[seq].name).read_bytes() == archived[seq].read_bytes()
         assert not (outbox / archived[seq].name).samefile(archived[seq]), (
@@ -212,3 +220,77 @@ def test_prune_archive_removes_old_keeps_recent(tmp_path: Path) -> None:
     # a later clock: everything is past the retention
     assert ob.prune_archive(now=now + 3 * DAY) == 4
     assert ob.archived("a") == {} and ob.archived("b") == {}
+
+
+# ---------------------------------------------------------------------- coordination (no Spark)
+HOLD = """
+import sys, time
+from pathlib import Path
+from bridge.fsutil import exclusive_lock
+with exclusive_lock(Path(sys.argv[1]), what="holder"):
+    print("held", flush=True)
+    time.sleep(120)
+"""
+
+
+def _plain_config(work: Path) -> Path:
+    p = work / "diode.toml"
+    p.write_text(f'[[channels]]\nname = "{CHANNEL}"\nencrypt = false\n')
+    return p
+
+
+def _archive(work: Path, seqs: range) -> list[str]:
+    """Archived bundles (their bytes do not matter to resend: it copies them unchanged)."""
+    adir = work / "black" / "archive" / CHANNEL
+    adir.mkdir(parents=True)
+    names = []
+    for seq in seqs:
+        name = f"{CHANNEL}.{seq:012d}.{seq:032x}.dbundle"
+        (adir / name).write_bytes(b"sealed %d" % seq)
+        names.append(name)
+    return names
+
+
+def _hold(lock: Path) -> subprocess.Popen[str]:
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    p = subprocess.Popen(
+        [sys.executable, "-c", HOLD, str(lock)], stdout=subprocess.PIPE, text=True, env=env
+    )
+    assert p.stdout is not None and p.stdout.readline().strip() == "held"
+    return p
+
+
+def test_resend_runs_beside_a_running_job(tmp_path: Path) -> None:
+    """A job holds the run lock for its whole run: resend does not need it."""
+    cfg_path = _plain_config(tmp_path)
+    names = _archive(tmp_path, range(1, 4))
+    job = _hold(tmp_path / "black" / "state" / "black.lock")
+    try:
+        r = diode("resend", "--config", str(cfg_path), "--channel", CHANNEL, "--from", "1",
+                  "--to", "3")  # fmt: skip
+    finally:
+        job.kill()
+        job.wait()
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout) == {"resent": names, "missing": []}
+    assert files(tmp_path / "black" / "outbox") == names
+    assert files(tmp_path / "black" / ".outbox.staging") == [".drop.lock"]
+
+
+def test_resend_waits_for_a_sweep_and_says_so_when_it_lasts(tmp_path: Path) -> None:
+    cfg_path = _plain_config(tmp_path)
+    _archive(tmp_path, range(1, 3))
+    lock = tmp_path / "black" / ".outbox.staging" / ".drop.lock"
+    sweep = _hold(lock)  # a starting job sweeping the staging dir (stuck, for the test)
+    try:
+        r = diode("resend", "--config", str(cfg_path), "--channel", CHANNEL, "--from", "1",
+                  "--to", "2", "--wait", "0.2")  # fmt: skip
+    finally:
+        sweep.kill()
+        sweep.wait()
+    assert r.returncode == 1, (r.returncode, r.stdout, r.stderr)
+    assert r.stdout == "" and "Traceback" not in r.stderr
+    assert "re-drop of" in r.stderr and "waited 0.2s for a shared lock" in r.stderr
+    assert "stopped at bundle seq 1" in r.stderr
+    assert str(lock) in r.stderr and "sweeps stale temp files at start-up" in r.stderr
+    assert files(tmp_path / "black" / "outbox") == []

@@ -57,7 +57,7 @@ def test_plan_covers_every_seq_once_within_limits(
     assert set(dropped) == {i for i in range(len(seqs)) if sz[i] > max_row_bytes}
     for c in chunks:
         for g in c.gaps:
-            assert g.reason in {"retention", "oversize"}
+            assert g.reason in {"missing", "oversize"}
             assert g.first_seq <= g.last_seq
 
 
@@ -69,7 +69,23 @@ def test_gap_reasons() -> None:
     )
     assert dropped == [1]
     gaps = [(g.first_seq, g.last_seq, g.reason) for c in chunks for g in c.gaps]
-    assert gaps == [(3, 4, "retention"), (6, 6, "oversize"), (7, 8, "retention")]
+    assert gaps == [(3, 4, "missing"), (6, 6, "oversize"), (7, 8, "missing")]
+
+
+def test_lost_markers_carry_their_reason_and_trailing_gaps_are_kept() -> None:
+    """Seqs the broker dropped (spool lost markers) become gaps with their reason, merged per
+    reason; lost seqs after the last row (``through_seq``) ride in a zero-row chunk."""
+    seqs = np.array([0, 4, 5], dtype=np.int64)
+    sz = np.array([10, 10, 10], dtype=np.int64)
+    reasons = {1: "maxlen", 2: "maxlen", 3: "expired", 6: "maxlen", 7: "maxlen"}
+    chunks, dropped = plan_chunks(
+        seqs, sz, last_seq=-1, max_rows=10, max_bytes=10**6, max_row_bytes=1000,
+        gap_reasons=reasons, through_seq=7,
+    )  # fmt: skip
+    assert dropped == []
+    gaps = [(g.first_seq, g.last_seq, g.reason) for c in chunks for g in c.gaps]
+    assert gaps == [(1, 2, "maxlen"), (3, 3, "expired"), (6, 7, "maxlen")]
+    assert chunks[-1].rows == 0 and [g.first_seq for g in chunks[-1].gaps] == [6]
 
 
 def test_unsorted_rows_are_a_bug() -> None:

@@ -53,7 +53,20 @@ def g(tmp_path: Path) -> Gpg:
 
 def test_public_surface() -> None:
     assert gpg_mod.__all__ == ["Gpg", "Opened", "normalize_fingerprint"]
-    assert set(keys_mod.__all__) == {"KeyInventory", "init_keys", "generate_key", "Algo"}
+    assert set(keys_mod.__all__) == {
+        "Algo",
+        "ImportedKey",
+        "KeyInventory",
+        "Side",
+        "SideKeys",
+        "decryption_gpg",
+        "generate_key",
+        "import_public_keys",
+        "import_snippet",
+        "init_keys",
+        "init_side",
+        "signing_gpg",
+    }
 
 
 def test_good_encrypted(g: Gpg) -> None:

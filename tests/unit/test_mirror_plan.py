@@ -8,7 +8,13 @@ import pytest
 
 from bridge.black import mirror
 from bridge.black.catalog import load_catalog, merge_catalog, save_catalog
-from bridge.black.plan import HEADERS_CATCH_ALL, Binding, plan_channel, stream_queue_name
+from bridge.black.plan import (
+    HEADERS_CATCH_ALL,
+    Binding,
+    dead_queue_name,
+    mirror_queue_name,
+    plan_channel,
+)
 from bridge.config import BlackConfig, ChannelConfig
 from bridge.errors import StateError
 from bridge.protocol.exchange import ExchangeDecl
@@ -160,9 +166,10 @@ def test_binding_key_is_argument_order_independent() -> None:
     assert a.key() == b.key()
 
 
-def test_stream_queue_name() -> None:
-    assert stream_queue_name(BlackConfig(), "c1") == "diode.mirror.c1"
-    assert stream_queue_name(BlackConfig(stream_prefix="x."), "ops") == "x.ops"
+def test_mirror_queue_names() -> None:
+    assert mirror_queue_name(BlackConfig(), "c1") == "diode.mirror.c1"
+    assert mirror_queue_name(BlackConfig(mirror_prefix="x."), "ops") == "x.ops"
+    assert dead_queue_name(BlackConfig(mirror_prefix="x."), "ops") == "x.ops.dead"
 
 
 def test_public_surface() -> None:

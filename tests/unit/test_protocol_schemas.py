@@ -10,7 +10,9 @@ from typing import Any
 
 import pytest
 
-from bridge.protocol.schema import row_schema
+from bridge.errors import SchemaVersionError
+from bridge.protocol.headers import TAGS, headers_to_typed_json, typed_json_to_headers
+from bridge.protocol.schema import KNOWN_ROW_SCHEMA_VERSIONS, ROW_SCHEMA_VERSION, row_schema
 from tests.unit.test_protocol_manifest import sample_heartbeat, sample_manifest
 
 SCHEMAS = Path(__file__).resolve().parents[2] / "schemas"
@@ -20,10 +22,10 @@ def load(name: str) -> Any:
     return json.loads((SCHEMAS / name).read_text(encoding="utf-8"))
 
 
-def test_rows_v1_json_matches_row_schema_v1() -> None:
-    doc = load("rows.v1.json")
-    schema = row_schema(1)
-    assert doc["version"] == 1
+def test_rows_v2_json_matches_row_schema_v2() -> None:
+    doc = load("rows.v2.json")
+    schema = row_schema(2)
+    assert doc["version"] == 2 == ROW_SCHEMA_VERSION
     assert [f["name"] for f in doc["fields"]] == schema.names
     for described, field in zip(doc["fields"], schema, strict=True):
         assert described["type"] == str(field.type), field.name
@@ -31,11 +33,28 @@ def test_rows_v1_json_matches_row_schema_v1() -> None:
         assert described["description"].strip(), field.name
     meta = {k.decode(): v.decode() for k, v in (schema.metadata or {}).items()}
     assert doc["schema_metadata"] == meta
+    assert not (SCHEMAS / "rows.v1.json").exists()  # there is no installed base of v1
+
+
+def test_rows_v2_json_documents_every_tag_and_its_example_decodes() -> None:
+    doc = load("rows.v2.json")
+    assert set(doc["properties_raw"]["field_values"]) == TAGS
+    documented = "".join(doc["typed_json"]["payloads"]).replace(" ", "")
+    assert sorted(documented) == sorted(TAGS)
+    example = typed_json_to_headers(doc["typed_json"]["example"])
+    assert headers_to_typed_json(example) == doc["typed_json"]["example"]
+
+
+@pytest.mark.parametrize("version", [1, 3, "2", True, None])
+def test_unknown_row_schema_versions_are_refused(version: Any) -> None:
+    with pytest.raises(SchemaVersionError, match="upgrade"):
+        row_schema(version)  # type: ignore[arg-type]
+    assert KNOWN_ROW_SCHEMA_VERSIONS == {2}
 
 
 # A structural checker for the subset of JSON Schema 2020-12 the two schemas use
 # (jsonschema is not a dependency of this project).
-_TYPES = {
+_TYPES: dict[str, Any] = {
     "object": dict,
     "array": list,
     "string": str,
@@ -132,7 +151,7 @@ def test_the_json_schemas_are_not_vacuous(schema_file: str, make: Any, key: str,
     assert check(doc, load(schema_file)) != []
 
 
-MODULES = ["headers", "rows", "manifest", "bundle", "naming", "heartbeat"]
+MODULES = ["properties", "headers", "schema", "rows", "manifest", "bundle", "naming", "heartbeat"]
 
 
 @pytest.mark.parametrize("name", MODULES)

@@ -14,7 +14,7 @@ def test_status_and_files(tmp_path: Path) -> None:
         {"channels": [{"name": "c", "encrypt": False}]}, base=tmp_path, environ={}
     )
     StateStore(cfg.black.state_dir).save(
-        ChannelState(channel="c", last_bundle_seq=2, last_seq=9, counters={"lost_retention": 3})
+        ChannelState(channel="c", last_bundle_seq=2, last_seq=9, counters={"lost_maxlen": 3})
     )
     (cfg.black.archive / "c").mkdir(parents=True)
     (cfg.black.outbox).mkdir(parents=True)
@@ -26,7 +26,7 @@ def test_status_and_files(tmp_path: Path) -> None:
     (cfg.black.outbox / "c.2.short.dbundle").write_bytes(b"")  # malformed: skipped
     st = channel_status(cfg)
     ch = st["channels"]["c"]
-    assert (ch["last_bundle_seq"], ch["last_seq"], ch["lost"]) == (2, 9, {"retention": 3})
+    assert (ch["last_bundle_seq"], ch["last_seq"], ch["lost"]) == (2, 9, {"maxlen": 3})
     assert ch["outbox_bundles"] == 1
     arch = files_table(cfg, where="archive").to_pylist()
     assert [(r["kind"], r["seq"], r["bytes"]) for r in arch] == [("bundle", 2, 10)]

@@ -1,0 +1,65 @@
+"""Black, journal: the per-channel log of message seq ranges known lost (``diode gaps``).
+
+One JSON line per gap, appended and fsynced when the bundle that declares it is committed:
+``{"bundle_seq", "first_seq", "last_seq", "reason", "at"}``. A crash between the append and
+the journal commit can repeat a line; readers de-duplicate on ``(bundle_seq, first_seq)``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+from bridge.protocol.manifest import Gap
+
+__all__ = ["append_gaps", "read_gaps", "gap_log_path"]
+
+
+def gap_log_path(state_dir: Path, channel: str) -> Path:
+    return Path(state_dir) / f"gaps-{channel}.jsonl"
+
+
+def append_gaps(state_dir: Path, channel: str, bundle_seq: int, gaps: tuple[Gap, ...]) -> None:
+    """Durably append the gaps a bundle declares (no-op without gaps)."""
+    if not gaps:
+        return
+    now = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    data = "".join(
+        json.dumps(
+            {
+                "bundle_seq": bundle_seq,
+                "first_seq": g.first_seq,
+                "last_seq": g.last_seq,
+                "reason": g.reason,
+                "at": now,
+            },
+            sort_keys=True,
+        )
+        + "\n"
+        for g in gaps
+    ).encode()
+    fd = os.open(gap_log_path(state_dir, channel), os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o640)
+    try:
+        os.write(fd, data)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def read_gaps(state_dir: Path, channel: str) -> list[dict[str, Any]]:
+    """Every gap of ``channel`` in seq order (a torn last line, from a crash, is skipped)."""
+    p = gap_log_path(state_dir, channel)
+    if not p.exists():
+        return []
+    seen: dict[tuple[int, int], dict[str, Any]] = {}
+    for line in p.read_text(errors="replace").splitlines():
+        try:
+            d = json.loads(line)
+            key = (int(d["bundle_seq"]), int(d["first_seq"]))
+        except (ValueError, KeyError, TypeError):
+            continue
+        seen.setdefault(key, d)
+    return sorted(seen.values(), key=lambda d: (d["first_seq"], d["bundle_seq"]))

@@ -1,0 +1,911 @@
+"""Black, spool: per channel, append-only Arrow segments of deliveries, read back by position.
+
+One directory per channel::
+
+    <root>/<channel>/seg-<first position, 16 digits>.arrow   Arrow IPC stream, one batch per sync
+    <root>/<channel>/LOCK    flock held by the one writer (readers never lock)
+    <root>/<channel>/TAIL    next position after the last fsynced record
+
+Positions are gapless and never reused: a record's position is its message ``seq``.
+
+* The writer (the tap) buffers records, then ``sync`` writes them as one record batch (split
+  only past ``MAX_BATCH_BYTES``), fsyncs, and only then rewrites TAIL in place (ASCII, fixed
+  width). TAIL is not fsynced: any value it ever holds is durable, so readers trust
+  ``min(TAIL, what parses)`` and never touch bytes past it (a concurrent writer may still be
+  appending there, or cutting a failed write away).
+* Each batch carries ``acked_through`` (custom metadata): the last position whose broker ack
+  the tap had confirmed. Records after it are the only ones the broker can redeliver; they are
+  never released, so a restarted tap can always recognise them (``records_after``).
+* A new segment gets its header under a temporary name, fsync, rename, fsync of the directory:
+  a segment file always has a valid header, and the last one always exists, so its name and
+  batches carry the next position even after every shipped segment was released.
+* ``open`` repairs the last segment: a partial trailing batch left by a crash is cut away.
+  If TAIL says more was durable than the segment holds (the disk lost fsynced data), the
+  missing positions are recorded as *lost* (reason ``spool_damaged``): reported as a gap,
+  never reused.
+* Out of room (quota, ``min_free_bytes``, ENOSPC / EDQUOT): the segment is cut back to its last
+  complete batch, ``SpoolFull`` is raised and the records stay buffered for the next ``sync``.
+
+Crash points (bridge.faults) inside ``sync``: ``spool.mid_write`` (half a batch written),
+``spool.before_fsync``, ``spool.before_tail`` (durable, TAIL not yet moved).
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import hashlib
+import os
+import re
+import struct
+import time
+from bisect import bisect_right
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+
+from bridge.errors import (
+    ConfigError,
+    DiodeError,
+    SchemaVersionError,
+    SpoolFull,
+    SpoolGapError,
+    StateError,
+)
+from bridge.faults import crash_point
+from bridge.fsutil import fsync_dir
+from bridge.logs import get_logger, log_event
+
+__all__ = [
+    "SPOOL_SCHEMA",
+    "KIND_MESSAGE",
+    "KIND_LOST",
+    "REASON_DAMAGED",
+    "MAX_BATCH_BYTES",
+    "SpoolWriter",
+    "SpoolReader",
+    "fingerprint",
+    "segment_name",
+]
+
+log = get_logger("bridge.black.spool")
+
+SPOOL_SCHEMA = pa.schema(
+    [
+        pa.field("pos", pa.int64(), nullable=False),
+        pa.field("kind", pa.int8(), nullable=False),
+        pa.field("exchange", pa.string(), nullable=False),
+        pa.field("routing_key", pa.string(), nullable=False),
+        pa.field("redelivered", pa.bool_(), nullable=False),
+        pa.field("properties_raw", pa.binary(), nullable=False),
+        pa.field("body", pa.binary(), nullable=False),
+        pa.field("reason", pa.string(), nullable=True),
+    ]
+)
+"""One spool record: a delivery (kind 0) or a message the broker dropped (kind 1, lost)."""
+
+KIND_MESSAGE = 0
+KIND_LOST = 1
+REASON_DAMAGED = "spool_damaged"
+"""Reason of the lost records ``open`` writes for positions the disk lost after their fsync."""
+
+MAX_BATCH_BYTES = 64 * 1024 * 1024
+"""A sync larger than this is written as several batches (bounds the extra copy in memory)."""
+MAX_DAMAGED = 10_000_000
+"""More positions than this missing behind TAIL means TAIL itself is damaged, not the data."""
+
+FORMAT_KEY = b"diode_spool"
+FORMAT = b"1"
+ACKED_KEY = b"acked_through"
+TAIL_FILE = "TAIL"
+LOCK_FILE = "LOCK"
+_SEGMENT_RE = re.compile(r"seg-(\d{16})\.arrow")
+_SCHEMA_MESSAGE_LEN = SPOOL_SCHEMA.serialize().size
+_RECORD_OVERHEAD = 32  # fixed bytes per record besides its strings and binaries
+_BATCH_OVERHEAD = 1024  # IPC framing and metadata of one batch, rounded up
+_IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024
+_MiB = 1024 * 1024
+
+
+def segment_name(first: int) -> str:
+    """File name of the segment whose first record has position ``first``."""
+    return f"seg-{first:016d}.arrow"
+
+
+def fingerprint(exchange: str, routing_key: str, properties_raw: bytes, body: bytes) -> bytes:
+    """16-byte BLAKE2b of a delivery's identity (recognises redeliveries of spooled messages)."""
+    ex = exchange.encode()
+    rk = routing_key.encode()
+    h = hashlib.blake2b(
+        struct.pack("<IIII", len(ex), len(rk), len(properties_raw), len(body)), digest_size=16
+    )
+    h.update(ex)
+    h.update(rk)
+    h.update(properties_raw)
+    h.update(body)
+    return h.digest()
+
+
+# -- reading segments (both the reader and the writer's repair) ------------------------------------
+def _list_segments(directory: Path) -> list[int]:
+    try:
+        names = os.listdir(directory)
+    except FileNotFoundError:
+        return []
+    firsts = [int(m.group(1)) for n in names if (m := _SEGMENT_RE.fullmatch(n))]
+    firsts.sort()
+    return firsts
+
+
+def _read_tail(directory: Path) -> int | None:
+    """TAIL's value; None if missing or unreadable.
+
+    The writer rewrites TAIL in place while readers read it: two reads that agree cannot be a
+    torn mix of an old and a new value.
+    """
+    try:
+        fd = os.open(directory / TAIL_FILE, os.O_RDONLY)
+    except FileNotFoundError:
+        return None
+    try:
+        a = os.pread(fd, 64, 0)
+        for _ in range(1000):
+            b = os.pread(fd, 64, 0)
+            if a == b:
+                break
+            a = b
+        return int(a)
+    except ValueError:
+        return None
+    finally:
+        os.close(fd)
+
+
+def _open_segment(path: Path) -> tuple[Any, Any, int]:
+    """Memory-map a segment: (map, stream reader, ``acked_through`` recorded at its creation)."""
+    m = pa.memory_map(str(path))
+    try:
+        r = pa.ipc.open_stream(m)
+    except (pa.ArrowException, OSError) as e:
+        m.close()
+        raise StateError(
+            f"spool segment {path} has no valid Arrow header ({e}); segments are created "
+            "complete under a temporary name, so the disk damaged it: restore it from a backup "
+            "or move the channel's spool aside (docs/runbook.md, 'spool lost')"
+        ) from None
+    md = r.schema.metadata or {}
+    if md.get(FORMAT_KEY) != FORMAT or not r.schema.equals(SPOOL_SCHEMA):
+        m.close()
+        raise SchemaVersionError(
+            f"spool segment {path} has format {md.get(FORMAT_KEY)!r} / schema {r.schema}; this "
+            f"black reads spool format {FORMAT!r} only: drain it with the black version that "
+            "wrote it"
+        )
+    return m, r, int(md.get(ACKED_KEY, b"-1"))
+
+
+def _batches(
+    path: Path, first: int, limit: int | None
+) -> Iterator[tuple[pa.RecordBatch, int, int, int]]:
+    """``(batch, its first position, byte offset after it, acked_through)`` per complete batch.
+
+    Stops before a batch that starts at or after ``limit`` (so bytes past a durable end are
+    never touched) and at the first incomplete or unreadable batch (crash, or being appended).
+    """
+    m, r, acked = _open_segment(path)
+    pos = first
+    try:
+        while limit is None or pos < limit:
+            try:
+                batch, md = r.read_next_batch_with_custom_metadata()
+                acked = int(md[ACKED_KEY]) if md is not None else acked
+            except StopIteration:
+                return
+            except (pa.ArrowException, OSError, ValueError, KeyError):
+                return
+            n = batch.num_rows
+            if n and batch.column(0)[0].as_py() != pos:
+                raise StateError(
+                    f"spool segment {path}: a batch at byte {m.tell()} starts at position "
+                    f"{batch.column(0)[0].as_py()}, expected {pos}: the segment is damaged or "
+                    "was written by something else; move it aside (docs/runbook.md, 'spool lost')"
+                )
+            yield batch, pos, m.tell(), acked
+            pos += n
+    finally:
+        m.close()
+
+
+def _scan(path: Path, first: int, limit: int | None) -> tuple[int, int, int]:
+    """(end position, byte offset after the last complete batch, last ``acked_through``)."""
+    end, offset, acked = first, -1, -1
+    for batch, start, off, batch_acked in _batches(path, first, limit):
+        end, offset, acked = start + batch.num_rows, off, batch_acked
+    if offset < 0:  # header only: its acked_through, and the offset right after it
+        m, _, acked = _open_segment(path)
+        offset = m.tell()
+        m.close()
+    return end, offset, acked
+
+
+# -- reader --------------------------------------------------------------------------------------
+class SpoolReader:
+    """Reads one channel's spool by position; never locks, safe beside a writing tap."""
+
+    def __init__(self, root: Path, channel: str) -> None:
+        self.channel = channel
+        self.directory = Path(root) / channel
+
+    def durable_end(self) -> int:
+        """The next position after the last durable record (0 for a spool never written)."""
+        tail = _read_tail(self.directory)
+        segs = _list_segments(self.directory)
+        if not segs:
+            return tail or 0
+        end, _, _ = _scan(self.directory / segment_name(segs[-1]), segs[-1], tail)
+        return end if tail is None else min(end, tail)
+
+    def first_pos(self) -> int:
+        """First position still on disk; equal to ``durable_end()`` when the spool is empty."""
+        segs = _list_segments(self.directory)
+        return min(segs[0], self.durable_end()) if segs else self.durable_end()
+
+    def used_bytes(self) -> int:
+        """Bytes of all segment files of the channel."""
+        total = 0
+        for first in _list_segments(self.directory):
+            try:
+                total += (self.directory / segment_name(first)).stat().st_size
+            except FileNotFoundError:
+                pass
+        return total
+
+    def read(self, start: int, end: int, *, batch_rows: int = 8192) -> Iterator[pa.RecordBatch]:
+        """Exactly positions ``[start, end)`` in order, zero-copy from memory-mapped segments.
+
+        SpoolGapError if any of them is not durably on disk (released, or not written yet).
+        """
+        if start > end or batch_rows < 1:
+            raise ValueError(f"bad spool range [{start}, {end}) / batch_rows {batch_rows}")
+        if start == end:
+            return
+        tail = _read_tail(self.directory)
+        if tail is None or end > tail:
+            durable = self.durable_end()
+            if end > durable:
+                raise SpoolGapError(
+                    f"channel {self.channel!r}: spool positions [{start}, {end}) asked for, but "
+                    f"{self.directory} holds durable records only before position {durable}"
+                )
+        segs = _list_segments(self.directory)
+        i = bisect_right(segs, start) - 1
+        if i < 0:
+            first = segs[0] if segs else end
+            raise SpoolGapError(
+                f"channel {self.channel!r}: spool positions [{start}, {min(first, end)}) are no "
+                f"longer in {self.directory} (released after shipping; first on disk: {first})"
+            )
+        pos = start
+        for first in segs[i:]:
+            if pos >= end:
+                break
+            if first > pos:
+                raise SpoolGapError(
+                    f"channel {self.channel!r}: spool positions [{pos}, {min(first, end)}) are "
+                    f"missing in {self.directory}: a segment before {segment_name(first)} is "
+                    "gone, yet later ones are there (deleted by hand?)"
+                )
+            path = self.directory / segment_name(first)
+            try:
+                for batch, b_start, _off, _acked in _batches(path, first, end):
+                    b_end = b_start + batch.num_rows
+                    if b_end <= pos:
+                        continue
+                    batch = batch.replace_schema_metadata(None)
+                    stop = min(b_end, end)
+                    while pos < stop:
+                        n = min(batch_rows, stop - pos)
+                        yield batch.slice(pos - b_start, n)
+                        pos += n
+            except FileNotFoundError:
+                raise SpoolGapError(
+                    f"channel {self.channel!r}: spool segment {path} was released while "
+                    f"positions [{pos}, {end}) were being read from it"
+                ) from None
+        if pos < end:
+            raise SpoolGapError(
+                f"channel {self.channel!r}: spool positions [{pos}, {end}) are missing in "
+                f"{self.directory} although TAIL says they are durable: the spool is damaged"
+            )
+
+
+# -- writer --------------------------------------------------------------------------------------
+class _Collect:
+    """Arrow output sink that keeps references to what it is given (no copy, no I/O)."""
+
+    closed = False
+
+    def __init__(self) -> None:
+        self.chunks: list[Any] = []
+        self.size = 0
+        self.skip = _SCHEMA_MESSAGE_LEN  # the stream writer starts with the schema: drop it
+
+    def write(self, data: Any) -> int:
+        n = len(data)
+        self.size += n
+        if self.skip >= n:
+            self.skip -= n
+        else:
+            view = memoryview(data)
+            self.chunks.append(view[self.skip :] if self.skip else view)
+            self.skip = 0
+        return n
+
+    def tell(self) -> int:
+        return self.size
+
+    def flush(self) -> None:
+        pass
+
+    def take(self) -> list[Any]:
+        out, self.chunks = self.chunks, []
+        return out
+
+
+def _pwritev(fd: int, chunks: list[Any], offset: int) -> int:
+    """Write every chunk at ``offset`` (looping over short writes); returns the end offset."""
+    i = 0
+    while i < len(chunks):
+        n = os.pwritev(fd, chunks[i : i + _IOV_MAX], offset)
+        if n <= 0:
+            raise OSError(errno.EIO, "pwritev wrote nothing")
+        offset += n
+        while n:
+            size = len(chunks[i])
+            if n >= size:
+                n -= size
+                i += 1
+            else:
+                chunks[i] = chunks[i][n:]
+                n = 0
+        while i < len(chunks) and len(chunks[i]) == 0:
+            i += 1
+    return offset
+
+
+def _make_dir(path: Path) -> None:
+    """mkdir -p, fsyncing each new directory's parent."""
+    if path.is_dir():
+        return
+    _make_dir(path.parent)
+    try:
+        path.mkdir(mode=0o700)
+    except FileExistsError:
+        return
+    fsync_dir(path.parent)
+
+
+class SpoolWriter:
+    """The one writer of a channel's spool (held by its tap). Build with ``SpoolWriter.open``."""
+
+    def __init__(
+        self,
+        root: Path,
+        channel: str,
+        *,
+        segment_bytes: int,
+        segment_max_age_s: float,
+        max_bytes: int | None,
+        min_free_bytes: int,
+    ) -> None:
+        self.channel = channel
+        self.root = Path(root)
+        self.directory = self.root / channel
+        self.segment_bytes = segment_bytes
+        self.segment_max_age_s = segment_max_age_s
+        self.max_bytes = max_bytes
+        self.min_free_bytes = min_free_bytes
+        self.repaired_bytes = 0
+        """Bytes of a partial trailing batch ``open`` cut away (a crash happened mid-write)."""
+        self.damaged = 0
+        """Positions ``open`` recorded as lost because the disk lost them after their fsync."""
+        self._lock_fd = -1
+        self._tail_fd = -1
+        self._fd = -1  # current segment
+        self._seg_first = 0
+        self._seg_size = 0
+        self._seg_t0 = 0.0
+        self._roll_wanted = False
+        self._closed_segs: list[tuple[int, int]] = []  # (first position, bytes), oldest first
+        self._used = 0
+        self._durable_end = 0
+        self._acked = -1
+        self._ex: list[str] = []
+        self._rk: list[str] = []
+        self._rd: list[bool] = []
+        self._props: list[bytes] = []
+        self._bodies: list[bytes] = []
+        self._lost: dict[int, str] = {}  # index in the pending lists -> reason
+        self._pending_bytes = 0
+
+    # -- open / close ----------------------------------------------------------------------------
+    @classmethod
+    def open(
+        cls,
+        root: Path,
+        channel: str,
+        *,
+        segment_bytes: int = 64 * _MiB,
+        segment_max_age_s: float = 300.0,
+        max_bytes: int | None = None,
+        min_free_bytes: int = 256 * _MiB,
+        first_pos: int = 0,
+    ) -> SpoolWriter:
+        """Lock the channel's spool, repair its last segment, and get ready to append.
+
+        ``first_pos``: position of the first record of a spool that has no segment yet (a
+        spool moved aside restarts after the last shipped seq); ignored otherwise.
+        """
+        if not channel or channel in (".", "..") or "/" in channel or channel.startswith("."):
+            raise ConfigError(f"spool channel name {channel!r} cannot be a directory name")
+        if segment_bytes < 1 or segment_max_age_s <= 0 or min_free_bytes < 0:
+            raise ConfigError(
+                f"spool of channel {channel!r}: segment_bytes ({segment_bytes}) and "
+                f"segment_max_age_seconds ({segment_max_age_s}) must be > 0 and min_free_bytes "
+                f"({min_free_bytes}) >= 0: fix [black.spool]"
+            )
+        if max_bytes is not None and max_bytes < 1:
+            raise ConfigError(f"spool of channel {channel!r}: max_bytes must be > 0 or unset")
+        w = cls(
+            root,
+            channel,
+            segment_bytes=segment_bytes,
+            segment_max_age_s=segment_max_age_s,
+            max_bytes=max_bytes,
+            min_free_bytes=min_free_bytes,
+        )
+        try:
+            w._open(first_pos)
+        except BaseException:
+            w.close()
+            raise
+        return w
+
+    def _open(self, first_pos: int) -> None:
+        d = self.directory
+        _make_dir(d)
+        self._lock_fd = os.open(d / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise StateError(
+                f"spool of channel {self.channel!r}: another process holds {d / LOCK_FILE} "
+                "(a tap of this channel is already running; two would fork its positions). "
+                "Stop the other tap first"
+            ) from None
+        for name in os.listdir(d):
+            if name.startswith(".seg-") and name.endswith(".tmp"):
+                (d / name).unlink(missing_ok=True)  # a header a crash left unrenamed
+        tail = _read_tail(d)
+        segs = _list_segments(d)
+        for first in segs[:-1]:
+            self._closed_segs.append((first, (d / segment_name(first)).stat().st_size))
+        if not segs:
+            self._durable_end = max(first_pos, tail or 0)
+            self._new_segment()
+        else:
+            self._repair_last(segs[-1])
+        self._used = sum(size for _, size in self._closed_segs) + self._seg_size
+        self._tail_fd = os.open(d / TAIL_FILE, os.O_RDWR | os.O_CREAT, 0o600)
+        self._write_tail()
+        fsync_dir(d)
+        if tail is not None and tail > self._durable_end:
+            self._record_damage(tail)
+
+    def _repair_last(self, first: int) -> None:
+        path = self.directory / segment_name(first)
+        end, offset, acked = _scan(path, first, None)
+        fd = os.open(path, os.O_RDWR)
+        try:
+            size = os.fstat(fd).st_size
+            if size > offset:
+                os.ftruncate(fd, offset)
+                self.repaired_bytes = size - offset
+                log_event(
+                    log, 30, "spool: cut a partial batch a crash left at the end of a segment",
+                    channel=self.channel, segment=str(path), bytes=size - offset, next_pos=end,
+                )  # fmt: skip
+            os.fsync(fd)  # batches written but not fsynced before a crash become durable here
+        except BaseException:
+            os.close(fd)
+            raise
+        self._fd, self._seg_first, self._seg_size = fd, first, offset
+        self._seg_t0 = time.monotonic()
+        self._durable_end, self._acked = end, acked
+        if end > first:  # new appends go to a new segment; this one can be released
+            try:
+                self._roll()
+            except SpoolFull:
+                self._roll_wanted = True  # the first sync tries again
+
+    def _record_damage(self, tail: int) -> None:
+        n = tail - self._durable_end
+        if n > MAX_DAMAGED:
+            raise StateError(
+                f"spool of channel {self.channel!r}: {self.directory / TAIL_FILE} says "
+                f"{tail} but the segments end at position {self._durable_end}: TAIL is damaged. "
+                f"If the segments are intact, write {self._durable_end} into TAIL (or delete "
+                "it) and start again"
+            )
+        log_event(
+            log, 50, "spool: TAIL says positions were durable that the segment no longer holds "
+            "(the disk lost fsynced data); recorded as lost, reported as a gap",
+            channel=self.channel, first_pos=self._durable_end, last_pos=tail - 1, records=n,
+        )  # fmt: skip
+        self.append_lost("", "", REASON_DAMAGED, n)
+        self.damaged = n
+        self.sync(self._acked)
+
+    def close(self) -> None:
+        """Release the lock. Records not synced are dropped (the broker still holds them)."""
+        for attr in ("_fd", "_tail_fd", "_lock_fd"):
+            fd = getattr(self, attr)
+            if fd >= 0:
+                setattr(self, attr, -1)
+                os.close(fd)  # closing the lock's fd releases the flock
+
+    def __enter__(self) -> SpoolWriter:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- state -----------------------------------------------------------------------------------
+    @property
+    def durable_end(self) -> int:
+        """Positions before this are fsynced."""
+        return self._durable_end
+
+    @property
+    def next_pos(self) -> int:
+        """Position the next appended record gets."""
+        return self._durable_end + len(self._bodies)
+
+    @property
+    def acked_through(self) -> int:
+        """Last position whose broker ack was confirmed, as recorded by the last batch."""
+        return self._acked
+
+    @property
+    def pending(self) -> int:
+        """Records appended but not durable yet."""
+        return len(self._bodies)
+
+    @property
+    def pending_bytes(self) -> int:
+        return self._pending_bytes
+
+    def used_bytes(self) -> int:
+        """Bytes of all segment files of the channel."""
+        return self._used
+
+    # -- appending -------------------------------------------------------------------------------
+    def append(
+        self,
+        exchanges: Sequence[str],
+        routing_keys: Sequence[str],
+        redelivered: Sequence[bool],
+        properties_raw: Sequence[bytes],
+        bodies: Sequence[bytes],
+    ) -> int:
+        """Buffer deliveries (not written yet: see ``sync``); returns the first one's position."""
+        n = len(bodies)
+        if not (len(exchanges) == len(routing_keys) == len(redelivered) == len(properties_raw)):
+            raise ValueError(
+                f"spool append: column lengths differ ({len(exchanges)}, {len(routing_keys)}, "
+                f"{len(redelivered)}, {len(properties_raw)}, {n})"
+            )
+        first = self._durable_end + len(self._bodies)
+        self._ex.extend(exchanges)
+        self._rk.extend(routing_keys)
+        self._rd.extend(redelivered)
+        self._props.extend(properties_raw)
+        self._bodies.extend(bodies)
+        self._pending_bytes += (
+            sum(map(len, bodies))
+            + sum(map(len, properties_raw))
+            + sum(map(len, exchanges))
+            + sum(map(len, routing_keys))
+        )
+        self._pending_bytes += _RECORD_OVERHEAD * n
+        return first
+
+    def append_one(
+        self, exchange: str, routing_key: str, redelivered: bool, properties_raw: bytes, body: bytes
+    ) -> int:
+        """``append`` of one delivery, without building five lists (the tap's hot path)."""
+        first = self._durable_end + len(self._bodies)
+        self._ex.append(exchange)
+        self._rk.append(routing_key)
+        self._rd.append(redelivered)
+        self._props.append(properties_raw)
+        self._bodies.append(body)
+        self._pending_bytes += (
+            len(body) + len(properties_raw) + len(exchange) + len(routing_key) + _RECORD_OVERHEAD
+        )
+        return first
+
+    def append_lost(self, exchange: str, routing_key: str, reason: str, count: int = 1) -> int:
+        """Buffer ``count`` lost records (messages the broker dropped); their seqs become gaps."""
+        if count < 1:
+            raise ValueError(f"spool append_lost: count {count} < 1")
+        first = self._durable_end + len(self._bodies)
+        i = len(self._bodies)
+        self._ex.extend([exchange] * count)
+        self._rk.extend([routing_key] * count)
+        self._rd.extend([False] * count)
+        self._props.extend([b""] * count)
+        self._bodies.extend([b""] * count)
+        for k in range(i, i + count):
+            self._lost[k] = reason
+        self._pending_bytes += (_RECORD_OVERHEAD + len(exchange) + len(routing_key)) * count
+        return first
+
+    # -- sync ------------------------------------------------------------------------------------
+    def sync(self, acked_through: int) -> int:
+        """Write everything pending as one batch, fsync, update TAIL; returns ``durable_end``.
+
+        ``acked_through``: last position whose broker ack the tap has confirmed (recorded in
+        the batch). With nothing pending, a batch is written only if it advances. SpoolFull
+        when out of room: nothing is half-written and the records stay pending for a retry.
+        """
+        self._check_open()
+        acked = max(acked_through, self._acked)
+        if not self._bodies and acked == self._acked:
+            return self._durable_end
+        if self._bodies:
+            need = self._pending_bytes + _BATCH_OVERHEAD * (
+                1 + self._pending_bytes // MAX_BATCH_BYTES
+            )
+            full = self._room_problem(need)
+            if full is not None:
+                self._when_full(acked)
+                raise full
+            if self._roll_due():
+                self._roll()
+        self._commit(acked)
+        return self._durable_end
+
+    def _roll_due(self) -> bool:
+        if self._durable_end == self._seg_first:  # the current segment holds no record yet
+            return False
+        return (
+            self._roll_wanted
+            or self._seg_size >= self.segment_bytes
+            or time.monotonic() - self._seg_t0 >= self.segment_max_age_s
+        )
+
+    def _room_problem(self, need: int) -> SpoolFull | None:
+        holds_records = bool(self._closed_segs) or self._durable_end > self._seg_first
+        if self.max_bytes is not None and self._used + need > self.max_bytes and holds_records:
+            # an empty spool takes one group past the quota: waiting could not make room
+            return SpoolFull(
+                f"spool of channel {self.channel!r} in {self.directory} is at its quota: "
+                f"{self._used} bytes on disk + {need} to write > max_bytes {self.max_bytes}. "
+                "The tap pauses (the backlog waits in the broker) and resumes as shipped "
+                "segments are released; if black ships steadily, raise [black.spool] max_bytes",
+                path=str(self.directory),
+            )
+        if not self.min_free_bytes:  # no reserve: the file system's ENOSPC is the limit
+            return None
+        st = os.statvfs(self.directory)
+        free = st.f_bavail * st.f_frsize
+        if free - need < self.min_free_bytes:
+            return SpoolFull(
+                f"spool of channel {self.channel!r}: the file system of {self.directory} has "
+                f"{free} bytes free; writing {need} more would leave less than min_free_bytes "
+                f"({self.min_free_bytes}). The tap pauses (the backlog waits in the broker): "
+                "free space on that file system, or lower [black.spool] min_free_bytes",
+                path=str(self.directory),
+                free_bytes=free,
+            )
+        return None
+
+    def _when_full(self, acked: int) -> None:
+        """Before reporting SpoolFull: let release make room, so the pause cannot last forever.
+
+        Records the newer ``acked_through`` (an empty batch: records up to it become
+        releasable) and closes the current segment (only closed segments are released).
+        """
+        try:
+            if acked > self._acked:
+                self._commit(acked, records=False)
+            if self._durable_end > self._seg_first:
+                self._roll()
+        except SpoolFull:
+            pass
+
+    def _new_segment(self) -> None:
+        """Create the segment starting at ``durable_end`` (complete header, fsynced, renamed)."""
+        d = self.directory
+        final = d / segment_name(self._durable_end)
+        tmp = d / f".{final.name}.tmp"
+        header = SPOOL_SCHEMA.with_metadata(
+            {FORMAT_KEY: FORMAT, ACKED_KEY: str(self._acked).encode()}
+        ).serialize()
+        fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            try:
+                size = _pwritev(fd, [memoryview(header)], 0)
+                os.fsync(fd)
+                os.replace(tmp, final)
+            except BaseException:
+                tmp.unlink(missing_ok=True)
+                raise
+            fsync_dir(d)
+        except OSError as e:
+            os.close(fd)
+            raise self._write_error(e, final) from e
+        except BaseException:
+            os.close(fd)
+            raise
+        if self._fd >= 0:
+            self._closed_segs.append((self._seg_first, self._seg_size))
+            os.close(self._fd)
+        self._fd, self._seg_first, self._seg_size = fd, self._durable_end, size
+        self._seg_t0 = time.monotonic()
+        self._used += size
+
+    def _roll(self) -> None:
+        self._new_segment()
+        self._roll_wanted = False
+
+    def _commit(self, acked: int, *, records: bool = True) -> None:
+        """Append the pending records (or none) as batches at the segment's end, then fsync."""
+        start = self._seg_size
+        n = len(self._bodies) if records else 0
+        try:
+            end = start
+            for chunks in self._encode(acked, n):
+                half = len(chunks) // 2
+                end = _pwritev(self._fd, chunks[:half], end)
+                crash_point("spool.mid_write")  # a partial batch on disk
+                end = _pwritev(self._fd, chunks[half:], end)
+            crash_point("spool.before_fsync")
+            os.fsync(self._fd)
+            crash_point("spool.before_tail")  # durable, but TAIL still says less
+        except OSError as e:
+            try:
+                os.ftruncate(self._fd, start)  # back to the last complete batch
+            except OSError:
+                pass  # later batches overwrite it; open() would cut it
+            raise self._write_error(e, self.directory / segment_name(self._seg_first)) from e
+        self._seg_size = end
+        self._used += end - start
+        self._durable_end += n
+        self._acked = acked
+        self._write_tail()
+        if n:
+            self._ex, self._rk, self._rd, self._props, self._bodies = [], [], [], [], []
+            self._lost = {}
+            self._pending_bytes = 0
+
+    def _encode(self, acked: int, n: int) -> Iterator[list[Any]]:
+        """The IPC bytes of the pending records' batches, one batch at a time (no copy)."""
+        sink = _Collect()
+        writer = pa.ipc.new_stream(sink, SPOOL_SCHEMA)
+        md = {ACKED_KEY: str(acked).encode()}
+        if n == 0:
+            writer.write_batch(
+                pa.RecordBatch.from_pylist([], schema=SPOOL_SCHEMA), custom_metadata=md
+            )
+            yield sink.take()
+            return
+        for lo, hi in self._splits(n):
+            writer.write_batch(self._batch(lo, hi), custom_metadata=md)
+            yield sink.take()
+
+    def _splits(self, n: int) -> Iterator[tuple[int, int]]:
+        if self._pending_bytes <= MAX_BATCH_BYTES:
+            yield 0, n
+            return
+        lo, size = 0, 0
+        for i, (b, p) in enumerate(zip(self._bodies, self._props, strict=True)):
+            size += len(b) + len(p) + _RECORD_OVERHEAD
+            if size >= MAX_BATCH_BYTES:
+                yield lo, i + 1
+                lo, size = i + 1, 0
+        if lo < n:
+            yield lo, n
+
+    def _batch(self, lo: int, hi: int) -> pa.RecordBatch:
+        n = hi - lo
+        first = self._durable_end + lo
+        kind = np.zeros(n, dtype=np.int8)
+        lost = [(i - lo, r) for i, r in self._lost.items() if lo <= i < hi] if self._lost else []
+        if lost:
+            reasons: list[str | None] = [None] * n
+            for i, r in lost:
+                kind[i] = KIND_LOST
+                reasons[i] = r
+            reason = pa.array(reasons, pa.string())
+        else:
+            reason = pa.nulls(n, pa.string())
+        whole = lo == 0 and hi == len(self._bodies)
+        return pa.RecordBatch.from_arrays(
+            [
+                pa.array(np.arange(first, first + n, dtype=np.int64)),
+                pa.array(kind),
+                pa.array(self._ex if whole else self._ex[lo:hi], pa.string()),
+                pa.array(self._rk if whole else self._rk[lo:hi], pa.string()),
+                pa.array(self._rd if whole else self._rd[lo:hi], pa.bool_()),
+                pa.array(self._props if whole else self._props[lo:hi], pa.binary()),
+                pa.array(self._bodies if whole else self._bodies[lo:hi], pa.binary()),
+                reason,
+            ],
+            schema=SPOOL_SCHEMA,
+        )
+
+    def _write_error(self, e: OSError, path: Path) -> DiodeError:
+        if e.errno in (errno.ENOSPC, errno.EDQUOT):
+            try:
+                st = os.statvfs(self.directory)
+                free: int | None = st.f_bavail * st.f_frsize
+            except OSError:
+                free = None
+            return SpoolFull(
+                f"spool of channel {self.channel!r}: writing {path} failed: {e.strerror} "
+                f"({free} bytes free on the file system of {self.directory}). The tap pauses "
+                "(the backlog waits in the broker) and retries: free space on that file system",
+                errno=e.errno,
+                path=str(path),
+                free_bytes=free,
+            )
+        return StateError(
+            f"spool of channel {self.channel!r}: writing {path} failed: {e}; records "
+            f"{self._durable_end}..{self.next_pos - 1} stay buffered, nothing was acked"
+        )
+
+    def _write_tail(self) -> None:
+        os.pwrite(self._tail_fd, b"%020d\n" % self._durable_end, 0)
+
+    def _check_open(self) -> None:
+        if self._fd < 0:
+            raise StateError(f"spool of channel {self.channel!r} is closed")
+
+    # -- reading back / releasing ----------------------------------------------------------------
+    def records_after(self, pos: int) -> pa.Table:
+        """Durable records with position > ``pos`` (those still on disk)."""
+        first = self._closed_segs[0][0] if self._closed_segs else self._seg_first
+        start = max(pos + 1, first)
+        end = self._durable_end
+        if start >= end:
+            return SPOOL_SCHEMA.empty_table()
+        batches = list(SpoolReader(self.root, self.channel).read(start, end, batch_rows=1 << 30))
+        return pa.Table.from_batches(batches, schema=SPOOL_SCHEMA)
+
+    def release_through(self, pos: int) -> int:
+        """Delete closed segments whose records all have positions <= ``pos``; bytes freed.
+
+        Never the current segment, and never records after ``acked_through`` (the broker may
+        still redeliver them: they must stay recognisable).
+        """
+        limit = min(pos, self._acked)
+        freed = 0
+        kept = 0
+        segs = self._closed_segs
+        for k, (first, size) in enumerate(segs):
+            nxt = segs[k + 1][0] if k + 1 < len(segs) else self._seg_first
+            if nxt - 1 > limit:
+                break
+            (self.directory / segment_name(first)).unlink(missing_ok=True)
+            freed += size
+            kept = k + 1
+        if kept:
+            del segs[:kept]
+            fsync_dir(self.directory)
+            self._used -= freed
+        return freed

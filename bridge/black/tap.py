@@ -1,0 +1,412 @@
+"""Black, tap: drain one channel's mirror queue into its spool; ack only what is durable.
+
+    mirror queue ─deliveries─> [group: N messages or T seconds] ─> spool.sync (fsync)
+                                                                   └─> basic.ack multiple
+    dead queue ─dead letters (overflow, expiry)─> lost records (their seqs become gaps)
+
+Exactly once into the spool, whatever crashes:
+
+* a delivery is acked only after the spool holds it durably (``SpoolWriter.sync``), so a
+  crash before the fsync loses nothing: the broker redelivers it;
+* a crash after the fsync but before the broker applied the ack makes the broker redeliver
+  messages the spool already holds. Every ack is followed by a round trip on the same AMQP
+  channel (``request_sync``) whose answer proves the broker applied it; the spool records the
+  last position proven acked in each batch it writes (``acked_through``). At start, the
+  records after that position are the only ones that can come back: a redelivered message
+  equal to one of them (same exchange, routing key, properties, body) is skipped and counted.
+
+The tap pauses when the spool is full (quota or file system): it stops acking, so the broker
+stops delivering beyond the prefetch window and the backlog waits in the mirror queue. It
+resumes by itself when space returns. Segments are released once black's journal says the
+bundles holding them are durably in the outbox.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import threading
+import time
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from bridge.amqp.client import Connection, Delivery
+from bridge.black.plan import dead_queue_name, mirror_queue_name
+from bridge.black.spool import SpoolWriter, fingerprint
+from bridge.black.state import StateStore
+from bridge.config import Config
+from bridge.errors import (
+    AmqpAccessRefused,
+    BrokerError,
+    ConfigError,
+    DiodeError,
+    ProtocolError,
+    SpoolFull,
+    StateError,
+)
+from bridge.faults import crash_point
+from bridge.fsutil import atomic_write_bytes
+from bridge.logs import get_logger, log_event
+from bridge.metrics import BLACK
+from bridge.protocol.properties import decode_properties, encode_properties
+
+__all__ = ["Tap", "TapStatus", "tap_status", "DELIVERY_COUNT_HEADER"]
+
+log = get_logger("bridge.black.tap")
+
+DELIVERY_COUNT_HEADER = "x-delivery-count"
+"""Added by quorum queues to every redelivery: stripped so redelivered values stay unchanged."""
+RELEASE_EVERY_S = 2.0
+STATUS_EVERY_S = 1.0
+RETRY_FULL_S = 1.0
+MAX_BACKOFF_S = 30.0
+IDLE_RECORD_S = 1.0
+
+
+@dataclass
+class TapStatus:
+    """What a tap tells ``diode status`` and the job (``state_dir/tap-<channel>.json``)."""
+
+    channel: str
+    pid: int = 0
+    durable_end: int = 0
+    acked_through: int = -1
+    paused: str | None = None
+    idle: bool = False
+    updated: float = 0.0
+    counters: dict[str, int] = field(default_factory=dict)
+
+
+def status_path(cfg: Config, channel: str) -> Path:
+    return Path(cfg.black.state_dir) / f"tap-{channel}.json"
+
+
+def tap_status(cfg: Config, channel: str) -> TapStatus | None:
+    """The last status the channel's tap wrote, None if it never ran."""
+    try:
+        d = json.loads(status_path(cfg, channel).read_text())
+        return TapStatus(**d)
+    except (FileNotFoundError, ValueError, TypeError):
+        return None
+
+
+def _header(props_raw: bytes, name: str) -> Any:
+    """Value of top-level header ``name`` (None if absent or undecodable)."""
+    try:
+        props = decode_properties(props_raw)
+    except ProtocolError:
+        return None
+    for key, (_tag, value) in props.headers or ():
+        k = key.decode("utf-8", "replace") if isinstance(key, bytes) else key
+        if k == name:
+            return value
+    return None
+
+
+def _text(v: Any) -> str:
+    if isinstance(v, bytes):
+        return v.decode("utf-8", "replace")
+    return "" if v is None else str(v)
+
+
+def strip_delivery_count(props_raw: bytes) -> bytes:
+    """``props_raw`` without the broker-added ``x-delivery-count`` header (quorum redeliveries)."""
+    try:
+        props = decode_properties(props_raw)
+    except ProtocolError:
+        return props_raw
+    if not props.headers:
+        return props_raw
+    kept = tuple(
+        (k, v)
+        for k, v in props.headers
+        if (k.decode("utf-8", "replace") if isinstance(k, bytes) else k) != DELIVERY_COUNT_HEADER
+    )
+    if len(kept) == len(props.headers):
+        return props_raw
+    return encode_properties(_with_headers(props, kept))
+
+
+def _with_headers(props: Any, headers: Any) -> Any:
+    import dataclasses
+
+    return dataclasses.replace(props, headers=headers or None)
+
+
+class Tap:
+    """Drains one channel; ``run()`` until ``stop()`` (or, with ``until_empty``, an empty queue)."""
+
+    def __init__(self, cfg: Config, channel: str, *, until_empty: bool = False) -> None:
+        self.cfg = cfg
+        self.channel = cfg.channel(channel).name
+        self.until_empty = until_empty
+        self.queue = mirror_queue_name(cfg.black, self.channel)
+        self.dead_queue = dead_queue_name(cfg.black, self.channel)
+        self.quorum = cfg.black.mirror_queue_type == "quorum"
+        self.store = StateStore(Path(cfg.black.state_dir))
+        self.status = TapStatus(channel=self.channel)
+        self._stop = threading.Event()
+        self._candidates: Counter[bytes] = Counter()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    # -- main loop --------------------------------------------------------------------------
+    def run(self) -> TapStatus:
+        import os
+
+        self.status.pid = os.getpid()
+        sp = self.cfg.black.spool
+        shipped = self.store.load(self.channel).last_seq
+        spool = SpoolWriter.open(
+            Path(self.cfg.black.spool_dir),
+            self.channel,
+            segment_bytes=sp.segment_bytes,
+            segment_max_age_s=sp.segment_max_age_seconds,
+            max_bytes=sp.max_bytes,
+            min_free_bytes=sp.min_free_bytes,
+            first_pos=shipped + 1,  # a new spool (or one moved aside) continues after shipped
+        )
+        try:
+            if spool.next_pos <= shipped:
+                raise StateError(
+                    f"channel {self.channel!r}: the spool in {self.cfg.black.spool_dir} ends at "
+                    f"position {spool.next_pos} but black already shipped up to seq {shipped}: "
+                    "it was restored from an older backup. Move it aside (the tap then starts a "
+                    "new spool after the shipped seq; nothing shipped is lost) — see "
+                    "docs/runbook.md, 'spool lost'"
+                )
+            backoff = 0.5
+            while not self._stop.is_set():
+                self._load_candidates(spool)
+                self._release(spool)
+                try:
+                    self._drain(spool)
+                    break
+                except AmqpAccessRefused as e:
+                    raise ConfigError(str(e)) from None
+                except (OSError, BrokerError) as e:
+                    if not getattr(e, "retryable", True):
+                        raise
+                    # every unacked delivery goes back to the queue and comes again marked
+                    # redelivered: make what we hold durable, it is recognised from the tail
+                    self._sync_after_loss(spool)
+                    self._bump("reconnects")
+                    log_event(
+                        log, 30, f"broker connection lost, reconnecting: {e}",
+                        channel=self.channel, retry_in_s=backoff,
+                    )  # fmt: skip
+                    self._write_status(spool, force=True)
+                    self._stop.wait(backoff)
+                    backoff = min(backoff * 2, MAX_BACKOFF_S)
+        finally:
+            spool.close()
+            self._write_status(spool, force=True)
+        return self.status
+
+    def _sync_after_loss(self, spool: SpoolWriter) -> None:
+        if not spool.pending:
+            return
+        try:
+            spool.sync(spool.acked_through)
+        except SpoolFull:
+            spool.discard_pending()  # never acked: the broker redelivers them
+
+    def _load_candidates(self, spool: SpoolWriter) -> None:
+        """Records the broker may redeliver: after the last position proven acked."""
+        self._candidates.clear()
+        tail = spool.records_after(spool.acked_through)
+        if not len(tail):
+            return
+        d = tail.to_pydict()
+        for i in range(len(tail)):
+            if d["kind"][i] != 0:
+                continue
+            self._candidates[
+                fingerprint(
+                    d["exchange"][i], d["routing_key"][i], d["properties_raw"][i], d["body"][i]
+                )
+            ] += 1
+        log_event(
+            log, 20, "spooled records a crash may have left unacked: redeliveries of them skipped",
+            channel=self.channel, first_pos=spool.acked_through + 1, records=len(tail),
+        )  # fmt: skip
+
+    def _drain(self, spool: SpoolWriter) -> None:
+        tap = self.cfg.black.tap
+        conn = Connection.open(
+            self.cfg.black.amqp_url.get_secret_value(), client_name=f"diode-tap-{self.channel}"
+        )
+        try:
+            main = conn.channel()
+            main.basic_qos(tap.prefetch)
+            main.basic_consume(self.queue)
+            dead = conn.channel()
+            dead.basic_qos(tap.prefetch)
+            dead.basic_consume(self.dead_queue)
+            self._loop(conn, main, dead, spool)
+        finally:
+            conn.close()
+
+    def _loop(self, conn: Connection, main: Any, dead: Any, spool: SpoolWriter) -> None:
+        tap = self.cfg.black.tap
+        c = self.status.counters
+        last_main = last_dead = 0  # highest delivery tag received, per AMQP channel
+        acked_main = acked_dead = 0
+        syncs: dict[Any, int] = {}  # sync token -> position proven acked once it completes
+        confirmed = spool.acked_through
+        first_unsynced: float | None = None
+        next_release = time.monotonic() + RELEASE_EVERY_S
+        quiet_since = time.monotonic()
+        full_logged = False
+        while not self._stop.is_set():
+            now = time.monotonic()
+            wait = (
+                tap.group_seconds
+                if first_unsynced is None
+                else max(0.0, first_unsynced + tap.group_seconds - now)
+            )
+            events = conn.poll(min(wait, 0.5))
+            for d in events.deliveries:
+                if d.channel == main.number:
+                    last_main = d.delivery_tag
+                    c["delivered"] = c.get("delivered", 0) + 1
+                    self._take(spool, d)
+                elif d.channel == dead.number:
+                    last_dead = d.delivery_tag
+                    self._take_dead(spool, d)
+            for token in events.syncs:
+                confirmed = max(confirmed, syncs.pop(token, confirmed))
+            now = time.monotonic()
+            if events.deliveries:
+                quiet_since = now
+                if first_unsynced is None:
+                    first_unsynced = now
+            unacked = last_main > acked_main or last_dead > acked_dead
+            due = spool.pending >= tap.group_messages or (
+                first_unsynced is not None and now - first_unsynced >= tap.group_seconds
+            )
+            if unacked and due:
+                try:
+                    durable = spool.sync(confirmed) if spool.pending else spool.durable_end
+                except SpoolFull as e:
+                    if not full_logged:
+                        log_event(log, 40, f"tap paused: {e}", channel=self.channel)
+                        full_logged = True
+                    self.status.paused = str(e)
+                    BLACK.tap_paused.labels(self.channel).set(1)
+                    self._write_status(spool, force=True)
+                    self._stop.wait(RETRY_FULL_S)
+                    continue
+                crash_point("tap.after_sync")
+                if full_logged:
+                    log_event(
+                        log, 30, "tap resumed: the spool has room again", channel=self.channel
+                    )
+                    full_logged = False
+                    self.status.paused = None
+                    BLACK.tap_paused.labels(self.channel).set(0)
+                if last_main > acked_main:
+                    main.ack(last_main, multiple=True)
+                    acked_main = last_main
+                    syncs[main.request_sync()] = durable - 1
+                if last_dead > acked_dead:
+                    dead.ack(last_dead, multiple=True)
+                    acked_dead = last_dead
+                    syncs[dead.request_sync()] = durable - 1
+                crash_point("tap.after_ack")
+                first_unsynced = None
+            if (
+                not unacked
+                and spool.pending == 0
+                and confirmed > spool.acked_through
+                and now - quiet_since >= IDLE_RECORD_S
+            ):
+                spool.sync(confirmed)  # quiet: record what the broker confirmed (tiny batch)
+            if now >= next_release:
+                self._release(spool)
+                next_release = now + RELEASE_EVERY_S
+            self._write_status(spool)
+            if (
+                self.until_empty
+                and not unacked
+                and spool.pending == 0
+                and not syncs
+                and now - quiet_since >= 0.2
+                and self._queues_empty(conn, main)
+            ):
+                break
+        self.status.idle = True
+
+    def _queues_empty(self, conn: Connection, chan: Any) -> bool:
+        return all(chan.queue_depth(q) == 0 for q in (self.queue, self.dead_queue))
+
+    # -- deliveries -------------------------------------------------------------------------
+    def _take(self, spool: SpoolWriter, d: Delivery) -> None:
+        props = d.properties_raw
+        if d.redelivered:
+            if self.quorum:
+                props = strip_delivery_count(props)
+            if self._candidates:
+                fp = fingerprint(d.exchange, d.routing_key, props, d.body)
+                if self._candidates[fp] > 0:
+                    self._candidates[fp] -= 1
+                    self._bump("redelivered_skipped")
+                    BLACK.tap_redelivered_skipped.labels(self.channel).inc()
+                    return
+        spool.append_one(d.exchange, d.routing_key, d.redelivered, props, d.body)
+
+    def _take_dead(self, spool: SpoolWriter, d: Delivery) -> None:
+        reason = _text(_header(d.properties_raw, "x-first-death-reason")) or "dead-lettered"
+        exchange = _text(_header(d.properties_raw, "x-first-death-exchange"))
+        spool.append_lost(exchange, d.routing_key, reason)
+        self._bump(f"lost_{reason}")
+        BLACK.tap_dead_lettered.labels(self.channel, reason).inc()
+        log_event(
+            log, 40, "the broker dropped a message from the mirror queue: recorded as a gap",
+            channel=self.channel, reason=reason, exchange=exchange, pos=spool.next_pos - 1,
+        )  # fmt: skip
+
+    def _bump(self, name: str, n: int = 1) -> None:
+        self.status.counters[name] = self.status.counters.get(name, 0) + n
+
+    # -- housekeeping -----------------------------------------------------------------------
+    def _release(self, spool: SpoolWriter) -> None:
+        shipped = self.store.load(self.channel).last_seq
+        if shipped >= 0:
+            freed = spool.release_through(shipped)
+            if freed:
+                log_event(
+                    log, 10, "spool segments released", channel=self.channel,
+                    through_pos=shipped, bytes=freed,
+                )  # fmt: skip
+
+    def _write_status(self, spool: SpoolWriter, *, force: bool = False) -> None:
+        now = time.time()
+        if not force and now - self.status.updated < STATUS_EVERY_S:
+            return
+        self.status.durable_end = spool.durable_end
+        self.status.acked_through = spool.acked_through
+        self.status.updated = now
+        BLACK.spool_bytes.labels(self.channel).set(spool.used_bytes())
+        atomic_write_bytes(
+            status_path(self.cfg, self.channel), json.dumps(asdict(self.status)).encode()
+        )
+
+
+def run_tap(cfg: Config, channel: str, *, until_empty: bool = False) -> TapStatus:
+    """Run a tap in this process until SIGTERM / SIGINT (or an empty queue with until_empty)."""
+    tap = Tap(cfg, channel, until_empty=until_empty)
+
+    def _stop(_sig: int, _frame: Any) -> None:
+        tap.stop()
+
+    for s in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(s, _stop)
+    try:
+        return tap.run()
+    except DiodeError as e:
+        log_event(log, 50, f"tap stopped: {e}", channel=channel)
+        raise

@@ -1,0 +1,138 @@
+"""Black, tap supervision: one tap process per channel, restarted when it dies.
+
+Each tap runs in its own process (``diode black tap CHANNEL``): the delivery loop never
+competes with Spark's driver for the GIL, and a tap killed at any moment (kill -9 included)
+loses nothing — the broker redelivers what was not acked, the spool recognises what it
+already holds. The supervisor restarts a dead tap with a growing back-off; a tap that exits
+with a configuration error (exit status 2) is not restarted: the job stops and says why.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+
+from bridge.config import Config
+from bridge.errors import BrokerError, ConfigError, DiodeError
+from bridge.logs import get_logger, log_event
+
+__all__ = ["TapSupervisor", "tap_command", "run_taps_until_empty"]
+
+log = get_logger("bridge.black.taps")
+
+EXIT_CONFIG = 2
+MAX_BACKOFF_S = 30.0
+
+
+def tap_command(cfg: Config, channel: str, *, until_empty: bool = False) -> list[str]:
+    if cfg.source is None:
+        raise ConfigError("the tap needs a config file: pass --config")
+    cmd = [sys.executable, "-m", "bridge.cli", "black", "tap", "--config", str(cfg.source), channel]
+    if until_empty:
+        cmd.append("--until-empty")
+    return cmd
+
+
+@dataclass
+class _Proc:
+    channel: str
+    proc: subprocess.Popen[bytes] | None = None
+    restarts: int = 0
+    next_start: float = 0.0
+    exits: list[int] = field(default_factory=list)
+
+
+def _spawn(cfg: Config, channel: str, *, until_empty: bool) -> subprocess.Popen[bytes]:
+    env = dict(os.environ)
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    return subprocess.Popen(tap_command(cfg, channel, until_empty=until_empty), env=env)
+
+
+def run_taps_until_empty(cfg: Config, *, timeout: float | None = None) -> None:
+    """Drain every channel's mirror queue into its spool (``--until-empty`` taps, in parallel)."""
+    procs = {ch.name: _spawn(cfg, ch.name, until_empty=True) for ch in cfg.channels}
+    deadline = None if timeout is None else time.monotonic() + timeout
+    failed: dict[str, int] = {}
+    for name, p in procs.items():
+        left = None if deadline is None else max(0.0, deadline - time.monotonic())
+        try:
+            rc = p.wait(left)
+        except subprocess.TimeoutExpired:
+            p.terminate()
+            rc = p.wait(30)
+        if rc != 0:
+            failed[name] = rc
+    if failed:
+        kind = ConfigError if EXIT_CONFIG in failed.values() else BrokerError
+        raise kind(
+            f"tap failed for channel(s) {failed} (exit status); its log above says why. "
+            "Nothing is lost: what it did not make durable stays in the mirror queue"
+        )
+
+
+class TapSupervisor:
+    """Keeps one tap process per channel alive (continuous runs)."""
+
+    def __init__(self, cfg: Config) -> None:
+        self.cfg = cfg
+        self.procs = {ch.name: _Proc(ch.name) for ch in cfg.channels}
+        self.error: DiodeError | None = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="diode-taps", daemon=True)
+
+    def start(self) -> TapSupervisor:
+        for p in self.procs.values():
+            p.proc = _spawn(self.cfg, p.channel, until_empty=False)
+        self._thread.start()
+        return self
+
+    def pids(self) -> dict[str, int]:
+        return {n: p.proc.pid for n, p in self.procs.items() if p.proc and p.proc.poll() is None}
+
+    def stop(self, timeout: float = 30.0) -> None:
+        self._stop.set()
+        self._thread.join(timeout)
+        for p in self.procs.values():
+            if p.proc is not None and p.proc.poll() is None:
+                p.proc.terminate()
+        for p in self.procs.values():
+            if p.proc is not None:
+                try:
+                    p.proc.wait(timeout)
+                except subprocess.TimeoutExpired:
+                    p.proc.kill()
+                    p.proc.wait()
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.2):
+            now = time.monotonic()
+            for p in self.procs.values():
+                if p.proc is None:
+                    if now >= p.next_start:
+                        p.proc = _spawn(self.cfg, p.channel, until_empty=False)
+                    continue
+                rc = p.proc.poll()
+                if rc is None:
+                    continue
+                p.exits.append(rc)
+                p.proc = None
+                if rc == EXIT_CONFIG:
+                    self.error = ConfigError(
+                        f"the tap of channel {p.channel!r} stopped on a configuration error "
+                        "(its log says which); fix it and restart black"
+                    )
+                    log_event(log, 50, str(self.error), channel=p.channel)
+                    self._stop.set()
+                    return
+                p.restarts += 1
+                delay = min(MAX_BACKOFF_S, 0.5 * 2 ** min(p.restarts - 1, 6))
+                p.next_start = now + delay
+                log_event(
+                    log, 40, "tap exited; restarting it (nothing is lost: unacked messages "
+                    "wait in the mirror queue)",
+                    channel=p.channel, exit_status=rc, restarts=p.restarts, in_seconds=delay,
+                )  # fmt: skip
