@@ -94,8 +94,8 @@ class ChannelConfig(_Strict):
         object.__setattr__(self, "recipients", fprs)
         if self.transport == "udp":
             raise ValueError(
-                f"channel {self.name!r}: transport = \"udp\" is not implemented in this release "
-                "(a setting that does nothing is refused, not ignored): use transport = \"file\" "
+                f'channel {self.name!r}: transport = "udp" is not implemented in this release '
+                '(a setting that does nothing is refused, not ignored): use transport = "file" '
                 "and let the diode vendor's mover carry the outbox"
             )
         if self.encrypt and not fprs:

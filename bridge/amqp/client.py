@@ -63,7 +63,6 @@ __all__ = [
 DEFAULT_PORT = 5672
 MIN_FRAME_MAX = 4096  # AMQP 0-9-1: frame-min-size
 READ_BUFFER = 1 << 20
-_QUOTE_SAFE = ""
 _HEAD = struct.Struct(">BHI")
 _U32 = struct.Struct(">I")
 _U64 = struct.Struct(">Q")
@@ -403,6 +402,10 @@ class Channel:
             self._rpc(f.close_frame(self.number, 200, "bye"), f.CHANNEL_CLOSE_OK, "closing")
         finally:
             self.is_open = False
+            # deliveries that arrived while closing can no longer be acked: the broker
+            # requeues them, so they are not handed out
+            ev = self._conn._ev
+            ev.deliveries[:] = [d for d in ev.deliveries if d.channel != self.number]
 
 
 # ---------------------------------------------------------------------------- connection
@@ -432,8 +435,8 @@ class Connection:
         self._fatal: BrokerError | None = None
         self._handshake = True
         self._closing = False
-        self._peer_closed = False
         self._losing = False
+        self._parsing = False
         self._errors: list[AmqpClosed] = []
         self._ch0 = Channel(self, 0)
         self._channels: dict[int, Channel] = {0: self._ch0}
@@ -715,7 +718,6 @@ class Connection:
         except OSError as e:
             self._lost(e)
         if n == 0:
-            self._peer_closed = True
             self._lost(None)
         self._rlen += n
         self._last_recv = _monotonic()
@@ -724,14 +726,14 @@ class Connection:
     def _lost(self, e: OSError | None) -> NoReturn:
         """The socket failed or the broker closed it: parse what it sent first (a close
         method explains why), then give up."""
-        if self._fatal is None and not self._losing:
+        if self._fatal is None and not self._losing and not self._parsing:
             self._losing = True
             self._drain_socket()
             try:
                 self._parse()
             except BrokerError:
                 pass
-        if self._fatal is not None and not isinstance(self._fatal, AmqpFrameError):
+        if self._fatal is not None:
             self._die(self._fatal)
         why = "closed the connection" if e is None else f"connection failed ({e.strerror or e})"
         if self._handshake:
@@ -824,6 +826,22 @@ class Connection:
                     f"header {data[:8]!r})"
                 )
             )
+        self._parsing = True
+        try:
+            pos = self._dispatch(data, n)
+        finally:
+            self._parsing = False
+        # keep the partial frame (and anything read while answering the broker meanwhile)
+        end = self._rlen
+        if pos:
+            if end > pos:
+                buf[: end - pos] = data[pos:] if end == n else buf[pos:end]
+            self._rlen = end - pos
+        if len(buf) > self._rsize and self._rlen < self._rsize // 2:
+            del buf[self._rsize :]
+
+    def _dispatch(self, data: bytes, n: int) -> int:
+        """Handle the complete frames in ``data[:n]``; returns the offset after the last one."""
         chans = self._channels
         ev = self._ev
         deliveries = ev.deliveries
@@ -937,14 +955,7 @@ class Connection:
                 self._content(c, body)
             elif ftype != 8:  # 8: heartbeat, nothing to do: every read counts as life
                 self._bad_frame(f"unknown frame type {ftype}", number, start - 7)
-        # keep the partial frame (and anything read while answering the broker meanwhile)
-        end = self._rlen
-        if pos:
-            if end > pos:
-                buf[: end - pos] = data[pos:] if end == n else buf[pos:end]
-            self._rlen = end - pos
-        if len(buf) > self._rsize and self._rlen < self._rsize // 2:
-            del buf[self._rsize :]
+        return pos
 
     def _content(self, c: Channel, body: bytes) -> None:
         """A message's content is complete: a delivery or a returned message."""

@@ -280,7 +280,7 @@ class BundleSealer:
             log, 40, "bundle interrupted by a crash does not rebuild byte-identically: re-sealed "
             "under its bundle seq (it never reached the outbox)",
             channel=channel.name, bundle_seq=manifest.bundle_seq, bundle_id=manifest.bundle_id,
-            rows=len(rows), gaps=[g.to_json() for g in manifest.gaps],
+            rows=len(rows), gaps=[g.to_dict() for g in manifest.gaps],
         )  # fmt: skip
         BLACK.bundles_recovered.labels(channel.name, "resealed").inc()
         st.bump("bundles_resealed")

@@ -654,6 +654,15 @@ class SpoolWriter:
         self._pending_bytes += (_RECORD_OVERHEAD + len(exchange) + len(routing_key)) * count
         return first
 
+    def discard_pending(self) -> int:
+        """Forget the records appended since the last sync (their deliveries were never acked,
+        so the broker redelivers them); returns how many were dropped."""
+        n = len(self._bodies)
+        self._ex, self._rk, self._rd, self._props, self._bodies = [], [], [], [], []
+        self._lost = {}
+        self._pending_bytes = 0
+        return n
+
     # -- sync ------------------------------------------------------------------------------------
     def sync(self, acked_through: int) -> int:
         """Write everything pending as one batch, fsync, update TAIL; returns ``durable_end``.

@@ -23,6 +23,7 @@ bundles holding them are durably in the outbox.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import signal
 import threading
@@ -111,6 +112,10 @@ def _text(v: Any) -> str:
     return "" if v is None else str(v)
 
 
+def _key_text(k: bytes | str) -> str:
+    return k.decode("utf-8", "replace") if isinstance(k, bytes) else k
+
+
 def strip_delivery_count(props_raw: bytes) -> bytes:
     """``props_raw`` without the broker-added ``x-delivery-count`` header (quorum redeliveries)."""
     try:
@@ -119,20 +124,23 @@ def strip_delivery_count(props_raw: bytes) -> bytes:
         return props_raw
     if not props.headers:
         return props_raw
-    kept = tuple(
-        (k, v)
-        for k, v in props.headers
-        if (k.decode("utf-8", "replace") if isinstance(k, bytes) else k) != DELIVERY_COUNT_HEADER
-    )
+    kept = tuple((k, v) for k, v in props.headers if _key_text(k) != DELIVERY_COUNT_HEADER)
     if len(kept) == len(props.headers):
         return props_raw
-    return encode_properties(_with_headers(props, kept))
+    return encode_properties(dataclasses.replace(props, headers=kept or None))
 
 
-def _with_headers(props: Any, headers: Any) -> Any:
-    import dataclasses
-
-    return dataclasses.replace(props, headers=headers or None)
+def order_free(props_raw: bytes) -> bytes:
+    """``props_raw`` with header keys sorted: how a quorum queue re-encodes a redelivery's table
+    (when it adds x-delivery-count), so a first delivery and its redelivery compare equal."""
+    try:
+        props = decode_properties(props_raw)
+    except ProtocolError:
+        return props_raw
+    if not props.headers:
+        return props_raw
+    table = tuple(sorted(props.headers, key=lambda kv: _key_text(kv[0])))
+    return encode_properties(dataclasses.replace(props, headers=table))
 
 
 class Tap:
@@ -224,10 +232,11 @@ class Tap:
         for i in range(len(tail)):
             if d["kind"][i] != 0:
                 continue
+            props = d["properties_raw"][i]
+            if self.quorum:
+                props = order_free(props)
             self._candidates[
-                fingerprint(
-                    d["exchange"][i], d["routing_key"][i], d["properties_raw"][i], d["body"][i]
-                )
+                fingerprint(d["exchange"][i], d["routing_key"][i], props, d["body"][i])
             ] += 1
         log_event(
             log, 20, "spooled records a crash may have left unacked: redeliveries of them skipped",
@@ -348,9 +357,15 @@ class Tap:
         props = d.properties_raw
         if d.redelivered:
             if self.quorum:
-                props = strip_delivery_count(props)
+                stripped = strip_delivery_count(props)
+                if stripped != props:
+                    # the broker re-encoded the header table (keys sorted) to add its count:
+                    # the values are exact, their order may not be. Counted, never silent.
+                    props = stripped
+                    self._bump("redelivered_reencoded")
             if self._candidates:
-                fp = fingerprint(d.exchange, d.routing_key, props, d.body)
+                key = order_free(props) if self.quorum else props
+                fp = fingerprint(d.exchange, d.routing_key, key, d.body)
                 if self._candidates[fp] > 0:
                     self._candidates[fp] -= 1
                     self._bump("redelivered_skipped")

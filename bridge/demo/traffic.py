@@ -1,8 +1,10 @@
 """Demo, traffic: declare sample exchanges and publish varied messages into a black vhost.
 
 The mix: a sensor stream of temperature events (JSON, topic exchange), fan-out events,
-headers-routed audit records carrying every AMQP header type, direct-routed orders, every
-basic property, empty bodies and multi-MB binary bodies.
+headers-routed audit records carrying every AMQP 0-9-1 header type (floats, doubles and
+decimals included, which pika cannot send), direct-routed orders, every basic property, empty
+bodies and multi-MB binary bodies. Messages are (exchange, routing key, property bytes, body)
+and go out through the bridge's own AMQP client with publisher confirms.
 """
 
 from __future__ import annotations
@@ -13,13 +15,28 @@ import os
 import random
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from decimal import Decimal
 from typing import Any
 
-import pika
-from pika.spec import BasicProperties
-
+from bridge.amqp.client import Connection
 from bridge.black.broker import connect_url
+from bridge.errors import BrokerError
 from bridge.protocol.exchange import ExchangeDecl
+from bridge.protocol.properties import (
+    ByteArray,
+    Float32,
+    Float64,
+    Int8,
+    Int16,
+    LongString,
+    Properties,
+    Timestamp,
+    UInt8,
+    UInt16,
+    UInt32,
+    encode_properties,
+    field_table,
+)
 
 __all__ = [
     "DEMO_EXCHANGES",
@@ -47,7 +64,8 @@ class Published:
     count: int = 0
     body_bytes: int = 0
     by_exchange: dict[str, int] = field(default_factory=dict)
-    messages: list[tuple[str, str, BasicProperties, bytes]] = field(default_factory=list)
+    messages: list[tuple[str, str, bytes, bytes]] = field(default_factory=list)
+    """(exchange, routing key, property bytes, body), with ``keep=True``."""
 
 
 def declare_exchanges(url: str) -> None:
@@ -67,28 +85,34 @@ def declare_exchanges(url: str) -> None:
         conn.close()
 
 
-def _every_header_type(i: int) -> dict[str, Any]:
-    """Every AMQP field type pika can send except decimals, which a RabbitMQ 3.10 stream
-    refuses by closing the publisher's connection. The stream also drops the table and
-    array entries below (docs/runbook.md, "Broker limits"); they show what red will miss."""
-    return {
-        "str": f"value-{i}",
-        "unicode": "température °C ✓",
-        "int32": -(2**31),
-        "int64": 2**40 + i,
-        "bool": bool(i % 2),
-        "bytes": bytes([0, 255, i % 256]) + b"\x80\xfe",
-        "timestamp": dt.datetime(2026, 11, 21, 12, 0, i % 60, tzinfo=dt.UTC),
-        "none": None,
-        "nested": {"a": 1, "b": [1, "two", {"three": b"\x03"}], "c": {"d": -7}},
-        "array": [1, 2**33, "x", True, None, b"\x00"],
-    }
+def _every_header_type(i: int) -> Any:
+    """A header table with every AMQP 0-9-1 field type, nested tables and arrays included."""
+    return field_table(
+        {
+            "str": f"value-{i}",
+            "unicode": "température °C ✓",
+            "not-utf8": LongString(b"\xff\xfe raw"),
+            "int8": Int8(-7), "uint8": UInt8(200), "int16": Int16(-300), "uint16": UInt16(60000),
+            "int32": -(2**31), "uint32": UInt32(4_000_000_000), "int64": 2**40 + i,
+            "float": Float32(1.5), "double": Float64(-273.15), "decimal": Decimal("19.990"),
+            "bool": bool(i % 2),
+            "bytes": ByteArray(bytes([0, 255, i % 256]) + b"\x80\xfe"),
+            "timestamp": Timestamp(dt.datetime(2026, 11, 21, 12, 0, i % 60, tzinfo=dt.UTC)),
+            "none": None,
+            "nested": {"a": 1, "b": [1, "two", {"three": ByteArray(b"\x03")}], "c": {"d": -7}},
+            "array": [1, 2**33, "x", True, None, ByteArray(b"\x00"), Float64(0.1)],
+        }
+    )  # fmt: skip
+
+
+def _p(**kw: Any) -> bytes:
+    return encode_properties(Properties(**kw))
 
 
 def sample_messages(
     n: int, *, seed: int = 7, big_every: int = 0, big_bytes: int = 3 * 1024 * 1024
-) -> Iterator[tuple[str, str, BasicProperties, bytes]]:
-    """``n`` (exchange, routing key, properties, body) in a deterministic varied mix."""
+) -> Iterator[tuple[str, str, bytes, bytes]]:
+    """``n`` (exchange, routing key, property bytes, body) in a deterministic varied mix."""
     rnd = random.Random(seed)
     now = int(dt.datetime(2026, 11, 21, tzinfo=dt.UTC).timestamp())
     for i in range(n):
@@ -97,9 +121,7 @@ def sample_messages(
             yield (
                 "events",
                 "",
-                BasicProperties(
-                    content_type="application/octet-stream", delivery_mode=2, message_id=f"big-{i}"
-                ),
+                _p(content_type="application/octet-stream", delivery_mode=2, message_id=f"big-{i}"),
                 os.urandom(big_bytes),
             )
         elif kind < 6:
@@ -110,7 +132,7 @@ def sample_messages(
             yield (
                 "sensors",
                 f"site{rnd.randrange(3)}.temp.{sensor}",
-                BasicProperties(
+                _p(
                     content_type="application/json",
                     delivery_mode=2,
                     timestamp=now + i,
@@ -120,12 +142,12 @@ def sample_messages(
                 body,
             )
         elif kind == 6:
-            yield ("events", "", BasicProperties(), b"")  # empty body, no properties at all
+            yield ("events", "", _p(), b"")  # empty body, no properties at all
         elif kind == 7:
             yield (
                 "audit",
                 "ignored",
-                BasicProperties(
+                _p(
                     content_type="application/x-audit",
                     content_encoding="identity",
                     headers=_every_header_type(i),
@@ -147,14 +169,14 @@ def sample_messages(
             yield (
                 "orders",
                 key,
-                BasicProperties(content_type="text/plain", delivery_mode=1, headers={"order": i}),
+                _p(content_type="text/plain", delivery_mode=1, headers=field_table({"order": i})),
                 f"order {i}".encode(),
             )
         else:
             yield (
                 "orders",
                 "order.unmirrored",  # a routing key black is not configured to carry
-                BasicProperties(),
+                _p(),
                 b"not mirrored",
             )
 
@@ -167,24 +189,39 @@ def publish_mix(
     big_every: int = 0,
     seed: int = 7,
     skip_unmirrored: bool = True,
+    window: int = 1000,
 ) -> Published:
-    """Publish ``n`` sample messages (no confirms: callers check the stream tail instead)."""
+    """Publish ``n`` sample messages with publisher confirms (``window`` in flight); returns
+    once the broker confirmed every one (a nack raises)."""
     out = Published()
-    conn = connect_url(url, purpose="demo-publish")
+    conn = Connection.open(url, client_name="diode-demo-publisher")
     try:
         ch = conn.channel()
+        ch.confirm_select()
+        sent = confirmed = 0
         for ex, rk, props, body in sample_messages(n, seed=seed, big_every=big_every):
             if skip_unmirrored and rk == "order.unmirrored":
                 continue
-            ch.basic_publish(ex, rk, body, props, mandatory=False)
+            sent = ch.publish(ex, rk, props, body)
             out.count += 1
             out.body_bytes += len(body)
             out.by_exchange[ex] = out.by_exchange.get(ex, 0) + 1
             if keep:
                 out.messages.append((ex, rk, props, body))
-    except pika.exceptions.AMQPError as e:
-        raise RuntimeError(f"demo publish failed after {out.count} messages: {e}") from e
+            while sent - confirmed >= window:
+                confirmed = _confirmed(conn, confirmed, 0.5)
+        while confirmed < sent:
+            confirmed = _confirmed(conn, confirmed, 1.0)
+    except BrokerError as e:
+        raise BrokerError(f"demo publish failed after {out.count} messages: {e}") from e
     finally:
-        if conn.is_open:
-            conn.close()
+        conn.close()
     return out
+
+
+def _confirmed(conn: Connection, confirmed: int, timeout: float) -> int:
+    for c in conn.poll(timeout).confirms:
+        if not c.ack:
+            raise BrokerError(f"the broker nacked demo message {c.delivery_tag}")
+        confirmed = max(confirmed, c.delivery_tag)
+    return confirmed

@@ -40,7 +40,7 @@ REPO = Path(__file__).resolve().parents[2]
 QUEUE = "diode.mirror.main"
 
 
-def write_config(tmp: Path, amqp_url: str, **tap: Any) -> Config:
+def write_config(tmp: Path, amqp_url: str, queue_type: str = "classic", **tap: Any) -> Config:
     extra = "\n".join(f"{k} = {json.dumps(v)}" for k, v in tap.items())
     p = tmp / "diode.toml"
     p.write_text(
@@ -54,6 +54,7 @@ encrypt = false
 amqp_url = "{amqp_url}"
 spool_dir = "spool"
 state_dir = "state"
+mirror_queue_type = "{queue_type}"
 
 [black.tap]
 {extra}
@@ -128,9 +129,10 @@ def test_drain_keeps_property_bytes_exactly(black_vhost: Any, tmp_path: Path) ->
     assert [r["pos"] for r in rows] == list(range(300))
     assert all(r["kind"] == KIND_MESSAGE and r["exchange"] == "ev" for r in rows)
     assert [(r["properties_raw"], r["body"]) for r in rows] == sent
-    assert decode_properties(rows[7]["properties_raw"]).headers == decode_properties(
-        sent[7][0]
-    ).headers
+    assert (
+        decode_properties(rows[7]["properties_raw"]).headers
+        == decode_properties(sent[7][0]).headers
+    )
     assert queue_depth(black_vhost.amqp_url, QUEUE) == 0
     assert status.durable_end == 300
 
@@ -144,13 +146,17 @@ def _tap_process(cfg: Config, env: dict[str, str]) -> subprocess.CompletedProces
     )  # fmt: skip
 
 
-@pytest.mark.parametrize("point", ["tap.after_sync", "tap.after_ack"])
+@pytest.mark.parametrize(
+    "point,queue_type",
+    [("tap.after_sync", "classic"), ("tap.after_ack", "classic"), ("tap.after_sync", "quorum")],
+)
 def test_kill_between_fsync_and_ack_duplicates_nothing(
-    black_vhost: Any, tmp_path: Path, point: str
+    black_vhost: Any, tmp_path: Path, point: str, queue_type: str
 ) -> None:
     """SIGKILL right after a group is durable but before (or just after) its ack: the broker
-    redelivers it, the tap recognises every redelivery from the spool tail and skips it."""
-    cfg = write_config(tmp_path, black_vhost.amqp_url, group_messages=50, prefetch=200)
+    redelivers it, the tap recognises every redelivery from the spool tail and skips it. A
+    quorum queue adds x-delivery-count to redeliveries: stripped, so nothing changes."""
+    cfg = write_config(tmp_path, black_vhost.amqp_url, queue_type, group_messages=50, prefetch=200)
     setup_mirror(cfg, black_vhost.amqp_url)
     sent = messages(500)
     publish_raw(black_vhost.amqp_url, sent)
