@@ -364,7 +364,11 @@ def gaps(config_path: Path | None) -> None:
     click.echo(
         json.dumps(
             {
-                name: {"totals": c["lost"], "ranges": ranges.get(name, [])}
+                name: {
+                    "lost": c["lost"],
+                    "inexact": c["inexact"],
+                    "ranges": ranges.get(name, []),
+                }
                 for name, c in st["channels"].items()
             },
             indent=2,

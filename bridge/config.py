@@ -115,6 +115,10 @@ class BundleConfig(_Strict):
     max_bytes: int = Field(default=64 * 1024 * 1024, ge=4096)
     """Rotate when the uncompressed message bytes (bodies + headers) would pass this."""
 
+    max_age_seconds: float = Field(default=5.0, gt=0)
+    """Rotate once the bundle's first message has waited this long on black (continuous runs:
+    a quiet channel still ships within this time; a busy one rotates by rows or bytes first)."""
+
     max_file_bytes: int = Field(default=1024 * 1024 * 1024, ge=65536)
     """Hard ceiling of a file on the wire (vendor diodes impose one); never exceeded."""
 
@@ -243,6 +247,16 @@ class BlackConfig(_Strict):
 
     bundle: BundleConfig = Field(default_factory=BundleConfig)
     """Bundle rotation and size limits."""
+
+    @model_validator(mode="after")
+    def _age_vs_trigger(self) -> BlackConfig:
+        if self.bundle.max_age_seconds < self.trigger_seconds:
+            raise ValueError(
+                f"black.bundle.max_age_seconds ({self.bundle.max_age_seconds}) is shorter than "
+                f"black.trigger_seconds ({self.trigger_seconds}): bundles are only cut at a "
+                "trigger, so it could not be honoured. Raise it, or lower trigger_seconds"
+            )
+        return self
 
     tap: TapConfig = Field(default_factory=TapConfig)
     """How the tap drains mirror queues into the spool."""

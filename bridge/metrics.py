@@ -32,6 +32,12 @@ class _Black:
             ["channel", "reason"],
             registry=reg,
         )
+        self.messages_inexact = Counter(
+            "bridge_black_messages_inexact",
+            "Messages carried but not byte-exact as published (e.g. quorum re-encoding), by reason",
+            ["channel", "reason"],
+            registry=reg,
+        )
         self.heartbeats_sent = Counter(
             "bridge_black_heartbeats_sent", "Heartbeat files written", ["channel"], registry=reg
         )

@@ -73,7 +73,11 @@ _monotonic = time.monotonic
 # ---------------------------------------------------------------------------- events
 @dataclass(slots=True)
 class Delivery:
-    """One message delivered to a consumer; ``properties_raw`` is verbatim from the broker."""
+    """One message delivered to a consumer; ``properties_raw`` is verbatim from the broker.
+
+    Names are UTF-8; bytes that are not (AMQP short strings are binary) are kept as surrogate
+    escapes, so ``s.encode("utf-8", "surrogateescape")`` gives back the wire bytes.
+    """
 
     channel: int
     consumer_tag: str
@@ -331,7 +335,8 @@ class Channel:
         conn = self._conn
         conn._send(
             f.publish_frames(
-                self.number, exchange.encode(), routing_key.encode(), properties_raw, body,
+                self.number, exchange.encode("utf-8", "surrogateescape"),
+                routing_key.encode("utf-8", "surrogateescape"), properties_raw, body,
                 conn.frame_max, mandatory,
             )
         )  # fmt: skip
@@ -642,14 +647,15 @@ class Connection:
         now = _monotonic()
         deadline = now + timeout
         while True:
-            wait = 0.0 if ev else min(deadline - now, self._tick(now))
-            if self._fill(wait):
+            wait = self._tick(now)
+            if self._errors:
+                raise self._errors.pop(0)
+            if self._fill(0.0 if ev else min(deadline - now, wait)):
                 self._parse()
                 if self._errors:
                     raise self._errors.pop(0)
             now = _monotonic()
             if ev or now >= deadline:
-                self._tick(now)
                 break
         self._ev = Events()
         return ev
@@ -661,12 +667,14 @@ class Connection:
     def _wait_reply(self, c: Channel) -> None:
         """Read until channel ``c`` got its reply; its closing raises (once)."""
         deadline = _monotonic() + self.rpc_timeout
-        while c._reply is None:
+        while True:
             if c._error is not None:
                 if c._error in self._errors:
                     self._errors.remove(c._error)
                 raise c._error
             self._check()
+            if c._reply is not None:
+                return
             now = _monotonic()
             if now >= deadline:
                 self._die(
@@ -675,7 +683,8 @@ class Connection:
                         f"{c.number} while {c._doing or 'waiting'}: the connection is abandoned"
                     )
                 )
-            if self._fill(min(deadline - now, self._tick(now))):
+            wait = self._tick(now)  # may read (and answer) too: check again before waiting
+            if c._reply is None and c._error is None and self._fill(min(deadline - now, wait)):
                 self._parse()
 
     def _tick(self, now: float) -> float:
@@ -684,6 +693,9 @@ class Connection:
         if not hb or self._handshake:
             return 3600.0
         silent = now - self._last_recv
+        if silent >= 2 * hb and self._fill(0.0):  # the caller was away: the socket may hold data
+            self._parse()
+            silent = 0.0
         if silent >= 2 * hb:
             self._die(
                 AmqpConnectionError(
@@ -1010,8 +1022,6 @@ class Connection:
                 self._send(f.cancel_ok_frame(c.number, tag))
         elif index == f.CONNECTION_CLOSE_OK and self._closing:
             c._reply = True
-        elif index == f.CHANNEL_CLOSE_OK and not c.is_open:
-            pass  # a late answer to a close we gave up waiting for
         else:
             m = f.unmarshal_method(payload)
             self._die(
@@ -1049,9 +1059,7 @@ class Connection:
                     reply_code=code, reply_text=text, class_id=class_id, method_id=method_id,
                     channel=0,
                 )  # fmt: skip
-            self._fatal = self._fatal or err
-            self._drop()
-            return
+            self._die(err)
         c.is_open = False
         self._send(f.close_ok_frame(c.number))
         closed = AmqpClosed(

@@ -273,7 +273,7 @@ def unmarshal_method(payload: bytes) -> PamqpMethod:
 # ---------------------------------------------------------------------------- outgoing methods
 def shortstr(value: str | bytes) -> bytes:
     """An AMQP short string (length octet + UTF-8)."""
-    raw = value.encode() if isinstance(value, str) else value
+    raw = value.encode("utf-8", "surrogateescape") if isinstance(value, str) else value
     if len(raw) > 255:
         raise ValueError(f"short string of {len(raw)} bytes (at most 255): {raw[:40]!r}...")
     return bytes((len(raw),)) + raw

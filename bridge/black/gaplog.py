@@ -1,8 +1,10 @@
 """Black, journal: the per-channel log of message seq ranges known lost (``diode gaps``).
 
-One JSON line per gap, appended and fsynced when the bundle that declares it is committed:
-``{"bundle_seq", "first_seq", "last_seq", "reason", "at"}``. A crash between the append and
-the journal commit can repeat a line; readers de-duplicate on ``(bundle_seq, first_seq)``.
+One JSON line per range, appended and fsynced when the bundle that declares it is committed:
+``{"kind", "bundle_seq", "first_seq", "last_seq", "reason", "at"}``; ``kind`` is ``lost`` (a
+gap: the messages are not in any bundle) or ``inexact`` (carried, but not byte-exact as
+published). A crash between the append and the journal commit can repeat a line; readers
+de-duplicate on ``(kind, bundle_seq, first_seq)``.
 """
 
 from __future__ import annotations
@@ -22,14 +24,17 @@ def gap_log_path(state_dir: Path, channel: str) -> Path:
     return Path(state_dir) / f"gaps-{channel}.jsonl"
 
 
-def append_gaps(state_dir: Path, channel: str, bundle_seq: int, gaps: tuple[Gap, ...]) -> None:
-    """Durably append the gaps a bundle declares (no-op without gaps)."""
+def append_gaps(
+    state_dir: Path, channel: str, bundle_seq: int, gaps: tuple[Gap, ...], *, kind: str = "lost"
+) -> None:
+    """Durably append the ranges a bundle declares (no-op without any)."""
     if not gaps:
         return
     now = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     data = "".join(
         json.dumps(
             {
+                "kind": kind,
                 "bundle_seq": bundle_seq,
                 "first_seq": g.first_seq,
                 "last_seq": g.last_seq,
@@ -54,11 +59,12 @@ def read_gaps(state_dir: Path, channel: str) -> list[dict[str, Any]]:
     p = gap_log_path(state_dir, channel)
     if not p.exists():
         return []
-    seen: dict[tuple[int, int], dict[str, Any]] = {}
+    seen: dict[tuple[str, int, int], dict[str, Any]] = {}
     for line in p.read_text(errors="replace").splitlines():
         try:
             d = json.loads(line)
-            key = (int(d["bundle_seq"]), int(d["first_seq"]))
+            d.setdefault("kind", "lost")
+            key = (str(d["kind"]), int(d["bundle_seq"]), int(d["first_seq"]))
         except (ValueError, KeyError, TypeError):
             continue
         seen.setdefault(key, d)

@@ -40,6 +40,9 @@ def channel_status(cfg: Config) -> dict[str, Any]:
             "heartbeat_seq": _heartbeat_seq(cfg, ch.name),
             "counters": st.counters,
             "lost": {k[len("lost_") :]: v for k, v in st.counters.items() if k.startswith("lost_")},
+            "inexact": {
+                k[len("inexact_") :]: v for k, v in st.counters.items() if k.startswith("inexact_")
+            },
             "encrypt": ch.encrypt,
             "recipients": len(ch.recipients),
             "outbox_bundles": sum(1 for n in waiting if _bundle_channel(n) == ch.name),

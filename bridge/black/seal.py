@@ -26,7 +26,7 @@ import pyarrow.compute as pc
 
 from bridge.black.chunking import plan_chunks, row_size_estimate
 from bridge.black.gaplog import append_gaps
-from bridge.black.spool_rows import LOST_REASON
+from bridge.black.spool_rows import INEXACT_REASON, LOST_REASON
 from bridge.black.state import ChannelState, StateStore
 from bridge.config import ChannelConfig, Config
 from bridge.crypto.gpg import Gpg
@@ -76,6 +76,14 @@ def _covered_last(manifest: Manifest, st: ChannelState) -> int:
     return max([st.last_seq, *covered])
 
 
+def _marked(table: pa.Table, column: str) -> dict[int, str]:
+    """``{seq: value}`` of the rows where ``column`` is set (none: {})."""
+    if column not in table.column_names or table.column(column).null_count == len(table):
+        return {}
+    m = table.filter(pc.is_valid(table.column(column)))
+    return dict(zip(m.column("seq").to_pylist(), m.column(column).to_pylist(), strict=True))
+
+
 def _merge_gaps(gaps: list[Gap]) -> list[Gap]:
     out: list[Gap] = []
     for g in gaps:
@@ -99,6 +107,7 @@ class BundleSealer:
         self.gpg = gpg
         self.outbox = outbox
         self.schema = row_schema(ROW_SCHEMA_VERSION)
+        self._inexact: dict[int, str] = {}  # seq -> why its row is not byte-exact (this call)
 
     # -- public -----------------------------------------------------------------------------
     def seal_rows(self, channel: ChannelConfig, table: pa.Table) -> list[ShippedBundle]:
@@ -130,6 +139,7 @@ class BundleSealer:
                         )
                     )
                     table = table.filter(pc.invert(lost))
+            self._inexact = _marked(table, INEXACT_REASON)
             table = table.select(self.schema.names).cast(self.schema)
             bundle = self.cfg.black.bundle
             max_plain = bundle.max_file_bytes - seal_overhead_bytes(
@@ -182,6 +192,12 @@ class BundleSealer:
     ) -> Manifest:
         seqs = rows.column("seq")
         n = len(rows)
+        inexact: list[Gap] = []
+        if self._inexact and n:
+            for q in seqs.to_pylist():
+                why = self._inexact.get(q)
+                if why is not None:
+                    inexact.append(Gap(q, q, why))
         return Manifest(
             format=1,
             channel=channel,
@@ -196,6 +212,7 @@ class BundleSealer:
             schema_version=ROW_SCHEMA_VERSION,
             prev_sha256=st.last_sha256,
             gaps=tuple(gaps),
+            inexact=tuple(_merge_gaps(inexact)),
         )
 
     def _seal_chunk(
@@ -330,6 +347,7 @@ class BundleSealer:
             schema_version=ROW_SCHEMA_VERSION,
             prev_sha256=old.prev_sha256,
             gaps=tuple(_merge_gaps(gaps)),
+            inexact=tuple(r for r in old.inexact if r.first_seq in have and r.last_seq in have),
         )
 
     def _ship(
@@ -380,6 +398,13 @@ class BundleSealer:
         st.bump("bundles")
         st.bump("messages", manifest.rows)
         append_gaps(self.store.dir, manifest.channel, manifest.bundle_seq, manifest.gaps)
+        append_gaps(
+            self.store.dir, manifest.channel, manifest.bundle_seq, manifest.inexact, kind="inexact"
+        )
+        for r in manifest.inexact:
+            n_inexact = r.last_seq - r.first_seq + 1
+            st.bump(f"inexact_{r.reason}", n_inexact)
+            BLACK.messages_inexact.labels(manifest.channel, r.reason).inc(n_inexact)
         for g in manifest.gaps:
             st.bump(f"lost_{g.reason}", g.last_seq - g.first_seq + 1)
             BLACK.messages_lost.labels(manifest.channel, g.reason).inc(g.last_seq - g.first_seq + 1)

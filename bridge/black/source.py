@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -96,6 +97,7 @@ class SpoolStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         self.target: dict[str, int] | None = None
         self._planned = False  # partitions() not called yet in this run
         self._lagging: set[str] = set()
+        self._waiting: dict[str, float] = {}  # channel -> when unsealed messages were first seen
 
     # -- driver -------------------------------------------------------------------------------
     def _spool(self, channel: str) -> SpoolReader:
@@ -155,10 +157,28 @@ class SpoolStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
                 continue
             self._lagging.discard(ch)
             end = tail
+            capped = False
             if not isinstance(limit, ReadAllAvailable):
-                end = min(end, s + self._cap(ch, hint, s, end))
+                cap = self._cap(ch, hint, s, end)
+                capped = end > s + cap
+                end = min(end, s + cap)
+            if self.target is None and end > s and not capped and self._hold(ch, s, end, hint):
+                end = s
             out[ch] = end
         return out
+
+    def _hold(self, channel: str, start: int, end: int, hint: dict[str, float]) -> bool:
+        """Continuous runs: keep collecting until a bundle is worth cutting — max_rows or
+        max_bytes reached, or its first message has waited ``bundle.max_age_seconds``."""
+        b = self.cfg.black.bundle
+        now = time.monotonic()
+        since = self._waiting.setdefault(channel, now)
+        n = end - start
+        est = n * hint.get(channel, float(ROW_OVERHEAD_BYTES))
+        if n >= b.max_rows or est >= b.max_bytes or now - since >= b.max_age_seconds:
+            del self._waiting[channel]
+            return False
+        return True
 
     def partitions(self, start: dict[str, int], end: dict[str, int]) -> Sequence[InputPartition]:
         start = self._from_journal(start) if not self._planned else start

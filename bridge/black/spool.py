@@ -429,6 +429,7 @@ class SpoolWriter:
         self._props: list[bytes] = []
         self._bodies: list[bytes] = []
         self._lost: dict[int, str] = {}  # index in the pending lists -> reason
+        self._notes: dict[int, str] = {}  # index -> why a message record is not byte-exact
         self._pending_bytes = 0
 
     # -- open / close ----------------------------------------------------------------------------
@@ -624,10 +625,20 @@ class SpoolWriter:
         return first
 
     def append_one(
-        self, exchange: str, routing_key: str, redelivered: bool, properties_raw: bytes, body: bytes
+        self,
+        exchange: str,
+        routing_key: str,
+        redelivered: bool,
+        properties_raw: bytes,
+        body: bytes,
+        note: str | None = None,
     ) -> int:
-        """``append`` of one delivery, without building five lists (the tap's hot path)."""
+        """``append`` of one delivery, without building five lists (the tap's hot path).
+
+        ``note``: why this message is not byte-exact as published (stored in ``reason``)."""
         first = self._durable_end + len(self._bodies)
+        if note is not None:
+            self._notes[len(self._bodies)] = note
         self._ex.append(exchange)
         self._rk.append(routing_key)
         self._rd.append(redelivered)
@@ -660,6 +671,7 @@ class SpoolWriter:
         n = len(self._bodies)
         self._ex, self._rk, self._rd, self._props, self._bodies = [], [], [], [], []
         self._lost = {}
+        self._notes = {}
         self._pending_bytes = 0
         return n
 
@@ -800,6 +812,7 @@ class SpoolWriter:
         if n:
             self._ex, self._rk, self._rd, self._props, self._bodies = [], [], [], [], []
             self._lost = {}
+            self._notes = {}
             self._pending_bytes = 0
 
     def _encode(self, acked: int, n: int) -> Iterator[list[Any]]:
@@ -835,10 +848,13 @@ class SpoolWriter:
         first = self._durable_end + lo
         kind = np.zeros(n, dtype=np.int8)
         lost = [(i - lo, r) for i, r in self._lost.items() if lo <= i < hi] if self._lost else []
-        if lost:
+        notes = [(i - lo, r) for i, r in self._notes.items() if lo <= i < hi] if self._notes else []
+        if lost or notes:
             reasons: list[str | None] = [None] * n
             for i, r in lost:
                 kind[i] = KIND_LOST
+                reasons[i] = r
+            for i, r in notes:
                 reasons[i] = r
             reason = pa.array(reasons, pa.string())
         else:

@@ -20,17 +20,20 @@ from bridge.protocol.properties import NO_PROPERTIES
 from bridge.protocol.rows import build_rows
 from bridge.protocol.schema import row_schema
 
-__all__ = ["LOST_REASON", "source_schema", "spool_batch_to_rows", "read_rows"]
+__all__ = ["LOST_REASON", "INEXACT_REASON", "source_schema", "spool_batch_to_rows", "read_rows"]
 
 log = get_logger("bridge.black.spool_rows")
 
 LOST_REASON = "lost_reason"
+INEXACT_REASON = "inexact_reason"
 
 
 def source_schema() -> pa.Schema:
-    """Rows as the Spark source hands them to the sink: row schema v2 + ``lost_reason``."""
+    """Spool records as rows: row schema v2 + ``lost_reason`` (a lost marker) and
+    ``inexact_reason`` (a message carried, but not byte-exact as published)."""
     s = row_schema()
-    return s.append(pa.field(LOST_REASON, pa.string(), nullable=True))
+    s = s.append(pa.field(LOST_REASON, pa.string(), nullable=True))
+    return s.append(pa.field(INEXACT_REASON, pa.string(), nullable=True))
 
 
 def spool_batch_to_rows(
@@ -52,11 +55,16 @@ def spool_batch_to_rows(
         batch.column("body"),
         catalog,
     )
-    if any_lost:
-        reasons = pc.if_else(lost, batch.column("reason"), pa.scalar(None, pa.string()))
+    reason = batch.column("reason")
+    if reason.null_count == len(batch):
+        lost_reasons = inexact = pa.nulls(len(batch), pa.string())
     else:
-        reasons = pa.nulls(len(batch), pa.string())
-    return pa.RecordBatch.from_arrays([*rows.columns, reasons], schema=source_schema())
+        none = pa.scalar(None, pa.string())
+        lost_reasons = pc.if_else(lost, reason, none)
+        inexact = pc.if_else(lost, none, reason)
+    return pa.RecordBatch.from_arrays(
+        [*rows.columns, lost_reasons, inexact], schema=source_schema()
+    )
 
 
 def read_rows(

@@ -57,6 +57,8 @@ __all__ = ["Tap", "TapStatus", "tap_status", "DELIVERY_COUNT_HEADER"]
 
 log = get_logger("bridge.black.tap")
 
+REENCODED = "quorum-reencoded"
+"""Why a spooled message is not byte-exact: a quorum queue re-encoded its header table."""
 DELIVERY_COUNT_HEADER = "x-delivery-count"
 """Added by quorum queues to every redelivery: stripped so redelivered values stay unchanged."""
 RELEASE_EVERY_S = 2.0
@@ -355,14 +357,14 @@ class Tap:
     # -- deliveries -------------------------------------------------------------------------
     def _take(self, spool: SpoolWriter, d: Delivery) -> None:
         props = d.properties_raw
+        note = None
         if d.redelivered:
             if self.quorum:
                 stripped = strip_delivery_count(props)
                 if stripped != props:
                     # the broker re-encoded the header table (keys sorted) to add its count:
                     # the values are exact, their order may not be. Counted, never silent.
-                    props = stripped
-                    self._bump("redelivered_reencoded")
+                    props, note = stripped, REENCODED
             if self._candidates:
                 key = order_free(props) if self.quorum else props
                 fp = fingerprint(d.exchange, d.routing_key, key, d.body)
@@ -371,7 +373,9 @@ class Tap:
                     self._bump("redelivered_skipped")
                     BLACK.tap_redelivered_skipped.labels(self.channel).inc()
                     return
-        spool.append_one(d.exchange, d.routing_key, d.redelivered, props, d.body)
+        spool.append_one(d.exchange, d.routing_key, d.redelivered, props, d.body, note)
+        if note is not None:
+            self._bump(f"inexact_{note}")
 
     def _take_dead(self, spool: SpoolWriter, d: Delivery) -> None:
         reason = _text(_header(d.properties_raw, "x-first-death-reason")) or "dead-lettered"

@@ -208,11 +208,17 @@ class Manifest:
     prev_sha256: str | None
     gaps: tuple[Gap, ...] = ()
     schema_version: int = ROW_SCHEMA_VERSION
+    inexact: tuple[Gap, ...] = ()
+    """Seq ranges whose rows ARE in this bundle but not byte-exact as the producer sent them,
+    with why (e.g. ``quorum-reencoded``: the broker re-ordered a redelivery's header table).
+    Optional on the wire (``inexact``, omitted when empty)."""
     format: int = MANIFEST_FORMAT
 
     def __post_init__(self) -> None:
         if isinstance(self.gaps, list | tuple):
             object.__setattr__(self, "gaps", tuple(self.gaps))
+        if isinstance(self.inexact, list | tuple):
+            object.__setattr__(self, "inexact", tuple(self.inexact))
         if isinstance(self.exchanges, Mapping):
             object.__setattr__(self, "exchanges", dict(self.exchanges))
         self._validate()
@@ -281,6 +287,18 @@ class Manifest:
             if gap.first_seq <= prev_last:
                 raise _fail(w, f"gaps[{i}] overlaps or is out of order")
             prev_last = gap.last_seq
+        if not isinstance(self.inexact, tuple):
+            raise _fail(w, "inexact must be a list of seq ranges")
+        prev_last = -1
+        for i, r in enumerate(self.inexact):
+            if not isinstance(r, Gap):
+                raise _fail(w, f"inexact[{i}] is not a seq range")
+            r.validate(f"{w} inexact[{i}]")
+            if r.first_seq <= prev_last:
+                raise _fail(w, f"inexact[{i}] overlaps or is out of order")
+            if first is None or last is None or r.first_seq < first or r.last_seq > last:
+                raise _fail(w, f"inexact[{i}] is outside the bundle's rows")
+            prev_last = r.last_seq
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -297,6 +315,7 @@ class Manifest:
             "schema_version": self.schema_version,
             "prev_sha256": self.prev_sha256,
             "gaps": [g.to_dict() for g in self.gaps],
+            **({"inexact": [r.to_dict() for r in self.inexact]} if self.inexact else {}),
         }
 
     def to_json(self) -> bytes:
@@ -319,6 +338,9 @@ class Manifest:
         gaps = doc["gaps"]
         if not isinstance(gaps, list):
             raise _fail(where, "gaps must be a list")
+        inexact = doc.get("inexact", [])
+        if not isinstance(inexact, list):
+            raise _fail(where, "inexact must be a list")
         return cls(
             format=doc["format"],
             channel=doc["channel"],
@@ -333,6 +355,9 @@ class Manifest:
             schema_version=doc["schema_version"],
             prev_sha256=doc["prev_sha256"],
             gaps=tuple(Gap.from_dict(g, f"manifest gaps[{i}]") for i, g in enumerate(gaps)),
+            inexact=tuple(
+                Gap.from_dict(r, f"manifest inexact[{i}]") for i, r in enumerate(inexact)
+            ),
         )
 
     @property

@@ -588,3 +588,23 @@ def test_graceful_close_requeues_unacked(url: str) -> None:
         ch.basic_consume(q)
         back = collect(again, 2)
         assert [d.body for d in back] == [b"a", b"b"] and all(d.redelivered for d in back)
+
+
+@broker
+def test_broker_closing_the_connection_raises_amqp_closed_320(url: str, vhost: str) -> None:
+    conn = Connection.open(url)
+    out = subprocess.run(
+        ["rabbitmqctl", "list_connections", "-q", "--no-table-headers", "pid", "vhost"],
+        capture_output=True, text=True, check=True, timeout=120,
+    ).stdout  # fmt: skip
+    (pid,) = [ln.split("\t")[0] for ln in out.splitlines() if ln.endswith("\t" + vhost)]
+    _rabbitmqctl("close_connection", pid, "operator says bye")
+    with pytest.raises(AmqpClosed) as e:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            conn.poll(0.5)
+    assert (e.value.reply_code, e.value.channel) == (320, 0) and e.value.retryable
+    assert "operator says bye" in str(e.value) and vhost in str(e.value)
+    assert not conn.is_open
+    with pytest.raises(AmqpClosed):
+        conn.channel()

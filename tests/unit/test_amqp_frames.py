@@ -21,7 +21,7 @@ from pamqp.header import ContentHeader as PContentHeader
 
 from bridge.amqp import frames as f
 from bridge.amqp.client import AmqpParams, Channel, Connection, Delivery, Events, Returned
-from bridge.errors import AmqpFrameError
+from bridge.errors import AmqpConnectionError, AmqpFrameError
 
 # names pamqp's validators accept (RabbitMQ accepts any UTF-8; the hand-made cases cover it)
 NAME = st.text(
@@ -374,3 +374,20 @@ def test_reader_refuses_frames_for_unopened_channels(
 def test_events_are_falsy_when_empty() -> None:
     assert not Events()
     assert Events(syncs=[1])
+
+
+def test_a_caller_away_longer_than_two_heartbeats_reads_before_declaring_the_peer_dead(
+    reader: tuple[Connection, socket.socket],
+) -> None:
+    conn, theirs = reader
+    conn.heartbeat = 1
+    conn._last_recv -= 5.0  # the caller did not poll for 5 s ...
+    conn._last_send -= 5.0
+    theirs.sendall(f.HEARTBEAT)  # ... while the broker's heartbeats waited in the socket
+    assert not conn.poll(0.0)
+    assert conn.is_open and conn.heartbeats_sent == 1
+    assert theirs.recv(64) == f.HEARTBEAT  # ours went out
+    conn._last_recv -= 5.0  # and this time nothing came
+    with pytest.raises(AmqpConnectionError, match="two heartbeat intervals"):
+        conn.poll(0.0)
+    assert not conn.is_open
