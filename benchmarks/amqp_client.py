@@ -5,8 +5,9 @@
 Each round publishes N persistent messages (default 200k of 1 KB) into a durable classic queue
 and drains them with (a) pika ``basic_consume``, prefetch 1000, ``basic_ack(multiple=True)``
 every 500 deliveries, then publishes N again and drains them with (b) ``bridge.amqp`` the same
-way. Rates are wall-clock from the consumer's start to the last delivery; the consumer's own
-CPU time per message says how much of a core the client spends (the rest is the broker).
+way (every other round in the opposite order). Rates are wall-clock from the consumer's
+start to the last delivery; the consumer's own CPU time per message says how much of a core
+the client spends (the rest is the broker).
 The publishing rate of ``bridge.amqp`` (confirms, 1000 in flight) is reported as well.
 
 Writes ``<out>/amqp_client-<utc time>.json`` and prints a table. Not part of CI.
@@ -28,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 import pika
+import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -43,6 +45,21 @@ ACK_EVERY = 500
 CONFIRM_WINDOW = 1000
 # content_type "application/octet-stream", delivery_mode 2 (persistent), as a content header
 PROPS = b"\x90\x00" + bytes([24]) + b"application/octet-stream" + b"\x02"
+
+
+def broker_process() -> psutil.Process | None:
+    """The local RabbitMQ VM (beam.smp), to charge its CPU time per message; None if remote."""
+    for p in psutil.process_iter(["name"]):
+        if "beam" in (p.info["name"] or ""):
+            return p
+    return None
+
+
+def cpu_seconds(p: psutil.Process | None) -> float:
+    if p is None:
+        return float("nan")
+    t = p.cpu_times()
+    return float(t.user + t.system)
 
 
 def make_vhost() -> tuple[str, str]:
@@ -147,14 +164,21 @@ def main() -> int:
     ap.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
     a = ap.parse_args()
     vhost, url = make_vhost()
+    beam = broker_process()
     rounds: list[dict[str, Any]] = []
     try:
         for r in range(a.rounds):
-            pub = publish(url, a.messages, a.size)
-            base = drain_pika(url, a.messages)
-            publish(url, a.messages, a.size)
-            ours = drain_bridge(url, a.messages)
-            rounds.append({"publish_msg_s": pub, "pika": base, "bridge": ours})
+            res_r: dict[str, Any] = {}
+            order = ("pika", "bridge") if r % 2 == 0 else ("bridge", "pika")  # no order bias
+            for side in order:
+                pub = publish(url, a.messages, a.size)
+                res_r.setdefault("publish_msg_s", pub)
+                drain = drain_pika if side == "pika" else drain_bridge
+                b0 = cpu_seconds(beam)
+                res_r[side] = drain(url, a.messages)
+                res_r[side]["broker_cpu_us_per_msg"] = (cpu_seconds(beam) - b0) / a.messages * 1e6
+            rounds.append(res_r)
+            base, ours = res_r["pika"], res_r["bridge"]
             print(
                 f"round {r + 1}: pika {base['msg_s']:,.0f} msg/s, bridge.amqp "
                 f"{ours['msg_s']:,.0f} msg/s ({ours['msg_s'] / base['msg_s']:.2f}x)",
@@ -183,17 +207,20 @@ def main() -> int:
         "target": 1.0,
         "pika_cpu_us_per_msg": med("pika", "cpu_us_per_msg"),
         "bridge_cpu_us_per_msg": med("bridge", "cpu_us_per_msg"),
+        "broker_cpu_us_per_msg_pika": med("pika", "broker_cpu_us_per_msg"),
+        "broker_cpu_us_per_msg_bridge": med("bridge", "broker_cpu_us_per_msg"),
     }
     a.out.mkdir(parents=True, exist_ok=True)
     out = a.out / f"amqp_client-{dt.datetime.now(dt.UTC).strftime('%Y%m%dT%H%M%SZ')}.json"
     out.write_text(json.dumps(res, indent=2))
     print(f"\n{a.messages:,} x {a.size} B persistent, classic queue, prefetch {PREFETCH}, "
           f"ack multiple every {ACK_EVERY}; medians of {a.rounds} round(s)")  # fmt: skip
-    print(f"{'consumer':<12} {'msg/s':>10} {'client CPU us/msg':>18}")
-    print(f"{'pika':<12} {res['pika_msg_s']:>10,.0f} {res['pika_cpu_us_per_msg']:>18.1f}")
-    print(
-        f"{'bridge.amqp':<12} {res['bridge_msg_s']:>10,.0f} {res['bridge_cpu_us_per_msg']:>18.1f}"
-    )
+    print(f"{'consumer':<12} {'msg/s':>10} {'client CPU us/msg':>18} {'broker CPU us/msg':>18}")
+    for side, label in (("pika", "pika"), ("bridge", "bridge.amqp")):
+        print(
+            f"{label:<12} {res[side + '_msg_s']:>10,.0f} {res[side + '_cpu_us_per_msg']:>18.1f} "
+            f"{res['broker_cpu_us_per_msg_' + side]:>18.1f}"
+        )
     print(f"ratio bridge.amqp / pika (median of rounds): {res['ratio']:.2f}x   "
           f"(bridge.amqp publish with confirms: {res['publish_msg_s']:,.0f} msg/s)")  # fmt: skip
     print(f"\nwritten {out}")

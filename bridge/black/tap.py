@@ -159,6 +159,7 @@ class Tap:
         self.status = TapStatus(channel=self.channel)
         self._stop = threading.Event()
         self._candidates: Counter[bytes] = Counter()
+        self._tags: tuple[str, str] = ("", "")
 
     def stop(self) -> None:
         self._stop.set()
@@ -253,13 +254,20 @@ class Tap:
         try:
             main = conn.channel()
             main.basic_qos(tap.prefetch)
-            main.basic_consume(self.queue)
             dead = conn.channel()
             dead.basic_qos(tap.prefetch)
-            dead.basic_consume(self.dead_queue)
+            self._consume(main, dead)
             self._loop(conn, main, dead, spool)
         finally:
             conn.close()
+
+    def _consume(self, main: Any, dead: Any) -> None:
+        self._tags = (main.basic_consume(self.queue), dead.basic_consume(self.dead_queue))
+
+    def _cancel(self, main: Any, dead: Any) -> None:
+        """Stop both consumers; deliveries the broker sent before cancel-ok still arrive."""
+        main.basic_cancel(self._tags[0])
+        dead.basic_cancel(self._tags[1])
 
     def _loop(self, conn: Connection, main: Any, dead: Any, spool: SpoolWriter) -> None:
         tap = self.cfg.black.tap
@@ -272,6 +280,7 @@ class Tap:
         next_release = time.monotonic() + RELEASE_EVERY_S
         quiet_since = time.monotonic()
         full_logged = False
+        cancelled = False  # until_empty: consumers stopped to see the queues settle
         while not self._stop.is_set():
             now = time.monotonic()
             wait = (
@@ -346,13 +355,31 @@ class Tap:
                 and spool.pending == 0
                 and not syncs
                 and now - quiet_since >= 0.2
-                and self._queues_empty(conn, main)
             ):
-                break
+                # Empty means: nothing ready, no other consumer (a dead tap's unacked messages
+                # are requeued asynchronously by quorum queues) and nothing still on its way to
+                # us — so stop consuming, take what the broker had sent before cancel-ok, and
+                # only then trust the ready counts.
+                if not cancelled:
+                    if self._queues_empty(main):
+                        self._cancel(main, dead)
+                        cancelled = True
+                elif not events.deliveries:
+                    if self._queues_empty(main):
+                        break
+                    self._consume(main, dead)  # more came: go on draining
+                    cancelled = False
         self.status.idle = True
 
-    def _queues_empty(self, conn: Connection, chan: Any) -> bool:
-        return all(chan.queue_depth(q) == 0 for q in (self.queue, self.dead_queue))
+    def _queues_empty(self, chan: Any) -> bool:
+        """Nothing ready in either queue, and no other consumer: a consumer that died (an
+        earlier tap) holds unacked messages until the broker has requeued them — a quorum
+        queue does that asynchronously, so its ready count alone can read 0 too early."""
+        for q in (self.queue, self.dead_queue):
+            info = chan.queue_declare(q, passive=True)
+            if info.message_count or info.consumer_count > 1:
+                return False
+        return True
 
     # -- deliveries -------------------------------------------------------------------------
     def _take(self, spool: SpoolWriter, d: Delivery) -> None:
