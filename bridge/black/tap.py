@@ -57,6 +57,9 @@ __all__ = ["Tap", "TapStatus", "tap_status", "DELIVERY_COUNT_HEADER"]
 
 log = get_logger("bridge.black.tap")
 
+NON_UTF8_NAME = "non-utf8-name"
+"""Why a spooled message is not byte-exact: its exchange or routing key bytes were not UTF-8
+(stored with U+FFFD; the row schema keeps names as text)."""
 REENCODED = "quorum-reencoded"
 """Why a spooled message is not byte-exact: a quorum queue re-encoded its header table."""
 DELIVERY_COUNT_HEADER = "x-delivery-count"
@@ -114,6 +117,21 @@ def _text(v: Any) -> str:
     return "" if v is None else str(v)
 
 
+def _utf8(name: str) -> tuple[str, bool]:
+    """``name`` as storable text; True if its wire bytes were not UTF-8 (U+FFFD instead)."""
+    try:
+        name.encode("utf-8")
+        return name, False
+    except UnicodeEncodeError:  # the client hands non-UTF-8 bytes over as surrogate escapes
+        return name.encode("utf-8", "surrogateescape").decode("utf-8", "replace"), True
+
+
+def _text_names(exchange: str, routing_key: str) -> tuple[str, str, bool]:
+    ex, a = _utf8(exchange)
+    rk, b = _utf8(routing_key)
+    return ex, rk, a or b
+
+
 def _key_text(k: bytes | str) -> str:
     return k.decode("utf-8", "replace") if isinstance(k, bytes) else k
 
@@ -160,6 +178,8 @@ class Tap:
         self._stop = threading.Event()
         self._candidates: Counter[bytes] = Counter()
         self._tags: tuple[str, str] = ("", "")
+        self._budget: int | None = None  # until_empty: deliveries the backlog held at start
+        self._taken = 0
 
     def stop(self) -> None:
         self._stop.set()
@@ -256,6 +276,9 @@ class Tap:
             main.basic_qos(tap.prefetch)
             dead = conn.channel()
             dead.basic_qos(tap.prefetch)
+            if self.until_empty and self._budget is None:
+                # a scheduled run drains the backlog it found, not producers that never pause
+                self._budget = self._backlog(main)
             self._consume(main, dead)
             self._loop(conn, main, dead, spool)
         finally:
@@ -289,6 +312,7 @@ class Tap:
                 else max(0.0, first_unsynced + tap.group_seconds - now)
             )
             events = conn.poll(min(wait, 0.5))
+            self._taken += len(events.deliveries)
             for d in events.deliveries:
                 if d.channel == main.number:
                     last_main = d.delivery_tag
@@ -354,6 +378,16 @@ class Tap:
                 and not unacked
                 and spool.pending == 0
                 and not syncs
+                and self._budget is not None
+                and self._taken >= self._budget
+                and self._budget > 0
+            ):
+                break  # the backlog found at start is durable; newer traffic waits for next run
+            if (
+                self.until_empty
+                and not unacked
+                and spool.pending == 0
+                and not syncs
                 and now - quiet_since >= 0.2
             ):
                 # Empty means: nothing ready, no other consumer (a dead tap's unacked messages
@@ -370,6 +404,16 @@ class Tap:
                     self._consume(main, dead)  # more came: go on draining
                     cancelled = False
         self.status.idle = True
+
+    def _backlog(self, chan: Any, settle_s: float = 30.0) -> int:
+        """Messages waiting in both queues, once no other consumer holds any: the unacked
+        deliveries of a tap that died are requeued when the broker drops its consumer."""
+        deadline = time.monotonic() + settle_s
+        while True:
+            infos = [chan.queue_declare(q, passive=True) for q in (self.queue, self.dead_queue)]
+            if all(i.consumer_count == 0 for i in infos) or time.monotonic() >= deadline:
+                return sum(i.message_count for i in infos)
+            self._stop.wait(0.1)
 
     def _queues_empty(self, chan: Any) -> bool:
         """Nothing ready in either queue, and no other consumer: a consumer that died (an
@@ -400,14 +444,20 @@ class Tap:
                     self._bump("redelivered_skipped")
                     BLACK.tap_redelivered_skipped.labels(self.channel).inc()
                     return
-        spool.append_one(d.exchange, d.routing_key, d.redelivered, props, d.body, note)
+        exchange, rk = d.exchange, d.routing_key
+        if not (exchange.isascii() and rk.isascii()):
+            exchange, rk, renamed = _text_names(exchange, rk)
+            if renamed:
+                note = NON_UTF8_NAME
+        spool.append_one(exchange, rk, d.redelivered, props, d.body, note)
         if note is not None:
             self._bump(f"inexact_{note}")
 
     def _take_dead(self, spool: SpoolWriter, d: Delivery) -> None:
         reason = _text(_header(d.properties_raw, "x-first-death-reason")) or "dead-lettered"
         exchange = _text(_header(d.properties_raw, "x-first-death-exchange"))
-        spool.append_lost(exchange, d.routing_key, reason)
+        exchange, rk, _ = _text_names(exchange, d.routing_key)
+        spool.append_lost(exchange, rk, reason)
         self._bump(f"lost_{reason}")
         BLACK.tap_dead_lettered.labels(self.channel, reason).inc()
         log_event(

@@ -209,3 +209,29 @@ def test_queue_length_limit_overflow_is_recorded_as_lost(black_vhost: Any, tmp_p
     assert [r["body"] for r in kept] == [b for _, b in sent[15:]]
     st = tap_status(cfg, "main")
     assert st is not None and st.counters.get("lost_maxlen") == 15
+
+
+def test_non_utf8_routing_key_is_stored_and_declared_inexact(
+    black_vhost: Any, tmp_path: Path
+) -> None:
+    """AMQP names are bytes; the row schema keeps them as text. A routing key that is not UTF-8
+    is stored with U+FFFD and its record says so — the tap never chokes on it."""
+    cfg = write_config(tmp_path, black_vhost.amqp_url)
+    setup_mirror(cfg, black_vhost.amqp_url)
+    conn = Connection.open(black_vhost.amqp_url)
+    try:
+        ch = conn.channel()
+        ch.confirm_select()
+        ch.publish("ev", "k\udcff", b"\x00\x00", b"odd")  # wire bytes b"k\xff"
+        last = ch.publish("ev", "plain", b"\x00\x00", b"ok")
+        acked = 0
+        while acked < last:
+            acked = max([acked, *(c.delivery_tag for c in conn.poll(1.0).confirms)])
+    finally:
+        conn.close()
+    Tap(cfg, "main", until_empty=True).run()
+    rows = spooled(cfg)
+    assert [(r["routing_key"], r["reason"]) for r in rows] == [
+        ("k\ufffd", "non-utf8-name"),
+        ("plain", None),
+    ]
