@@ -13,8 +13,14 @@ Every error says whether retrying can help (``retryable``) and names the ids inv
      |    +-- BundleNameError      a wire file name that is not ours
      +-- BrokerError            RabbitMQ unreachable or refusing (transient)
      |    +-- ManagementApiError   the management HTTP API failed
+     |    +-- AmqpConnectionError  could not connect, or the connection died (bridge.amqp)
+     |    |    +-- AmqpAccessRefused   login or vhost refused: fix the URL or permissions
+     |    |    +-- AmqpFrameError      the broker sent bytes that are not AMQP 0-9-1 frames
+     |    +-- AmqpClosed           the broker closed a channel or the connection (reply code)
      +-- StateError             black journal / outbox disagree: stop, do not guess
+     |    +-- SpoolGapError        spool positions asked for are not (or no longer) on disk
      +-- TransportError         a transport could not move a file
+     +-- SpoolFull              black's spool has no room: the tap pauses (retryable)
 """
 
 from __future__ import annotations
@@ -94,12 +100,7 @@ class TransportError(DiodeError):
     retryable = True
 
 
-# -- AMQP client (bridge.amqp) ---------------------------------------------------------------
-#     BrokerError
-#      +-- AmqpConnectionError    could not connect, or the connection died (retryable)
-#      |    +-- AmqpAccessRefused   login or vhost refused: fix the URL or permissions
-#      |    +-- AmqpFrameError      the broker sent bytes that are not AMQP 0-9-1 frames
-#      +-- AmqpClosed             the broker closed a channel or the connection (reply code)
+# -- AMQP client (bridge.amqp) ----------------------------------------------------------------
 __all__ += ["AmqpConnectionError", "AmqpAccessRefused", "AmqpFrameError", "AmqpClosed"]
 
 
@@ -147,11 +148,7 @@ class AmqpClosed(BrokerError):
         self.retryable = reply_code in self.RETRYABLE_CODES
 
 
-# -- Black's spool (bridge.black.spool) --------------------------------------------------------
-#     DiodeError
-#      +-- SpoolFull              no room: quota, min_free_bytes or ENOSPC / EDQUOT (retryable)
-#     StateError
-#      +-- SpoolGapError          spool positions asked for are not (or no longer) on disk
+# -- black's spool (bridge.black.spool) --------------------------------------------------------
 __all__ += ["SpoolFull", "SpoolGapError"]
 
 
