@@ -22,6 +22,7 @@ __all__ = [
     "fsync_dir",
     "shared_lock",
     "tmp_path_for",
+    "write_new_file",
 ]
 
 DIR_MODE = 0o750
@@ -88,6 +89,19 @@ def durable_rename(src: Path, dst: Path) -> None:
     fsync_dir(dst.parent)
 
 
+def write_new_file(path: Path, data: bytes, *, mode: int = FILE_MODE) -> None:
+    """Create ``path`` (it must not exist) with exactly ``mode``, write ``data``, fsync it."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, mode)
+    try:
+        os.fchmod(fd, mode)  # the umask must not decide
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view) :]
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def atomic_write_bytes(final: Path, data: bytes, *, mode: int = FILE_MODE) -> None:
     """Write ``data`` to ``final`` (file mode ``mode``) so readers see the whole file or nothing.
 
@@ -97,15 +111,7 @@ def atomic_write_bytes(final: Path, data: bytes, *, mode: int = FILE_MODE) -> No
     durable_mkdir(final.parent)
     tmp = tmp_path_for(final)
     try:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, mode)
-        try:
-            os.fchmod(fd, mode)  # the umask must not decide
-            view = memoryview(data)
-            while view:
-                view = view[os.write(fd, view) :]
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        write_new_file(tmp, data, mode=mode)
         os.replace(tmp, final)
     except BaseException:
         tmp.unlink(missing_ok=True)

@@ -39,6 +39,7 @@ from bridge.fsutil import (
     fsync_dir,
     shared_lock,
     tmp_path_for,
+    write_new_file,
 )
 from bridge.logs import get_logger, log_event
 from bridge.protocol.naming import MAX_SEQ, parse_bundle_name
@@ -280,15 +281,7 @@ class Outbox:
         """Write ``data`` to a new temp file for ``name`` in the staging dir, fsynced."""
         tmp = self.temp_for(name)
         try:
-            fd = os.open(tmp, _CREATE, FILE_MODE)
-            try:
-                os.fchmod(fd, FILE_MODE)
-                view = memoryview(data)
-                while view:
-                    view = view[os.write(fd, view) :]
-                os.fsync(fd)
-            finally:
-                os.close(fd)
+            write_new_file(tmp, data, mode=FILE_MODE)
         except BaseException as e:
             tmp.unlink(missing_ok=True)
             if isinstance(e, OSError):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pyarrow as pa
 
 from bridge.errors import SchemaVersionError
+from bridge.protocol.properties import PROPERTY_NAMES
 
 __all__ = [
     "ROW_SCHEMA_VERSION",
@@ -17,21 +18,7 @@ __all__ = [
 ROW_SCHEMA_VERSION = 2
 KNOWN_ROW_SCHEMA_VERSIONS = frozenset({2})
 
-PROPERTY_COLUMNS = (
-    "content_type",
-    "content_encoding",
-    "delivery_mode",
-    "priority",
-    "correlation_id",
-    "reply_to",
-    "expiration",
-    "message_id",
-    "timestamp",
-    "type",
-    "user_id",
-    "app_id",
-    "cluster_id",
-)
+PROPERTY_COLUMNS = tuple(n for n in PROPERTY_NAMES if n != "headers")
 """The decoded basic properties besides headers, in column (and AMQP flag) order."""
 
 

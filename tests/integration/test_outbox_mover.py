@@ -35,7 +35,7 @@ from bridge.config import Config, config_from_dict
 from bridge.crypto.gpg import Gpg
 from bridge.crypto.keys import KeyInventory, init_keys
 from bridge.diode import file_drop
-from bridge.diode.file_drop import DROP_LOCK, Outbox, default_staging
+from bridge.diode.file_drop import DROP_LOCK, OUTBOX_DIR_MODE, Outbox, default_staging
 from bridge.errors import ConfigError, StateError, TransportError
 from bridge.fsutil import DIR_MODE, FILE_MODE, exclusive_lock, shared_lock
 from bridge.protocol.bundle import manifest_for, pack_bundle, sha256_hex
@@ -208,8 +208,10 @@ def test_greedy_mover_only_ever_sees_whole_bundles_and_heartbeats(
             n for n in delivered if n.startswith(f"{ch}.")
         )
         assert all(stat.S_IMODE(p.stat().st_mode) == FILE_MODE for p in archived.values())
-    for d in (rig.cfg.black.outbox, rig.cfg.black.archive, rig.outbox.staging):
+    for d in (rig.cfg.black.archive, rig.outbox.staging):
         assert stat.S_IMODE(Path(d).stat().st_mode) == DIR_MODE, d
+    # the outbox is shared with the mover's group, which must be able to take files
+    assert stat.S_IMODE(Path(rig.cfg.black.outbox).stat().st_mode) == OUTBOX_DIR_MODE
 
 
 @pytest.mark.gpg
@@ -322,7 +324,7 @@ def test_file_taken_between_rename_and_fsync_is_a_success(
     hb = rig.heartbeats.beat(rig.cfg.channel("ops"))  # heartbeat: the seq is not given back
     assert race.taken[-1] == hb
     assert rig.heartbeats.beat(rig.cfg.channel("ops")) != hb
-    assert StateStore(Path(rig.cfg.black.state_dir)).load("ops").heartbeat_seq == 2
+    assert rig.heartbeats.last_seq("ops") == 2
     assert listing(rig.cfg.black.outbox) == [] and listing(rig.outbox.staging) == [DROP_LOCK]
     for i, n in enumerate(race.taken):  # every file taken in the window was whole
         assert (tmp_path / f"{i}.{n}").stat().st_size > 0
@@ -374,7 +376,7 @@ def test_heartbeat_that_never_reached_the_outbox_gives_its_seq_back(rig: Rig) ->
     shutil.rmtree(rig.outbox.staging)  # staging write fails: nothing can reach the outbox
     with pytest.raises(TransportError, match="cannot stage"):
         rig.heartbeats.beat(ops)
-    assert StateStore(Path(rig.cfg.black.state_dir)).load("ops").heartbeat_seq == 0
+    assert rig.heartbeats.last_seq("ops") == 0
     assert listing(rig.cfg.black.outbox) == []
     rig.outbox.staging.mkdir()
     assert rig.heartbeats.beat(ops).endswith(".000000000001.dheartbeat")

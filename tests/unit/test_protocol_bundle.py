@@ -12,7 +12,6 @@ import pyarrow.parquet as pq
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from pika.spec import BasicProperties
 
 from bridge.errors import ManifestError, ProtocolError, SchemaVersionError
 from bridge.protocol.bundle import (
@@ -25,6 +24,7 @@ from bridge.protocol.bundle import (
 )
 from bridge.protocol.exchange import ExchangeDecl
 from bridge.protocol.manifest import MANIFEST_KEY, Gap, Manifest
+from bridge.protocol.properties import NO_PROPERTIES, Properties, encode_properties, field_table
 from bridge.protocol.rows import RowBuilder
 from bridge.protocol.schema import row_schema
 
@@ -40,7 +40,10 @@ def build(n: int = 50, *, first: int = 100, channel: str = "orders") -> pa.Table
             ex,
             "ex-a" if i % 3 else "ex-b",
             f"rk.{i}",
-            BasicProperties(message_id=f"m{i}", headers={"i": i, "s": "x" * (i % 5)}),
+            i % 7 == 0,
+            encode_properties(
+                Properties(message_id=f"m{i}", headers=field_table({"i": i, "s": "x" * (i % 5)}))
+            ),
             os.urandom(64) + bytes(i),
         )
     return b.to_table()
@@ -100,7 +103,7 @@ def test_packing_is_deterministic(table: pa.Table, bundle: bytes) -> None:
 
 def test_zero_row_bundle_with_gaps() -> None:
     empty = RowBuilder("orders").to_table()
-    m = manifest(empty, gaps=[Gap(5, 9, "retention")])
+    m = manifest(empty, gaps=[Gap(5, 9, "maxlen")])
     assert (m.rows, m.first_seq, m.exchanges) == (0, None, {})
     got, t = unpack_bundle(pack_bundle(empty, m))
     assert got == m and t.num_rows == 0
@@ -143,7 +146,7 @@ def test_pack_refuses_bad_rows(table: pa.Table) -> None:
         pack_bundle(table, m, zstd_level=0)
 
 
-def forge(table: pa.Table, manifest_json: bytes | None, schema_version: bytes = b"1") -> bytes:
+def forge(table: pa.Table, manifest_json: bytes | None, schema_version: bytes = b"2") -> bytes:
     """A Parquet file built by hand, as a forger would (bypasses pack_bundle's checks)."""
     schema = row_schema().with_metadata({b"diode.schema_version": schema_version})
     sink = pa.BufferOutputStream()
@@ -173,7 +176,7 @@ def test_forged_bundles(table: pa.Table) -> None:
     with pytest.raises(SchemaVersionError):
         unpack_bundle(forge(table, _doc(table, format=2)))
     with pytest.raises(SchemaVersionError):
-        read_manifest(forge(table, _doc(table, schema_version=2)))
+        read_manifest(forge(table, _doc(table, schema_version=1)))
     with pytest.raises(ManifestError, match="schema version"):
         unpack_bundle(forge(table, _doc(table), schema_version=b"7"))
     dup = pa.concat_tables([table, table])
@@ -235,7 +238,7 @@ def test_big_bundle_is_cheap() -> None:
     b = RowBuilder("orders")
     body = os.urandom(1024)
     for i in range(16_000):
-        b.append(i, None, "ex", "rk", BasicProperties(), body)
+        b.append(i, None, "ex", "rk", False, NO_PROPERTIES, body)
     t = b.to_table()
     m, back = unpack_bundle(pack_bundle(t, manifest(t)))
     assert m.rows == 16_000 and back.column("body")[15_999].as_py() == body

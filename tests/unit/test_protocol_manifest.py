@@ -41,7 +41,7 @@ def sample_manifest(**over: Any) -> Manifest:
         "created_at": "2026-01-02T03:04:05.000006Z",
         "bridge_id": "black-1",
         "prev_sha256": "ab" * 32,
-        "gaps": (Gap(0, 9, "stream retention dropped unread messages"),),
+        "gaps": (Gap(0, 9, "maxlen"),),
     }
     fields.update(over)
     return Manifest(**fields)
@@ -78,6 +78,10 @@ def manifests(draw: st.DrawFn) -> Manifest:
         exchanges = {}
     starts = sorted(draw(st.lists(st.integers(0, 2**40), max_size=4, unique=True)))
     gaps = tuple(Gap(s * 2, s * 2, draw(st.text(min_size=1, max_size=20))) for s in starts)
+    inexact: tuple[Gap, ...] = ()
+    if first is not None and last is not None and draw(st.booleans()):
+        lo = draw(st.integers(first, last))
+        inexact = (Gap(lo, draw(st.integers(lo, last)), "quorum-reencoded"),)
     return Manifest(
         channel=draw(channels),
         bundle_seq=bundle_seq,
@@ -90,6 +94,7 @@ def manifests(draw: st.DrawFn) -> Manifest:
         bridge_id=draw(channels),
         prev_sha256=None if bundle_seq == 1 else draw(hexes),
         gaps=gaps,
+        inexact=inexact,
     )
 
 
@@ -120,16 +125,14 @@ def test_manifest_round_trip_is_canonical(m: Manifest) -> None:
         "schema_version",
         "prev_sha256",
         "gaps",
-    }
+    } | ({"inexact"} if m.inexact else set())
 
 
 def test_manifest_wire_form() -> None:
     m = sample_manifest()
     doc = json.loads(m.to_json())
-    assert doc["gaps"] == [
-        {"first_seq": 0, "last_seq": 9, "reason": "stream retention dropped unread messages"}
-    ]
-    assert doc["format"] == 1 and doc["schema_version"] == 1
+    assert doc["gaps"] == [{"first_seq": 0, "last_seq": 9, "reason": "maxlen"}]
+    assert doc["format"] == 1 and doc["schema_version"] == 2
     assert MANIFEST_KEY == b"diode.manifest"
     assert m.created_datetime == datetime(2026, 1, 2, 3, 4, 5, 6, tzinfo=UTC)
 
@@ -216,8 +219,9 @@ def test_first_bundle_has_no_previous_hash() -> None:
         {"format": 2},
         {"format": "1"},
         {"format": None},
-        {"schema_version": 2},
-        {"schema_version": "1"},
+        {"schema_version": 1},
+        {"schema_version": 3},
+        {"schema_version": "2"},
     ],
 )
 def test_unknown_versions_raise_schema_version_error(over: dict[str, Any]) -> None:
