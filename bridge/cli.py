@@ -283,7 +283,7 @@ def black_run(
 
     cfg = _load(config_path)
     run = BlackRun(cfg)  # fails fast on keys/config before Spark starts
-    run.mirror.sync()  # ... and on the broker, the management API and stream arguments
+    run.mirror.sync()  # ... and on the broker, the management API and queue arguments
     if metrics_port:
         serve_metrics(metrics_port)
     spark = get_spark("diode-black")

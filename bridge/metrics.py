@@ -50,28 +50,23 @@ class _Black:
             ["channel", "how"],
             registry=reg,
         )
-        self.tap_delivered = Counter(
-            "bridge_black_tap_delivered",
-            "Deliveries the tap received from a mirror queue",
+        self.tap_events = Gauge(
+            "bridge_black_tap_events",
+            "What the channel's tap counted since it started (delivered, redelivered_skipped, "
+            "reconnects, lost_<reason>, inexact_<reason>), from its status file",
+            ["channel", "event"],
+            registry=reg,
+        )
+        self.spool_end = Gauge(
+            "bridge_black_spool_end",
+            "Next spool position (= next message seq) of the channel: durable up to here",
             ["channel"],
             registry=reg,
         )
-        self.tap_spooled = Counter(
-            "bridge_black_tap_spooled",
-            "Records made durable in the spool (messages and lost markers)",
+        self.tap_status_age = Gauge(
+            "bridge_black_tap_status_age_seconds",
+            "Seconds since the channel's tap last reported (alarm when it grows: tap dead)",
             ["channel"],
-            registry=reg,
-        )
-        self.tap_redelivered_skipped = Counter(
-            "bridge_black_tap_redelivered_skipped",
-            "Redeliveries recognised as already spooled (a crash between fsync and ack)",
-            ["channel"],
-            registry=reg,
-        )
-        self.tap_dead_lettered = Counter(
-            "bridge_black_tap_dead_lettered",
-            "Messages the broker dropped from a mirror queue, by reason (recorded as gaps)",
-            ["channel", "reason"],
             registry=reg,
         )
         self.tap_paused = Gauge(

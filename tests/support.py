@@ -1,8 +1,10 @@
 """Test support shared by integration and scenario tests: an independent bundle reader (plain
-gpg CLI + pyarrow, no bridge code) and the black job as a killable subprocess."""
+gpg CLI + pyarrow, no bridge code), the checks every crash scenario makes on what black shipped,
+the black job as a killable subprocess, and crash-point arming (``bridge.faults``)."""
 
 from __future__ import annotations
 
+import hashlib
 import io
 import json
 import os
@@ -10,12 +12,15 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pyarrow.parquet as pq
 import pytest
+
+from bridge.faults import CRASH_ENV, MARK_ENV
 
 REPO = Path(__file__).resolve().parents[1]
 JOB = REPO / "spark_jobs" / "black_drain.py"
@@ -71,20 +76,123 @@ def bundle_files(outbox: Path) -> list[Path]:
     return sorted(outbox.glob("*.dbundle"))
 
 
+@dataclass(frozen=True)
+class OpenedBundle:
+    """One delivered bundle file, opened with the gpg CLI and pyarrow."""
+
+    path: Path
+    sealed_sha256: str
+    """Of the file as it was delivered (a re-drop of the archived copy has the same)."""
+    plain_sha256: str
+    """Of the plaintext: what the next bundle's ``prev_sha256`` names."""
+    manifest: dict[str, Any]
+    rows: list[dict[str, Any]]
+
+
+def open_bundles(
+    files: Iterable[Path], red_home: Path, black_fpr: str
+) -> dict[int, list[OpenedBundle]]:
+    """Every delivered copy of every bundle, by bundle seq; each name must agree with its
+    authenticated manifest."""
+    out: dict[int, list[OpenedBundle]] = {}
+    for p in files:
+        sealed = p.read_bytes()
+        plain = gpg_open_cli(red_home, p, black_fpr)
+        manifest, rows = read_plain_bundle(plain)
+        channel, seq_txt, bundle_id, suffix = p.name.split(".")[-4:]
+        assert (channel, int(seq_txt), bundle_id, suffix) == (
+            manifest["channel"],
+            manifest["bundle_seq"],
+            manifest["bundle_id"],
+            "dbundle",
+        ), f"{p.name}: name and manifest disagree"
+        out.setdefault(manifest["bundle_seq"], []).append(
+            OpenedBundle(
+                p,
+                hashlib.sha256(sealed).hexdigest(),
+                hashlib.sha256(plain).hexdigest(),
+                manifest,
+                rows,
+            )
+        )
+    return out
+
+
+def check_chain(
+    by_seq: dict[int, list[OpenedBundle]], *, channel: str, max_rows: int
+) -> list[dict[str, Any]]:
+    """Assert what every crash scenario promises of one channel's bundles; returns the rows.
+
+    Bundle seqs 1..N gapless; every copy of bundle N the same plaintext (a re-delivery or a
+    bundle re-created after a crash is identical to the first delivery); the hash chain
+    intact; manifests agree with their rows; no gaps; message seqs 0..M-1 gapless, each once.
+    """
+    assert sorted(by_seq) == list(range(1, len(by_seq) + 1)), f"bundle seqs {sorted(by_seq)}"
+    prev: str | None = None
+    rows_all: list[dict[str, Any]] = []
+    for bseq in sorted(by_seq):
+        copies = by_seq[bseq]
+        first = copies[0]
+        for c in copies[1:]:
+            assert (c.plain_sha256, c.manifest) == (first.plain_sha256, first.manifest), (
+                f"bundle {bseq} delivered twice with different contents: {first.path.name}, "
+                f"{c.path.name}"
+            )
+        m, rows = first.manifest, first.rows
+        assert m["format"] == 1 and m["channel"] == channel and m["schema_version"] == 2
+        assert m["prev_sha256"] == prev, f"hash chain broken at bundle {bseq}"
+        assert m["gaps"] == [], f"bundle {bseq} reports gaps {m['gaps']}"
+        assert m["rows"] == len(rows) and 0 < len(rows) <= max_rows, (bseq, m["rows"])
+        assert (m["first_seq"], m["last_seq"]) == (rows[0]["seq"], rows[-1]["seq"]), bseq
+        counts: dict[str, int] = {}
+        for r in rows:
+            assert r["channel"] == channel
+            counts[r["exchange"]] = counts.get(r["exchange"], 0) + 1
+        assert m["exchanges"] == counts, bseq
+        prev = first.plain_sha256
+        rows_all.extend(rows)
+    seqs = [r["seq"] for r in rows_all]
+    assert seqs == list(range(len(seqs))), "message seqs are not gapless / unique / ordered"
+    return rows_all
+
+
+def check_messages(
+    rows: Sequence[dict[str, Any]], sent: Sequence[tuple[str, str, bytes, bytes]]
+) -> None:
+    """Every message published once, in publish order, with exchange, routing key, property
+    bytes and body exactly as sent."""
+    assert len(rows) == len(sent), f"{len(rows)} messages sealed, {len(sent)} published"
+    for r, (ex, rk, props, body) in zip(rows, sent, strict=True):
+        got = (r["exchange"], r["routing_key"], r["properties_raw"], r["body"])
+        assert got == (ex, rk, props, body), f"seq {r['seq']} differs from what was published"
+
+
 # ---------------------------------------------------------------------- the job as a process
 class BlackJob:
     """``spark_jobs/black_drain.py`` in its own process group, so SIGKILL reaches the JVM too."""
 
-    def __init__(self, cfg_path: Path, trigger: str, log_dir: Path, *, tag: str = "job") -> None:
-        env = dict(os.environ)
-        env.update(
-            PYTHONPATH=os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]).rstrip(os.pathsep),
+    def __init__(
+        self,
+        cfg_path: Path,
+        trigger: str,
+        log_dir: Path,
+        *,
+        tag: str = "job",
+        env: dict[str, str] | None = None,
+    ) -> None:
+        """``env``: extra environment for the job and the taps it starts (e.g. crash_env())."""
+        full = dict(os.environ)
+        for k in (CRASH_ENV, MARK_ENV, "DIODE_CONFIG"):
+            full.pop(k, None)
+        full.update(
+            PYTHONPATH=os.pathsep.join([str(REPO), full.get("PYTHONPATH", "")]).rstrip(os.pathsep),
             DIODE_LOG_LEVEL="INFO",
             DIODE_LOG_FORMAT="json",
             PYSPARK_PYTHON=sys.executable,
             PYSPARK_DRIVER_PYTHON=sys.executable,
         )
-        env.pop("DIODE_CONFIG", None)
+        full.update(env or {})
+        env = full
         self.stdout_path = log_dir / f"{tag}-{trigger}.stdout"
         self.stderr_path = log_dir / f"{tag}-{trigger}.stderr"
         self._out = open(self.stdout_path, "wb")  # noqa: SIM115 - closed by kill()/wait()
@@ -118,6 +226,16 @@ class BlackJob:
             return self.proc.wait(timeout=timeout)
         finally:
             self._close()
+
+    @property
+    def returncode(self) -> int | None:
+        return self.proc.poll()
+
+    def summary(self) -> dict[str, Any]:
+        """The run summary the job prints on stdout when it ends normally."""
+        lines = [x for x in self.stdout_path.read_text().splitlines() if x.startswith('{"batches"')]
+        assert lines, f"the job printed no summary:\n{self.tail()}"
+        return dict(json.loads(lines[-1]))
 
     def log_events(self) -> list[dict[str, Any]]:
         """The bridge's JSON log lines (Spark's own lines are skipped)."""
@@ -156,3 +274,30 @@ def wait_for(
     pytest.fail(
         f"timed out after {timeout}s waiting for {what}" + (f":\n{job.tail()}" if job else "")
     )
+
+
+# ---------------------------------------------------------------------- crash points, taps
+def crash_env(point: str, mark: Path, nth: int = 1) -> dict[str, str]:
+    """Environment arming crash point ``point`` to fire the ``nth`` time it is reached; the
+    process appends the point to ``mark`` before it SIGKILLs itself."""
+    return {CRASH_ENV: f"{point}:{nth}", MARK_ENV: str(mark)}
+
+
+def crash_marks(mark: Path) -> list[str]:
+    """The crash points that fired, in order (the mark file's lines)."""
+    return mark.read_text().split() if mark.exists() else []
+
+
+def tap_pid(state_dir: Path, channel: str) -> int | None:
+    """Pid of the channel's running tap process (from ``tap-<channel>.json``), None if the
+    status names no live ``black tap`` process."""
+    try:
+        pid = int(json.loads((state_dir / f"tap-{channel}.json").read_bytes())["pid"])
+        cmd = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    zombie = stat.rsplit(")", 1)[-1].split()[0] == "Z"
+    if zombie or b"tap" not in cmd or channel.encode() not in cmd:
+        return None
+    return pid

@@ -31,7 +31,7 @@ from bridge.black.state import ChannelState, StateStore
 from bridge.config import ChannelConfig, Config
 from bridge.crypto.gpg import Gpg
 from bridge.diode.file_drop import Outbox
-from bridge.errors import StateError
+from bridge.errors import ManifestError, StateError
 from bridge.faults import crash_point
 from bridge.logs import get_logger, log_event
 from bridge.metrics import BLACK
@@ -281,15 +281,18 @@ class BundleSealer:
             plain_bytes = int(st.pending.get("plaintext_bytes", 0))
             return self._commit(channel, st, manifest, want, size, plain_bytes)
         rows = self._rows_of(manifest, table)
-        plain = pack_bundle(rows, manifest, zstd_level=self.cfg.black.bundle.zstd_level)
-        sha = sha256_hex(plain)
+        try:
+            plain = pack_bundle(rows, manifest, zstd_level=self.cfg.black.bundle.zstd_level)
+            sha: str | None = sha256_hex(plain)
+        except ManifestError:  # rows missing or changed: it cannot rebuild, so re-seal
+            sha = None
         if sha == want:
             log_event(
                 log, 30, "re-creating a bundle interrupted by a crash (byte-identical)",
                 channel=channel.name, bundle_seq=manifest.bundle_seq, bundle_id=manifest.bundle_id,
             )  # fmt: skip
             BLACK.bundles_recovered.labels(channel.name, "rebuilt").inc()
-            return self._ship(channel, st, manifest, plain, sha)
+            return self._ship(channel, st, manifest, plain, want)
         manifest = self._reseal_manifest(manifest, rows)
         plain = pack_bundle(rows, manifest, zstd_level=self.cfg.black.bundle.zstd_level)
         sha = sha256_hex(plain)

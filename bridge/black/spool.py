@@ -653,6 +653,8 @@ class SpoolWriter:
         """Buffer ``count`` lost records (messages the broker dropped); their seqs become gaps."""
         if count < 1:
             raise ValueError(f"spool append_lost: count {count} < 1")
+        if not reason:
+            raise ValueError("spool append_lost: a lost record needs a reason")
         first = self._durable_end + len(self._bodies)
         i = len(self._bodies)
         self._ex.extend([exchange] * count)

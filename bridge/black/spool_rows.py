@@ -56,11 +56,14 @@ def spool_batch_to_rows(
         catalog,
     )
     reason = batch.column("reason")
-    if reason.null_count == len(batch):
-        lost_reasons = inexact = pa.nulls(len(batch), pa.string())
+    none = pa.scalar(None, pa.string())
+    if any_lost:  # a lost record is a gap whatever its reason says ("lost" if it says nothing)
+        lost_reasons = pc.if_else(lost, pc.fill_null(reason, "lost"), none)
     else:
-        none = pa.scalar(None, pa.string())
-        lost_reasons = pc.if_else(lost, reason, none)
+        lost_reasons = pa.nulls(len(batch), pa.string())
+    if reason.null_count == len(batch):
+        inexact = pa.nulls(len(batch), pa.string())
+    else:
         inexact = pc.if_else(lost, none, reason)
     return pa.RecordBatch.from_arrays(
         [*rows.columns, lost_reasons, inexact], schema=source_schema()

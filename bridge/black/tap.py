@@ -40,6 +40,7 @@ from bridge.black.state import StateStore
 from bridge.config import Config
 from bridge.errors import (
     AmqpAccessRefused,
+    AmqpConnectionError,
     BrokerError,
     ConfigError,
     DiodeError,
@@ -50,7 +51,6 @@ from bridge.errors import (
 from bridge.faults import crash_point
 from bridge.fsutil import atomic_write_bytes
 from bridge.logs import get_logger, log_event
-from bridge.metrics import BLACK
 from bridge.protocol.properties import decode_properties, encode_properties
 
 __all__ = ["Tap", "TapStatus", "tap_status", "DELIVERY_COUNT_HEADER"]
@@ -68,12 +68,15 @@ RELEASE_EVERY_S = 2.0
 STATUS_EVERY_S = 1.0
 RETRY_FULL_S = 1.0
 MAX_BACKOFF_S = 30.0
+SPOOL_LOST = "spool_lost"
+MAX_LOST_SPOOL = 10_000_000
 IDLE_RECORD_S = 1.0
 
 
 @dataclass
 class TapStatus:
-    """What a tap tells ``diode status`` and the job (``state_dir/tap-<channel>.json``)."""
+    """What a tap tells ``diode status`` and the job (``state_dir/tap-<channel>.json``); the
+    job exports it as metrics (a tap process serves none of its own)."""
 
     channel: str
     pid: int = 0
@@ -81,6 +84,7 @@ class TapStatus:
     acked_through: int = -1
     paused: str | None = None
     idle: bool = False
+    spool_bytes: int = 0
     updated: float = 0.0
     counters: dict[str, int] = field(default_factory=dict)
 
@@ -209,6 +213,7 @@ class Tap:
                     "new spool after the shipped seq; nothing shipped is lost) — see "
                     "docs/runbook.md, 'spool lost'"
                 )
+            self._account_lost_spool(spool)
             backoff = 0.5
             while not self._stop.is_set():
                 self._load_candidates(spool)
@@ -236,6 +241,29 @@ class Tap:
             spool.close()
             self._write_status(spool, force=True)
         return self.status
+
+    def _account_lost_spool(self, spool: SpoolWriter) -> None:
+        """A spool that ends before what this tap last made durable was lost or restored from
+        an older copy: the positions in between were acked to the broker and are gone. They
+        become lost records (reason ``spool_lost``), so red sees a gap, not silence."""
+        last = tap_status(self.cfg, self.channel)
+        if last is None or last.durable_end <= spool.next_pos:
+            return
+        n = last.durable_end - spool.next_pos
+        if n > MAX_LOST_SPOOL:
+            raise StateError(
+                f"channel {self.channel!r}: the spool ends at {spool.next_pos} but the tap had "
+                f"made {last.durable_end} durable ({n} positions gone): too many to record one "
+                "by one. Check the spool directory and tap-*.json; see docs/runbook.md, "
+                "'spool lost'"
+            )
+        log_event(
+            log, 50, "spool lost: acked messages that never shipped recorded as a gap",
+            channel=self.channel, first_seq=spool.next_pos, last_seq=last.durable_end - 1,
+        )  # fmt: skip
+        spool.append_lost("", "", SPOOL_LOST, n)
+        spool.sync(spool.acked_through)
+        self._bump(f"lost_{SPOOL_LOST}", n)
 
     def _sync_after_loss(self, spool: SpoolWriter) -> None:
         if not spool.pending:
@@ -323,6 +351,11 @@ class Tap:
                     self._take_dead(spool, d)
             for token in events.syncs:
                 confirmed = max(confirmed, syncs.pop(token, confirmed))
+            for cancel in events.cancels:  # queue deleted, or a node went down: consume afresh
+                raise AmqpConnectionError(
+                    f"the broker cancelled consumer {cancel.consumer_tag!r} of channel "
+                    f"{self.channel!r} (its mirror queue was deleted or moved): reconnecting"
+                )
             now = time.monotonic()
             if events.deliveries:
                 quiet_since = now
@@ -340,9 +373,18 @@ class Tap:
                         log_event(log, 40, f"tap paused: {e}", channel=self.channel)
                         full_logged = True
                     self.status.paused = str(e)
-                    BLACK.tap_paused.labels(self.channel).set(1)
                     self._write_status(spool, force=True)
+                    if self.until_empty:
+                        # a scheduled run: nothing will be shipped until the taps end, so stop
+                        # here; what is not durable was never acked and stays in the broker
+                        spool.discard_pending()
+                        log_event(
+                            log, 30, "spool full: this run seals what the spool holds; the rest "
+                            "waits in the broker for the next run", channel=self.channel,
+                        )  # fmt: skip
+                        return
                     self._stop.wait(RETRY_FULL_S)
+                    self._release(spool)  # black may have shipped meanwhile: room comes back
                     continue
                 crash_point("tap.after_sync")
                 if full_logged:
@@ -351,7 +393,6 @@ class Tap:
                     )
                     full_logged = False
                     self.status.paused = None
-                    BLACK.tap_paused.labels(self.channel).set(0)
                 if last_main > acked_main:
                     main.ack(last_main, multiple=True)
                     acked_main = last_main
@@ -403,6 +444,8 @@ class Tap:
                         break
                     self._consume(main, dead)  # more came: go on draining
                     cancelled = False
+        if confirmed > spool.acked_through and not spool.pending:
+            spool.sync(confirmed)  # record the last proven ack: the next run releases more
         self.status.idle = True
 
     def _backlog(self, chan: Any, settle_s: float = 30.0) -> int:
@@ -442,7 +485,6 @@ class Tap:
                 if self._candidates[fp] > 0:
                     self._candidates[fp] -= 1
                     self._bump("redelivered_skipped")
-                    BLACK.tap_redelivered_skipped.labels(self.channel).inc()
                     return
         exchange, rk = d.exchange, d.routing_key
         if not (exchange.isascii() and rk.isascii()):
@@ -459,7 +501,6 @@ class Tap:
         exchange, rk, _ = _text_names(exchange, d.routing_key)
         spool.append_lost(exchange, rk, reason)
         self._bump(f"lost_{reason}")
-        BLACK.tap_dead_lettered.labels(self.channel, reason).inc()
         log_event(
             log, 40, "the broker dropped a message from the mirror queue: recorded as a gap",
             channel=self.channel, reason=reason, exchange=exchange, pos=spool.next_pos - 1,
@@ -486,7 +527,7 @@ class Tap:
         self.status.durable_end = spool.durable_end
         self.status.acked_through = spool.acked_through
         self.status.updated = now
-        BLACK.spool_bytes.labels(self.channel).set(spool.used_bytes())
+        self.status.spool_bytes = spool.used_bytes()
         atomic_write_bytes(
             status_path(self.cfg, self.channel), json.dumps(asdict(self.status)).encode()
         )

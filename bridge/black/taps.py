@@ -16,16 +16,33 @@ import threading
 import time
 from dataclasses import dataclass, field
 
+from bridge.black.tap import tap_status
 from bridge.config import Config
 from bridge.errors import BrokerError, ConfigError, DiodeError
 from bridge.logs import get_logger, log_event
+from bridge.metrics import BLACK
 
-__all__ = ["TapSupervisor", "tap_command", "run_taps_until_empty"]
+__all__ = ["TapSupervisor", "tap_command", "run_taps_until_empty", "export_tap_metrics"]
 
 log = get_logger("bridge.black.taps")
 
 EXIT_CONFIG = 2
 MAX_BACKOFF_S = 30.0
+
+
+def export_tap_metrics(cfg: Config) -> None:
+    """Publish each tap's last status (its own process serves no /metrics) as gauges."""
+    now = time.time()
+    for ch in cfg.channels:
+        st = tap_status(cfg, ch.name)
+        if st is None:
+            continue
+        BLACK.spool_end.labels(ch.name).set(st.durable_end)
+        BLACK.spool_bytes.labels(ch.name).set(st.spool_bytes)
+        BLACK.tap_paused.labels(ch.name).set(1 if st.paused else 0)
+        BLACK.tap_status_age.labels(ch.name).set(max(0.0, now - st.updated))
+        for event, n in st.counters.items():
+            BLACK.tap_events.labels(ch.name, event).set(n)
 
 
 def tap_command(cfg: Config, channel: str, *, until_empty: bool = False) -> list[str]:
@@ -108,8 +125,12 @@ class TapSupervisor:
                     p.proc.wait()
 
     def _run(self) -> None:
+        exported = 0.0
         while not self._stop.wait(0.2):
             now = time.monotonic()
+            if now - exported >= 1.0:
+                export_tap_metrics(self.cfg)
+                exported = now
             for p in self.procs.values():
                 if p.proc is None:
                     if now >= p.next_start:

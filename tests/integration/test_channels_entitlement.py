@@ -7,7 +7,6 @@ import json
 import subprocess
 from pathlib import Path
 
-import pika
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
@@ -18,16 +17,26 @@ from bridge.config import config_from_dict
 from bridge.crypto.gpg import Gpg
 from bridge.crypto.keys import init_keys
 from bridge.diode.file_drop import Outbox
-from bridge.protocol.rows import RowBuilder
+from bridge.protocol.properties import Properties, encode_properties
+from bridge.protocol.rows import build_rows
 
 pytestmark = pytest.mark.gpg
 
 
 def _rows(channel: str, n: int) -> pa.Table:
-    b = RowBuilder(channel)
-    for i in range(n):
-        b.append(i, None, "x", "k", pika.BasicProperties(message_id=f"{channel}-{i}"), b"%d" % i)
-    return b.to_table()
+    """``n`` rows of row schema v2, seq = spool position 0..n-1."""
+    props = [encode_properties(Properties(message_id=f"{channel}-{i}")) for i in range(n)]
+    batch = build_rows(
+        channel,
+        range(n),
+        ["x"] * n,
+        ["k"] * n,
+        [False] * n,
+        props,
+        [b"%d" % i for i in range(n)],
+        {},
+    )
+    return pa.Table.from_batches([batch])
 
 
 def _gpg(home: Path, *args: str) -> subprocess.CompletedProcess[bytes]:
@@ -78,7 +87,7 @@ def test_recipients_per_channel_and_plaintext_opt_out(short_tmp: Path) -> None:
     outbox = Outbox(cfg.black.outbox, cfg.black.archive, retention_days=1)
     sealer = BundleSealer(cfg, store=StateStore(cfg.black.state_dir), gpg=gpg, outbox=outbox)
     for ch in cfg.channels:
-        shipped = sealer.seal_rows(ch, _rows(ch.name, 5), first_retained=lambda: 0)
+        shipped = sealer.seal_rows(ch, _rows(ch.name, 5))
         assert [b.bundle_seq for b in shipped] == [1]  # each channel has its own sequence
 
     def can_read(home: Path, name: str) -> bool:
@@ -90,6 +99,8 @@ def test_recipients_per_channel_and_plaintext_opt_out(short_tmp: Path) -> None:
                 pq.ParquetFile(short_tmp / "out.parquet").metadata.metadata[b"diode.manifest"]
             )
             assert m["channel"] == name and m["rows"] == 5
+            ids = pq.read_table(short_tmp / "out.parquet").column("message_id").to_pylist()
+            assert ids == [f"{name}-{i}" for i in range(5)]
         return ok
 
     assert can_read(homes["ops"], "ops") and not can_read(homes["audit"], "ops")

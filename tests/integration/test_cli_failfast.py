@@ -1,12 +1,17 @@
 """Integration: misconfiguration fails fast through the real `diode` CLI with a message that
-says how to fix it (unknown key, missing recipient key, unreachable broker)."""
+says how to fix it (unknown key, missing recipient key, unreachable broker, a config holding
+secrets that others can read).
+
+"Fast" is proven by order, not by a stopwatch: every run has a poisoned ``JAVA_HOME``, so a
+command that started Spark before checking its config would die of the Java gateway instead of
+printing the expected message."""
 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -16,6 +21,9 @@ from bridge.crypto.keys import init_keys
 pytestmark = [pytest.mark.gpg]
 
 DIODE = [sys.executable, "-m", "bridge.cli"]
+NO_JAVA = "/nonexistent/diode-test-no-java"
+SPARK_STARTED = ("JAVA_GATEWAY", "Java gateway", NO_JAVA)
+"""What the output holds if a command reached ``get_spark`` (the JVM cannot start)."""
 
 
 def _cfg(work: Path, black: str, recipients: list[str], amqp: str, extra: str = "") -> Path:
@@ -26,19 +34,25 @@ def _cfg(work: Path, black: str, recipients: list[str], amqp: str, extra: str = 
         f'[black]\namqp_url = "{amqp}"\ngnupg_home = "keys/black"\nsigning_key = "{black}"\n'
         f'management_url = "http://127.0.0.1:9"\n{extra}'
     )
+    p.chmod(0o600)  # it holds secrets (the AMQP password): only its owner may read it
     return p
 
 
-def _run(*args: str, timeout: float = 60) -> tuple[int, str, float]:
-    t0 = time.monotonic()
+def _run(*args: str, timeout: float = 120) -> tuple[int, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("DIODE__", "DIODE_CONFIG"))}
+    env["JAVA_HOME"] = NO_JAVA
     r = subprocess.run(
         [*DIODE, "--log-format", "text", *args],
         capture_output=True,
         text=True,
-        timeout=timeout,
+        timeout=timeout,  # a hang guard, not a measurement
         check=False,
+        env=env,
     )
-    return r.returncode, r.stdout + r.stderr, time.monotonic() - t0
+    out = r.stdout + r.stderr
+    assert not any(s in out for s in SPARK_STARTED), f"{args} started Spark first:\n{out}"
+    assert "Traceback" not in out, out
+    return r.returncode, out
 
 
 def test_unknown_key(short_tmp: Path) -> None:
@@ -50,9 +64,27 @@ def test_unknown_key(short_tmp: Path) -> None:
         "amqp://guest:guest@127.0.0.1:5672/%2F",
         extra="trigger_second = 5\n",
     )
-    code, out, _ = _run("check", "--config", str(p))
-    assert code == 2
-    assert "black.trigger_second" in out and "unknown key" in out and "diode.example.toml" in out
+    for cmd in (["check"], ["black", "run", "--trigger", "available-now"]):
+        code, out = _run(*cmd, "--config", str(p))
+        assert code == 2, out
+        assert "black.trigger_second" in out and "unknown key" in out, out
+        assert "diode.example.toml" in out, out
+
+
+def test_removed_stream_keys_are_rejected(short_tmp: Path) -> None:
+    """Keys of the stream-queue design are gone: a config still holding one is an error."""
+    inv = init_keys(short_tmp / "keys")
+    p = _cfg(
+        short_tmp,
+        inv.black_fpr,
+        list(inv.red_fprs.values()),
+        "amqp://guest:guest@127.0.0.1:5672/%2F",
+        extra='stream_prefix = "diode."\nread_partitions = 2\n',
+    )
+    code, out = _run("check", "--config", str(p))
+    assert code == 2, out
+    assert "unknown key" in out, out
+    assert "black.stream_prefix" in out or "black.read_partitions" in out, out
 
 
 def test_missing_recipient_key(short_tmp: Path) -> None:
@@ -65,11 +97,12 @@ def test_missing_recipient_key(short_tmp: Path) -> None:
         "amqp://guest:guest@127.0.0.1:5672/%2F",
     )
     for cmd in (["check"], ["black", "run", "--trigger", "available-now"]):
-        code, out, secs = _run(*cmd, "--config", str(p))
+        code, out = _run(*cmd, "--config", str(p))
         assert code != 0
         assert stranger in out and "c1" in out and "import" in out, out
-        assert "Traceback" not in out
-        assert secs < 20, f"{cmd} took {secs:.1f}s: must fail before Spark starts"
+    # nothing of the run was set up: it stopped before the mirror, the spool and Spark
+    assert not (short_tmp / "black" / "checkpoint").exists()
+    assert not (short_tmp / "black" / "spool").exists()
 
 
 def test_unreachable_broker(short_tmp: Path) -> None:
@@ -78,9 +111,23 @@ def test_unreachable_broker(short_tmp: Path) -> None:
         short_tmp, inv.black_fpr, list(inv.red_fprs.values()), "amqp://guest:s3cret@127.0.0.1:1/%2F"
     )
     for cmd in (["check"], ["black", "run", "--trigger", "available-now"], ["mirror"]):
-        code, out, secs = _run(*cmd, "--config", str(p))
+        code, out = _run(*cmd, "--config", str(p))
         assert code != 0, out
         assert "127.0.0.1:1" in out and "amqp_url" in out, out
         assert "s3cret" not in out, "credentials must never be printed"
-        assert "Traceback" not in out
-        assert secs < 20, f"{cmd} took {secs:.1f}s"
+    assert not (short_tmp / "black" / "checkpoint").exists()
+
+
+def test_config_with_secrets_readable_by_others(short_tmp: Path) -> None:
+    inv = init_keys(short_tmp / "keys")
+    p = _cfg(
+        short_tmp,
+        inv.black_fpr,
+        list(inv.red_fprs.values()),
+        "amqp://guest:s3cret@127.0.0.1:5672/%2F",
+    )
+    p.chmod(0o644)
+    code, out = _run("check", "--config", str(p))
+    assert code == 1, out
+    assert "chmod 600" in out and str(p) in out and "black.amqp_url" in out, out
+    assert "s3cret" not in out, "credentials must never be printed"

@@ -1,4 +1,5 @@
-"""Black, mirror: exchanges -> stream queue on a real vhost (bindings, catalog, offsets)."""
+"""Black, mirror: exchanges -> durable mirror queue per channel on a real vhost (bindings,
+catalog, dead-lettering, queue types)."""
 
 from __future__ import annotations
 
@@ -6,31 +7,39 @@ import socket
 import time
 import urllib.parse
 from collections import Counter
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pika
-import pika.exceptions
 import pytest
 import requests
+from pika.adapters.blocking_connection import BlockingChannel
 from pydantic import SecretStr
 
 from bridge.black.catalog import load_catalog
 from bridge.black.management import ManagementClient
 from bridge.black.mirror import Mirror, MirrorLoop
-from bridge.black.plan import stream_queue_name
-from bridge.black.streams import stream_bounds, stream_tail
+from bridge.black.plan import dead_letter_exchange, dead_queue_name, mirror_queue_name
 from bridge.config import BlackConfig, ChannelConfig, Config
 from bridge.errors import BrokerError, ConfigError, ManagementApiError
 from bridge.protocol.exchange import ExchangeDecl
+from tests.conftest import Vhost
 
 pytestmark = pytest.mark.broker
 
 FPR = "A" * 40
+AUTH = ("guest", "guest")
+QUEUE = "diode.mirror.c1"
+DEAD_QUEUE = "diode.mirror.c1.dead"
+DLX = "diode.mirror.dead-letter"
+
+Got = tuple[str, str, dict[str, Any], bytes]
+"""(exchange, routing key, headers, body) of one message read back from a queue."""
 
 
 def make_cfg(
-    vhost: Any, state: Path, *, black: dict[str, Any] | None = None, **channel: Any
+    vhost: Vhost, state: Path, *, black: dict[str, Any] | None = None, **channel: Any
 ) -> Config:
     ch = ChannelConfig(name="c1", recipients=[FPR], **channel)
     b = BlackConfig(
@@ -48,31 +57,48 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def consume_all(url: str, queue: str, expect: int, *, timeout: float = 10.0) -> list[tuple]:
-    """(offset, exchange, routing key, headers, body) from offset 'first', until idle."""
+def api(vhost: Vhost, path: str) -> Any:
+    """GET ``/api/<path>/<vhost>/...`` from the management API (``{v}`` is the vhost)."""
+    v = urllib.parse.quote(vhost.name, safe="")
+    r = requests.get(f"{vhost.management_url}/api/{path.format(v=v)}", auth=AUTH, timeout=10)
+    r.raise_for_status()
+    return r.json()
+
+
+def drain(url: str, queue: str, expect: int, *, timeout: float = 10.0) -> list[Got]:
+    """Consume ``queue`` until ``expect`` messages came and it stays quiet a moment; acks all."""
     conn = pika.BlockingConnection(pika.URLParameters(url))
-    got: list[tuple] = []
+    got: list[Got] = []
     try:
         ch = conn.channel()
         ch.basic_qos(prefetch_count=500)
 
-        def on(c: Any, m: Any, p: pika.BasicProperties, body: bytes) -> None:
-            h = dict(p.headers or {})
-            got.append((h.pop("x-stream-offset"), m.exchange, m.routing_key, h, body))
+        def on(c: BlockingChannel, m: Any, p: pika.BasicProperties, body: bytes) -> None:
+            got.append((m.exchange, m.routing_key, dict(p.headers or {}), body))
             c.basic_ack(m.delivery_tag)
 
-        ch.basic_consume(queue, on, arguments={"x-stream-offset": "first"})
+        ch.basic_consume(queue, on)
         deadline = time.monotonic() + timeout
         while len(got) < expect and time.monotonic() < deadline:
             conn.process_data_events(time_limit=0.1)
         conn.process_data_events(time_limit=0.5)  # anything beyond `expect` would show up here
     finally:
-        conn.close()  # not stop_consuming(): streams refuse its rejects
+        conn.close()
     return got
 
 
+def depth(ch: BlockingChannel, queue: str, want: int, timeout: float = 5.0) -> int:
+    """Ready messages of ``queue`` once it reaches ``want`` (or ``timeout`` passes)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        n = int(ch.queue_declare(queue, passive=True).method.message_count)
+        if n == want or time.monotonic() > deadline:
+            return n
+        time.sleep(0.05)
+
+
 @pytest.fixture
-def amqp(black_vhost: Any):
+def amqp(black_vhost: Vhost) -> Iterator[BlockingChannel]:
     conn = pika.BlockingConnection(pika.URLParameters(black_vhost.amqp_url))
     ch = conn.channel()
     ch.confirm_delivery()
@@ -80,7 +106,7 @@ def amqp(black_vhost: Any):
     conn.close()
 
 
-def declare_world(ch: Any) -> None:
+def declare_world(ch: BlockingChannel) -> None:
     ch.exchange_declare("ev.fan", "fanout", durable=True)
     ch.exchange_declare("ev.topic", "topic", durable=True)
     ch.exchange_declare("ev.hdr", "headers", durable=False, auto_delete=True)
@@ -91,16 +117,23 @@ def declare_world(ch: Any) -> None:
     ch.exchange_declare("ev.ae", "topic", durable=True, arguments={"alternate-exchange": "ev.fan"})
     ch.exchange_declare("ingress", "fanout", durable=True)  # not matched by the channel
     ch.exchange_bind(destination="ev.internal", source="ingress")
-    # a second route to the stream for ev.fan messages: they must still arrive once
+    # a second route to the mirror queue for ev.fan messages: they must still arrive once
     ch.exchange_bind(destination="ev.topic", source="ev.fan")
 
 
-def pub(ch: Any, exchange: str, rk: str, body: bytes, headers: dict | None = None) -> None:
-    ch.basic_publish(exchange, rk, body, pika.BasicProperties(headers=headers))
+def pub(
+    ch: BlockingChannel,
+    exchange: str,
+    rk: str,
+    body: bytes,
+    headers: dict[str, Any] | None = None,
+    **props: Any,
+) -> None:
+    ch.basic_publish(exchange, rk, body, pika.BasicProperties(headers=headers, **props))
 
 
 def test_sync_mirrors_every_exchange_type_exactly_once(
-    black_vhost: Any, amqp: Any, tmp_path: Path
+    black_vhost: Vhost, amqp: BlockingChannel, tmp_path: Path
 ) -> None:
     declare_world(amqp)
     cfg = make_cfg(
@@ -115,11 +148,28 @@ def test_sync_mirrors_every_exchange_type_exactly_once(
     report = mirror.sync()
     r = report.channels["c1"]
     mirrored = ["ev.ae", "ev.direct", "ev.fan", "ev.hdr", "ev.internal", "ev.topic"]
-    assert r.queue == "diode.mirror.c1"
+    assert r.queue == QUEUE == mirror_queue_name(cfg.black, "c1")
     assert r.bound == mirrored and r.newly_bound == mirrored
     assert r.unbound_direct == ["ev.nokeys"]
     assert r.skipped == ["'ev.denied': denied by channels[c1].deny pattern 'ev.denied'"]
     assert report.vhost == black_vhost.name
+
+    # the bindings on the broker are the catch-all ones, one per direct routing key
+    rows = api(black_vhost, f"queues/{{v}}/{QUEUE}/bindings")
+    bindings = sorted(
+        (b["source"], b["routing_key"], sorted((b.get("arguments") or {}).items()))
+        for b in rows
+        if b["source"]
+    )
+    assert bindings == [
+        ("ev.ae", "#", []),
+        ("ev.direct", "a", []),
+        ("ev.direct", "b", []),
+        ("ev.fan", "", []),
+        ("ev.hdr", "", [("x-match", "all")]),
+        ("ev.internal", "", []),
+        ("ev.topic", "#", []),
+    ]
 
     # the catalog holds every declaration of the vhost, flags and arguments included
     cat = load_catalog(catalog_path)
@@ -155,23 +205,116 @@ def test_sync_mirrors_every_exchange_type_exactly_once(
     for ex, rk, body in not_mirrored:
         pub(amqp, ex, rk, body)
 
-    got = consume_all(black_vhost.amqp_url, r.queue, len(expected))
-    assert [g[0] for g in got] == list(range(len(expected)))  # contiguous 0..N-1
-    seen = Counter((g[1], g[2], g[4]) for g in got)
-    assert seen == Counter((e[0], e[1], e[2]) for e in expected)  # each exactly once
-    by_body = {g[4]: g for g in got}
-    assert by_body[b"hdr-with"][3] == {"k": "v", "n": 1}
-    assert by_body[b"hdr-without"][3] == {}
+    got = drain(black_vhost.amqp_url, r.queue, len(expected))
+    assert [g[3] for g in got] == [e[2] for e in expected], "in publish order, each once"
+    assert Counter((g[0], g[1], g[3]) for g in got) == Counter((e[0], e[1], e[2]) for e in expected)
+    by_body = {g[3]: g for g in got}
+    assert by_body[b"hdr-with"][2] == {"k": "v", "n": 1}
+    assert by_body[b"hdr-without"][2] == {}
     # a message routed through an exchange-to-exchange binding carries the exchange it was
     # published to, which is why the catalog holds every exchange of the vhost
-    assert by_body[b"via-internal"][1] == "ingress"
+    assert by_body[b"via-internal"][0] == "ingress"
+    # nothing was dropped on the way: the dead queue is empty
+    assert depth(amqp, DEAD_QUEUE, 0) == 0
 
-    assert stream_bounds(cfg, "c1") == (0, len(expected))
-    assert stream_tail(cfg, "c1") == len(expected)
+
+def test_dead_letter_exchange_and_queue_are_declared_and_not_mirrored(
+    black_vhost: Vhost, amqp: BlockingChannel, tmp_path: Path
+) -> None:
+    """The mirror queue dead-letters into black's own direct exchange (routing key: the
+    channel) and on into the channel's dead queue; black never mirrors that exchange itself,
+    even under a channel that matches every exchange."""
+    amqp.exchange_declare("ev.fan", "fanout", durable=True)
+    cfg = make_cfg(black_vhost, tmp_path, exchanges=["*"])
+    assert (dead_letter_exchange(cfg.black), dead_queue_name(cfg.black, "c1")) == (DLX, DEAD_QUEUE)
+    report = Mirror(cfg, catalog_path=tmp_path / "exchanges.json").sync()
+    r = report.channels["c1"]
+    assert r.bound == ["ev.fan"]
+    assert DLX not in r.unbound_direct and not any(DLX in s for s in r.skipped)
+    assert DLX not in load_catalog(tmp_path / "exchanges.json")
+
+    ex = api(black_vhost, f"exchanges/{{v}}/{DLX}")
+    assert (ex["type"], ex["durable"], ex["auto_delete"]) == ("direct", True, False)
+    q = api(black_vhost, f"queues/{{v}}/{QUEUE}")
+    assert q["durable"] is True and q["type"] == "classic"
+    assert q["arguments"] == {
+        "x-queue-type": "classic",
+        "x-dead-letter-exchange": DLX,
+        "x-dead-letter-routing-key": "c1",
+    }
+    dq = api(black_vhost, f"queues/{{v}}/{DEAD_QUEUE}")
+    assert dq["durable"] is True and "x-dead-letter-exchange" not in dq["arguments"]
+    dead_bindings = [
+        (b["source"], b["routing_key"])
+        for b in api(black_vhost, f"queues/{{v}}/{DEAD_QUEUE}/bindings")
+        if b["source"]
+    ]
+    assert dead_bindings == [(DLX, "c1")]
+    assert {b["source"] for b in api(black_vhost, f"queues/{{v}}/{QUEUE}/bindings")} == {
+        "",
+        "ev.fan",
+    }
+
+    # a message the broker drops from the mirror queue (here: it expires at once) lands in the
+    # dead queue with its reason; nothing the dead-letter exchange carries reaches the mirror
+    pub(amqp, "ev.fan", "rk", b"expires", {"h": 1}, expiration="0")
+    pub(amqp, "ev.fan", "rk", b"stays")
+    assert depth(amqp, DEAD_QUEUE, 1) == 1
+    dead = drain(black_vhost.amqp_url, DEAD_QUEUE, 1)
+    assert [(g[0], g[1], g[3]) for g in dead] == [(DLX, "c1", b"expires")]
+    headers = dead[0][2]
+    assert headers["x-first-death-reason"] == "expired"
+    assert headers["x-first-death-queue"] == QUEUE
+    assert headers["x-first-death-exchange"] == "ev.fan"
+    assert headers["h"] == 1
+    assert [g[3] for g in drain(black_vhost.amqp_url, QUEUE, 1)] == [b"stays"]
+
+    # a second sync sees its own exchange again and still leaves it alone
+    again = Mirror(cfg, catalog_path=tmp_path / "exchanges.json").sync().channels["c1"]
+    assert again.bound == ["ev.fan"] and DLX not in again.unbound_direct
+
+
+def test_quorum_mirror_queues(black_vhost: Vhost, amqp: BlockingChannel, tmp_path: Path) -> None:
+    amqp.exchange_declare("ev.hdr", "headers", durable=True)
+    cfg = make_cfg(black_vhost, tmp_path, black={"mirror_queue_type": "quorum"}, exchanges=["ev.*"])
+    r = Mirror(cfg, catalog_path=tmp_path / "exchanges.json").sync().channels["c1"]
+    assert r.bound == ["ev.hdr"]
+    q = api(black_vhost, f"queues/{{v}}/{QUEUE}")
+    assert q["type"] == "quorum" and q["durable"] is True
+    assert q["arguments"]["x-dead-letter-exchange"] == DLX
+    assert api(black_vhost, f"queues/{{v}}/{DEAD_QUEUE}")["type"] == "quorum"
+    pub(amqp, "ev.hdr", "", b"q1", {"a": [1, "x"], "t": {"n": -2}})
+    got = drain(black_vhost.amqp_url, QUEUE, 1)
+    assert [(g[0], g[3]) for g in got] == [("ev.hdr", b"q1")]
+    assert got[0][2] == {"a": [1, "x"], "t": {"n": -2}}, "a quorum queue keeps 0.9.1 tables"
+    # idempotent with the same type
+    assert not Mirror(cfg, catalog_path=tmp_path / "exchanges.json").sync().changed
+
+
+@pytest.mark.parametrize("first", ["classic", "bare"], ids=["classic-then-quorum", "foreign"])
+def test_mirror_queue_of_another_kind_is_a_config_error_with_the_fix(
+    black_vhost: Vhost, amqp: BlockingChannel, tmp_path: Path, first: str
+) -> None:
+    """A queue already there under the mirror's name with other arguments: black refuses with
+    a ConfigError saying how to fix it (never a silent re-use, never a broker error)."""
+    if first == "classic":
+        Mirror(make_cfg(black_vhost, tmp_path), catalog_path=tmp_path / "c.json").sync()
+    else:  # someone else's queue under black's name (no dead-lettering)
+        amqp.queue_declare(QUEUE, durable=True)
+    other = make_cfg(black_vhost, tmp_path, black={"mirror_queue_type": "quorum"})
+    with pytest.raises(ConfigError) as ei:
+        Mirror(other, catalog_path=tmp_path / "c.json").sync()
+    msg = str(ei.value)
+    assert QUEUE in msg and black_vhost.name in msg and "'c1'" in msg
+    assert "black.mirror_queue_type" in msg and "rabbitmqctl delete_queue --vhost" in msg
+    assert "PRECONDITION_FAILED" in msg or "inequivalent" in msg
+    assert "guest:guest" not in msg
+    q = api(black_vhost, f"queues/{{v}}/{QUEUE}")
+    assert q["type"] == "classic", "the existing queue is left as it was"
 
 
 def test_new_exchange_picked_up_and_stale_bindings_removed(
-    black_vhost: Any, amqp: Any, tmp_path: Path
+    black_vhost: Vhost, amqp: BlockingChannel, tmp_path: Path
 ) -> None:
     amqp.exchange_declare("ev.fan", "fanout")
     cfg = make_cfg(black_vhost, tmp_path, exchanges=["ev.*"])
@@ -190,8 +333,10 @@ def test_new_exchange_picked_up_and_stale_bindings_removed(
     r = loop.last_report.channels["c1"]
     assert r.bound == ["ev.fan", "ev.new"] and r.newly_bound == ["ev.new"]
     assert load_catalog(tmp_path / "exchanges.json")["ev.new"].type == "topic"
+    pub(amqp, "ev.new", "any.key", b"new")
+    assert [(g[0], g[3]) for g in drain(black_vhost.amqp_url, QUEUE, 1)] == [("ev.new", b"new")]
 
-    # a deleted exchange stays in the catalog (rows may remain in the stream)
+    # a deleted exchange stays in the catalog (rows may remain in the spool)
     amqp.exchange_delete("ev.new")
     r2 = mirror.sync().channels["c1"]
     assert r2.bound == ["ev.fan"]
@@ -206,32 +351,26 @@ def test_new_exchange_picked_up_and_stale_bindings_removed(
     denied = make_cfg(black_vhost, tmp_path, exchanges=["ev.*"], deny=["ev.fan"])
     r3 = Mirror(denied, catalog_path=tmp_path / "exchanges.json").sync().channels["c1"]
     assert r3.removed == ["ev.fan"] and r3.bound == ["ev.new"]
-    q = urllib.parse.quote(black_vhost.name, safe="")
-    rows = requests.get(
-        f"{black_vhost.management_url}/api/queues/{q}/{r3.queue}/bindings",
-        auth=("guest", "guest"),
-        timeout=10,
-    ).json()
+    rows = api(black_vhost, f"queues/{{v}}/{r3.queue}/bindings")
     assert sorted(b["source"] for b in rows) == ["", "ev.new"]
+    pub(amqp, "ev.fan", "", b"denied now")
+    pub(amqp, "ev.new", "", b"still mirrored")
+    assert [g[3] for g in drain(black_vhost.amqp_url, QUEUE, 1)] == [b"still mirrored"]
 
-
-def test_stream_with_other_retention_is_a_config_error(black_vhost: Any, tmp_path: Path) -> None:
-    Mirror(make_cfg(black_vhost, tmp_path), catalog_path=tmp_path / "c.json").sync()
-    other = make_cfg(black_vhost, tmp_path, black={"stream_max_bytes": 2 * 1024**2})
-    with pytest.raises(ConfigError) as ei:
-        Mirror(other, catalog_path=tmp_path / "c.json").sync()
-    msg = str(ei.value)
-    assert "PRECONDITION_FAILED" in msg and "diode.mirror.c1" in msg
-    assert black_vhost.name in msg and "stream_max_bytes" in msg and "guest:guest" not in msg
+    # allowed again: the binding comes back
+    r4 = mirror.sync().channels["c1"]
+    assert r4.bound == ["ev.fan", "ev.new"] and r4.newly_bound == ["ev.fan"]
 
 
 def test_discovery_off_uses_named_exchanges_only(
-    black_vhost: Any, amqp: Any, tmp_path: Path
+    black_vhost: Vhost, amqp: BlockingChannel, tmp_path: Path
 ) -> None:
     amqp.exchange_declare("rpc", "direct")
     amqp.exchange_declare("named.fan", "fanout")
     amqp.exchange_declare("unnamed", "fanout")
-    chan = dict(exchanges=["named.fan", "missing"], direct_routing_keys={"rpc": ["k"]})
+    chan: dict[str, Any] = dict(
+        exchanges=["named.fan", "missing"], direct_routing_keys={"rpc": ["k"]}
+    )
     # management reachable: types come from it
     cfg = make_cfg(black_vhost, tmp_path, black={"discover": False}, **chan)
     r = Mirror(cfg, catalog_path=tmp_path / "a.json").sync().channels["c1"]
@@ -261,18 +400,14 @@ def test_broker_unreachable_fails_fast_without_secrets(tmp_path: Path) -> None:
             state_dir=tmp_path,
         ),
     )
-    t0 = time.monotonic()
     with pytest.raises(BrokerError) as ei:
         Mirror(cfg, catalog_path=tmp_path / "c.json").sync()
-    assert time.monotonic() - t0 < 5
     msg = str(ei.value)
     assert f"127.0.0.1:{port}" in msg and "unreachable" in msg
     assert "s3cret" not in msg and "guest" not in msg
-    with pytest.raises(BrokerError):
-        stream_tail(cfg, "c1")
 
 
-def test_management_errors_name_url_and_fix(black_vhost: Any) -> None:
+def test_management_errors_name_url_and_fix(black_vhost: Vhost) -> None:
     port = free_port()
     dead = ManagementClient(f"http://127.0.0.1:{port}", "guest", "pw-s3cret", timeout=2)
     with pytest.raises(ManagementApiError) as ei:
@@ -292,50 +427,18 @@ def test_management_errors_name_url_and_fix(black_vhost: Any) -> None:
     assert "" in names and "amq.topic" in names
 
 
-def test_headers_catch_all_semantics_on_the_broker(amqp: Any) -> None:
+def test_headers_catch_all_semantics_on_the_broker(amqp: BlockingChannel) -> None:
     """Why HEADERS_CATCH_ALL is {'x-match': 'all'}: 'any' with no keys matches nothing."""
     amqp.exchange_declare("h", "headers")
-    variants = {"empty": {}, "all": {"x-match": "all"}, "any": {"x-match": "any"}}
+    variants: dict[str, dict[str, Any]] = {
+        "empty": {},
+        "all": {"x-match": "all"},
+        "any": {"x-match": "any"},
+    }
     for name, args in variants.items():
         amqp.queue_declare(name)
         amqp.queue_bind(name, "h", arguments=args)
     for headers in (None, {}, {"a": 1}, {"x-foo": "b"}):
         pub(amqp, "h", "rk", b"x", headers)
-    counts = {}
-    for name in variants:
-        deadline = time.monotonic() + 5
-        while True:
-            counts[name] = amqp.queue_declare(name, passive=True).method.message_count
-            if counts[name] == 4 or time.monotonic() > deadline:
-                break
-            time.sleep(0.1)
+    counts = {name: depth(amqp, name, 4) for name in variants}
     assert counts == {"empty": 4, "all": 4, "any": 0}
-
-
-def test_stream_bounds_after_retention_truncation(
-    black_vhost: Any, amqp: Any, tmp_path: Path
-) -> None:
-    """Offsets: holes at segment boundaries; retention moves `first`; `next` stays last+1."""
-    cfg = make_cfg(black_vhost, tmp_path)
-    queue = stream_queue_name(cfg.black, "c1")
-    amqp.queue_declare(
-        queue,
-        durable=True,
-        arguments={
-            "x-queue-type": "stream",
-            "x-max-length-bytes": 200_000,
-            "x-stream-max-segment-size-bytes": 20_000,
-        },
-    )
-    for _ in range(2000):
-        amqp.basic_publish("", queue, b"x" * 1000)
-    got = consume_all(black_vhost.amqp_url, queue, 10_000, timeout=3)
-    offsets = [g[0] for g in got]
-    assert offsets == sorted(offsets) and 0 < len(offsets) < 2000  # retention dropped most
-    first, nxt = stream_bounds(cfg, "c1")
-    assert first == offsets[0] > 0
-    assert nxt == offsets[-1] + 1
-    # each new segment begins with a tracking chunk that takes an offset: offsets are not
-    # message counts (2000 messages end well past offset 1999)
-    assert offsets[-1] > 1999
-    assert any(b - a > 1 for a, b in zip(offsets, offsets[1:], strict=False))

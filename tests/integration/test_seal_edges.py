@@ -1,100 +1,235 @@
-"""Integration: sealer edge cases with real gpg and Parquet — a crash after delivery but before
-the journal is finished from the archived copy (same ciphertext, no re-encryption); a single
-message that only exceeds the file ceiling once packed becomes an "oversize" gap."""
+"""Integration: sealer edge cases with real gpg, Parquet and a real spool — a sealing process
+killed (SIGKILL) at the named crash points finishes its bundle at restart: rebuilt
+byte-identically after ``seal.after_intent``, re-dropped from the archived copy (same
+ciphertext, no re-encryption) after ``seal.after_deliver``, even when the mover already took it;
+a single message that only exceeds the file ceiling once packed becomes an "oversize" gap."""
 
 from __future__ import annotations
 
 import json
+import logging
 import os
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-import pika
 import pyarrow as pa
 import pytest
 
+from bridge.black.chunking import row_size_estimate
 from bridge.black.seal import BundleSealer, seal_overhead_bytes
+from bridge.black.spool import SpoolWriter
+from bridge.black.spool_rows import read_rows, source_schema
 from bridge.black.state import StateStore
-from bridge.config import Config, config_from_dict
+from bridge.config import Config, load_config
 from bridge.crypto.gpg import Gpg
-from bridge.crypto.keys import init_keys
+from bridge.crypto.keys import KeyInventory, init_keys
 from bridge.diode.file_drop import Outbox
-from bridge.protocol.bundle import unpack_bundle
+from bridge.faults import CRASH_ENV, MARK_ENV
+from bridge.metrics import REGISTRY
+from bridge.protocol.bundle import sha256_hex, unpack_bundle
+from bridge.protocol.manifest import Manifest
+from bridge.protocol.naming import bundle_name
+from bridge.protocol.properties import Properties, encode_properties
 from bridge.protocol.rows import RowBuilder
 
 pytestmark = pytest.mark.gpg
 
+REPO = Path(__file__).resolve().parents[2]
 
-def _setup(tmp: Path, **bundle: Any) -> tuple[Config, Any]:
+# The sealing process the tests kill: seals spool positions [0, end) of channel "c".
+SEAL_SCRIPT = """
+import sys
+import pyarrow as pa
+from bridge.black.seal import BundleSealer
+from bridge.black.spool_rows import read_rows, source_schema
+from bridge.black.state import StateStore
+from bridge.config import load_config
+from bridge.crypto.gpg import Gpg
+from bridge.diode.file_drop import Outbox
+
+cfg = load_config(sys.argv[1], environ={})
+rows = read_rows(cfg.black.spool_dir, "c", 0, int(sys.argv[2]), {})
+table = pa.Table.from_batches(list(rows), schema=source_schema())
+outbox = Outbox.from_config(cfg.black)
+sealer = BundleSealer(
+    cfg, store=StateStore(cfg.black.state_dir), gpg=Gpg(cfg.black.gnupg_home), outbox=outbox
+)
+sealer.seal_rows(cfg.channels[0], table)
+"""
+
+
+def _setup(tmp: Path, **bundle: Any) -> tuple[Config, KeyInventory, Path]:
     inv = init_keys(tmp / "keys")
-    cfg = config_from_dict(
-        {
-            "link": {"black_signers": [inv.black_fpr]},
-            "channels": [{"name": "c", "recipients": list(inv.red_fprs.values())}],
-            "black": {"gnupg_home": str(inv.black_home), "signing_key": inv.black_fpr,
-                      "bundle": {"max_rows": 10, **bundle}},
-        },
-        base=tmp, environ={},
-    )  # fmt: skip
-    return cfg, inv
+    extra = "".join(f"{k} = {v}\n" for k, v in bundle.items())
+    path = tmp / "d.toml"
+    path.write_text(
+        f'[link]\nblack_signers = ["{inv.black_fpr}"]\n'
+        f'[[channels]]\nname = "c"\nrecipients = {json.dumps(list(inv.red_fprs.values()))}\n'
+        f'[black]\ngnupg_home = "keys/black"\nsigning_key = "{inv.black_fpr}"\n'
+        f"[black.bundle]\nmax_rows = 10\n{extra}"
+    )
+    path.chmod(0o600)
+    return load_config(path, environ={}), inv, path
 
 
-def _sealer(cfg: Config, cls: type[BundleSealer] = BundleSealer) -> BundleSealer:
-    outbox = Outbox(cfg.black.outbox, cfg.black.archive, retention_days=1)
-    return cls(
-        cfg, store=StateStore(cfg.black.state_dir), gpg=Gpg(cfg.black.gnupg_home), outbox=outbox
+def _sealer(cfg: Config) -> BundleSealer:
+    return BundleSealer(
+        cfg,
+        store=StateStore(cfg.black.state_dir),
+        gpg=Gpg(cfg.black.gnupg_home),
+        outbox=Outbox.from_config(cfg.black),
+    )
+
+
+def _props(i: int) -> bytes:
+    return encode_properties(Properties(message_id=str(i)))
+
+
+def _spool(cfg: Config, n: int) -> pa.Table:
+    """``n`` deliveries into channel c's spool (positions 0..n-1), read back as the sink does."""
+    with SpoolWriter.open(cfg.black.spool_dir, "c", min_free_bytes=0) as w:
+        for i in range(n):
+            w.append_one("x", "k", False, _props(i), b"%d" % i)
+        w.sync(-1)
+    return pa.Table.from_batches(
+        list(read_rows(cfg.black.spool_dir, "c", 0, n, {})), schema=source_schema()
     )
 
 
 def _rows(n: int, body: bytes | None = None) -> pa.Table:
     b = RowBuilder("c")
     for i in range(n):
-        b.append(i, None, "x", "k", pika.BasicProperties(message_id=str(i)), body or b"%d" % i)
+        b.append(i, None, "x", "k", False, _props(i), body or b"%d" % i)
     return b.to_table()
 
 
-class Crash(BaseException):
-    """A kill -9 stand-in: nothing after it runs."""
+def _journal(cfg: Config) -> dict[str, Any]:
+    return json.loads((Path(cfg.black.state_dir) / "channel-c.json").read_text())
 
 
-def test_crash_after_delivery_is_finished_from_the_archive(short_tmp: Path) -> None:
-    cfg, _ = _setup(short_tmp)
-    calls = {"n": 0}
+def _recovered(how: str) -> float:
+    v = REGISTRY.get_sample_value(
+        "bridge_black_bundles_recovered_total", {"channel": "c", "how": how}
+    )
+    return v or 0.0
 
-    class CrashOnSecondCommit(BundleSealer):
-        def _commit(self, *a: Any, **kw: Any) -> Any:  # type: ignore[override]
-            calls["n"] += 1
-            if calls["n"] == 2:
-                raise Crash()
-            return super()._commit(*a, **kw)
 
-    table = _rows(25)
-    with pytest.raises(Crash):
-        _sealer(cfg, CrashOnSecondCommit).seal_rows(
-            cfg.channels[0], table, first_retained=lambda: 0
-        )
-    st = json.loads((Path(cfg.black.state_dir) / "channel-c.json").read_text())
+def _open_all(cfg: Config, inv: KeyInventory) -> list[tuple[Manifest, pa.Table, str]]:
+    """Every bundle in the outbox, opened with the red key: (manifest, rows, plaintext sha)."""
+    red = Gpg(inv.red_home)
+    out = []
+    for p in sorted(cfg.black.outbox.glob("*.dbundle")):
+        plain, _ = red.open_bytes(p.read_bytes(), pinned_signers=[inv.black_fpr])
+        m, rows = unpack_bundle(plain)
+        out.append((m, rows, sha256_hex(plain)))
+    return out
+
+
+@contextmanager
+def _seal_log() -> Iterator[list[str]]:
+    """Messages the sealer logs meanwhile (whatever the logging setup of the process)."""
+    got: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            got.append(record.getMessage())
+
+    logger = logging.getLogger("bridge.black.seal")
+    handler, level = Keep(logging.DEBUG), logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    try:
+        yield got
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+
+
+@pytest.mark.parametrize(
+    ("point", "how", "mover_took_it"),
+    [
+        ("seal.after_intent", "rebuilt", False),
+        ("seal.after_deliver", "redropped", False),
+        ("seal.after_deliver", "redropped", True),
+    ],
+    ids=["after-intent", "after-deliver", "after-deliver-mover-took-it"],
+)
+def test_killed_at_a_crash_point_finishes_the_bundle_at_restart(
+    short_tmp: Path, point: str, how: str, mover_took_it: bool
+) -> None:
+    cfg, inv, path = _setup(short_tmp)
+    table = _spool(cfg, 25)
+    mark = short_tmp / "crash.mark"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DIODE")}
+    env.update(
+        {CRASH_ENV: f"{point}:2", MARK_ENV: str(mark), "PYTHONPATH": str(REPO)},
+    )
+    r = subprocess.run(
+        [sys.executable, "-c", SEAL_SCRIPT, str(path), "25"],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+        start_new_session=True,  # the crash point kills its whole group (gpg included)
+    )
+    # the process died by SIGKILL in the window the crash point names, at the 2nd bundle
+    assert r.returncode == -signal.SIGKILL, r.stderr
+    assert mark.read_text().split() == [point]
+    st = _journal(cfg)
     assert st["last_bundle_seq"] == 1 and st["pending"] is not None
-    second = sorted(cfg.black.outbox.glob("c.000000000002.*.dbundle"))
-    assert len(second) == 1, "bundle 2 was delivered before the crash"
-    sealed_before = second[0].read_bytes()
-    second[0].unlink()  # the mover took it already
+    intent = Manifest.from_json(st["pending"]["manifest"].encode())
+    assert (intent.bundle_seq, intent.first_seq, intent.last_seq) == (2, 10, 19)
+    name = bundle_name("c", 2, intent.bundle_id)
+    delivered = cfg.black.outbox / name
+    assert delivered.exists() == (point == "seal.after_deliver")
+    sealed_before = delivered.read_bytes() if delivered.exists() else None
+    if mover_took_it:
+        delivered.unlink()
 
-    shipped = _sealer(cfg).seal_rows(cfg.channels[0], table, first_retained=lambda: 0)
+    before = {h: _recovered(h) for h in ("redropped", "rebuilt", "resealed")}
+    shipped = _sealer(cfg).seal_rows(cfg.channels[0], table)  # the restart, same batch
+    after = {h: _recovered(h) for h in ("redropped", "rebuilt", "resealed")}
+    assert {h: after[h] - before[h] for h in after} == {
+        h: (1.0 if h == how else 0.0) for h in after
+    }, "exactly the expected recovery path must have run"
+
     assert [b.bundle_seq for b in shipped] == [2, 3]
-    again = sorted(cfg.black.outbox.glob("c.000000000002.*.dbundle"))
-    assert len(again) == 1 and again[0].read_bytes() == sealed_before, "same ciphertext, re-dropped"
-    st = json.loads((Path(cfg.black.state_dir) / "channel-c.json").read_text())
+    assert shipped[0].bundle_id == intent.bundle_id
+    assert shipped[0].sha256 == st["pending"]["sha256"], "bundle 2 must be byte-identical"
+    if sealed_before is not None:
+        again = delivered.read_bytes()
+        assert again == sealed_before, "the archived ciphertext is re-dropped, not re-sealed"
+    st = _journal(cfg)
     assert (st["last_bundle_seq"], st["last_seq"], st["pending"]) == (3, 24, None)
+    assert st["counters"] == {"bundles": 3, "messages": 25}
+
+    prev = None
+    seqs: list[int] = []
+    for i, (m, rows, sha) in enumerate(_open_all(cfg, inv), start=1):
+        assert m.bundle_seq == i and m.prev_sha256 == prev
+        prev = sha
+        seqs += rows.column("seq").to_pylist()
+    assert seqs == list(range(25))
 
 
 def test_single_message_over_the_ceiling_once_packed_is_an_oversize_gap(short_tmp: Path) -> None:
-    cfg, inv = _setup(short_tmp, max_file_bytes=65536)
+    cfg, inv, _ = _setup(short_tmp, max_file_bytes=65536)
     max_plain = 65536 - seal_overhead_bytes(2, 65536)
     # just under the estimate's per-row limit, but Parquet framing pushes it over the ceiling
     body = os.urandom(max_plain - 4096 - 256 - 40)
     table = pa.concat_tables([_rows(1), _rows(2, body).slice(1, 1), _rows(3).slice(2, 1)])
-    shipped = _sealer(cfg).seal_rows(cfg.channels[0], table, first_retained=lambda: 0)
+    # the case: the size estimate lets the big row through (it is not dropped before packing)
+    assert int(row_size_estimate(table.slice(1, 1))[0]) <= max_plain - 4096
+    with _seal_log() as log:
+        shipped = _sealer(cfg).seal_rows(cfg.channels[0], table)
+    assert any("once packed" in m for m in log), log
     gaps = [g for b in shipped for g in b.gaps]
     rows = sum(b.rows for b in shipped)
     red = Gpg(inv.red_home)
@@ -102,6 +237,6 @@ def test_single_message_over_the_ceiling_once_packed_is_an_oversize_gap(short_tm
         assert p.stat().st_size <= 65536
         plain, _ = red.open_bytes(p.read_bytes(), pinned_signers=[inv.black_fpr])
         unpack_bundle(plain)
-    # the estimate let it through, the packed size (~6 KB of Parquet framing) did not
     assert [(g.first_seq, g.last_seq, g.reason) for g in gaps] == [(1, 1, "oversize")]
     assert rows == 2
+    assert _journal(cfg)["counters"]["lost_oversize"] == 1

@@ -1,37 +1,62 @@
 """Black, seal: journaled sealing survives a crash between intent and delivery (real gpg, Parquet).
 
-No Spark, no broker: rows are built with RowBuilder as the stream source would (``seq`` =
-``stream_offset`` on the way in, renumbered gaplessly by the sealer), sealed with the real
-GnuPG homes of ``init_keys``, and every bundle in the outbox is opened with the red key and
-unpacked. Proves: bundle seqs gapless from 1, message seqs gapless, the hash chain links each
-bundle to the previous plaintext, an interrupted bundle is re-created byte-identically (same
-manifest, same plaintext sha) by a fresh sealer, a replay ships nothing, retention loss and
-oversize messages become manifest gaps, and no sealed file passes ``max_file_bytes``.
+No Spark, no broker: deliveries (and lost markers, as the tap writes for dead-lettered
+messages) go into a real spool with ``SpoolWriter`` and are read back as the sink reads them
+(``spool_rows.read_rows``: ``seq`` = spool position), sealed with the real GnuPG homes of
+``init_keys``, and every bundle in the outbox is opened with the red key and unpacked. Proves:
+bundle seqs gapless from 1, message seqs gapless, the hash chain links each bundle to the
+previous plaintext, the property bytes travel as spooled; an interrupted bundle is finished by
+a fresh sealer — rebuilt byte-identically (same manifest, same plaintext sha) when its rows
+rebuild the same plaintext, else re-sealed under the same bundle seq and chain link (new bundle
+id, missing rows as ``unrecoverable`` gaps, counted); a replay ships nothing; lost markers,
+unexplained holes and oversize messages become manifest gaps with their reason; no sealed file
+passes ``max_file_bytes``.
+
+The crashes here are simulated in-process (an exception nothing may catch, raised after gpg
+wrote its output) and each test asserts the crash fired and the journal holds the intent;
+``test_seal_edges.py`` kills a real process at the named crash points.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
-from collections.abc import Callable, Iterator
+import random
+import string
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
+import pyarrow.compute as pc
 import pytest
-from pika.spec import BasicProperties
 
-from bridge.black.seal import BundleSealer
+from bridge.black.chunking import plan_chunks, row_size_estimate
+from bridge.black.gaplog import read_gaps
+from bridge.black.seal import BundleSealer, seal_overhead_bytes
+from bridge.black.spool import SpoolWriter
+from bridge.black.spool_rows import read_rows, source_schema
 from bridge.black.state import StateStore
 from bridge.config import Config, config_from_dict
 from bridge.crypto.gpg import Gpg
 from bridge.crypto.keys import KeyInventory, init_keys
-from bridge.diode.file_drop import Outbox
+from bridge.diode.file_drop import DROP_LOCK, Outbox
+from bridge.metrics import REGISTRY
 from bridge.protocol.bundle import sha256_hex, unpack_bundle
 from bridge.protocol.exchange import ExchangeDecl
 from bridge.protocol.manifest import Gap, Manifest
 from bridge.protocol.naming import parse_bundle_name
+from bridge.protocol.properties import (
+    NO_PROPERTIES,
+    Float32,
+    Properties,
+    decode_properties,
+    encode_properties,
+    field_table,
+)
 from bridge.protocol.rows import RowBuilder
 
 pytestmark = pytest.mark.gpg
@@ -39,6 +64,7 @@ pytestmark = pytest.mark.gpg
 CHANNEL = "c1"
 SENSORS = ExchangeDecl("sensors", "topic", durable=True)
 EVENTS = ExchangeDecl("events", "fanout", durable=True)
+CATALOG = {"sensors": SENSORS, "events": EVENTS}
 
 
 # --------------------------------------------------------------------------- fixtures
@@ -82,13 +108,17 @@ class Rig:
     def outbox_dir(self) -> Path:
         return Path(self.cfg.black.outbox)
 
+    @property
+    def spool_dir(self) -> Path:
+        return Path(self.cfg.black.spool_dir)
+
     def sealer(self, gpg: Gpg | None = None) -> BundleSealer:
         """A fresh sealer, as a restarted process builds it (new store, outbox, gpg objects)."""
         return BundleSealer(
             self.cfg,
             store=StateStore(self.state_dir),
             gpg=gpg or Gpg(self.keys.black_home),
-            outbox=Outbox(self.outbox_dir, Path(self.cfg.black.archive), retention_days=14),
+            outbox=Outbox.from_config(self.cfg.black),
         )
 
     def state(self) -> dict[str, Any]:
@@ -106,6 +136,7 @@ def make_rig(keys: KeyInventory, base: Path, **bundle: Any) -> Rig:
             "archive": "archive",
             "state_dir": "state",
             "checkpoint_dir": "checkpoint",
+            "spool_dir": "spool",
             "bundle": {"max_rows": 50, **bundle},
         },
         "red": {"gnupg_home": str(keys.red_home), "inbox": "inbox"},
@@ -122,29 +153,92 @@ def rig(keys: KeyInventory, short_tmp: Path) -> Rig:
 
 # --------------------------------------------------------------------------- helpers
 
-
-def make_rows(offsets: list[int], *, body: Callable[[int], bytes] | None = None) -> pa.Table:
-    """Rows as the stream source yields them: seq = stream_offset (the sealer renumbers)."""
-    b = RowBuilder(CHANNEL)
-    for off in offsets:
-        if off % 3 == 2:
-            decl, rk = EVENTS, ""
-            props = BasicProperties()
-        else:
-            decl, rk = SENSORS, f"site{off % 2}.temp"
-            props = BasicProperties(
-                content_type="application/json",
-                delivery_mode=2,
-                message_id=f"m-{off}",
-                headers={"n": off, "s": "x"},
-            )
-        data = body(off) if body else json.dumps({"offset": off}).encode()
-        b.append(off, decl, decl.name, rk, props, data, stream_offset=off)
-    return b.to_table()
+Body = Callable[[int], bytes]
 
 
-def never_called() -> int:
-    raise AssertionError("first_retained must not be asked when offsets are contiguous")
+def delivery(pos: int, body: Body | None = None) -> tuple[str, str, bool, bytes, bytes]:
+    """(exchange, routing key, redelivered, property bytes, body) of the message at ``pos``."""
+    data = body(pos) if body else json.dumps({"pos": pos}).encode()
+    if pos % 3 == 2:
+        return "events", "", False, NO_PROPERTIES, data
+    props = Properties(
+        content_type="application/json",
+        delivery_mode=2,
+        message_id=f"m-{pos}",
+        headers=field_table({"n": pos, "s": "x", "f": Float32(1.5)}),
+    )
+    return "sensors", f"site{pos % 2}.temp", pos % 5 == 0, encode_properties(props), data
+
+
+def spool_append(rig: Rig, layout: Sequence[str | None], *, body: Body | None = None) -> range:
+    """Append one durable spool record per ``layout`` entry — None: a delivery (``delivery``),
+    a string: a lost marker with that reason — and return their positions."""
+    with SpoolWriter.open(rig.spool_dir, CHANNEL, min_free_bytes=0) as w:
+        start = w.next_pos
+        for k, reason in enumerate(layout):
+            if reason is None:
+                w.append_one(*delivery(start + k, body))
+            else:
+                w.append_lost("sensors", "site0.temp", reason)
+        assert w.sync(-1) == start + len(layout)
+    return range(start, start + len(layout))
+
+
+def read_spool(rig: Rig, start: int, end: int) -> pa.Table:
+    """Spool positions ``[start, end)`` as the sink hands them to the sealer."""
+    batches = list(read_rows(rig.spool_dir, CHANNEL, start, end, CATALOG))
+    return pa.Table.from_batches(batches, schema=source_schema())
+
+
+def spooled(rig: Rig, layout: Sequence[str | None], *, body: Body | None = None) -> pa.Table:
+    """``spool_append`` then ``read_spool`` of what was appended."""
+    r = spool_append(rig, layout, body=body)
+    return read_spool(rig, r.start, r.stop)
+
+
+def messages(n: int) -> list[str | None]:
+    return [None] * n
+
+
+def without(table: pa.Table, seqs: set[int]) -> pa.Table:
+    """``table`` minus the rows of ``seqs`` (records a damaged spool no longer yields)."""
+    return table.filter(pc.invert(pc.is_in(table.column("seq"), pa.array(sorted(seqs)))))
+
+
+def recovered(how: str) -> float:
+    """BLACK.bundles_recovered of this channel (process-wide: compare before and after)."""
+    v = REGISTRY.get_sample_value(
+        "bridge_black_bundles_recovered_total", {"channel": CHANNEL, "how": how}
+    )
+    return v or 0.0
+
+
+def recovery_counts() -> dict[str, float]:
+    return {how: recovered(how) for how in ("redropped", "rebuilt", "resealed")}
+
+
+@contextmanager
+def seal_log() -> Iterator[list[logging.LogRecord]]:
+    """The records the sealer logs meanwhile (whatever the logging setup of the process)."""
+    records: list[logging.LogRecord] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            records.append(record)
+
+    logger = logging.getLogger("bridge.black.seal")
+    handler, level = Keep(logging.DEBUG), logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    try:
+        yield records
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+
+
+def messages_logged(records: list[logging.LogRecord], part: str) -> list[logging.LogRecord]:
+    return [r for r in records if part in r.getMessage()]
 
 
 @dataclass
@@ -159,14 +253,10 @@ class Opened:
 def open_outbox(rig: Rig) -> list[Opened]:
     """Every bundle in the outbox, decrypted with the red key and unpacked, by bundle seq."""
     red = Gpg(rig.keys.red_home)
-    plain_dir = rig.base / "plain"
-    plain_dir.mkdir(exist_ok=True)
     out: list[Opened] = []
     for p in sorted(rig.outbox_dir.glob("*.dbundle")):
-        dst = plain_dir / (p.name + ".parquet")
-        opened = red.open(p, dst, pinned_signers=[rig.keys.black_fpr])
+        plain, opened = red.open_bytes(p.read_bytes(), pinned_signers=[rig.keys.black_fpr])
         assert opened.encrypted and opened.signer_fpr == rig.keys.black_fpr
-        plain = dst.read_bytes()
         manifest, rows = unpack_bundle(plain)
         bn = parse_bundle_name(p.name)
         assert (bn.channel, bn.bundle_seq, bn.bundle_id) == (
@@ -202,12 +292,51 @@ def all_rows(bundles: list[Opened]) -> pa.Table:
     return pa.concat_tables([b.rows for b in bundles])
 
 
+class SimulatedCrash(BaseException):
+    """Like a kill: no ``except Exception`` of the product code may swallow it."""
+
+
+class CrashingGpg(Gpg):
+    """The real Gpg, except that the ``crash_on``-th ``seal`` dies after gpg wrote its output.
+
+    That is the latest point of the crash window (sealed temp file in the staging dir, not yet
+    renamed into the outbox, journal still holding ``pending``).
+    """
+
+    def __init__(self, home: Path, crash_on: int) -> None:
+        super().__init__(home)
+        self.crash_on = crash_on
+        self.calls = 0
+
+    def seal(self, src: Path | bytes, dst: Path, **kw: Any) -> None:  # type: ignore[override]
+        self.calls += 1
+        super().seal(src, dst, **kw)
+        if self.calls == self.crash_on:
+            raise SimulatedCrash("simulated crash after gpg, before delivery")
+
+
+def crash_on_bundle(rig: Rig, table: pa.Table, n: int) -> dict[str, Any]:
+    """Seal ``table`` with a crash after gpg sealed the ``n``-th bundle; returns the journal's
+    pending entry (asserting the crash fired and the intent was journaled first)."""
+    crashing = CrashingGpg(rig.keys.black_home, crash_on=n)
+    with pytest.raises(SimulatedCrash, match="simulated crash"):
+        rig.sealer(crashing).seal_rows(rig.channel, table)
+    assert crashing.calls == n, "the crash must have hit the n-th seal"
+    st = rig.state()
+    assert st["pending"] is not None, "the intent must be journaled before sealing"
+    assert st["last_bundle_seq"] == n - 1
+    delivered = [parse_bundle_name(p.name).bundle_seq for p in rig.outbox_dir.glob("*.dbundle")]
+    assert sorted(delivered) == list(range(1, n)), "the crashed bundle must not be delivered"
+    pending: dict[str, Any] = st["pending"]
+    return pending
+
+
 # --------------------------------------------------------------------------- (a) normal sealing
 
 
 def test_seal_rows_ships_gapless_chained_bundles(rig: Rig) -> None:
-    table = make_rows(list(range(120)))
-    shipped = rig.sealer().seal_rows(rig.channel, table, first_retained=never_called)
+    table = spooled(rig, messages(120))
+    shipped = rig.sealer().seal_rows(rig.channel, table)
 
     assert [s.bundle_seq for s in shipped] == [1, 2, 3]
     assert [s.rows for s in shipped] == [50, 50, 20]
@@ -220,19 +349,33 @@ def test_seal_rows_ships_gapless_chained_bundles(rig: Rig) -> None:
     assert [b.sha256 for b in bundles] == [s.sha256 for s in shipped]
     rows = all_rows(bundles)
     assert rows.column("seq").to_pylist() == list(range(120))
-    assert rows.column("stream_offset").to_pylist() == list(range(120))
-    assert rows.column("body").to_pylist() == table.column("body").to_pylist()
+    # what the tap spooled travels unchanged: property bytes, flags, routing, body
+    want = [delivery(p) for p in range(120)]
+    assert rows.column("exchange").to_pylist() == [w[0] for w in want]
+    assert rows.column("routing_key").to_pylist() == [w[1] for w in want]
+    assert rows.column("redelivered").to_pylist() == [w[2] for w in want]
+    assert rows.column("properties_raw").to_pylist() == [w[3] for w in want]
+    assert rows.column("body").to_pylist() == [w[4] for w in want]
+    assert rows.column("exchange_type").to_pylist()[:3] == ["topic", "topic", "fanout"]
+    m0 = rows.slice(0, 1).to_pylist()[0]
+    assert m0["message_id"] == "m-0" and m0["delivery_mode"] == 2
+    assert decode_properties(m0["properties_raw"]).headers == field_table(
+        {"n": 0, "s": "x", "f": Float32(1.5)}
+    )
     for b in bundles:
         assert b.manifest.bridge_id == "seal-test" and b.manifest.channel == CHANNEL
-        assert b.manifest.gaps == ()
+        assert b.manifest.gaps == () and b.manifest.schema_version == 2
 
     st = rig.state()
-    assert (st["last_bundle_seq"], st["last_seq"], st["last_offset"]) == (3, 119, 119)
+    assert (st["last_bundle_seq"], st["last_seq"]) == (3, 119)
     assert st["last_sha256"] == bundles[-1].sha256
     assert st["pending"] is None
-    # nothing left behind: no temporary sealed file in the outbox, and no plaintext on disk
-    # (it is piped to gpg): the state dir holds the journal only
+    assert st["counters"] == {"bundles": 3, "messages": 120}
+    # nothing left behind: no temporary file in the outbox or the staging dir, and no
+    # plaintext on disk (it is piped to gpg): the state dir holds the journal only
     assert [p.name for p in rig.outbox_dir.iterdir() if p.name.startswith(".")] == []
+    staging = Outbox.from_config(rig.cfg.black).staging
+    assert [p.name for p in staging.iterdir() if p.name != DROP_LOCK] == []
     assert sorted(p.name for p in rig.state_dir.rglob("*")) == [f"channel-{CHANNEL}.json"]
     # every bundle is archived for `diode resend`
     archived = sorted(p.name for p in (Path(rig.cfg.black.archive) / CHANNEL).iterdir())
@@ -242,49 +385,24 @@ def test_seal_rows_ships_gapless_chained_bundles(rig: Rig) -> None:
 # --------------------------------------------------------------------------- (b) crash + resume
 
 
-class SimulatedCrash(BaseException):
-    """Like a kill: no ``except Exception`` of the product code may swallow it."""
-
-
-class CrashingGpg(Gpg):
-    """The real Gpg, except that the ``crash_on``-th ``seal`` dies after gpg wrote its output.
-
-    That is the latest point of the crash window (sealed temp file on disk, not yet renamed
-    into the outbox, journal still holding ``pending``).
-    """
-
-    def __init__(self, home: Path, crash_on: int) -> None:
-        super().__init__(home)
-        self.crash_on = crash_on
-        self.calls = 0
-
-    def seal(self, src: Path, dst: Path, **kw: Any) -> None:  # type: ignore[override]
-        self.calls += 1
-        super().seal(src, dst, **kw)
-        if self.calls == self.crash_on:
-            raise SimulatedCrash("simulated crash after gpg, before delivery")
-
-
 def test_crash_between_intent_and_delivery_recreates_the_same_bundle(rig: Rig) -> None:
-    table = make_rows(list(range(120)))
-    crashing = CrashingGpg(rig.keys.black_home, crash_on=2)
-    with pytest.raises(SimulatedCrash, match="simulated crash"):
-        rig.sealer(crashing).seal_rows(rig.channel, table, first_retained=never_called)
-    assert crashing.calls == 2
+    table = spooled(rig, messages(120))
+    pending = crash_on_bundle(rig, table, 2)
 
     st = rig.state()
-    assert (st["last_bundle_seq"], st["last_seq"], st["last_offset"]) == (1, 49, 49)
-    pending = st["pending"]
-    assert pending is not None, "the intent must be journaled before sealing"
+    assert (st["last_bundle_seq"], st["last_seq"]) == (1, 49)
     intent = Manifest.from_json(pending["manifest"].encode())
     assert (intent.bundle_seq, intent.first_seq, intent.last_seq, intent.rows) == (2, 50, 99, 50)
     assert intent.prev_sha256 == st["last_sha256"]
-    assert pending["last_offset"] == 99
-    # only bundle 1 reached the outbox; bundle 2 is at most a hidden temp file
-    assert [parse_bundle_name(p.name).bundle_seq for p in rig.outbox_dir.glob("*.dbundle")] == [1]
 
     # restart: a fresh sealer with the real gpg, replaying the SAME micro-batch
-    shipped = rig.sealer().seal_rows(rig.channel, table, first_retained=never_called)
+    before = recovery_counts()
+    with seal_log() as log:
+        shipped = rig.sealer().seal_rows(rig.channel, read_spool(rig, 0, 120))
+    after = recovery_counts()
+    assert after["rebuilt"] - before["rebuilt"] == 1, "the rebuilt path must have run"
+    assert (after["resealed"], after["redropped"]) == (before["resealed"], before["redropped"])
+    assert messages_logged(log, "byte-identical")
     assert [s.bundle_seq for s in shipped] == [2, 3]
     assert shipped[0].bundle_id == intent.bundle_id
     assert shipped[0].sha256 == pending["sha256"], "the interrupted bundle must be byte-identical"
@@ -295,37 +413,31 @@ def test_crash_between_intent_and_delivery_recreates_the_same_bundle(rig: Rig) -
     assert [b.manifest.bundle_seq for b in bundles] == [1, 2, 3]
     b2 = bundles[1]
     assert b2.manifest.to_json() == intent.to_json()  # same bundle_id, created_at, everything
-    assert (b2.manifest.bundle_id, b2.manifest.created_at) == (intent.bundle_id, intent.created_at)
     assert b2.sha256 == pending["sha256"]
-    rows = all_rows(bundles)
-    assert rows.column("seq").to_pylist() == list(range(120))
-    assert rows.column("stream_offset").to_pylist() == list(range(120))
+    assert all_rows(bundles).column("seq").to_pylist() == list(range(120))
 
     st = rig.state()
     assert st["pending"] is None
-    assert (st["last_bundle_seq"], st["last_seq"], st["last_offset"]) == (3, 119, 119)
-    assert st["counters"]["messages"] == 120 and st["counters"]["bundles"] == 3
+    assert (st["last_bundle_seq"], st["last_seq"]) == (3, 119)
+    assert st["counters"] == {"bundles": 3, "messages": 120}  # nothing re-sealed
 
     # (c) replaying the same micro-batch once more ships nothing and changes nothing
-    before = sorted(p.name for p in rig.outbox_dir.glob("*.dbundle"))
-    assert rig.sealer().seal_rows(rig.channel, table, first_retained=never_called) == []
-    assert sorted(p.name for p in rig.outbox_dir.glob("*.dbundle")) == before
+    before_names = sorted(p.name for p in rig.outbox_dir.glob("*.dbundle"))
+    assert rig.sealer().seal_rows(rig.channel, table) == []
+    assert sorted(p.name for p in rig.outbox_dir.glob("*.dbundle")) == before_names
     assert rig.state() == st
 
 
 def test_crash_on_the_first_bundle_and_a_longer_replayed_batch(rig: Rig) -> None:
     """The pending bundle is the first one (prev_sha256 null); the replay brings more rows."""
-    first = make_rows(list(range(30)))
-    crashing = CrashingGpg(rig.keys.black_home, crash_on=1)
-    with pytest.raises(SimulatedCrash):
-        rig.sealer(crashing).seal_rows(rig.channel, first, first_retained=never_called)
-    pending = rig.state()["pending"]
-    assert pending is not None and rig.state()["last_bundle_seq"] == 0
-    assert list(rig.outbox_dir.glob("*.dbundle")) == []
+    pending = crash_on_bundle(rig, spooled(rig, messages(30)), 1)
+    assert rig.state()["last_bundle_seq"] == 0
 
-    # the restarted source reads the same range plus what arrived since (a wider batch)
-    wider = make_rows(list(range(90)))
-    shipped = rig.sealer().seal_rows(rig.channel, wider, first_retained=never_called)
+    # the restarted source reads the same range plus what the tap spooled since
+    spool_append(rig, messages(60))
+    before = recovered("rebuilt")
+    shipped = rig.sealer().seal_rows(rig.channel, read_spool(rig, 0, 90))
+    assert recovered("rebuilt") - before == 1
     assert [s.bundle_seq for s in shipped] == [1, 2, 3]
     assert shipped[0].sha256 == pending["sha256"] and shipped[0].rows == 30
     bundles = open_outbox(rig)
@@ -335,77 +447,165 @@ def test_crash_on_the_first_bundle_and_a_longer_replayed_batch(rig: Rig) -> None
 
 
 def test_replay_after_everything_shipped_ships_nothing(rig: Rig) -> None:
-    table = make_rows(list(range(120)))
-    rig.sealer().seal_rows(rig.channel, table, first_retained=never_called)
+    table = spooled(rig, messages(120))
+    rig.sealer().seal_rows(rig.channel, table)
     st = rig.state()
     names = sorted(p.name for p in rig.outbox_dir.glob("*.dbundle"))
-    for part in (table, table.slice(0, 60), table.slice(60), table.slice(119)):
-        assert rig.sealer().seal_rows(rig.channel, part, first_retained=never_called) == []
+    for a, b in ((0, 120), (0, 60), (60, 120), (119, 120)):
+        assert rig.sealer().seal_rows(rig.channel, read_spool(rig, a, b)) == []
     assert sorted(p.name for p in rig.outbox_dir.glob("*.dbundle")) == names
     assert rig.state() == st
     # an overlapping batch ships only the new rows, continuing the numbering
-    more = make_rows(list(range(100, 130)))
-    shipped = rig.sealer().seal_rows(rig.channel, more, first_retained=never_called)
+    spool_append(rig, messages(10))
+    shipped = rig.sealer().seal_rows(rig.channel, read_spool(rig, 100, 130))
     assert [(s.bundle_seq, s.first_seq, s.last_seq) for s in shipped] == [(4, 120, 129)]
     bundles = open_outbox(rig)
     check_chain(bundles)
-    rows = all_rows(bundles)
-    assert rows.column("seq").to_pylist() == list(range(130))
-    assert rows.column("stream_offset").to_pylist() == list(range(130))
+    assert all_rows(bundles).column("seq").to_pylist() == list(range(130))
+
+
+# --------------------------------------------------------------------------- (c) pending re-sealed
+
+
+def test_pending_bundle_resealed_when_the_plaintext_no_longer_rebuilds(
+    keys: KeyInventory, short_tmp: Path
+) -> None:
+    """Same rows, but the zstd level changed between the crash and the restart (as a pyarrow
+    upgrade could): the bundle never reached the outbox, so it is re-sealed under the same bundle
+    seq and chain link, with a new bundle id, and counted."""
+    rig = make_rig(keys, short_tmp)
+    table = spooled(rig, messages(120))
+    pending = crash_on_bundle(rig, table, 2)
+    intent = Manifest.from_json(pending["manifest"].encode())
+    chain_before = rig.state()["last_sha256"]
+
+    restarted = make_rig(keys, short_tmp, zstd_level=9)
+    before = recovery_counts()
+    with seal_log() as log:
+        shipped = restarted.sealer().seal_rows(restarted.channel, table)
+    after = recovery_counts()
+    assert after["resealed"] - before["resealed"] == 1, "the re-seal path must have run"
+    assert after["rebuilt"] == before["rebuilt"]
+    assert messages_logged(log, "re-sealed")
+
+    assert [s.bundle_seq for s in shipped] == [2, 3]
+    assert shipped[0].bundle_id != intent.bundle_id and shipped[0].sha256 != pending["sha256"]
+    bundles = open_outbox(rig)
+    check_chain(bundles)
+    b2 = bundles[1].manifest
+    assert (b2.bundle_seq, b2.prev_sha256) == (2, intent.prev_sha256)
+    assert b2.prev_sha256 == chain_before
+    assert (b2.first_seq, b2.last_seq, b2.rows, b2.gaps) == (50, 99, 50, ())
+    assert bundles[2].manifest.prev_sha256 == bundles[1].sha256
+    assert all_rows(bundles).column("seq").to_pylist() == list(range(120))
+    # one file per bundle seq: the intent's bundle id never appears on the wire
+    assert len(list(rig.outbox_dir.glob("c1.000000000002.*.dbundle"))) == 1
+    assert not list(rig.outbox_dir.glob(f"*.{intent.bundle_id}.dbundle"))
+    st = rig.state()
+    assert st["pending"] is None and st["last_seq"] == 119
+    assert st["counters"]["bundles_resealed"] == 1
+    assert st["counters"]["messages"] == 120
+
+
+@pytest.mark.parametrize(
+    ("gone", "rows", "gaps"),
+    [
+        pytest.param(
+            {60, 61, 75}, 47, [Gap(60, 61, "unrecoverable"), Gap(75, 75, "unrecoverable")]
+        ),
+        pytest.param(set(range(50, 100)), 0, [Gap(50, 99, "unrecoverable")]),
+    ],
+    ids=["some-rows", "every-row"],
+)
+def test_pending_bundle_resealed_with_missing_rows_as_unrecoverable_gaps(
+    rig: Rig, gone: set[int], rows: int, gaps: list[Gap]
+) -> None:
+    """Rows of the interrupted bundle are gone at restart (a damaged spool): the bundle is
+    re-sealed under its seq and chain link, and the missing seqs are gaps, never a refusal."""
+    table = spooled(rig, messages(120))
+    pending = crash_on_bundle(rig, table, 2)
+    intent = Manifest.from_json(pending["manifest"].encode())
+
+    before = recovered("resealed")
+    shipped = rig.sealer().seal_rows(rig.channel, without(table, gone))
+    assert recovered("resealed") - before == 1
+    assert [s.bundle_seq for s in shipped] == [2, 3]
+
+    bundles = open_outbox(rig)
+    check_chain(bundles)  # coverage stays contiguous: the missing rows are declared
+    b2 = bundles[1].manifest
+    assert (b2.bundle_seq, b2.prev_sha256, b2.rows) == (2, intent.prev_sha256, rows)
+    assert list(b2.gaps) == gaps
+    assert b2.bundle_id != intent.bundle_id
+    assert all_rows(bundles).column("seq").to_pylist() == sorted(set(range(120)) - gone)
+    st = rig.state()
+    assert st["pending"] is None and (st["last_bundle_seq"], st["last_seq"]) == (3, 119)
+    assert st["counters"]["bundles_resealed"] == 1
+    assert st["counters"]["lost_unrecoverable"] == len(gone)
+    logged = [
+        (g["first_seq"], g["last_seq"], g["reason"], g["bundle_seq"])
+        for g in read_gaps(rig.state_dir, CHANNEL)
+    ]
+    assert logged == [(g.first_seq, g.last_seq, g.reason, 2) for g in gaps]
 
 
 # --------------------------------------------------------------------------- (d) gaps
 
 
-def test_offset_jump_from_retention_is_a_gap(rig: Rig) -> None:
-    # offsets 0..9 read, 10..29 missing, then 30..39; the stream now starts at offset 25:
-    # offsets 10..23 were dropped by retention (lost), 24 (= F-1, a segment's tracking chunk)
-    # and 25..29 are holes
-    offsets = list(range(10)) + list(range(30, 40))
-    asked: list[int] = []
-
-    def first_retained() -> int:
-        asked.append(1)
-        return 25
-
-    shipped = rig.sealer().seal_rows(rig.channel, make_rows(offsets), first_retained=first_retained)
-    assert asked, "an offset jump must ask for the first retained offset"
+def test_lost_markers_become_gaps_with_their_reason(rig: Rig) -> None:
+    # positions 0..9 delivered, 10..23 dropped by a queue length limit, 24..25 expired,
+    # 26..35 delivered: the dead-lettered ones are lost markers in the spool
+    layout = messages(10) + ["maxlen"] * 14 + ["expired"] * 2 + messages(10)
+    shipped = rig.sealer().seal_rows(rig.channel, spooled(rig, layout))
     assert len(shipped) == 1
     bundles = open_outbox(rig)
     check_chain(bundles)
     m = bundles[0].manifest
-    assert list(m.gaps) == [Gap(10, 23, "retention")]
-    assert (m.first_seq, m.last_seq, m.rows) == (0, 33, 20)
-    rows = bundles[0].rows
-    assert rows.column("seq").to_pylist() == list(range(10)) + list(range(24, 34))
-    assert rows.column("stream_offset").to_pylist() == offsets
+    assert list(m.gaps) == [Gap(10, 23, "maxlen"), Gap(24, 25, "expired")]
+    assert (m.first_seq, m.last_seq, m.rows) == (0, 35, 20)
+    assert bundles[0].rows.column("seq").to_pylist() == list(range(10)) + list(range(26, 36))
     st = rig.state()
-    assert (st["last_seq"], st["last_offset"]) == (33, 39)
-    assert st["counters"]["lost_retention"] == 14
+    assert st["last_seq"] == 35
+    assert (st["counters"]["lost_maxlen"], st["counters"]["lost_expired"]) == (14, 2)
+    logged = [(g["first_seq"], g["last_seq"], g["reason"]) for g in read_gaps(rig.state_dir, "c1")]
+    assert logged == [(10, 23, "maxlen"), (24, 25, "expired")]
 
 
-def test_retention_loss_before_the_first_read_is_a_gap(rig: Rig) -> None:
-    # nothing read yet; the stream now starts at 100: offsets 0..98 were lost, 99 is a hole
-    shipped = rig.sealer().seal_rows(
-        rig.channel, make_rows(list(range(100, 110))), first_retained=lambda: 100
-    )
+def test_loss_before_the_first_message_is_a_gap(rig: Rig) -> None:
+    shipped = rig.sealer().seal_rows(rig.channel, spooled(rig, ["expired"] * 99 + messages(10)))
     assert len(shipped) == 1
     m = open_outbox(rig)[0].manifest
-    assert list(m.gaps) == [Gap(0, 98, "retention")]
-    assert (m.first_seq, m.last_seq) == (99, 108)
+    assert list(m.gaps) == [Gap(0, 98, "expired")]
+    assert (m.first_seq, m.last_seq, m.rows) == (99, 108, 10)
 
 
-def test_offset_hole_is_not_a_gap(rig: Rig) -> None:
-    # offsets 10..14 missing but still at/after the first retained offset: segment holes
-    offsets = list(range(10)) + list(range(15, 25))
-    shipped = rig.sealer().seal_rows(rig.channel, make_rows(offsets), first_retained=lambda: 0)
-    assert len(shipped) == 1 and shipped[0].gaps == ()
+def test_loss_after_the_last_message_ships_in_a_zero_row_bundle(rig: Rig) -> None:
+    """Lost markers at the end of a batch are declared now, not when the next message comes."""
+    shipped = rig.sealer().seal_rows(rig.channel, spooled(rig, messages(5) + ["maxlen"] * 5))
+    assert [(s.rows, s.gaps) for s in shipped] == [(5, ()), (0, (Gap(5, 9, "maxlen"),))]
     bundles = open_outbox(rig)
     check_chain(bundles)
-    assert bundles[0].manifest.gaps == ()
-    assert bundles[0].rows.column("seq").to_pylist() == list(range(20))
-    assert bundles[0].rows.column("stream_offset").to_pylist() == offsets
-    assert rig.state()["last_offset"] == 24
+    assert (bundles[1].manifest.first_seq, bundles[1].manifest.last_seq) == (None, None)
+    assert rig.state()["last_seq"] == 9
+    # a batch of lost markers only
+    shipped = rig.sealer().seal_rows(rig.channel, spooled(rig, ["maxlen"] * 3))
+    assert [(s.bundle_seq, s.rows, s.gaps) for s in shipped] == [(3, 0, (Gap(10, 12, "maxlen"),))]
+    check_chain(open_outbox(rig))
+
+
+def test_seqs_missing_without_a_marker_are_a_gap(rig: Rig) -> None:
+    """The spool has no holes; rows that skip seqs anyway (no lost marker, no reason) do not
+    renumber anything: the missing seqs are a gap of reason ``missing``."""
+    b = RowBuilder(CHANNEL)
+    for pos in [*range(10), *range(15, 25)]:
+        ex, rk, redelivered, props, body = delivery(pos)
+        b.append(pos, CATALOG[ex], ex, rk, redelivered, props, body)
+    shipped = rig.sealer().seal_rows(rig.channel, b.to_table())
+    assert len(shipped) == 1 and shipped[0].gaps == (Gap(10, 14, "missing"),)
+    bundles = open_outbox(rig)
+    check_chain(bundles)
+    assert bundles[0].rows.column("seq").to_pylist() == [*range(10), *range(15, 25)]
+    assert rig.state()["counters"]["lost_missing"] == 5
 
 
 # --------------------------------------------------------------------------- (e) file ceiling
@@ -418,12 +618,11 @@ def test_oversize_message_is_a_gap_and_no_file_passes_the_ceiling(
     rig = make_rig(keys, short_tmp, max_rows=1000, max_file_bytes=ceiling)
     big = {7: 200_000, 20: 70_000, 29: 48_000}  # 7, 20: over the ceiling; 29: one just under
 
-    def body(off: int) -> bytes:
-        return os.urandom(big.get(off, 6000))  # incompressible: the size estimate is honest
+    def body(pos: int) -> bytes:
+        return os.urandom(big.get(pos, 6000))  # incompressible: the size estimate is honest
 
-    shipped = rig.sealer().seal_rows(
-        rig.channel, make_rows(list(range(30)), body=body), first_retained=never_called
-    )
+    table = spooled(rig, messages(30), body=body)
+    shipped = rig.sealer().seal_rows(rig.channel, table)
     bundles = open_outbox(rig)
     check_chain(bundles)
     assert [s.name for s in shipped] == [b.name for b in bundles]
@@ -435,13 +634,15 @@ def test_oversize_message_is_a_gap_and_no_file_passes_the_ceiling(
     assert gaps == [Gap(7, 7, "oversize"), Gap(20, 20, "oversize")]
     rows = all_rows(bundles)
     assert rows.column("seq").to_pylist() == [s for s in range(30) if s not in (7, 20)]
-    assert rows.column("stream_offset").to_pylist() == [s for s in range(30) if s not in (7, 20)]
     assert len(bundles) > 3  # ~6 KB rows under a ~55 KB plaintext budget: many bundles
     # the message just under the ceiling travels, alone or nearly so, and intact
     b29 = next(b for b in bundles if 29 in b.rows.column("seq").to_pylist())
     assert b29.sealed_bytes <= ceiling
+    want29 = table.filter(pc.equal(table.column("seq"), 29)).column("body")[0].as_py()
+    got29 = b29.rows.filter(pc.equal(b29.rows.column("seq"), 29)).column("body")[0].as_py()
+    assert got29 == want29
     st = rig.state()
-    assert st["last_seq"] == 29 and st["last_offset"] == 29
+    assert st["last_seq"] == 29
     assert st["counters"]["lost_oversize"] == 2
 
 
@@ -450,72 +651,78 @@ def test_oversize_last_message_rides_in_a_zero_row_bundle(
 ) -> None:
     rig = make_rig(keys, short_tmp, max_file_bytes=65536)
 
-    def body(off: int) -> bytes:
-        return os.urandom(100_000) if off == 4 else b"small"
+    def body(pos: int) -> bytes:
+        return os.urandom(100_000) if pos == 4 else b"small"
 
-    rig.sealer().seal_rows(
-        rig.channel, make_rows(list(range(5)), body=body), first_retained=never_called
-    )
+    rig.sealer().seal_rows(rig.channel, spooled(rig, messages(5), body=body))
     bundles = open_outbox(rig)
     check_chain(bundles)
     assert [b.manifest.rows for b in bundles] == [4, 0]
     assert list(bundles[1].manifest.gaps) == [Gap(4, 4, "oversize")]
-    assert rig.state()["last_offset"] == 4  # the dropped message is not read again
+    assert rig.state()["last_seq"] == 4  # the dropped message is not read again
 
 
 # --------------------------------------------------------------------------- split + gap + crash
 
 
-def test_split_bundle_with_an_inner_retention_gap_survives_a_crash(
+def test_split_bundle_with_an_inner_gap_survives_a_crash(
     keys: KeyInventory, short_tmp: Path
 ) -> None:
     """A chunk the size estimate got wrong is split in two; its inner gap must stay in order.
 
-    The estimate counts body + headers + 256 bytes per row, so rows whose short-string
-    properties are long and incompressible pack far bigger than estimated and the sealer
-    splits the chunk. A retention gap between the rows of the second half must ride with the
-    second half: coverage stays contiguous, and the journal's ``last_offset`` after the
-    first half must not skip rows of the second half (else a crash there loses them).
+    The estimate counts each decoded property once, but a row stores the property bytes twice
+    (``properties_raw`` and the decoded columns), so rows whose short-string properties are long
+    and incompressible pack far bigger than estimated and the sealer splits the chunk. A gap
+    (lost markers) between the rows of the second half must ride with the second half: coverage
+    stays contiguous, and the journal's ``last_seq`` after the first half must not skip rows of
+    the second half (else a crash there loses them).
     """
-    import random
-    import string
-
     rnd = random.Random(5)
 
     def text(n: int) -> str:
         return "".join(rnd.choice(string.ascii_letters) for _ in range(n))
 
     rig = make_rig(keys, short_tmp, max_rows=1000, max_file_bytes=65536)
-    b = RowBuilder(CHANNEL)
-    offsets = list(range(20)) + list(range(40, 45))  # 20..39 missing, stream now starts at 35
-    for off in offsets:
-        props = BasicProperties(
-            content_type=text(250),
-            content_encoding=text(250),
-            correlation_id=text(250),
-            reply_to=text(250),
-            expiration=text(250),
-            message_id=text(250),
-            type=text(250),
-            user_id=text(250),
-            app_id=text(250),
-            cluster_id=text(250),
-        )
-        b.append(off, SENSORS, "sensors", text(250), props, b"x", stream_offset=off)
-    table = b.to_table()
+    layout = messages(20) + ["maxlen"] * 14 + messages(5)  # positions 20..33 lost
+    with SpoolWriter.open(rig.spool_dir, CHANNEL, min_free_bytes=0) as w:
+        for reason in layout:
+            if reason is not None:
+                w.append_lost("sensors", "", reason)
+                continue
+            fields: dict[str, Any] = {
+                name: text(250)
+                for name in (
+                    "content_type", "content_encoding", "correlation_id", "reply_to",
+                    "expiration", "message_id", "type", "user_id", "app_id", "cluster_id",
+                )
+            }  # fmt: skip
+            w.append_one("sensors", text(250), False, encode_properties(Properties(**fields)), b"x")
+        w.sync(-1)
+    table = read_spool(rig, 0, len(layout))
 
-    crashing = CrashingGpg(rig.keys.black_home, crash_on=2)
-    with pytest.raises(SimulatedCrash):
-        rig.sealer(crashing).seal_rows(rig.channel, table, first_retained=lambda: 35)
-    # offsets 20..33 lost to retention (seqs 20..33), 34..39 holes; offsets 40..44 = seqs 34..38
-    rig.sealer().seal_rows(rig.channel, table, first_retained=lambda: 35)
+    # the case: the planner (which works from the estimate) cuts fewer chunks than get sealed
+    bundle = rig.cfg.black.bundle
+    max_plain = bundle.max_file_bytes - seal_overhead_bytes(2, bundle.max_file_bytes)
+    messages_only = table.filter(pc.is_null(table.column("lost_reason")))
+    planned, _ = plan_chunks(
+        messages_only.column("seq").to_numpy(),
+        row_size_estimate(messages_only),
+        last_seq=-1,
+        max_rows=bundle.max_rows,
+        max_bytes=min(bundle.max_bytes, max_plain),
+        max_row_bytes=max_plain - 4096,
+        gap_reasons={s: "maxlen" for s in range(20, 34)},
+    )
+
+    crash_on_bundle(rig, table, 2)
+    before = recovered("rebuilt")
+    rig.sealer().seal_rows(rig.channel, read_spool(rig, 0, len(layout)))
+    assert recovered("rebuilt") - before == 1
 
     bundles = open_outbox(rig)
-    assert len(bundles) >= 2, "the chunk was expected to be split"
+    assert len(bundles) > len(planned), "the chunk was expected to be split"
     check_chain(bundles)
-    assert [g for x in bundles for g in x.manifest.gaps] == [Gap(20, 33, "retention")]
-    rows = all_rows(bundles)
-    assert rows.column("stream_offset").to_pylist() == offsets
-    assert rows.column("seq").to_pylist() == list(range(20)) + list(range(34, 39))
+    assert [g for x in bundles for g in x.manifest.gaps] == [Gap(20, 33, "maxlen")]
+    assert all_rows(bundles).column("seq").to_pylist() == list(range(20)) + list(range(34, 39))
     for x in bundles:
         assert x.sealed_bytes <= 65536

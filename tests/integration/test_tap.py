@@ -235,3 +235,24 @@ def test_non_utf8_routing_key_is_stored_and_declared_inexact(
         ("k\ufffd", "non-utf8-name"),
         ("plain", None),
     ]
+
+
+def test_lost_spool_becomes_a_gap_not_silence(black_vhost: Any, tmp_path: Path) -> None:
+    """The spool disappears after the tap acked messages that were never shipped: the next
+    tap records those positions as lost (reason spool_lost) and goes on after them."""
+    cfg = write_config(tmp_path, black_vhost.amqp_url)
+    setup_mirror(cfg, black_vhost.amqp_url)
+    publish_raw(black_vhost.amqp_url, messages(50))
+    Tap(cfg, "main", until_empty=True).run()
+    assert len(spooled(cfg)) == 50
+    import shutil
+
+    shutil.rmtree(Path(cfg.black.spool_dir))  # nothing was shipped: the journal says seq -1
+    publish_raw(black_vhost.amqp_url, messages(10))
+    Tap(cfg, "main", until_empty=True).run()
+    rows = spooled(cfg)
+    assert [r["pos"] for r in rows] == list(range(60))
+    assert {(r["kind"], r["reason"]) for r in rows[:50]} == {(KIND_LOST, "spool_lost")}
+    assert all(r["kind"] == KIND_MESSAGE for r in rows[50:])
+    st = tap_status(cfg, "main")
+    assert st is not None and st.counters.get("lost_spool_lost") == 50

@@ -66,6 +66,8 @@ def sample_heartbeat(**over: Any) -> Heartbeat:
 def manifests(draw: st.DrawFn) -> Manifest:
     rows = draw(st.integers(0, 1000))
     bundle_seq = draw(st.integers(1, 10**12 - 1))
+    first: int | None
+    last: int | None
     if rows:
         first = draw(st.integers(0, 2**62))
         last = first + rows - 1 + draw(st.integers(0, 100))
