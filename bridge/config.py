@@ -123,7 +123,11 @@ class BundleConfig(_Strict):
     """Hard ceiling of a file on the wire (vendor diodes impose one); never exceeded."""
 
     zstd_level: int = Field(default=3, ge=1, le=22)
-    """Parquet zstd compression level."""
+    """Parquet zstd compression level of every column but the message bodies."""
+
+    body_zstd_level: int = Field(default=1, ge=1, le=22)
+    """zstd level of the body column (bodies are often compressed or encrypted already: a high
+    level costs time for little)."""
 
     hide_recipients: bool = True
     """gpg --throw-keyids: nobody learns from a bundle who else can read it."""

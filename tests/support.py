@@ -197,6 +197,8 @@ class BlackJob:
         self.stderr_path = log_dir / f"{tag}-{trigger}.stderr"
         self._out = open(self.stdout_path, "wb")  # noqa: SIM115 - closed by kill()/wait()
         self._err = open(self.stderr_path, "wb")  # noqa: SIM115
+        self.tag = tag
+        self.started = time.monotonic()
         self.proc = subprocess.Popen(
             [sys.executable, str(JOB), "--config", str(cfg_path), "--trigger", trigger],
             cwd=REPO, env=env, stdout=self._out, stderr=self._err, start_new_session=True,

@@ -22,7 +22,7 @@ from bridge.black.seal import BundleSealer
 from bridge.black.sink import BatchSink
 from bridge.black.source import SpoolDataSource
 from bridge.black.state import StateStore
-from bridge.black.taps import TapSupervisor, run_taps_until_empty
+from bridge.black.taps import TapSupervisor, UntilEmptyTaps
 from bridge.config import Config
 from bridge.crypto.gpg import Gpg
 from bridge.crypto.keys import signing_gpg
@@ -118,6 +118,17 @@ class BlackRun:
             w = w.trigger(processingTime=f"{self.cfg.black.trigger_seconds} seconds")
         return w.start()
 
+    def _query(self, spark: Any, trigger: Trigger, timeout: float | None) -> None:
+        query = self.start_query(spark, trigger)
+        try:
+            query.awaitTermination(timeout)
+        finally:
+            try:
+                if query.isActive:
+                    query.stop()
+            finally:
+                self.sink.drain()  # every collected batch sealed (or the error raised)
+
     def run(
         self, spark: Any, trigger: Trigger = "available-now", *, timeout: float | None = None
     ) -> BlackSummary:
@@ -139,6 +150,7 @@ class BlackRun:
         mirror_loop = MirrorLoop(self.mirror, self.cfg.black.discover_interval_seconds)
         hb_loop = HeartbeatLoop(self.heartbeats, self.cfg.black.heartbeat_seconds, self.outbox)
         taps: TapSupervisor | None = None
+        scheduled: UntilEmptyTaps | None = None
         if trigger == "continuous":
             mirror_loop.start()
             # a mirror that failed for good (permissions, arguments) must stop the job: new
@@ -147,23 +159,26 @@ class BlackRun:
             taps = self.taps = TapSupervisor(self.cfg).start()
             self.sink.health_checks.append(lambda: taps.error if taps else None)
         else:
-            run_taps_until_empty(self.cfg, timeout=timeout)
+            scheduled = UntilEmptyTaps(self.cfg, timeout=timeout)
         hb_loop.start()
         try:
-            query = self.start_query(spark, trigger)
-            try:
-                query.awaitTermination(timeout)
-            finally:
-                try:
-                    if query.isActive:
-                        query.stop()
-                finally:
-                    self.sink.drain()  # every collected batch sealed (or the error raised)
+            while True:
+                # scheduled runs seal while the taps drain: each availableNow query seals what
+                # the spool holds when it starts; the one started after the taps ended seals
+                # the rest
+                last = scheduled is None or scheduled.done()
+                self._query(spark, trigger, timeout)
+                if last:
+                    break
+            if scheduled is not None:
+                scheduled.finish()  # raises if a tap failed (what it spooled is sealed)
         finally:
             if trigger == "continuous":
                 mirror_loop.stop()
             if taps is not None:
                 taps.stop()
+            if scheduled is not None:
+                scheduled.stop()
             hb_loop.stop()
         self.heartbeats.beat_all()  # a final heartbeat names the last bundle sealed
         self.outbox.prune_archive()

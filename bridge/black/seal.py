@@ -187,6 +187,12 @@ class BundleSealer:
         return table
 
     # -- internals --------------------------------------------------------------------------
+    def _pack(self, rows: pa.Table, manifest: Manifest) -> bytes:
+        b = self.cfg.black.bundle
+        return pack_bundle(
+            rows, manifest, zstd_level=b.zstd_level, body_zstd_level=b.body_zstd_level
+        )
+
     def _manifest(
         self, channel: str, st: ChannelState, rows: pa.Table, gaps: list[Gap]
     ) -> Manifest:
@@ -224,7 +230,7 @@ class BundleSealer:
         max_plain: int,
     ) -> list[ShippedBundle]:
         manifest = self._manifest(channel.name, st, rows, gaps)
-        plain = pack_bundle(rows, manifest, zstd_level=self.cfg.black.bundle.zstd_level)
+        plain = self._pack(rows, manifest)
         if len(plain) > max_plain and len(rows) == 1:
             # one message that does not fit the file ceiling once packed: it is lost on black,
             # and the bundle says so (the estimate let it through)
@@ -235,7 +241,7 @@ class BundleSealer:
             )  # fmt: skip
             rows = rows.slice(0, 0)
             manifest = self._manifest(channel.name, st, rows, [*gaps, Gap(seq, seq, "oversize")])
-            plain = pack_bundle(rows, manifest, zstd_level=self.cfg.black.bundle.zstd_level)
+            plain = self._pack(rows, manifest)
         if len(plain) > max_plain and len(rows) > 1:
             # the estimate was off (incompressible data): split in two and try again
             head, tail = rows.slice(0, len(rows) // 2), rows.slice(len(rows) // 2)
@@ -282,7 +288,7 @@ class BundleSealer:
             return self._commit(channel, st, manifest, want, size, plain_bytes)
         rows = self._rows_of(manifest, table)
         try:
-            plain = pack_bundle(rows, manifest, zstd_level=self.cfg.black.bundle.zstd_level)
+            plain = self._pack(rows, manifest)
             sha: str | None = sha256_hex(plain)
         except ManifestError:  # rows missing or changed: it cannot rebuild, so re-seal
             sha = None
@@ -294,7 +300,7 @@ class BundleSealer:
             BLACK.bundles_recovered.labels(channel.name, "rebuilt").inc()
             return self._ship(channel, st, manifest, plain, want)
         manifest = self._reseal_manifest(manifest, rows)
-        plain = pack_bundle(rows, manifest, zstd_level=self.cfg.black.bundle.zstd_level)
+        plain = self._pack(rows, manifest)
         sha = sha256_hex(plain)
         log_event(
             log, 40, "bundle interrupted by a crash does not rebuild byte-identically: re-sealed "

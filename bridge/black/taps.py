@@ -22,7 +22,13 @@ from bridge.errors import BrokerError, ConfigError, DiodeError
 from bridge.logs import get_logger, log_event
 from bridge.metrics import BLACK
 
-__all__ = ["TapSupervisor", "tap_command", "run_taps_until_empty", "export_tap_metrics"]
+__all__ = [
+    "TapSupervisor",
+    "UntilEmptyTaps",
+    "tap_command",
+    "run_taps_until_empty",
+    "export_tap_metrics",
+]
 
 log = get_logger("bridge.black.taps")
 
@@ -69,26 +75,54 @@ def _spawn(cfg: Config, channel: str, *, until_empty: bool) -> subprocess.Popen[
     return subprocess.Popen(tap_command(cfg, channel, until_empty=until_empty), env=env)
 
 
+class UntilEmptyTaps:
+    """One ``--until-empty`` tap per channel, in parallel (scheduled runs): each drains the
+    backlog its queues held when it started. The job seals while they run."""
+
+    def __init__(self, cfg: Config, *, timeout: float | None = None) -> None:
+        self.procs = {ch.name: _spawn(cfg, ch.name, until_empty=True) for ch in cfg.channels}
+        self.deadline = None if timeout is None else time.monotonic() + timeout
+
+    def done(self) -> bool:
+        """Every tap has exited (successfully or not)."""
+        return all(p.poll() is not None for p in self.procs.values())
+
+    def stop(self) -> None:
+        """Terminate taps still running (the run failed); what they made durable stays."""
+        for p in self.procs.values():
+            if p.poll() is None:
+                p.terminate()
+        for p in self.procs.values():
+            try:
+                p.wait(30)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+
+    def finish(self) -> None:
+        """Wait for every tap (terminating those past the timeout); raise if one failed."""
+        failed: dict[str, int] = {}
+        for name, p in self.procs.items():
+            left = None if self.deadline is None else max(0.0, self.deadline - time.monotonic())
+            try:
+                rc = p.wait(left)
+            except subprocess.TimeoutExpired:
+                p.terminate()
+                rc = p.wait(30)
+                rc = 0 if rc == -15 else rc  # stopped by the timeout: what it spooled stands
+            if rc != 0:
+                failed[name] = rc
+        if failed:
+            kind = ConfigError if EXIT_CONFIG in failed.values() else BrokerError
+            raise kind(
+                f"tap failed for channel(s) {failed} (exit status); its log above says why. "
+                "Nothing is lost: what it did not make durable stays in the mirror queue"
+            )
+
+
 def run_taps_until_empty(cfg: Config, *, timeout: float | None = None) -> None:
-    """Drain every channel's mirror queue into its spool (``--until-empty`` taps, in parallel)."""
-    procs = {ch.name: _spawn(cfg, ch.name, until_empty=True) for ch in cfg.channels}
-    deadline = None if timeout is None else time.monotonic() + timeout
-    failed: dict[str, int] = {}
-    for name, p in procs.items():
-        left = None if deadline is None else max(0.0, deadline - time.monotonic())
-        try:
-            rc = p.wait(left)
-        except subprocess.TimeoutExpired:
-            p.terminate()
-            rc = p.wait(30)
-        if rc != 0:
-            failed[name] = rc
-    if failed:
-        kind = ConfigError if EXIT_CONFIG in failed.values() else BrokerError
-        raise kind(
-            f"tap failed for channel(s) {failed} (exit status); its log above says why. "
-            "Nothing is lost: what it did not make durable stays in the mirror queue"
-        )
+    """Drain every channel's mirror queue into its spool, then return (or raise)."""
+    UntilEmptyTaps(cfg, timeout=timeout).finish()
 
 
 class TapSupervisor:

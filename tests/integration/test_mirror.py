@@ -440,5 +440,5 @@ def test_headers_catch_all_semantics_on_the_broker(amqp: BlockingChannel) -> Non
         amqp.queue_bind(name, "h", arguments=args)
     for headers in (None, {}, {"a": 1}, {"x-foo": "b"}):
         pub(amqp, "h", "rk", b"x", headers)
-    counts = {name: depth(amqp, name, 4) for name in variants}
+    counts = {name: depth(amqp, name, 0 if name == "any" else 4) for name in variants}
     assert counts == {"empty": 4, "all": 4, "any": 0}
