@@ -143,7 +143,10 @@ class TapConfig(_Strict):
     """fsync the spool and ack (multiple) after this many deliveries..."""
 
     group_seconds: float = Field(default=0.05, gt=0, le=10)
-    """...or this long after the first delivery not yet durable, whichever comes first."""
+    """...or this long after the first delivery not yet durable, whichever comes first..."""
+
+    group_bytes: int = Field(default=16 * 1024 * 1024, ge=64 * 1024)
+    """...or once this many bytes wait (large messages: bounds the tap's memory)."""
 
     @model_validator(mode="after")
     def _group_fits_window(self) -> TapConfig:

@@ -16,7 +16,8 @@ import sys
 def main(argv: list[str] | None = None) -> int:
     from bridge.black.job import run_black
     from bridge.config import load_config
-    from bridge.logs import setup_logging
+    from bridge.errors import ConfigError, DiodeError
+    from bridge.logs import get_logger, log_event, setup_logging
     from bridge.spark import get_spark
 
     p = argparse.ArgumentParser(
@@ -36,9 +37,14 @@ def main(argv: list[str] | None = None) -> int:
         from bridge.metrics import serve_metrics
 
         serve_metrics(a.metrics_port)
-    cfg = load_config(a.config)
-    spark = get_spark("diode-black")
-    summary = run_black(cfg, spark, a.trigger, timeout=a.timeout)
+    try:
+        cfg = load_config(a.config)
+        spark = get_spark("diode-black")
+        summary = run_black(cfg, spark, a.trigger, timeout=a.timeout)
+    except DiodeError as e:  # a clear line and an exit status, not a traceback
+        log_event(get_logger("spark_jobs.black_drain"), 50, f"black job failed: {e}")
+        print(f"error: {e}", file=sys.stderr)
+        return 2 if isinstance(e, ConfigError) else 1
     print(json.dumps(summary.to_json()))
     return 0
 

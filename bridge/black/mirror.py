@@ -144,8 +144,8 @@ class Mirror:
     def _sync_locked(self, conn: BlockingConnection) -> MirrorReport:
         catalog = load_catalog(self.catalog_path)
         exchanges, listed = self._learn(conn, catalog)
-        own = self.cfg.black.mirror_prefix
-        exchanges = [d for d in exchanges if not d.name.startswith(own)]  # our dead-letter exchange
+        own = dead_letter_exchange(self.cfg.black)
+        exchanges = [d for d in exchanges if d.name != own]  # black's own: never mirrored
         plans = [plan_channel(ch, exchanges) for ch in self.cfg.channels]
         if self.cfg.black.discover:
             to_catalog: list[ExchangeDecl] = exchanges

@@ -362,8 +362,10 @@ class Tap:
                 if first_unsynced is None:
                     first_unsynced = now
             unacked = last_main > acked_main or last_dead > acked_dead
-            due = spool.pending >= tap.group_messages or (
-                first_unsynced is not None and now - first_unsynced >= tap.group_seconds
+            due = (
+                spool.pending >= tap.group_messages
+                or spool.pending_bytes >= tap.group_bytes
+                or (first_unsynced is not None and now - first_unsynced >= tap.group_seconds)
             )
             if unacked and due:
                 try:
