@@ -4,8 +4,9 @@ RabbitMQ exchanges --mirror--> mirror queues --tap (one process per channel)--> 
   --source "diode_spool"--> micro-batches --BatchSink (seal)--> outbox/ + archive/
   (+ heartbeats every N s)
 
-``available-now`` first drains every mirror queue into the spool (taps run until the queues
-are empty), then seals the spool; ``continuous`` keeps the taps running beside the query.
+``available-now`` runs one ``--until-empty`` tap per channel (each drains the backlog it finds)
+and meanwhile repeats availableNow queries over the spool, the last one after the taps ended;
+``continuous`` keeps the taps running beside one query.
 """
 
 from __future__ import annotations
@@ -167,9 +168,12 @@ class BlackRun:
                 # the spool holds when it starts; the one started after the taps ended seals
                 # the rest
                 last = scheduled is None or scheduled.done()
+                before = self.sink.totals.messages
                 self._query(spark, trigger, timeout)
                 if last:
                     break
+                if self.sink.totals.messages == before and scheduled is not None:
+                    scheduled.wait(1.0)  # nothing new yet: leave the cores to the taps
             if scheduled is not None:
                 scheduled.finish()  # raises if a tap failed (what it spooled is sealed)
         finally:

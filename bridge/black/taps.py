@@ -87,6 +87,12 @@ class UntilEmptyTaps:
         """Every tap has exited (successfully or not)."""
         return all(p.poll() is not None for p in self.procs.values())
 
+    def wait(self, seconds: float) -> None:
+        """Wait until every tap has exited, at most ``seconds``."""
+        deadline = time.monotonic() + seconds
+        while not self.done() and time.monotonic() < deadline:
+            time.sleep(0.05)
+
     def stop(self) -> None:
         """Terminate taps still running (the run failed); what they made durable stays."""
         for p in self.procs.values():

@@ -152,7 +152,10 @@ def read_bundles(folder: Path, red_home: Path, black_fpr: str) -> list[tuple[dic
 
 
 def test_every_message_once_and_identical(  # type: ignore[no-untyped-def]
-    black_vhost, short_tmp: Path, spark, greedy_mover  # noqa: F811
+    black_vhost,
+    short_tmp: Path,
+    spark,
+    greedy_mover,  # noqa: F811
 ) -> None:
     inv = init_keys(short_tmp / "keys", red_names=("red", "audit"))
     cfg_path = write_config(
