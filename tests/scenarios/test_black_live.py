@@ -91,6 +91,7 @@ max_age_seconds = 1.0
 # the large backlog becomes durable in one group, so Spark plans it as one micro-batch
 group_messages = {N_BIG}
 group_seconds = 5.0
+group_bytes = {2 * N_BIG * BIG_BYTES}
 """
     )
     p.chmod(0o600)  # it holds the AMQP password
