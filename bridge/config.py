@@ -28,6 +28,7 @@ __all__ = [
     "Config",
     "LinkConfig",
     "RedConfig",
+    "ReplayConfig",
     "load_config",
     "ENV_PREFIX",
 ]
@@ -272,6 +273,31 @@ class BlackConfig(_Strict):
     """Spool segments and disk limits."""
 
 
+class ReplayConfig(_Strict):
+    """The replay publisher: red `messages` -> red RabbitMQ (approved exchanges only)."""
+
+    amqp_url: SecretStr = SecretStr("amqp://guest:guest@127.0.0.1:5672/%2F")
+    """AMQP URL of the red broker and vhost (credentials never logged)."""
+
+    approved: list[str] = Field(default_factory=list)
+    """Exchanges approved in the configuration (exact names; `diode approve` adds more at run
+    time). Everything else stays landed for inspection and is not replayed."""
+
+    in_flight: int = Field(default=1000, ge=1, le=65535)
+    """Unconfirmed publishes allowed at once (publisher confirms)."""
+
+    batch_rows: int = Field(default=20_000, ge=1)
+    """Rows read from `messages` per step."""
+
+    poll_seconds: float = Field(default=1.0, gt=0)
+    """How often the publisher looks for newly landed rows."""
+
+    id_header: str = Field(default="", pattern=r"^(|[A-Za-z0-9_.:-]{1,128})$")
+    """If set, every replayed message gets this extra header holding "<channel>:<seq>" (a
+    stable id for consumers that de-duplicate). Empty (default): properties are replayed
+    byte for byte, unchanged."""
+
+
 class RedConfig(_Strict):
     """The red (high) side: inbox -> verified Delta tables -> red RabbitMQ."""
 
@@ -286,7 +312,47 @@ class RedConfig(_Strict):
     """Environment variable holding the red decryption keys' passphrase, read when it is set."""
 
     inbox: Path = Path("red/inbox")
-    """Where bundles arrive from the diode."""
+    """Where bundles arrive from the diode (a vendor mover or the UDP receiver writes here)."""
+
+    work_dir: Path = Path("red/work")
+    """Red's working area on the inbox's file system: taken files (intake/) and temporary
+    plaintext (plain/, swept at start)."""
+
+    processed_dir: Path = Path("red/processed")
+    """Every file red handled, kept unchanged as evidence (by UTC date)."""
+
+    quarantine_dir: Path = Path("red/quarantine")
+    """Files red refused, each with a `<name>.reason.json` beside it. Never deleted by red."""
+
+    state_dir: Path = Path("red/state")
+    """Red's durable state: landing journal, sequence state, replay progress, approvals."""
+
+    checkpoint_dir: Path = Path("red/checkpoint")
+    """Spark Structured Streaming checkpoint of the red job."""
+
+    tables_dir: Path = Path("red/tables")
+    """Root of the Delta tables `messages`, `bundles` and `audit`."""
+
+    delta_engine: Literal["auto", "spark", "delta-rs"] = "auto"
+    """`spark`: format("delta") (needs the Delta jars on Spark's classpath); `delta-rs`: the
+    deltalake package; `auto`: spark when the jars are there, else delta-rs."""
+
+    trigger_seconds: float = Field(default=2.0, gt=0)
+    """Micro-batch interval of the continuous job (watchdog wakes it sooner)."""
+
+    settle_seconds: float = Field(default=2.0, ge=0)
+    """A file is taken when its writer closed it, or when its size and mtime have not
+    changed for this long (a vendor mover may write in place). A file that is not valid by
+    then is quarantined."""
+
+    max_files_per_batch: int = Field(default=64, ge=1)
+    """Files verified per micro-batch (bounds memory: plaintexts are read one at a time)."""
+
+    link_silent_seconds: float = Field(default=60.0, gt=0)
+    """No heartbeat for this long: the link is reported silent (audit, metric, status)."""
+
+    replay: ReplayConfig = Field(default_factory=ReplayConfig)
+    """Replay publisher."""
 
 
 class Config(_Strict):
@@ -336,7 +402,17 @@ _PATH_KEYS = {
         "spool_dir",
         "passphrase_file",
     ),
-    "red": ("gnupg_home", "inbox", "passphrase_file"),
+    "red": (
+        "gnupg_home",
+        "inbox",
+        "passphrase_file",
+        "work_dir",
+        "processed_dir",
+        "quarantine_dir",
+        "state_dir",
+        "checkpoint_dir",
+        "tables_dir",
+    ),
 }
 
 
