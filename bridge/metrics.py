@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
 
-__all__ = ["REGISTRY", "BLACK", "serve_metrics"]
+__all__ = ["REGISTRY", "BLACK", "RED", "serve_metrics"]
 
 REGISTRY = CollectorRegistry()
 
@@ -87,6 +87,50 @@ class _Black:
 
 
 BLACK = _Black(REGISTRY)
+
+
+class _Red:
+    def __init__(self, reg: CollectorRegistry) -> None:
+        self.files_processed = Counter(
+            "bridge_red_files_processed", "Inbox files judged (any verdict)", registry=reg
+        )
+        self.files_rejected = Counter(
+            "bridge_red_files_rejected",
+            "Inbox files quarantined, by reason (signature, downgrade, bad_name, ...)",
+            ["reason"],
+            registry=reg,
+        )
+        self.bundles_landed = Counter(
+            "bridge_red_bundles_landed", "Bundles landed in Delta", registry=reg
+        )
+        self.messages_landed = Counter(
+            "bridge_red_messages_landed", "Message rows landed in Delta", registry=reg
+        )
+        self.duplicates = Counter(
+            "bridge_red_bundles_duplicate", "Exact duplicate bundles ignored", registry=reg
+        )
+        self.conflicts = Counter(
+            "bridge_red_bundles_conflict",
+            "ALARM: a different bundle under an already landed (channel, bundle seq)",
+            ["channel"],
+            registry=reg,
+        )
+        self.events = Counter(
+            "bridge_red_events",
+            "Audit events by kind (gap_opened, chain_broken, link_silent, ...)",
+            ["event"],
+            registry=reg,
+        )
+        self.open_gaps = Gauge(
+            "bridge_red_open_gaps",
+            "Bundle seq ranges missing in transit, still open",
+            ["channel"],
+            registry=reg,
+        )
+        self.land_seq = Gauge("bridge_red_land_seq", "Last landing committed", registry=reg)
+
+
+RED = _Red(REGISTRY)
 
 
 def serve_metrics(port: int, addr: str = "127.0.0.1") -> None:

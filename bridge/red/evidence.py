@@ -1,0 +1,278 @@
+"""Red, evidence: move inbox files into processed/ or quarantine/ by day, never overwriting.
+
+    processed_dir/<YYYY-MM-DD>/<name>[.<n>]
+    quarantine_dir/<YYYY-MM-DD>/<name>[.<n>]  +  <that name>.reason.json
+
+A file is hard-linked to the first free name (``link`` fails if the name exists, so nothing
+is ever replaced), then unlinked from where it was; both folders are fsynced. A call
+repeated after a crash between the two steps finds its own link (same inode) and finishes
+without a second copy. Entries that cannot be hard-linked (directories, files of another
+owner under ``fs.protected_hardlinks``) are renamed with ``RENAME_NOREPLACE`` instead.
+Symlinks are moved as links: their targets are never opened.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import hashlib
+import itertools
+import json
+import os
+import re
+import stat
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from bridge.errors import StateError
+from bridge.fsutil import atomic_write_bytes, durable_mkdir, fsync_dir
+from bridge.logs import get_logger, log_event
+
+__all__ = [
+    "Evidence",
+    "safe_name",
+    "SAFE_NAME_RE",
+    "REASON_SUFFIX",
+    "rename_noreplace",
+    "file_kind",
+]
+
+log = get_logger("bridge.red.evidence")
+
+SAFE_NAME_RE = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,99}")
+"""Every name :func:`safe_name` returns matches this (ASCII, no leading dot, <= 100 chars)."""
+REASON_SUFFIX = ".reason.json"
+_MAX_SAFE = 100
+_HASH_HEX = 16
+_KEEP_NAME = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,199}")
+_UNSAFE_BYTES = re.compile(rb"[^A-Za-z0-9._-]")
+_CHUNK = 1 << 20
+_AT_FDCWD = -100
+_RENAME_NOREPLACE = 1
+
+
+def safe_name(raw: bytes) -> str:
+    """A file name for ``raw`` made only of ``[A-Za-z0-9._-]``, without a leading dot, at most
+    100 characters, ending in ``-`` + the first 16 hex digits of ``sha256(raw)``: distinct raw
+    names get distinct safe names, and a safe name is never a valid wire name."""
+    digest = hashlib.sha256(raw).hexdigest()[:_HASH_HEX]
+    readable = _UNSAFE_BYTES.sub(b"_", raw).decode("ascii").lstrip(".-")
+    readable = readable[: _MAX_SAFE - _HASH_HEX - 1] or "file"
+    return f"{readable}-{digest}"
+
+
+def _stored_name(name: str) -> str:
+    """``name`` itself when it is a plain file name, else its :func:`safe_name`."""
+    if _KEEP_NAME.fullmatch(name) and not name.endswith(REASON_SUFFIX):
+        return name
+    return safe_name(os.fsencode(name))
+
+
+def file_kind(mode: int) -> str:
+    """A word for the file type in ``mode`` (for reason files and logs)."""
+    for test, word in (
+        (stat.S_ISREG, "regular"),
+        (stat.S_ISDIR, "directory"),
+        (stat.S_ISLNK, "symlink"),
+        (stat.S_ISFIFO, "fifo"),
+        (stat.S_ISSOCK, "socket"),
+        (stat.S_ISCHR, "char_device"),
+        (stat.S_ISBLK, "block_device"),
+    ):
+        if test(mode):
+            return word
+    return "unknown"
+
+
+_libc: Any = None
+
+
+def _renameat2() -> Any:
+    global _libc
+    if _libc is None:
+        _libc = ctypes.CDLL(None, use_errno=True)
+    return getattr(_libc, "renameat2", None)
+
+
+def rename_noreplace(src: Path, dst: Path) -> None:
+    """Rename ``src`` to ``dst`` atomically; FileExistsError if ``dst`` exists (never replaced).
+
+    Uses ``renameat2(RENAME_NOREPLACE)``; where the kernel or file system lacks it, checks
+    first and renames (a race only with another writer of the same folder)."""
+    fn = _renameat2()
+    if fn is not None:
+        rc = fn(_AT_FDCWD, os.fsencode(src), _AT_FDCWD, os.fsencode(dst), _RENAME_NOREPLACE)
+        if rc == 0:
+            return
+        err = ctypes.get_errno()
+        if err not in (errno.ENOSYS, errno.EINVAL):
+            raise OSError(err, os.strerror(err), os.fsdecode(src), None, os.fsdecode(dst))
+    if os.path.lexists(dst):
+        raise FileExistsError(errno.EEXIST, os.strerror(errno.EEXIST), os.fsdecode(dst))
+    os.rename(src, dst)
+
+
+def _candidate(folder: Path, name: str, n: int) -> Path:
+    return folder / (name if n == 0 else f"{name}.{n}")
+
+
+def _same_entry(path: Path, st: os.stat_result) -> bool:
+    try:
+        return os.path.samestat(os.lstat(path), st)
+    except FileNotFoundError:
+        return False
+
+
+def _open_regular(path: Path) -> int | None:
+    """An fd on ``path`` if it is a regular file (never following a symlink, never blocking
+    on a fifo), else None."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        return None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        return None
+    return fd
+
+
+def _fsync_and_hash(path: Path, *, want_hash: bool) -> str | None:
+    """fsync a regular file (and its sha256 if asked); None for anything else."""
+    fd = _open_regular(path)
+    if fd is None:
+        return None
+    try:
+        h = hashlib.sha256()
+        if want_hash:
+            while chunk := os.read(fd, _CHUNK):
+                h.update(chunk)
+        os.fsync(fd)
+        return h.hexdigest() if want_hash else None
+    finally:
+        os.close(fd)
+
+
+class Evidence:
+    """Moves files that red has judged: kept (processed) or quarantined (with a reason)."""
+
+    def __init__(self, processed_dir: Path, quarantine_dir: Path) -> None:
+        self.processed_dir = Path(processed_dir)
+        self.quarantine_dir = Path(quarantine_dir)
+
+    def ensure_dirs(self) -> None:
+        """Create both folders (durably) if they are missing."""
+        durable_mkdir(self.processed_dir)
+        durable_mkdir(self.quarantine_dir)
+
+    # -- public ---------------------------------------------------------------------------
+    def processed(self, src: Path, name: str, at: datetime) -> Path | None:
+        """Move ``src`` to ``processed_dir/<day of at>/<name>`` (``<name>.<n>`` if taken).
+
+        Returns where it went; None when ``src`` is gone already (moved by an earlier call)."""
+        src = Path(src)
+        try:
+            st = os.lstat(src)
+        except FileNotFoundError:
+            return None
+        _fsync_and_hash(src, want_hash=False)
+        folder = durable_mkdir(self.processed_dir / _day(at))
+        dst = self._place(src, st, folder, _stored_name(name))
+        self._drop_source(src, st)
+        log_event(log, 10, "file processed", file_name=name, path=str(dst))
+        return dst
+
+    def quarantine(
+        self, src: Path, name: str, reason: str, detail: dict[str, Any], at: datetime
+    ) -> Path | None:
+        """Move ``src`` to ``quarantine_dir/<day of at>/<name>`` (``<name>.<n>`` if taken) and
+        write ``<that name>.reason.json`` beside it (reason, detail, original name, at, file
+        type, size, sha256 of a regular file). None when ``src`` is gone already."""
+        src = Path(src)
+        try:
+            st = os.lstat(src)
+        except FileNotFoundError:
+            return None
+        digest = _fsync_and_hash(src, want_hash=True)
+        folder = durable_mkdir(self.quarantine_dir / _day(at))
+        record = {
+            "reason": reason,
+            "detail": detail,
+            "original_name": name,
+            "at": _utc(at).isoformat(),
+            "file_type": file_kind(st.st_mode),
+            "size": st.st_size,
+            "sha256": digest,
+        }
+        if stat.S_ISLNK(st.st_mode):
+            record["link_target"] = ascii(os.readlink(os.fsencode(src)))
+        dst = self._place(src, st, folder, _stored_name(name))
+        record["stored_as"] = dst.name
+        data = json.dumps(record, sort_keys=True, default=str, indent=1).encode()
+        atomic_write_bytes(dst.with_name(dst.name + REASON_SUFFIX), data)
+        self._drop_source(src, st)
+        log_event(
+            log, 30, "file quarantined", file_name=name, reason=reason, path=str(dst),
+            file_type=record["file_type"],
+        )  # fmt: skip
+        return dst
+
+    # -- moves ----------------------------------------------------------------------------
+    def _place(self, src: Path, st: os.stat_result, folder: Path, name: str) -> Path:
+        """Give ``src``'s entry the first free name ``name``, ``name.1``, ... in ``folder``.
+
+        Hard link when possible (``src`` stays until :meth:`_drop_source`), else rename; a link
+        left by an interrupted earlier call (same inode) is reused."""
+        linkable = not stat.S_ISDIR(st.st_mode)
+        for n in itertools.count():
+            dst = _candidate(folder, name, n)
+            if linkable:
+                try:
+                    os.link(src, dst, follow_symlinks=False)
+                except FileExistsError:
+                    if _same_entry(dst, st):
+                        return dst
+                    continue
+                except OSError as e:
+                    if e.errno not in (errno.EPERM, errno.EACCES, errno.EMLINK, errno.ENOTSUP):
+                        raise _move_error(src, dst, e) from e
+                    linkable = False  # protected_hardlinks, a foreign owner: rename instead
+                else:
+                    fsync_dir(folder)
+                    return dst
+            try:
+                rename_noreplace(src, dst)
+            except FileExistsError:
+                continue
+            except OSError as e:
+                raise _move_error(src, dst, e) from e
+            fsync_dir(folder)
+            fsync_dir(src.parent)
+            return dst
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    @staticmethod
+    def _drop_source(src: Path, st: os.stat_result) -> None:
+        """Unlink ``src`` if it is still the entry that was linked away (after a rename it is
+        gone; if a new file took the name meanwhile, it is left alone)."""
+        if not _same_entry(src, st):
+            return
+        if stat.S_ISDIR(st.st_mode):  # pragma: no cover - directories are renamed, not linked
+            return
+        os.unlink(src)
+        fsync_dir(src.parent)
+
+
+def _move_error(src: Path, dst: Path, e: OSError) -> StateError:
+    hint = ""
+    if e.errno == errno.EXDEV:
+        hint = "; processed_dir / quarantine_dir must be on the file system of the inbox"
+    return StateError(f"cannot move {ascii(str(src))} to {dst}: {e.strerror}{hint}")
+
+
+def _utc(at: datetime) -> datetime:
+    return at.replace(tzinfo=UTC) if at.tzinfo is None else at.astimezone(UTC)
+
+
+def _day(at: datetime) -> str:
+    return _utc(at).strftime("%Y-%m-%d")

@@ -1,0 +1,332 @@
+"""Red, intake: take settled wire files out of the inbox under durable, increasing ordinals.
+
+    inbox/<name>  --settled, valid name-->  work_dir/intake/<ordinal:012d>.<name>
+                  --anything else------->  quarantine/<day>/<safe name> (+ reason file)
+
+Names in the inbox are hostile (docs/protocol.md §1, §7 step 1): the folder is listed with
+bytes paths (a name need not be UTF-8) and ``lstat`` only, so a symlink is never followed.
+
+* Hidden names (leading ``.``) are temporaries of whatever writes the inbox: ignored.
+* Anything but a regular file is quarantined at once, moved as it is (reason
+  ``not_regular_file``).
+* A regular file is *settled* once its (size, mtime, ctime, inode) stayed the same for
+  ``settle_seconds`` across scans, or the inbox watcher saw it closed after writing and nothing
+  changed since (``closed``), or ``settle_seconds`` is 0. Settled files with a valid bundle or
+  heartbeat name are renamed into ``work_dir/intake``; any other settled file is quarantined
+  under a safe name (reason ``bad_name``, the raw name in the reason file).
+
+Ordinals come from ``work_dir/intake/NEXT`` (written temp + fsync + rename, folder fsynced)
+*before* any file is renamed, so a crash may skip ordinals but never reuses one. Scans hold
+``work_dir/intake.lock`` so two processes never hand out the same ordinal.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import stat
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+
+from bridge.errors import BundleNameError, ConfigError, StateError
+from bridge.fsutil import atomic_write_bytes, durable_mkdir, exclusive_lock, fsync_dir
+from bridge.logs import get_logger, log_event
+from bridge.protocol.naming import (
+    BUNDLE_SUFFIX,
+    HEARTBEAT_SUFFIX,
+    parse_bundle_name,
+    parse_heartbeat_name,
+)
+from bridge.red.evidence import Evidence, file_kind, rename_noreplace, safe_name
+
+__all__ = [
+    "Intake",
+    "ScanResult",
+    "Taken",
+    "Quarantined",
+    "REASON_BAD_NAME",
+    "REASON_NOT_REGULAR",
+    "intake_name",
+    "wire_name",
+]
+
+log = get_logger("bridge.red.intake")
+
+REASON_BAD_NAME = "bad_name"
+REASON_NOT_REGULAR = "not_regular_file"
+NEXT_FILE = "NEXT"
+LOCK_FILE = "intake.lock"
+LOCK_WAIT_SECONDS = 30.0
+_INTAKE_RE = re.compile(rb"([0-9]{12})\.(.+)", re.DOTALL)
+_LOCK_HINT = "another red process is taking files from this inbox; wait or stop it"
+
+
+@dataclass(frozen=True, slots=True)
+class Taken:
+    """A wire file renamed into ``work_dir/intake`` under ``ordinal``."""
+
+    ordinal: int
+    name: str
+    path: Path
+    size: int
+    received_at: datetime
+
+
+@dataclass(frozen=True, slots=True)
+class Quarantined:
+    """An inbox entry moved to quarantine by the intake itself."""
+
+    raw_name: bytes
+    stored_as: Path
+    reason: str
+
+
+@dataclass(slots=True)
+class ScanResult:
+    """What one :meth:`Intake.scan` did: taken and quarantined files, files still settling
+    (``waiting``) and hidden names ignored."""
+
+    taken: list[Taken] = field(default_factory=list)
+    quarantined: list[Quarantined] = field(default_factory=list)
+    waiting: int = 0
+    hidden: int = 0
+
+
+def wire_name(raw: bytes) -> tuple[str | None, str]:
+    """``(name, "")`` if ``raw`` is a valid bundle or heartbeat name, else ``(None, why)``."""
+    try:
+        name = raw.decode("ascii")
+    except UnicodeDecodeError:
+        return None, "not ASCII"
+    try:
+        if name.endswith(BUNDLE_SUFFIX):
+            parse_bundle_name(name)
+        elif name.endswith(HEARTBEAT_SUFFIX):
+            parse_heartbeat_name(name)
+        else:
+            return None, "unknown suffix (not .dbundle / .dheartbeat)"
+    except BundleNameError as e:
+        return None, str(e)
+    return name, ""
+
+
+def intake_name(ordinal: int, name: str) -> str:
+    """The file name of wire file ``name`` in ``work_dir/intake``."""
+    return f"{ordinal:012d}.{name}"
+
+
+def _raw_detail(raw: bytes) -> dict[str, str]:
+    return {"raw_name": ascii(raw), "raw_hex": raw.hex()}
+
+
+class Intake:
+    """Moves settled inbox files into ``work_dir/intake`` (or quarantine)."""
+
+    def __init__(
+        self, inbox: Path, work_dir: Path, evidence: Evidence, settle_seconds: float
+    ) -> None:
+        self.inbox = Path(inbox)
+        self.work_dir = Path(work_dir)
+        self.dir = self.work_dir / "intake"
+        self.evidence = evidence
+        self.settle_seconds = float(settle_seconds)
+        self._seen: dict[bytes, tuple[tuple[int, int, int, int], float]] = {}
+        durable_mkdir(self.inbox)
+        durable_mkdir(self.dir)
+        evidence.ensure_dirs()
+        self._check_same_fs()
+
+    # -- public ---------------------------------------------------------------------------
+    def scan(self, now: float, closed: Iterable[str] = frozenset()) -> ScanResult:
+        """List the inbox once: take settled wire files, quarantine the rest, count the others.
+
+        ``now`` is any clock in seconds (the same one on every call); ``closed`` holds names
+        the watcher saw closed after writing (bridge.red.watch)."""
+        closed = set(closed)
+        res = ScanResult()
+        with exclusive_lock(
+            self.work_dir / LOCK_FILE, what="red intake", timeout=LOCK_WAIT_SECONDS,
+            hint=_LOCK_HINT,
+        ):  # fmt: skip
+            takes: list[tuple[str, bytes, os.stat_result]] = []
+            bad: list[tuple[bytes, str]] = []
+            seen: dict[bytes, tuple[tuple[int, int, int, int], float]] = {}
+            for raw, st in self._list_inbox():
+                if raw.startswith(b"."):
+                    res.hidden += 1
+                elif not stat.S_ISREG(st.st_mode):
+                    self._quarantine_odd(self.inbox, raw, st, res)
+                elif not self._settled(raw, st, now, closed, seen):
+                    res.waiting += 1
+                else:
+                    name, why = wire_name(raw)
+                    if name is None:
+                        bad.append((raw, why))
+                    else:
+                        takes.append((name, raw, st))
+            self._seen = seen
+            self._take(takes, res)
+            for raw, why in bad:
+                self._quarantine_bad_name(raw, why, res)
+        return res
+
+    def pending(self) -> list[Taken]:
+        """Files in ``work_dir/intake`` (taken, not yet landed), by ordinal."""
+        out: list[Taken] = []
+        with os.scandir(os.fsencode(self.dir)) as it:
+            for entry in it:
+                m = _INTAKE_RE.fullmatch(entry.name)
+                if m is None:
+                    continue  # NEXT, temporaries
+                name, _ = wire_name(m.group(2))
+                if name is None:
+                    continue
+                try:
+                    st = entry.stat(follow_symlinks=False)
+                except FileNotFoundError:
+                    continue  # landed meanwhile
+                path = self.dir / os.fsdecode(entry.name)
+                if not stat.S_ISREG(st.st_mode):  # only after a crash inside _take
+                    self._quarantine_odd(self.dir, entry.name, st, ScanResult(), wire=name)
+                    continue
+                out.append(_taken(int(m.group(1)), name, path, st))
+        out.sort(key=lambda t: t.ordinal)
+        return out
+
+    def next_ordinal(self) -> int:
+        """The ordinal the next taken file gets (at least)."""
+        return self._read_next()
+
+    # -- settling -------------------------------------------------------------------------
+    def _settled(
+        self,
+        raw: bytes,
+        st: os.stat_result,
+        now: float,
+        closed: set[str],
+        seen: dict[bytes, tuple[tuple[int, int, int, int], float]],
+    ) -> bool:
+        sig = (st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino)
+        prev = self._seen.get(raw)
+        since = prev[1] if prev is not None and prev[0] == sig else now
+        seen[raw] = (sig, since)
+        if self.settle_seconds <= 0 or os.fsdecode(raw) in closed:
+            return True
+        return now - since >= self.settle_seconds
+
+    # -- taking ---------------------------------------------------------------------------
+    def _take(self, takes: list[tuple[str, bytes, os.stat_result]], res: ScanResult) -> None:
+        """Reserve ordinals for ``takes`` durably, then rename each into the intake folder."""
+        if not takes:
+            return
+        takes.sort(key=lambda t: (t[0].endswith(HEARTBEAT_SUFFIX), t[0]))
+        first = self._read_next()
+        self._write_next(first + len(takes))
+        moved = False
+        for ordinal, (name, raw, _st) in enumerate(takes, start=first):
+            src = self.inbox / os.fsdecode(raw)
+            dst = self.dir / intake_name(ordinal, name)
+            try:
+                rename_noreplace(src, dst)
+            except FileNotFoundError:
+                self._seen.pop(raw, None)
+                continue  # the mover took it back: the ordinal stays unused
+            except FileExistsError:
+                raise StateError(
+                    f"intake ordinal {ordinal} ({name}) is in use already: "
+                    f"{self.dir / NEXT_FILE} went backwards; restore it above the highest "
+                    f"ordinal in {self.dir}"
+                ) from None
+            moved = True
+            self._seen.pop(raw, None)
+            st = os.lstat(dst)
+            if not stat.S_ISREG(st.st_mode):  # swapped for a link/dir after it was listed
+                self._quarantine_odd(self.dir, os.fsencode(dst.name), st, res, wire=name)
+                continue
+            res.taken.append(_taken(ordinal, name, dst, st))
+            log_event(log, 10, "file taken", file_name=name, ordinal=ordinal, size=st.st_size)
+        if moved:
+            fsync_dir(self.dir)
+            fsync_dir(self.inbox)
+
+    def _read_next(self) -> int:
+        path = self.dir / NEXT_FILE
+        try:
+            text = path.read_text("ascii").strip()
+        except FileNotFoundError:
+            return max((t.ordinal for t in self.pending()), default=0) + 1
+        except (OSError, UnicodeDecodeError) as e:
+            raise StateError(f"intake counter {path} is unreadable: {e}") from None
+        if not text.isdigit() or int(text) < 1:
+            raise StateError(
+                f"intake counter {path} holds {text[:40]!r}, not a positive integer; write the "
+                f"highest ordinal ever used (see {self.dir}, processed/ and the Spark checkpoint "
+                "offsets) plus one"
+            )
+        return int(text)
+
+    def _write_next(self, value: int) -> None:
+        atomic_write_bytes(self.dir / NEXT_FILE, f"{value}\n".encode("ascii"))
+
+    # -- quarantine -----------------------------------------------------------------------
+    def _quarantine_bad_name(self, raw: bytes, why: str, res: ScanResult) -> None:
+        src = self.inbox / os.fsdecode(raw)
+        detail = {**_raw_detail(raw), "why": why}
+        at = datetime.now(UTC)
+        dst = self.evidence.quarantine(src, safe_name(raw), REASON_BAD_NAME, detail, at)
+        self._seen.pop(raw, None)
+        if dst is not None:
+            res.quarantined.append(Quarantined(raw, dst, REASON_BAD_NAME))
+
+    def _quarantine_odd(
+        self,
+        folder: Path,
+        raw: bytes,
+        st: os.stat_result,
+        res: ScanResult,
+        *,
+        wire: str | None = None,
+    ) -> None:
+        """Quarantine a non-regular entry as it is (a symlink's target is never touched)."""
+        if wire is None:
+            wire, _ = wire_name(raw)
+        src = folder / os.fsdecode(raw)
+        detail = {**_raw_detail(raw), "file_type": file_kind(st.st_mode)}
+        stored = wire if wire is not None else safe_name(raw)
+        at = datetime.now(UTC)
+        dst = self.evidence.quarantine(src, stored, REASON_NOT_REGULAR, detail, at)
+        if dst is not None:
+            res.quarantined.append(Quarantined(raw, dst, REASON_NOT_REGULAR))
+
+    # -- listing and checks ---------------------------------------------------------------
+    def _list_inbox(self) -> list[tuple[bytes, os.stat_result]]:
+        out: list[tuple[bytes, os.stat_result]] = []
+        with os.scandir(os.fsencode(self.inbox)) as it:
+            for entry in it:
+                try:
+                    out.append((entry.name, entry.stat(follow_symlinks=False)))
+                except FileNotFoundError:
+                    continue
+        return out
+
+    def _check_same_fs(self) -> None:
+        """Refuse folders on another file system than the inbox: moves must be renames."""
+        base = os.stat(self.inbox).st_dev
+        for key, path in (
+            ("red.work_dir", self.dir),
+            ("red.processed_dir", self.evidence.processed_dir),
+            ("red.quarantine_dir", self.evidence.quarantine_dir),
+        ):
+            if os.stat(path).st_dev != base:
+                raise ConfigError(
+                    f"{key} ({path}) is on another file system than red.inbox ({self.inbox}); "
+                    "files are moved by atomic rename, so put it on the inbox's file system "
+                    "(e.g. both under one mount)"
+                )
+
+
+def _taken(ordinal: int, name: str, path: Path, st: os.stat_result) -> Taken:
+    at = datetime.fromtimestamp(st.st_ctime, UTC)
+    return Taken(ordinal=ordinal, name=name, path=path, size=st.st_size, received_at=at)

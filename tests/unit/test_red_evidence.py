@@ -1,0 +1,181 @@
+"""Red, evidence: safe names, processed/ and quarantine/ moves that never overwrite."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from datetime import UTC, datetime
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from bridge.protocol.naming import parse_bundle_name
+from bridge.red.evidence import REASON_SUFFIX, SAFE_NAME_RE, Evidence, safe_name
+
+AT = datetime(2024, 5, 6, 23, 59, 59, tzinfo=UTC)
+DAY = "2024-05-06"
+BUNDLE = "default.000000000001." + "ab" * 16 + ".dbundle"
+
+
+@pytest.fixture
+def ev(tmp_path: Path) -> Evidence:
+    e = Evidence(tmp_path / "processed", tmp_path / "quarantine")
+    e.ensure_dirs()
+    return e
+
+
+def _file(path: Path, data: bytes) -> Path:
+    path.write_bytes(data)
+    return path
+
+
+# -- safe_name --------------------------------------------------------------------------------
+@settings(max_examples=500, deadline=None)
+@given(st.binary(min_size=0, max_size=300))
+def test_safe_name_always_safe(raw: bytes) -> None:
+    name = safe_name(raw)
+    assert SAFE_NAME_RE.fullmatch(name), name
+    assert len(name) <= 100 and not name.startswith(".")
+    assert name.endswith("-" + hashlib.sha256(raw).hexdigest()[:16])
+    with pytest.raises(Exception):  # noqa: B017 - a safe name is never a wire name
+        parse_bundle_name(name)
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.sets(st.binary(min_size=0, max_size=40), min_size=2, max_size=200))
+def test_safe_name_injective(raws: set[bytes]) -> None:
+    assert len({safe_name(r) for r in raws}) == len(raws)
+
+
+def test_safe_name_examples() -> None:
+    assert safe_name(b"../x.dbundle").startswith("_x.dbundle-")
+    assert safe_name(b"a/b").startswith("a_b-")
+    assert safe_name(b"\xff\xfe.dbundle").startswith("__.dbundle-")
+    assert safe_name(b"").startswith("file-")
+    assert safe_name(b"...") != safe_name(b"..")
+    # names that differ only in unsafe bytes still differ
+    assert safe_name(b"a/b") != safe_name(b"a\\b")
+
+
+# -- processed --------------------------------------------------------------------------------
+def test_processed_moves_by_day_and_never_overwrites(ev: Evidence, tmp_path: Path) -> None:
+    first = ev.processed(_file(tmp_path / "in1", b"one"), BUNDLE, AT)
+    second = ev.processed(_file(tmp_path / "in2", b"two"), BUNDLE, AT)
+    third = ev.processed(_file(tmp_path / "in3", b"three"), BUNDLE, AT)
+    day = tmp_path / "processed" / DAY
+    assert (first, second, third) == (day / BUNDLE, day / f"{BUNDLE}.1", day / f"{BUNDLE}.2")
+    assert [(day / n).read_bytes() for n in (BUNDLE, f"{BUNDLE}.1", f"{BUNDLE}.2")] == [
+        b"one",
+        b"two",
+        b"three",
+    ]
+    assert not (tmp_path / "in1").exists() and not (tmp_path / "in2").exists()
+
+
+def test_processed_uses_utc_day(ev: Evidence, tmp_path: Path) -> None:
+    from datetime import timedelta, timezone
+
+    local = datetime(2024, 5, 7, 1, 0, tzinfo=timezone(timedelta(hours=2)))  # 23:00 UTC on 6th
+    dst = ev.processed(_file(tmp_path / "in", b"x"), BUNDLE, local)
+    assert dst is not None and dst.parent.name == DAY
+
+
+def test_processed_src_gone_returns_none(ev: Evidence, tmp_path: Path) -> None:
+    assert ev.processed(tmp_path / "missing", BUNDLE, AT) is None
+
+
+def test_processed_resumes_after_crash_between_link_and_unlink(
+    ev: Evidence, tmp_path: Path
+) -> None:
+    src = _file(tmp_path / "in", b"data")
+    day = tmp_path / "processed" / DAY
+    day.mkdir()
+    os.link(src, day / BUNDLE)  # what an interrupted call left behind
+    dst = ev.processed(src, BUNDLE, AT)
+    assert dst == day / BUNDLE
+    assert sorted(p.name for p in day.iterdir()) == [BUNDLE]
+    assert not src.exists()
+
+
+def test_processed_unsafe_name_is_made_safe(ev: Evidence, tmp_path: Path) -> None:
+    dst = ev.processed(_file(tmp_path / "in", b"x"), "../../etc/passwd", AT)
+    assert dst is not None and dst.parent == tmp_path / "processed" / DAY
+    assert SAFE_NAME_RE.fullmatch(dst.name)
+
+
+# -- quarantine -------------------------------------------------------------------------------
+def test_quarantine_writes_reason_file(ev: Evidence, tmp_path: Path) -> None:
+    data = b"not a bundle" * 100
+    dst = ev.quarantine(_file(tmp_path / "in", data), BUNDLE, "signature", {"why": "bad"}, AT)
+    assert dst == tmp_path / "quarantine" / DAY / BUNDLE
+    assert dst.read_bytes() == data
+    reason = json.loads(dst.with_name(BUNDLE + REASON_SUFFIX).read_text())
+    assert reason["reason"] == "signature"
+    assert reason["detail"] == {"why": "bad"}
+    assert reason["original_name"] == BUNDLE
+    assert reason["stored_as"] == BUNDLE
+    assert reason["size"] == len(data)
+    assert reason["sha256"] == hashlib.sha256(data).hexdigest()
+    assert reason["file_type"] == "regular"
+    assert reason["at"].startswith("2024-05-06T23:59:59")
+
+
+def test_quarantine_same_name_twice_keeps_both(ev: Evidence, tmp_path: Path) -> None:
+    name = safe_name(b"../x.dbundle")
+    a = ev.quarantine(_file(tmp_path / "a", b"A"), name, "bad_name", {}, AT)
+    b = ev.quarantine(_file(tmp_path / "b", b"B"), name, "bad_name", {}, AT)
+    assert a is not None and b is not None and a != b
+    assert (a.read_bytes(), b.read_bytes()) == (b"A", b"B")
+    for p, data in ((a, b"A"), (b, b"B")):
+        reason = json.loads(p.with_name(p.name + REASON_SUFFIX).read_text())
+        assert reason["sha256"] == hashlib.sha256(data).hexdigest()
+        assert reason["stored_as"] == p.name
+
+
+def test_quarantine_resumes_after_crash_before_reason(ev: Evidence, tmp_path: Path) -> None:
+    src = _file(tmp_path / "in", b"data")
+    day = tmp_path / "quarantine" / DAY
+    day.mkdir()
+    os.link(src, day / BUNDLE)  # linked, then crashed before the reason file
+    dst = ev.quarantine(src, BUNDLE, "malformed", {}, AT)
+    assert dst == day / BUNDLE
+    assert sorted(p.name for p in day.iterdir()) == [BUNDLE, BUNDLE + REASON_SUFFIX]
+    assert not src.exists()
+
+
+def test_quarantine_symlink_moves_the_link_only(ev: Evidence, tmp_path: Path) -> None:
+    secret = _file(tmp_path / "secret", b"top secret")
+    link = tmp_path / "link"
+    link.symlink_to(secret)
+    dst = ev.quarantine(link, "link", "not_regular_file", {}, AT)
+    assert dst is not None and dst.is_symlink() and os.readlink(dst) == str(secret)
+    assert secret.read_bytes() == b"top secret" and not link.is_symlink()
+    reason = json.loads(dst.with_name(dst.name + REASON_SUFFIX).read_text())
+    assert reason["file_type"] == "symlink" and reason["sha256"] is None
+    assert str(secret) in reason["link_target"]
+
+
+def test_quarantine_directory_and_fifo(ev: Evidence, tmp_path: Path) -> None:
+    d = tmp_path / "adir"
+    d.mkdir()
+    (d / "inner").write_bytes(b"x")
+    fifo = tmp_path / "afifo"
+    os.mkfifo(fifo)
+    dd = ev.quarantine(d, "adir", "not_regular_file", {}, AT)
+    dd2 = ev.quarantine(_mkdir(tmp_path / "adir2"), "adir", "not_regular_file", {}, AT)
+    df = ev.quarantine(fifo, "afifo", "not_regular_file", {}, AT)
+    assert dd is not None and (dd / "inner").read_bytes() == b"x"
+    assert dd2 is not None and dd2.name == "adir.1" and dd2.is_dir()
+    assert df is not None and df.exists() and not fifo.exists()
+    kinds = [
+        json.loads(p.with_name(p.name + REASON_SUFFIX).read_text())["file_type"] for p in (dd, df)
+    ]
+    assert kinds == ["directory", "fifo"]
+
+
+def _mkdir(p: Path) -> Path:
+    p.mkdir()
+    return p
