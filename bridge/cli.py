@@ -1,4 +1,4 @@
-"""Both sides: the ``diode`` command line (keys, mirror, black run, resend, status, gaps, demo)."""
+"""Both sides: the ``diode`` command line (keys, mirror, black, red, approve, resend, demo)."""
 
 from __future__ import annotations
 
@@ -374,6 +374,116 @@ def gaps(config_path: Path | None) -> None:
             indent=2,
         )
     )
+
+
+# -- red -------------------------------------------------------------------------------
+@cli.group()
+def red() -> None:
+    """Red (high) side."""
+
+
+@red.command("run")
+@config_option
+@click.option(
+    "--trigger",
+    type=click.Choice(["available-now", "continuous"]),
+    default="continuous",
+    show_default=True,
+    help="available-now: land what is complete in the inbox and stop (schedulers)",
+)
+@click.option("--timeout", type=float, default=None, help="stop after N seconds")
+@click.option(
+    "--metrics-port", type=int, default=None, help="serve Prometheus /metrics on 127.0.0.1"
+)
+def red_run(
+    config_path: Path | None, trigger: str, timeout: float | None, metrics_port: int | None
+) -> None:
+    """Verify, decrypt and land inbox bundles in Delta (messages, bundles, audit)."""
+    from bridge.metrics import serve_metrics
+    from bridge.red.job import RedRun
+    from bridge.spark import get_spark
+
+    cfg = _load(config_path)
+    run = RedRun(cfg)  # fails fast on keys, pinned signers and directories before Spark starts
+    if metrics_port:
+        serve_metrics(metrics_port)
+    spark = get_spark("diode-red")
+    try:
+        summary = run.run(spark, trigger, timeout=timeout)  # type: ignore[arg-type]
+    finally:
+        spark.stop()
+    click.echo(json.dumps(summary.to_json()))
+
+
+@red.command("replay")
+@config_option
+@click.option("--until-caught-up", is_flag=True, help="stop once every approved row is confirmed")
+@click.option("--timeout", type=float, default=None, help="stop after N seconds")
+@click.option(
+    "--metrics-port", type=int, default=None, help="serve Prometheus /metrics on 127.0.0.1"
+)
+def red_replay(
+    config_path: Path | None, until_caught_up: bool, timeout: float | None, metrics_port: int | None
+) -> None:
+    """Publish landed messages of approved exchanges into red RabbitMQ (confirmed, resumable)."""
+    from bridge.metrics import serve_metrics
+    from bridge.red.replay import Replayer
+
+    cfg = _load(config_path)
+    if metrics_port:
+        serve_metrics(metrics_port)
+    summary = Replayer(cfg).run(until_caught_up=until_caught_up, timeout=timeout)
+    click.echo(json.dumps(summary.to_json()))
+
+
+@red.command("status")
+@config_option
+def red_status(config_path: Path | None) -> None:
+    """Per channel: landed bundles, open gaps, last heartbeat, link state; replay progress."""
+    from bridge.red.report import red_status as report
+
+    click.echo(json.dumps(report(_load(config_path)), indent=2, default=str))
+
+
+@red.command("gaps")
+@config_option
+def red_gaps(config_path: Path | None) -> None:
+    """Bundles missing in transit (open gaps) and messages black declared lost, per channel."""
+    from bridge.red.report import red_gaps as report
+
+    click.echo(json.dumps(report(_load(config_path)), indent=2, default=str))
+
+
+@red.command("maintain")
+@config_option
+@click.option("--table", type=click.Choice(["messages", "bundles", "audit", "all"]), default="all")
+@click.option(
+    "--vacuum-hours",
+    type=float,
+    default=None,
+    help="also VACUUM files unreferenced for this long (>= 168 unless you know why not)",
+)
+def red_maintain(config_path: Path | None, table: str, vacuum_hours: float | None) -> None:
+    """Compact small files (OPTIMIZE) and optionally VACUUM the red Delta tables."""
+    from bridge.red.job import open_tables
+
+    tables = open_tables(_load(config_path))
+    names = ["messages", "bundles", "audit"] if table == "all" else [table]
+    out = {n: tables.maintain(n, optimize=True, vacuum_hours=vacuum_hours) for n in names}
+    click.echo(json.dumps(out, indent=2, default=str))
+
+
+@cli.command("approve")
+@config_option
+@click.argument("exchanges", nargs=-1, required=True)
+@click.option("--revoke", is_flag=True, help="stop replaying these exchanges")
+@click.option("--note", default="", help="why (kept in the approvals file and the audit table)")
+def approve(config_path: Path | None, exchanges: tuple[str, ...], revoke: bool, note: str) -> None:
+    """Approve red exchanges for replay (their whole landed history is replayed)."""
+    from bridge.red.approvals import approve_exchanges
+
+    cfg = _load(config_path)
+    click.echo(json.dumps(approve_exchanges(cfg, list(exchanges), revoke=revoke, note=note)))
 
 
 # -- demo ------------------------------------------------------------------------------

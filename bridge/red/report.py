@@ -1,0 +1,69 @@
+"""Red, report: what `diode red status` and `diode red gaps` print (state files, no Spark)."""
+
+from __future__ import annotations
+
+import json
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from bridge.config import Config
+from bridge.red import sequence as sq
+from bridge.red.landing import STATE_FILE
+
+__all__ = ["red_status", "red_gaps", "load_sequence"]
+
+
+def load_sequence(cfg: Config) -> tuple[int, sq.SequenceState, str | None]:
+    """(land_seq, sequence state, saved_at) of the red state dir; empty before the first run."""
+    p = Path(cfg.red.state_dir) / STATE_FILE
+    try:
+        doc = json.loads(p.read_bytes())
+    except FileNotFoundError:
+        return 0, sq.SequenceState(), None
+    return int(doc["land_seq"]), sq.SequenceState.from_json(doc["sequence"]), doc.get("saved_at")
+
+
+def _count(d: Path, pattern: str = "*") -> int:
+    try:
+        return sum(1 for p in d.rglob(pattern) if p.is_file() and not p.name.endswith(".json"))
+    except FileNotFoundError:
+        return 0
+
+
+def _replay_progress(cfg: Config) -> Any:
+    p = Path(cfg.red.state_dir) / "replay-progress.json"
+    try:
+        return json.loads(p.read_bytes())
+    except (FileNotFoundError, ValueError):
+        return None
+
+
+def red_status(cfg: Config) -> dict[str, Any]:
+    r = cfg.red
+    land_seq, state, saved_at = load_sequence(cfg)
+    now = datetime.now(UTC)
+    channels = sq.summary(state)
+    for name in (c.name for c in cfg.channels):
+        channels.setdefault(name, {"note": "nothing received yet"})
+    inbox = Path(r.inbox)
+    return {
+        "land_seq": land_seq,
+        "state_saved_at": saved_at,
+        "now": now.isoformat(),
+        "channels": channels,
+        "link_silent_seconds": r.link_silent_seconds,
+        "files": {
+            "inbox": sum(1 for p in inbox.iterdir()) if inbox.exists() else 0,
+            "intake": _count(Path(r.work_dir) / "intake", "0*"),
+            "processed": _count(Path(r.processed_dir)),
+            "quarantine": _count(Path(r.quarantine_dir)),
+        },
+        "interrupted_landing": (Path(r.state_dir) / "landing" / "intent.json").exists(),
+        "replay": _replay_progress(cfg),
+    }
+
+
+def red_gaps(cfg: Config) -> dict[str, Any]:
+    _, state, _ = load_sequence(cfg)
+    return {"open_transit_gaps": sq.open_gaps(state)}

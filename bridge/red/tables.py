@@ -1,0 +1,501 @@
+"""Red, tables: the red Delta tables (messages, bundles, audit) with idempotent appends.
+
+Every append carries a Delta *application transaction* ``(app_id, version)`` in the same
+commit as its rows, and is skipped when the table's ``transaction_version(app_id)`` is already
+``>= version``: re-applying a landing after a crash never duplicates rows. One writer per app
+id at a time (the landing holds its lock; replay and approvals have their own app ids); the
+check-then-commit is not guarded against two writers racing with the same app id.
+
+Two engines write: ``delta-rs`` (the ``deltalake`` package, no JVM) and ``spark`` (Delta Lake on
+Spark, needs the delta-spark jars). Creating tables, reading, and the transaction look-up
+always use delta-rs on the local ``root``; tables written by either engine are read by both
+(the protocol stays at reader 1 / writer 2: no ``timestamp_ntz``, no table features).
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+import os
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, Literal
+
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.dataset as pads
+import pyarrow.parquet as pq
+from deltalake import CommitProperties, DeltaTable, Transaction, write_deltalake
+from deltalake.transaction import AddAction, RemoveAction
+
+from bridge.errors import ConfigError
+from bridge.fsutil import durable_mkdir, fsync_dir
+from bridge.logs import get_logger, log_event
+from bridge.red.schema import (
+    AUDIT_PARTITIONS,
+    BUNDLES_PARTITIONS,
+    CHAIN_STATUSES,
+    MESSAGES_PARTITIONS,
+    TABLE_NAMES,
+    RedTableError,
+    schema_for,
+)
+
+__all__ = ["Engine", "RedTables", "RedTableError", "resolve_engine", "DELTA_SPARK_CLASS"]
+
+log = get_logger("bridge.red.tables")
+
+Engine = Literal["spark", "delta-rs"]
+DELTA_SPARK_CLASS = "io.delta.tables.DeltaTable"
+MIN_SAFE_VACUUM_HOURS = 168.0
+"""Delta's default ``delta.deletedFileRetentionDuration`` (7 days)."""
+
+_PARTITIONS: dict[str, tuple[str, ...]] = {
+    "messages": MESSAGES_PARTITIONS,
+    "bundles": BUNDLES_PARTITIONS,
+    "audit": AUDIT_PARTITIONS,
+}
+_DESCRIPTIONS = {
+    "messages": "diode-bridge red: every message landed, once per (channel, seq)",
+    "bundles": "diode-bridge red: ledger of every bundle file judged",
+    "audit": "diode-bridge red: audit events",
+}
+
+
+# -- engine choice ---------------------------------------------------------------------------
+
+
+def _spark_has_delta(spark: Any) -> bool:
+    """True if the session's JVM can load the Delta Lake classes (or runs on Databricks)."""
+    if os.environ.get("DATABRICKS_RUNTIME_VERSION"):
+        return True
+    try:
+        jvm = spark._jvm
+        loader = jvm.java.lang.Thread.currentThread().getContextClassLoader()
+        jvm.java.lang.Class.forName(DELTA_SPARK_CLASS, False, loader)
+        return True
+    except Exception:  # no _jvm (Spark Connect), py4j error, ClassNotFoundException
+        return False
+
+
+def resolve_engine(setting: str, spark: Any | None) -> Engine:
+    """The engine for ``red.delta_engine`` = ``setting`` ("auto" | "spark" | "delta-rs").
+
+    "auto" picks Spark when a session is given and it can load Delta Lake, else delta-rs.
+    """
+    if setting == "delta-rs":
+        return "delta-rs"
+    if setting == "auto":
+        return "spark" if spark is not None and _spark_has_delta(spark) else "delta-rs"
+    if setting == "spark":
+        if spark is None or not _spark_has_delta(spark):
+            why = "no Spark session" if spark is None else f"class {DELTA_SPARK_CLASS} not found"
+            raise ConfigError(
+                f'red.delta_engine = "spark" but Delta Lake is not on Spark ({why}): set '
+                'red.delta_engine = "delta-rs" or put delta-spark jars on the classpath '
+                "(spark.jars.packages io.delta:delta-spark_2.13:4.x)"
+            )
+        return "spark"
+    raise ConfigError(f'red.delta_engine = {setting!r} is not one of "auto", "spark", "delta-rs"')
+
+
+# -- conforming data to a table schema -------------------------------------------------------
+
+
+def _check_columns(table: str, schema: pa.Schema, given: pa.Schema) -> None:
+    names = set(given.names)
+    extra = sorted(names - set(schema.names))
+    missing = sorted(f.name for f in schema if f.name not in names and not f.nullable)
+    if extra or missing:
+        raise RedTableError(
+            f"data for red table {table!r} does not match its schema: "
+            f"unknown columns {extra}, missing required columns {missing}"
+        )
+
+
+def _conform(table: str, schema: pa.Schema, batch: pa.RecordBatch) -> pa.RecordBatch:
+    """``batch`` in the table's column order and types; absent nullable columns are null."""
+    arrays = []
+    for f in schema:
+        if f.name in batch.schema.names:
+            col = batch.column(f.name)
+            try:
+                col = col.cast(f.type)
+            except (pa.ArrowInvalid, pa.ArrowNotImplementedError, pa.ArrowTypeError) as e:
+                raise RedTableError(
+                    f"red table {table!r}, column {f.name}: {col.type} does not cast to "
+                    f"{f.type}: {e}"
+                ) from e
+            if not f.nullable and col.null_count:
+                raise RedTableError(
+                    f"red table {table!r}, column {f.name}: {col.null_count} null value(s) "
+                    "in a required column"
+                )
+        else:
+            col = pa.nulls(batch.num_rows, f.type)
+        arrays.append(col)
+    return pa.RecordBatch.from_arrays(arrays, schema=schema)
+
+
+class _Conformed:
+    """Conformed batches of ``data``; remembers the first error, which a writer consuming the
+    stream (delta-rs, through the Arrow C stream interface) reports only as its own."""
+
+    def __init__(self, table: str, schema: pa.Schema, data: pa.Table | pa.RecordBatchReader):
+        _check_columns(table, schema, data.schema)
+        self.table, self.schema = table, schema
+        self.error: BaseException | None = None
+        self._source: Iterator[pa.RecordBatch] = (
+            iter(data.to_batches()) if isinstance(data, pa.Table) else iter(data)
+        )
+
+    def _batches(self) -> Iterator[pa.RecordBatch]:
+        try:
+            for b in self._source:
+                if b.num_rows:
+                    yield _conform(self.table, self.schema, b)
+        except BaseException as e:
+            self.error = e
+            raise
+
+    def reader(self) -> pa.RecordBatchReader | None:
+        """The stream, or None when ``data`` has no rows (nothing is read twice)."""
+        batches = self._batches()
+        first = next(batches, None)
+        if first is None:
+            return None
+        return pa.RecordBatchReader.from_batches(self.schema, itertools.chain([first], batches))
+
+
+def _filter_by_file(
+    ds: pads.FileSystemDataset, columns: list[str] | None, filter: pads.Expression
+) -> pa.Table:
+    """``ds.to_table(columns, filter)`` for data sets with files pyarrow cannot filter in place
+    (Parquet written by delta-rs DML declares ``string_view`` columns): those files are read
+    whole, cast to the table schema, and filtered in memory; the others as usual.
+    """
+    parts = []
+    for frag in ds.get_fragments():
+        one = pads.FileSystemDataset([frag], ds.schema, ds.format, ds.filesystem)
+        try:
+            parts.append(one.to_table(columns=columns, filter=filter))
+        except pa.ArrowNotImplementedError:
+            got = one.to_table().filter(filter)
+            parts.append(got.select(columns) if columns is not None else got)
+    if not parts:
+        return ds.to_table(columns=columns)
+    return pa.concat_tables(parts)
+
+
+def _null_counts(table: pa.Table) -> dict[str, int]:
+    return {name: table.column(name).null_count for name in table.column_names}
+
+
+def _write_parquet(path: Path, table: pa.Table) -> int:
+    """Write ``table`` to a new Parquet file, fsynced; returns its size in bytes."""
+    with open(path, "xb") as fh:
+        pq.write_table(table, fh, compression="snappy")
+        fh.flush()
+        os.fsync(fh.fileno())
+    return path.stat().st_size
+
+
+def _sql_str(value: str) -> str:
+    return "'" + value.replace("'", "''") + "'"
+
+
+# -- the tables ------------------------------------------------------------------------------
+
+
+class RedTables:
+    """The three red tables under ``root``: ``root/messages``, ``root/bundles``, ``root/audit``."""
+
+    def __init__(self, root: Path, engine: Engine, spark: Any | None = None) -> None:
+        if engine not in ("spark", "delta-rs"):
+            raise ConfigError(f"unknown Delta engine {engine!r} (resolve_engine decides it)")
+        if engine == "spark" and spark is None:
+            raise ConfigError('the "spark" Delta engine needs a Spark session')
+        self.root = Path(root)
+        self.engine: Engine = engine
+        self.spark = spark
+        self._open: dict[str, DeltaTable] = {}
+        self._lock = threading.Lock()
+
+    def path(self, name: str) -> Path:
+        """Where table ``name`` lives."""
+        schema_for(name)  # names the known tables when ``name`` is not one
+        return self.root / name
+
+    # -- creation and look-ups (delta-rs for both engines) -------------------------------------
+    def ensure(self) -> None:
+        """Create the missing tables empty; check that existing ones have the expected columns."""
+        durable_mkdir(self.root)
+        for name in TABLE_NAMES:
+            schema = schema_for(name)
+            parts = list(_PARTITIONS[name]) or None
+            dt = DeltaTable.create(
+                str(self.path(name)),
+                schema,
+                mode="ignore",
+                partition_by=parts,
+                name=name,
+                description=_DESCRIPTIONS[name],
+            )
+            self._check_existing(name, dt)
+            with self._lock:
+                self._open[name] = dt
+
+    def _check_existing(self, name: str, dt: DeltaTable) -> None:
+        have = [f.name for f in dt.schema().fields]
+        want = schema_for(name).names
+        parts = list(dt.metadata().partition_columns)
+        if set(have) != set(want) or parts != list(_PARTITIONS[name]):
+            raise RedTableError(
+                f"red table {name!r} at {self.path(name)} is not the table this version writes: "
+                f"missing columns {sorted(set(want) - set(have))}, unknown columns "
+                f"{sorted(set(have) - set(want))}, partitioned by {parts} (expected "
+                f"{list(_PARTITIONS[name])}); point red.tables_dir elsewhere or migrate it"
+            )
+
+    def _table(self, name: str) -> DeltaTable:
+        """The table, refreshed to its newest version."""
+        path = self.path(name)
+        with self._lock:
+            dt = self._open.get(name)
+            if dt is None:
+                if not DeltaTable.is_deltatable(str(path)):
+                    raise RedTableError(
+                        f"red table {name!r} does not exist at {path}: call ensure() first"
+                    )
+                dt = self._open[name] = DeltaTable(str(path))
+            else:
+                dt.update_incremental()
+            return dt
+
+    def txn_version(self, name: str, app_id: str) -> int:
+        """The newest app-transaction version of ``app_id`` committed to ``name``; -1 if none."""
+        v = self._table(name).transaction_version(app_id)
+        return -1 if v is None else int(v)
+
+    def read(
+        self, name: str, columns: list[str] | None = None, filter: pads.Expression | None = None
+    ) -> pa.Table:
+        """Rows of ``name`` (newest version), ``filter`` a pyarrow.dataset expression."""
+        ds = self._table(name).to_pyarrow_dataset()
+        try:
+            return ds.to_table(columns=columns, filter=filter)
+        except pa.ArrowNotImplementedError:
+            if filter is None:
+                raise
+            return _filter_by_file(ds, columns, filter)
+
+    def landed_sha256(self, channel: str, bundle_seq: int) -> str | None:
+        """The plaintext sha256 of the landed ledger row of ``channel``/``bundle_seq``, or None."""
+        f = pads.field
+        got = self.read(
+            "bundles",
+            columns=["plaintext_sha256"],
+            filter=(f("channel") == channel)
+            & (f("bundle_seq") == int(bundle_seq))
+            & (f("status") == "landed"),
+        )
+        values = {v for v in got.column("plaintext_sha256").to_pylist() if v is not None}
+        if len(values) > 1:
+            log_event(log, 40, "bundle landed twice with different plaintexts in the ledger",
+                      channel=channel, bundle_seq=bundle_seq, sha256=sorted(values))  # fmt: skip
+        return min(values) if values else None
+
+    # -- writes --------------------------------------------------------------------------------
+    def append(
+        self, name: str, data: pa.Table | pa.RecordBatchReader, *, app_id: str, version: int
+    ) -> bool:
+        """Append ``data`` with the app transaction ``(app_id, version)``, cast to the table's
+        schema (missing nullable columns become null). Returns False, writing nothing, when the
+        table has ``version`` of ``app_id`` already (or a later one) or ``data`` has no rows.
+        """
+        if not app_id or isinstance(version, bool) or not isinstance(version, int) or version < 0:
+            raise RedTableError(
+                f"red table {name!r}: app transaction ({app_id!r}, {version!r}) needs a name "
+                "and a version >= 0"
+            )
+        schema = schema_for(name)
+        have = self.txn_version(name, app_id)
+        if have >= version:
+            log_event(log, 10, "append already committed, skipped", table=name, app_id=app_id,
+                      version=version, table_has=have)  # fmt: skip
+            return False
+        conformed = _Conformed(name, schema, data)
+        reader = conformed.reader()
+        if reader is None:
+            return False
+        if self.engine == "spark":
+            self._spark_append(name, reader.read_all(), app_id, version)
+            return True
+        try:
+            write_deltalake(
+                str(self.path(name)),
+                reader,
+                mode="append",
+                partition_by=list(_PARTITIONS[name]) or None,
+                commit_properties=CommitProperties(app_transactions=[Transaction(app_id, version)]),
+            )
+        except Exception as e:
+            if conformed.error is not None:  # the data's own error, not delta-rs's wrapper
+                raise conformed.error from e
+            raise
+        return True
+
+    def _spark_append(self, name: str, data: pa.Table, app_id: str, version: int) -> None:
+        """Delta on Spark: the writer options txnAppId/txnVersion make the append idempotent."""
+        assert self.spark is not None
+        writer = (
+            self.spark.createDataFrame(data)
+            .write.format("delta")
+            .option("txnAppId", app_id)
+            .option("txnVersion", version)
+            .mode("append")
+        )
+        if _PARTITIONS[name]:
+            writer = writer.partitionBy(*_PARTITIONS[name])
+        writer.save(str(self.path(name)))
+
+    def set_chain_status(self, channel: str, bundle_seq: int, status: str) -> None:
+        """Set ``chain_status`` of the landed ledger row of ``channel``/``bundle_seq``.
+
+        Idempotent: rows that already have ``status`` are not rewritten (no commit at all).
+        delta-rs: the files holding such rows are rewritten with pyarrow and swapped in one
+        commit (remove + add), not with ``DeltaTable.update``, whose files declare Arrow
+        ``string_view`` columns that pyarrow cannot filter on (``read`` would fail).
+        """
+        if status not in CHAIN_STATUSES:
+            raise RedTableError(
+                f"chain status {status!r} for {channel}/{bundle_seq} is not one of "
+                f"{list(CHAIN_STATUSES)}"
+            )
+        f = pads.field
+        todo = (
+            (f("channel") == channel)
+            & (f("bundle_seq") == int(bundle_seq))
+            & (f("status") == "landed")
+            & (f("chain_status") != status)
+        )
+        if not self.read("bundles", columns=["bundle_seq"], filter=todo).num_rows:
+            return
+        if self.engine == "spark":
+            assert self.spark is not None
+            where = (
+                f"channel = {_sql_str(channel)} AND bundle_seq = {int(bundle_seq)} "
+                f"AND status = 'landed' AND chain_status <> {_sql_str(status)}"
+            )
+            self.spark.sql(
+                f"UPDATE delta.`{self.path('bundles')}` SET chain_status = {_sql_str(status)} "
+                f"WHERE {where}"
+            )
+        else:
+            files = self._rewrite_bundles(todo, status)
+            log_event(log, 10, "ledger files rewritten", files=files)
+        log_event(log, 20, "chain status set", channel=channel, bundle_seq=bundle_seq,
+                  chain_status=status)  # fmt: skip
+
+    def _rewrite_bundles(self, rows: pads.Expression, status: str) -> int:
+        """Copy-on-write: every ledger file with a row matching ``rows`` is written anew with
+        ``chain_status = status`` there; one commit removes the old files and adds the new.
+        Returns the number of files rewritten.
+        """
+        dt = self._table("bundles")
+        root = self.path("bundles")
+        schema = schema_for("bundles")
+        actions: list[AddAction | RemoveAction] = []
+        now_ms = int(time.time() * 1000)
+        for add in pa.table(dt.get_add_actions(flatten=True)).to_pylist():
+            rel = str(add["path"])
+            data = pq.read_table(root / rel).cast(schema)
+            at = pa.array(range(data.num_rows), pa.int64())
+            hits = data.append_column("_row", at).filter(rows).column("_row")
+            if not len(hits):
+                continue
+            flags = pc.is_in(at, value_set=hits.combine_chunks())
+            col = pc.if_else(flags, pa.scalar(status), data.column("chain_status"))
+            new = data.set_column(schema.get_field_index("chain_status"), "chain_status", col)
+            name = f"part-00000-{uuid.uuid4()}-c000.snappy.parquet"
+            size = _write_parquet(root / name, new)
+            stats = json.dumps({"numRecords": new.num_rows, "nullCount": _null_counts(new)})
+            actions.append(AddAction(name, size, {}, now_ms, True, stats))
+            actions.append(RemoveAction(rel, True, now_ms, add["size_bytes"], {}))
+        if actions:
+            fsync_dir(root)
+            dt.create_write_transaction(actions, mode="append", schema=schema)
+        return len(actions) // 2
+
+    # -- maintenance ---------------------------------------------------------------------------
+    def maintain(
+        self,
+        name: str,
+        *,
+        optimize: bool = True,
+        vacuum_hours: float | None = None,
+        enforce_retention: bool = True,
+    ) -> dict[str, Any]:
+        """Compact small files (``optimize``) and delete files no version younger than
+        ``vacuum_hours`` needs (``vacuum_hours`` None: no vacuum). Returns stats.
+
+        Retention below the table's ``delta.deletedFileRetentionDuration`` (168 h by default)
+        is refused unless ``enforce_retention=False``. That is dangerous: a reader still on an
+        older snapshot (the replay publisher between polls, a Spark stream, a notebook, time
+        travel) or a writer whose commit started before the compaction may need the files
+        vacuum deletes, and then fails with "file not found" (or, for a stream, skips data).
+        Use it only when nothing else reads or writes the table. Hours are rounded up.
+        """
+        path = self.path(name)
+        files_before = len(self._table(name).file_uris())
+        stats: dict[str, Any] = {"table": name, "engine": self.engine, "files_before": files_before}
+        hours = None if vacuum_hours is None else math.ceil(vacuum_hours)
+        if hours is not None and hours < 0:
+            raise RedTableError(f"vacuum of red table {name!r}: retention {vacuum_hours} h < 0")
+        if self.engine == "spark":
+            self._spark_maintain(name, optimize, hours, enforce_retention, stats)
+        else:
+            dt = self._table(name)
+            if optimize:
+                stats["optimize"] = dt.optimize.compact()
+                dt.create_checkpoint()
+            if hours is not None:
+                try:
+                    removed = dt.vacuum(
+                        retention_hours=hours,
+                        dry_run=False,
+                        enforce_retention_duration=enforce_retention,
+                    )
+                except Exception as e:
+                    if enforce_retention and hours < MIN_SAFE_VACUUM_HOURS:
+                        raise RedTableError(
+                            f"vacuum of red table {name!r} at {path} refused retention {hours} h "
+                            f"(below the table's retention, 168 h by default): {e}; pass "
+                            "enforce_retention=False only if nothing else reads the table"
+                        ) from e
+                    raise
+                stats["vacuum_removed"] = len(removed)
+        stats["files_after"] = len(self._table(name).file_uris())
+        stats["version"] = self._table(name).version()
+        log_event(log, 20, "table maintained", **stats)
+        return stats
+
+    def _spark_maintain(
+        self, name: str, optimize: bool, hours: int | None, enforce: bool, stats: dict[str, Any]
+    ) -> None:
+        assert self.spark is not None
+        target = f"delta.`{self.path(name)}`"
+        if optimize:
+            stats["optimize"] = [r.asDict() for r in self.spark.sql(f"OPTIMIZE {target}").collect()]
+        if hours is not None:
+            key = "spark.databricks.delta.retentionDurationCheck.enabled"
+            self.spark.conf.set(key, "true" if enforce else "false")
+            try:
+                self.spark.sql(f"VACUUM {target} RETAIN {hours} HOURS").collect()
+            finally:
+                self.spark.conf.set(key, "true")
+            stats["vacuum_hours"] = hours

@@ -1,0 +1,57 @@
+"""Spark job, red: verify, decrypt and land inbox bundles in Delta exactly once.
+
+    spark-submit spark_jobs/red_land.py --config conf/diode.toml \
+        [--trigger available-now|continuous] [--timeout N] [--metrics-port P]
+
+Wiring only: the logic lives in ``bridge.red``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+
+def main(argv: list[str] | None = None) -> int:
+    from bridge.config import load_config
+    from bridge.errors import ConfigError, DiodeError
+    from bridge.logs import get_logger, log_event, setup_logging
+    from bridge.red.job import run_red
+    from bridge.spark import get_spark
+
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument(
+        "--config", default=None, help="diode TOML (default: $DIODE_CONFIG or conf/diode.toml)"
+    )
+    p.add_argument("--trigger", choices=["available-now", "continuous"], default="available-now")
+    p.add_argument(
+        "--timeout", type=float, default=None, help="stop a continuous run after N seconds"
+    )
+    p.add_argument("--metrics-port", type=int, default=None, help="serve /metrics on 127.0.0.1")
+    a = p.parse_args(argv)
+    setup_logging()
+    if a.metrics_port:
+        from bridge.metrics import serve_metrics
+
+        serve_metrics(a.metrics_port)
+    try:
+        cfg = load_config(a.config)
+        spark = get_spark("diode-red")
+        summary = run_red(cfg, spark, a.trigger, timeout=a.timeout)
+    except DiodeError as e:  # a clear line and an exit status, not a traceback
+        log_event(get_logger("spark_jobs.red_land"), 50, f"red job failed: {e}")
+        print(f"error: {e}", file=sys.stderr)
+        return 2 if isinstance(e, ConfigError) else 1
+    print(json.dumps(summary.to_json()))
+    return 0
+
+
+if __name__ == "__main__":
+    code = main()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)  # delta-rs can abort at interpreter exit (NOTES.md): never fail a run on it

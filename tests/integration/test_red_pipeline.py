@@ -1,0 +1,208 @@
+"""Integration: the red job end to end (real gpg, real local Spark, real Delta tables):
+bundles dropped into the inbox out of order, with holes, duplicates, hostile files and
+heartbeats, land exactly once; every file ends in processed/ or quarantine/ and is audited."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+from deltalake import DeltaTable
+
+from bridge.config import Config, load_config
+from bridge.red.job import RedRun
+from bridge.red.report import red_gaps, red_status
+from tests.red_factory import (
+    RedKeys,
+    kill_agents,
+    make_bundle,
+    make_chain,
+    make_heartbeat,
+    make_rows,
+)
+
+pytestmark = [pytest.mark.gpg, pytest.mark.spark, pytest.mark.slow]
+
+
+@pytest.fixture(scope="module")
+def keys(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    root = Path(os.path.realpath("/tmp")) / f"rp{os.getpid()}"
+    root.mkdir(exist_ok=True)
+    k = RedKeys.create(root)
+    yield k
+    kill_agents(root)
+
+
+def write_config(root: Path, keys: RedKeys, channels: dict[str, bool]) -> Config:
+    chans = "\n".join(
+        f'[[channels]]\nname = "{n}"\nencrypt = {str(enc).lower()}\n'
+        f"recipients = {json.dumps(keys.recipients)}\n"
+        for n, enc in channels.items()
+    )
+    text = f"""
+[link]
+bridge_id = "diode-bridge"
+black_signers = ["{keys.black_fpr}"]
+
+{chans}
+[red]
+gnupg_home = "{keys.red_home}"
+inbox = "red/inbox"
+work_dir = "red/work"
+processed_dir = "red/processed"
+quarantine_dir = "red/quarantine"
+state_dir = "red/state"
+checkpoint_dir = "red/checkpoint"
+tables_dir = "red/tables"
+delta_engine = "delta-rs"
+settle_seconds = 0.2
+"""
+    root.mkdir(parents=True, exist_ok=True)
+    p = root / "diode.toml"
+    p.write_text(text)
+    return load_config(p)
+
+
+def table(cfg: Config, name: str, columns: list[str] | None = None) -> list[dict[str, Any]]:
+    dt = DeltaTable(str(Path(cfg.red.tables_dir) / name))
+    return dt.to_pyarrow_table(columns=columns).to_pylist()
+
+
+def drop(cfg: Config, *files: Path) -> None:
+    inbox = Path(cfg.red.inbox)
+    inbox.mkdir(parents=True, exist_ok=True)
+    for f in files:
+        os.replace(f, inbox / f.name)
+
+
+def run(cfg: Config, spark: Any) -> dict[str, Any]:
+    return RedRun(cfg).run(spark, "available-now").to_json()
+
+
+def test_out_of_order_holes_duplicates_land_exactly_once(
+    spark: Any, keys: RedKeys, tmp_path: Path
+) -> None:
+    cfg = write_config(tmp_path, keys, {"orders": True})
+    made = tmp_path / "made"
+    made.mkdir()
+    chain = make_chain(made, keys, "orders", 6, 40, gap_every=3, gap_size=2)
+    hb = make_heartbeat(made, keys, "orders", 1, last_bundle_seq=6, last_seq=None)
+    # first delivery: 1, 2, 4, 6 and a heartbeat naming 6 as the last bundle
+    drop(cfg, *(chain[i].path for i in (5, 3, 0, 1)), hb.path)
+    s1 = run(cfg, spark)
+    assert s1["bundles_landed"] == 4 and s1["messages_landed"] == 160, s1
+    assert s1["rejected"] == 0 and s1["heartbeats"] == 1
+    gaps = red_gaps(cfg)["open_transit_gaps"]
+    assert sorted((g["first_bundle_seq"], g["last_bundle_seq"]) for g in gaps) == [(3, 3), (5, 5)]
+    # second delivery: the missing ones, plus a byte-identical resend of bundle 2
+    dup = made / "dup"
+    dup.mkdir()
+    copy = dup / chain[1].name
+    copy.write_bytes(
+        (Path(cfg.red.processed_dir).glob(f"*/{chain[1].name}").__next__()).read_bytes()
+    )
+    drop(cfg, chain[2].path, chain[4].path, copy)
+    s2 = run(cfg, spark)
+    assert s2["bundles_landed"] == 2 and s2["duplicates"] == 1, s2
+    assert red_gaps(cfg)["open_transit_gaps"] == []
+
+    msgs = table(cfg, "messages", ["channel", "seq", "bundle_seq", "land_seq"])
+    keys_ = [(m["channel"], m["seq"]) for m in msgs]
+    expected = sorted(s for b in chain for s in b.rows.column("seq").to_pylist())
+    assert sorted(s for _, s in keys_) == expected and len(set(keys_)) == len(keys_) == 240
+    ledger = table(cfg, "bundles")
+    landed = {r["bundle_seq"]: r for r in ledger if r["status"] == "landed"}
+    assert sorted(landed) == [1, 2, 3, 4, 5, 6]
+    assert {r["chain_status"] for r in landed.values() if r["bundle_seq"] > 1} == {"verified"}
+    assert landed[1]["chain_status"] == "first"
+    assert [r["bundle_seq"] for r in ledger if r["status"] == "duplicate"] == [2]
+    events = [a["event"] for a in table(cfg, "audit", ["event"])]
+    for kind in ("gap_opened", "gap_closed", "gap_declared", "chain_verified", "duplicate"):
+        assert kind in events, (kind, sorted(set(events)))
+    assert events.count("chain_verified") == 5
+    assert events.count("gap_declared") == 2  # bundles 3 and 6 carry black's declared gaps
+    # every file is evidence in processed/, nothing left behind, nothing quarantined
+    processed = sorted(p.name for p in Path(cfg.red.processed_dir).rglob("*") if p.is_file())
+    assert len(processed) == 8 and f"{chain[1].name}.1" in processed
+    assert not list(Path(cfg.red.inbox).iterdir())
+    assert not [p for p in (Path(cfg.red.work_dir) / "intake").iterdir() if p.name != "NEXT"]
+    assert not list(Path(cfg.red.quarantine_dir).rglob("*.dbundle"))
+    st = red_status(cfg)
+    assert st["interrupted_landing"] is False and st["channels"]["orders"]["contig"] == 6
+
+
+def test_hostile_files_are_quarantined_and_good_ones_land(
+    spark: Any, keys: RedKeys, tmp_path: Path
+) -> None:
+    cfg = write_config(tmp_path, keys, {"orders": True, "plain": False})
+    made = tmp_path / "made"
+    made.mkdir()
+    good = make_chain(made, keys, "orders", 2, 25)
+    bad: dict[str, Path] = {}
+    forged_dir = made / "forged"
+    forged_dir.mkdir()
+    bad["forged"] = make_bundle(
+        forged_dir, keys, "orders", 3, make_rows("orders", range(50, 60)), good[1].sha256,
+        signer_home=keys.forger_home, signer_fpr=keys.forger_fpr,
+    ).path  # fmt: skip
+    mism = make_bundle(
+        made, keys, "orders", 4, make_rows("orders", range(60, 70)), "a" * 64,
+        manifest_overrides={"bundle_seq": 9},
+    )  # fmt: skip
+    bad["name_mismatch"] = mism.path
+    downgrade = make_bundle(
+        made, keys, "orders", 5, make_rows("orders", range(70, 80)), "b" * 64, encrypt=False
+    )
+    bad["downgrade"] = downgrade.path
+    junk = made / "orders.000000000006.0123456789abcdef0123456789abcdef.dbundle"
+    junk.write_bytes(b"\x00not a gpg message at all" * 40)
+    bad["junk"] = junk
+    conflict_dir = made / "conflict"
+    conflict_dir.mkdir()
+    conflict = make_bundle(
+        conflict_dir, keys, "orders", 1, make_rows("orders", range(0, 3)), None
+    )  # same seq as good[0], other plaintext
+    truncated = made / "trunc"
+    truncated.mkdir()
+    t = make_bundle(truncated, keys, "orders", 7, make_rows("orders", range(90, 99)), "c" * 64)
+    t.path.write_bytes(t.path.read_bytes()[: t.path.stat().st_size // 2])
+    bad["truncated"] = t.path
+    odd = made / "odd"
+    odd.mkdir()
+    (odd / "..orders.dbundle").write_bytes(b"x")  # hidden: ignored, never opened
+    (odd / "evil;rm -rf.dbundle").write_bytes(b"x")
+    (odd / "caf\u00e9.000000000001.dheartbeat").write_bytes(b"x")
+    drop(cfg, good[0].path, good[1].path, *bad.values())
+    for f in list(odd.iterdir()):
+        os.replace(f, Path(cfg.red.inbox) / f.name)
+    s1 = run(cfg, spark)
+    assert s1["bundles_landed"] == 2 and s1["messages_landed"] == 50, s1
+    assert s1["rejected"] == len(bad), s1
+    drop(cfg, conflict.path)
+    s2 = run(cfg, spark)
+    assert s2["conflicts"] == 1 and s2["bundles_landed"] == 0, s2
+
+    msgs = table(cfg, "messages", ["seq"])
+    assert sorted(m["seq"] for m in msgs) == list(range(50)), "nothing hostile landed"
+    reasons = {}
+    for rf in Path(cfg.red.quarantine_dir).rglob("*.reason.json"):
+        doc = json.loads(rf.read_text())
+        reasons[doc["original_name"]] = doc["reason"]
+    assert reasons[bad["forged"].name] in ("signature", "unpinned_signer")
+    assert reasons[mism.name] == "name_mismatch"
+    assert reasons[downgrade.name] == "downgrade"
+    assert reasons[junk.name] in ("crypto", "malformed")
+    assert reasons[t.path.name] in ("crypto", "malformed")
+    assert reasons[conflict.name] == "conflict"
+    assert sum(1 for r in reasons.values() if r == "bad_name") == 2
+    audit = table(cfg, "audit", ["event", "reason", "file_name"])
+    rejected = {a["file_name"] for a in audit if a["event"] == "rejected"}
+    assert {p.name for p in bad.values()} <= rejected
+    assert sum(1 for a in audit if a["event"] == "quarantined" and a["reason"] == "bad_name") == 2
+    assert any(a["event"] == "conflict" for a in audit)
+    ledger = table(cfg, "bundles", ["bundle_seq", "status"])
+    assert sorted(r["bundle_seq"] for r in ledger if r["status"] == "landed") == [1, 2]
+    assert (Path(cfg.red.inbox) / "..orders.dbundle").exists(), "hidden names are left alone"
