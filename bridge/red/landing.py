@@ -32,6 +32,7 @@ import pyarrow.parquet as pq
 
 from bridge.config import Config
 from bridge.errors import DiodeError
+from bridge.faults import crash_point
 from bridge.fsutil import atomic_write_bytes, durable_mkdir, fsync_dir
 from bridge.logs import get_logger, log_event
 from bridge.metrics import RED
@@ -299,6 +300,7 @@ class Landing:
             "state_after": state.to_json(),
         }
         atomic_write_bytes(self.journal_dir / INTENT_FILE, json.dumps(intent).encode())
+        crash_point("red.after_intent")
         res.messages_landed = self._apply(intent)
         res.land_seq = n
         self.land_seq, self.state = n, state
@@ -482,6 +484,7 @@ class Landing:
                 reader, counted = self._messages(intent)
                 if self.tables.append("messages", reader, app_id=APP_ID, version=n):
                     written = counted[0]
+                crash_point("red.after_messages")
             if intent["ledger"]:
                 rows = [
                     {k: (_ts(v) if k in ("received_at", "landed_at", "created_at") else v)
@@ -493,6 +496,7 @@ class Landing:
                 events = [{**e, "at": _ts(e["at"])} for e in intent["audit"]]
                 table = rs.audit_rows(events, APP_ID, n, at)
                 self.tables.append("audit", table, app_id=APP_ID, version=n)
+            crash_point("red.after_tables")
             for channel, bundle_seq, status in intent["chain_updates"]:
                 self.tables.set_chain_status(channel, int(bundle_seq), status)
         except DiodeError:
@@ -509,6 +513,7 @@ class Landing:
                 self.evidence.quarantine(
                     src, mv["name"], mv["reason"] or "rejected", {"why": mv["detail"]}, at
                 )
+        crash_point("red.after_moves")
         for p in intent.get("consumed", []):
             Path(p).unlink(missing_ok=True)
         self._save_state(n, intent["state_after"])
