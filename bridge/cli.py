@@ -427,12 +427,13 @@ def red_replay(
 ) -> None:
     """Publish landed messages of approved exchanges into red RabbitMQ (confirmed, resumable)."""
     from bridge.metrics import serve_metrics
-    from bridge.red.replay import Replayer
+    from bridge.red.replay import Replayer, audit_sink
 
     cfg = _load(config_path)
     if metrics_port:
         serve_metrics(metrics_port)
-    summary = Replayer(cfg).run(until_caught_up=until_caught_up, timeout=timeout)
+    replayer = Replayer(cfg, sink=audit_sink(cfg))
+    summary = replayer.run(until_caught_up=until_caught_up, timeout=timeout)
     click.echo(json.dumps(summary.to_json()))
 
 
@@ -480,10 +481,23 @@ def red_maintain(config_path: Path | None, table: str, vacuum_hours: float | Non
 @click.option("--note", default="", help="why (kept in the approvals file and the audit table)")
 def approve(config_path: Path | None, exchanges: tuple[str, ...], revoke: bool, note: str) -> None:
     """Approve red exchanges for replay (their whole landed history is replayed)."""
-    from bridge.red.approvals import approve_exchanges
+    import getpass
+
+    from bridge.red.approvals import Approvals, effective_approved, sync_audit
 
     cfg = _load(config_path)
-    click.echo(json.dumps(approve_exchanges(cfg, list(exchanges), revoke=revoke, note=note)))
+    ap = Approvals.load(Path(cfg.red.state_dir))
+    by = getpass.getuser()
+    revisions = {
+        x: (ap.revoke(x, by, note) if revoke else ap.approve(x, by, note)) for x in exchanges
+    }
+    audited = sync_audit(Path(cfg.red.tables_dir), ap)
+    out = {
+        "revisions": revisions,
+        "approved": sorted(effective_approved(cfg)),
+        "audit_rows_written": audited,
+    }
+    click.echo(json.dumps(out))
 
 
 # -- demo ------------------------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""Demo, run: keys, a black vhost with sample traffic, the black job — all under one workdir."""
+"""Demo, run: the whole chain on one machine (keys, black, stand-in diode, red, replay)."""
 
 from __future__ import annotations
 
@@ -14,8 +14,12 @@ from bridge.config import load_config
 from bridge.crypto.gpg import Gpg
 from bridge.crypto.keys import init_keys
 from bridge.crypto.perms import write_file
-from bridge.demo.traffic import DEMO_DIRECT_KEYS, declare_exchanges, publish_mix
+from bridge.demo.counter import ReplayCounter
+from bridge.demo.diode import move_outbox
+from bridge.demo.traffic import DEMO_DIRECT_KEYS, DEMO_EXCHANGES, declare_exchanges, publish_mix
 from bridge.logs import get_logger, log_event
+from bridge.red.job import RedRun
+from bridge.red.replay import Replayer, audit_sink
 
 __all__ = ["run_demo", "write_demo_config"]
 
@@ -23,9 +27,16 @@ log = get_logger("bridge.demo")
 
 
 def write_demo_config(
-    workdir: Path, *, black_fpr: str, red_fprs: list[str], amqp_url: str, mgmt: str
+    workdir: Path,
+    *,
+    black_fpr: str,
+    red_fprs: list[str],
+    amqp_url: str,
+    mgmt: str,
+    red_amqp_url: str,
 ) -> Path:
     keys = ", ".join(f'"{f}"' for f in red_fprs)
+    approved = ", ".join(f'"{x.name}"' for x in DEMO_EXCHANGES)
     direct = "\n".join(
         f'"{ex}" = [{", ".join(chr(34) + k + chr(34) for k in keys_)}]'
         for ex, keys_ in DEMO_DIRECT_KEYS.items()
@@ -67,6 +78,18 @@ max_file_bytes = 134217728
 [red]
 gnupg_home = "keys/red"
 inbox = "red/inbox"
+work_dir = "red/work"
+processed_dir = "red/processed"
+quarantine_dir = "red/quarantine"
+state_dir = "red/state"
+checkpoint_dir = "red/checkpoint"
+tables_dir = "red/tables"
+delta_engine = "delta-rs"
+settle_seconds = 0.5
+
+[red.replay]
+amqp_url = "{red_amqp_url}"
+approved = [{approved}]
 """
     p = workdir / "diode.toml"
     write_file(p, text.encode(), mode=0o600)  # it holds the AMQP password
@@ -78,6 +101,7 @@ def run_demo(
     messages: int,
     *,
     vhost: str = "diode-demo",
+    red_vhost: str | None = None,
     host: str = "127.0.0.1",
     port: int = 5672,
     mgmt: str = "http://127.0.0.1:15672",
@@ -86,10 +110,15 @@ def run_demo(
     big_every: int = 5000,
     spark: Any = None,
 ) -> dict[str, Any]:
-    """Run the black half of the pipeline on this machine; returns the summary."""
+    """Run the whole chain on this machine; returns the summary.
+
+    black vhost -> mirror -> tap -> spool -> black job -> outbox -> (stand-in mover) ->
+    red inbox -> red job -> Delta -> replay publisher -> red vhost (queues bound to count).
+    """
     t0 = time.monotonic()
     workdir = workdir.resolve()
     workdir.mkdir(parents=True, exist_ok=True)
+    red_vhost = red_vhost or f"{vhost}-red"
     keys_dir = workdir / "keys"
     if (keys_dir / "black").exists():  # keys of an earlier demo run are kept
         black_fpr = Gpg(keys_dir / "black").fingerprints(secret=True)[0]
@@ -97,17 +126,23 @@ def run_demo(
     else:
         inv = init_keys(keys_dir, red_names=("red", "red-audit"), bridge_id="demo-black")
         black_fpr, red_fprs = inv.black_fpr, list(inv.red_fprs.values())
-    for sub in ("black", "red"):  # a fresh run: new vhost, new black state
+    for sub in ("black", "red"):  # a fresh run: new vhosts, new state on both sides
         shutil.rmtree(workdir / sub, ignore_errors=True)
     mc = ManagementClient(mgmt, user, password)
-    mc.delete_vhost(vhost)
-    mc.put_vhost(vhost)
+    for v in (vhost, red_vhost):
+        mc.delete_vhost(v)
+        mc.put_vhost(v)
     mc.close()
-    q = urllib.parse.quote(vhost, safe="")
-    amqp_url = f"amqp://{user}:{password}@{host}:{port}/{q}"
+    amqp_url = f"amqp://{user}:{password}@{host}:{port}/{urllib.parse.quote(vhost, safe='')}"
+    red_url = f"amqp://{user}:{password}@{host}:{port}/{urllib.parse.quote(red_vhost, safe='')}"
     declare_exchanges(amqp_url)
     cfg_path = write_demo_config(
-        workdir, black_fpr=black_fpr, red_fprs=red_fprs, amqp_url=amqp_url, mgmt=mgmt
+        workdir,
+        black_fpr=black_fpr,
+        red_fprs=red_fprs,
+        amqp_url=amqp_url,
+        mgmt=mgmt,
+        red_amqp_url=red_url,
     )
     cfg = load_config(cfg_path)
     run = BlackRun(cfg)
@@ -119,23 +154,47 @@ def run_demo(
         from bridge.spark import get_spark
 
         spark = get_spark("diode-demo")
-    summary = run.run(spark, "available-now")
+    black = run.run(spark, "available-now")
+    t_black = time.monotonic()
+    moved = move_outbox(Path(cfg.black.outbox), Path(cfg.red.inbox))
+    red = RedRun(cfg).run(spark, "available-now")
+    t_red = time.monotonic()
+    counter = ReplayCounter(red_url, [x.name for x in DEMO_EXCHANGES])
+    replay = Replayer(cfg, sink=audit_sink(cfg)).run(until_caught_up=True, timeout=600)
+    received = counter.drain(expected=pub.count, timeout=60)
+    counter.close()
+    t_end = time.monotonic()
+    rs = red.to_json()
     out = {
         "published": pub.count,
         "published_bytes": pub.body_bytes,
         "by_exchange": pub.by_exchange,
-        "sealed": summary.messages,
-        "lost": summary.lost,
-        "bundles": summary.bundles,
-        "black_seconds": round(summary.seconds, 2),
-        "black_msg_per_s": round(summary.messages / summary.seconds, 1)
-        if summary.seconds
-        else None,
-        "black_drain_msg_per_s": summary.to_json()["drain_msg_per_s"],
+        "sealed": black.messages,
+        "lost": black.lost,
+        "bundles": black.bundles,
+        "files_crossed": moved.files,
+        "landed": rs["messages_landed"],
+        "bundles_landed": rs["bundles_landed"],
+        "rejected": rs["rejected"],
+        "replayed": replay.to_json().get("confirmed"),
+        "received_on_red": received,
         "publish_seconds": round(t_pub - t0, 2),
+        "black_seconds": round(t_black - t_pub, 2),
+        "black_msg_per_s": round(black.messages / (t_black - t_pub), 1),
+        "red_seconds": round(t_red - t_black, 2),
+        "red_msg_per_s": rs["msg_per_s"],
+        "replay_seconds": round(t_end - t_red, 2),
+        "total_seconds": round(t_end - t0, 2),
         "workdir": str(workdir),
         "outbox": str(cfg.black.outbox),
+        "tables": str(cfg.red.tables_dir),
         "config": str(cfg_path),
-        "ok": summary.messages == pub.count and summary.lost == 0,
     }
+    out["ok"] = (
+        black.messages == pub.count
+        and black.lost == 0
+        and rs["messages_landed"] == pub.count
+        and rs["rejected"] == 0
+        and received == pub.count
+    )
     return out

@@ -1,5 +1,6 @@
 """Integration: the README's first command, `diode demo`, from a fresh workdir (real broker,
-real gpg, Spark in the CLI's own process) — every published message sealed, nothing lost."""
+real gpg, Spark in the CLI's own process): black broker -> bundles -> stand-in diode -> red
+Delta -> red broker, every published message landed once and received on red."""
 
 from __future__ import annotations
 
@@ -30,12 +31,22 @@ def test_demo_runs_from_scratch(short_tmp: Path) -> None:
             cwd=REPO, env=env, capture_output=True, timeout=600, check=False,
         )  # fmt: skip
     finally:
-        ManagementClient(MGMT, *AUTH, timeout=60).delete_vhost(vhost)
+        mc = ManagementClient(MGMT, *AUTH, timeout=60)
+        mc.delete_vhost(vhost)
+        mc.delete_vhost(f"{vhost}-red")
     assert r.returncode == 0, r.stderr.decode(errors="replace")[-3000:]
     summary = json.loads(r.stdout.decode().strip().splitlines()[-1])
     assert summary["ok"] is True and summary["lost"] == 0
     assert summary["sealed"] == summary["published"] > 2000 and summary["bundles"] >= 1
-    outbox = Path(summary["outbox"])
-    assert len(list(outbox.glob("*.dbundle"))) == summary["bundles"]
+    assert summary["files_crossed"] >= summary["bundles"]
+    assert summary["landed"] == summary["published"] and summary["rejected"] == 0
+    assert summary["received_on_red"] == summary["published"]
+    from deltalake import DeltaTable
+
+    messages = DeltaTable(str(Path(summary["tables"]) / "messages")).to_pyarrow_table(
+        columns=["channel", "seq"]
+    )
+    keys = set(zip(messages["channel"].to_pylist(), messages["seq"].to_pylist(), strict=True))
+    assert len(keys) == messages.num_rows == summary["published"], "each (channel, seq) once"
     cfg = Path(summary["config"])
     assert cfg.stat().st_mode & 0o077 == 0, "the demo config holds the AMQP password: 0600"

@@ -1,0 +1,1287 @@
+"""Red, replay: tail the `messages` Delta table and publish approved exchanges into red RabbitMQ.
+
+A separate process (``diode red replay``); the landing never waits for it (DESIGN §3.8).
+
+* **What**: rows of ``tables_dir/messages`` whose exchange is approved
+  (``red.replay.approved`` ∪ ``diode approve``, see :mod:`bridge.red.approvals`). Other
+  exchanges stay landed; their waiting rows are counted (status, ``bridge_red_replay_lag_rows``).
+* **Order**: per exchange by ``(land_seq, channel, seq)`` — the landing commit that wrote a row,
+  then the message identity. ``land_seq`` only grows, so new rows always sort after old ones.
+* **How much**: a batch is every row of the exchange in the landing commits
+  ``[lo, hi]``, ``hi`` the smallest commit that brings about ``batch_rows`` rows, chosen from
+  the per-file row counts and ``land_seq`` min/max of the Delta log (no data read to plan;
+  a table without statistics falls back to reading the ``land_seq`` column). The table is
+  refreshed at every pass.
+* **Exact**: each exchange is declared as its row says (type, durable, auto-delete, internal,
+  arguments encoded from the typed JSON) before its first publish on a connection, and again
+  when a row's declaration differs; ``properties_raw`` and the body are published byte for
+  byte with the routing key as landed. With ``red.replay.id_header`` set, one header
+  ``"<channel>:<seq>"`` is spliced into the property bytes, every other byte unchanged.
+* **Confirmed**: one AMQP channel per exchange with publisher confirms; at most
+  ``in_flight`` publishes unconfirmed in all. Progress per exchange (the last ``(land_seq,
+  channel, seq)`` of the *confirmed prefix*) is saved in ``state_dir/replay-progress.json``
+  (temp, fsync, rename) at most every second and at the end of every pass. A nack rewinds the
+  exchange to its progress and republishes (at-least-once, in order); after
+  ``MAX_NACK_RETRIES`` rewinds at the same row the exchange is stopped (``replay_failed``) and
+  retried ``retry_seconds`` later.
+* **Refusals**: a declaration the broker refuses (406: the exchange exists with another type
+  or arguments), an internal exchange (clients cannot publish to it), a row whose exchange type
+  black did not know (``unknown``: published only if the exchange already exists on red), a
+  channel the broker closes: the exchange stops with a ``replay_failed`` event, the others go
+  on; it is retried later without repeating the event.
+* **Broker down**: logged, reconnect with back-off 1 s .. 30 s, resume from the saved progress.
+
+Events (``replayed`` ranges, ``replay_failed``) are dicts with the audit keys ``event,
+exchange, channel, seq_first, seq_last, reason, detail`` (detail: JSON text); ``step`` and
+``run`` return them and hand them to ``sink`` when one is given (:func:`audit_sink` writes them
+to the audit table with the application id ``diode-replay``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import struct
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.dataset as pads
+from prometheus_client import Counter, Gauge
+
+from bridge.amqp.client import Channel, Connection, parse_url
+from bridge.config import Config
+from bridge.errors import AmqpClosed, BrokerError, DiodeError, ProtocolError, StateError
+from bridge.fsutil import atomic_write_bytes, durable_mkdir, exclusive_lock
+from bridge.logs import get_logger, log_event
+from bridge.metrics import REGISTRY
+from bridge.protocol.headers import typed_json_to_headers
+from bridge.protocol.properties import decode_table, encode_table, scan_properties
+from bridge.protocol.rows import UNKNOWN_EXCHANGE_TYPE
+from bridge.red.approvals import Approvals
+
+__all__ = [
+    "APP_ID",
+    "PROGRESS_FILE",
+    "ConfirmWindow",
+    "Progress",
+    "ReplaySummary",
+    "Replayer",
+    "StepResult",
+    "audit_sink",
+    "load_progress",
+    "plan_upper",
+    "with_id_header",
+]
+
+log = get_logger("bridge.red.replay")
+
+APP_ID = "diode-replay"
+"""Delta application id of the replay publisher's audit rows."""
+PROGRESS_FILE = "replay-progress.json"
+LOCK_FILE = "replay.lock"
+FORMAT = 1
+MAX_NACK_RETRIES = 3
+"""Rewinds at the same row after broker nacks before the exchange is stopped."""
+RETRY_SECONDS = 60.0
+"""A stopped exchange is tried again after this long (no new event if it fails the same way)."""
+BACKOFF_FIRST, BACKOFF_MAX = 1.0, 30.0
+SAVE_EVERY = 1.0  # seconds between progress saves while publishing
+REPLAYED_EVERY = 60.0  # seconds between `replayed` events of an exchange still catching up
+DRAIN_SECONDS = 30.0  # how long a pass waits for outstanding confirms
+CLOSE_DRAIN_SECONDS = 5.0
+HEARTBEAT = 30
+
+Key = tuple[int, str, int]
+"""``(land_seq, channel, seq)``: where a row sorts in an exchange's replay order."""
+START: Key = (-1, "", -1)
+
+_COLUMNS = [
+    "land_seq", "channel", "seq", "exchange_type", "exchange_durable", "exchange_auto_delete",
+    "exchange_internal", "exchange_arguments", "routing_key", "properties_raw", "body",
+]  # fmt: skip
+_ORDER = [("land_seq", "ascending"), ("channel", "ascending"), ("seq", "ascending")]
+_U32 = struct.Struct(">I")
+_HEADERS_FLAG = 0x2000
+_f = pads.field
+
+
+# -- metrics ----------------------------------------------------------------------------------
+class _Metrics:
+    def __init__(self) -> None:
+        self.published = Counter(
+            "bridge_red_replay_published",
+            "Messages published to the red broker (republished ones counted again)",
+            ["exchange"],
+            registry=REGISTRY,
+        )
+        self.confirmed = Counter(
+            "bridge_red_replay_confirmed",
+            "Messages the red broker confirmed in order (progress advanced over them)",
+            ["exchange"],
+            registry=REGISTRY,
+        )
+        self.errors = Counter(
+            "bridge_red_replay_errors",
+            "Replay failures by kind (declare, internal, unknown_type, bad_arguments, nack, "
+            "channel_closed, connection); exchange '' for the connection",
+            ["exchange", "kind"],
+            registry=REGISTRY,
+        )
+        self.lag = Gauge(
+            "bridge_red_replay_lag_rows",
+            "Rows landed in later landing commits than the exchange's replay progress (from the "
+            "Delta log); for an exchange not approved: every landed row",
+            ["exchange"],
+            registry=REGISTRY,
+        )
+
+
+METRICS = _Metrics()
+
+
+# -- pure pieces ------------------------------------------------------------------------------
+def _now_text() -> str:
+    return datetime.now(UTC).isoformat(timespec="microseconds").replace("+00:00", "Z")
+
+
+@dataclass
+class Progress:
+    """The confirmed prefix of one exchange: its last row and how many rows were confirmed."""
+
+    land_seq: int = -1
+    channel: str = ""
+    seq: int = -1
+    confirmed_rows: int = 0
+    updated_at: str | None = None
+
+    @property
+    def key(self) -> Key:
+        return (self.land_seq, self.channel, self.seq)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "land_seq": self.land_seq,
+            "channel": self.channel,
+            "seq": self.seq,
+            "confirmed_rows": self.confirmed_rows,
+            "updated_at": self.updated_at,
+        }
+
+    @classmethod
+    def from_json(cls, d: Any) -> Progress:
+        return cls(
+            land_seq=int(d["land_seq"]),
+            channel=str(d["channel"]),
+            seq=int(d["seq"]),
+            confirmed_rows=int(d.get("confirmed_rows", 0)),
+            updated_at=d.get("updated_at"),
+        )
+
+
+def load_progress(state_dir: Path) -> dict[str, Progress]:
+    """The saved replay progress per exchange (empty before the first confirm)."""
+    path = Path(state_dir) / PROGRESS_FILE
+    try:
+        doc = json.loads(path.read_bytes())
+    except FileNotFoundError:
+        return {}
+    except ValueError as e:
+        raise StateError(
+            f"replay progress {path} is unreadable ({e}); restore it from backup, or delete it "
+            "to replay every approved exchange from the start (consumers then see duplicates)"
+        ) from None
+    try:
+        if doc.get("format") != FORMAT:
+            raise ValueError(f"format {doc.get('format')!r} is not {FORMAT}")
+        return {str(k): Progress.from_json(v) for k, v in doc["exchanges"].items()}
+    except (AttributeError, KeyError, TypeError, ValueError) as e:
+        raise StateError(
+            f"replay progress {path} is malformed ({e}); restore it from backup, or delete it "
+            "to replay every approved exchange from the start (consumers then see duplicates)"
+        ) from None
+
+
+def _save_progress(state_dir: Path, progress: dict[str, Progress]) -> None:
+    doc = {
+        "format": FORMAT,
+        "saved_at": _now_text(),
+        "exchanges": {k: v.to_json() for k, v in sorted(progress.items())},
+    }
+    atomic_write_bytes(Path(state_dir) / PROGRESS_FILE, json.dumps(doc, indent=1).encode() + b"\n")
+
+
+class ConfirmWindow:
+    """Publishes of one AMQP channel awaiting confirms, in publish order.
+
+    ``sent(tag, key)`` records a publish (tags increase by one per publish on the channel);
+    ``confirm`` applies a broker ack or nack (``multiple`` or not, in any order);
+    ``pop_acked`` removes and returns the keys of the acknowledged prefix. A nacked publish
+    stops the prefix: ``head_nacked`` tells the caller to rewind (``clear``) once ``pending``
+    (publishes not yet settled) is 0.
+    """
+
+    __slots__ = ("_q", "pending", "nacked")
+
+    def __init__(self) -> None:
+        self._q: deque[list[Any]] = deque()  # [tag, key, state: None | True | False]
+        self.pending = 0
+        self.nacked = False
+
+    def __len__(self) -> int:
+        return len(self._q)
+
+    def sent(self, tag: int, key: Key) -> None:
+        q = self._q
+        if q and tag != q[-1][0] + 1:
+            raise ValueError(f"publish tag {tag} does not follow {q[-1][0]}")
+        q.append([tag, key, None])
+        self.pending += 1
+
+    def confirm(self, tag: int, multiple: bool, ack: bool) -> int:
+        """Apply one confirm; returns how many publishes it settled."""
+        q = self._q
+        if not q:
+            return 0
+        base = q[0][0]
+        settled = 0
+        if multiple:
+            for i in range(min(tag - base, len(q) - 1) + 1):
+                e = q[i]
+                if e[2] is None:
+                    e[2] = ack
+                    settled += 1
+        else:
+            i = tag - base
+            if 0 <= i < len(q) and q[i][2] is None:
+                q[i][2] = ack
+                settled = 1
+        if settled and not ack:
+            self.nacked = True
+        self.pending -= settled
+        return settled
+
+    def pop_acked(self) -> list[Key]:
+        """Keys of the acknowledged prefix, removed from the window, in publish order."""
+        q = self._q
+        out = []
+        while q and q[0][2] is True:
+            out.append(q.popleft()[1])
+        return out
+
+    @property
+    def head_nacked(self) -> bool:
+        return bool(self._q) and self._q[0][2] is False
+
+    def clear(self) -> int:
+        """Forget every publish (a rewind or a dead channel); returns how many were pending."""
+        pending = self.pending
+        self._q.clear()
+        self.pending = 0
+        self.nacked = False
+        return pending
+
+
+FileStat = tuple[int, int, int]
+"""``(min land_seq, max land_seq, rows)`` of one data file (or one land_seq value)."""
+
+
+def plan_upper(files: Iterable[FileStat], lo: int, batch_rows: int) -> int | None:
+    """The last landing commit of the next batch: the smallest ``max land_seq`` of a file
+    such that the files ending at or before it hold about ``batch_rows`` rows at or after
+    ``lo`` (a file that straddles ``lo`` counts in proportion). None: no row at or after
+    ``lo``. Rows of commits ``[lo, result]`` are then read whole."""
+    ends: list[tuple[int, float]] = []
+    for mn, mx, n in files:
+        if mx < lo or n <= 0:
+            continue
+        share = n if mn >= lo else n * (mx - lo + 1) / (mx - mn + 1)
+        ends.append((mx, share))
+    if not ends:
+        return None
+    ends.sort()
+    total = 0.0
+    for mx, share in ends:
+        total += share
+        if total >= batch_rows:
+            return mx
+    return ends[-1][0]
+
+
+def with_id_header(properties_raw: bytes, name: str, value: str) -> bytes:
+    """``properties_raw`` with header ``name`` = long string ``value`` added at the end of the
+    headers table (created if absent; an existing ``name`` entry is replaced). Every other
+    byte is kept: the table's other entries are copied, not re-encoded, unless ``name`` was
+    there. ProtocolError if the property bytes do not decode."""
+    scan_properties(properties_raw)  # validates the whole block
+    raw = properties_raw
+    flags = (raw[0] << 8) | raw[1]
+    if flags & 1:
+        raise ProtocolError("property flags continue past the first word (not AMQP basic)")
+    pos = 2
+    for bit in (0x8000, 0x4000):  # content-type, content-encoding: short strings
+        if flags & bit:
+            pos += 1 + raw[pos]
+    key = name.encode()
+    entry = bytes((len(key),)) + key + b"S" + _U32.pack(len(value.encode())) + value.encode()
+    if flags & _HEADERS_FLAG:
+        size = _U32.unpack_from(raw, pos)[0]
+        end = pos + 4 + size
+        body = raw[pos + 4 : end]
+        old = decode_table(raw[pos:end])
+        if any((k.encode() if isinstance(k, str) else k) == key for k, _ in old):
+            kept = tuple((k, v) for k, v in old if (k.encode() if isinstance(k, str) else k) != key)
+            body = encode_table(kept)[4:]
+        table = _U32.pack(len(body) + len(entry)) + body + entry
+        return raw[:pos] + table + raw[end:]
+    flags |= _HEADERS_FLAG
+    table = _U32.pack(len(entry)) + entry
+    return bytes((flags >> 8, flags & 0xFF)) + raw[2:pos] + table + raw[pos:]
+
+
+# -- results ----------------------------------------------------------------------------------
+@dataclass
+class StepResult:
+    """What one pass did."""
+
+    published: int = 0
+    confirmed: int = 0
+    exchanges: dict[str, dict[str, int]] = field(default_factory=dict)
+    events: list[dict[str, Any]] = field(default_factory=list)
+    caught_up: bool = False
+    error: str | None = None
+    seconds: float = 0.0
+
+    def _count(self, exchange: str, what: str, n: int) -> None:
+        per = self.exchanges.setdefault(exchange, {"published": 0, "confirmed": 0})
+        per[what] += n
+        setattr(self, what, getattr(self, what) + n)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "published": self.published,
+            "confirmed": self.confirmed,
+            "exchanges": self.exchanges,
+            "events": self.events,
+            "caught_up": self.caught_up,
+            "error": self.error,
+            "seconds": round(self.seconds, 3),
+        }
+
+
+@dataclass
+class ReplaySummary:
+    """What a ``run`` did: counts per exchange, the errors seen, the events, the time taken."""
+
+    published: int = 0
+    confirmed: int = 0
+    exchanges: dict[str, dict[str, Any]] = field(default_factory=dict)
+    errors: list[str] = field(default_factory=list)
+    events: list[dict[str, Any]] = field(default_factory=list)
+    seconds: float = 0.0
+    caught_up: bool = False
+
+    def add(self, r: StepResult, *, final: bool = False) -> None:
+        self.published += r.published
+        self.confirmed += r.confirmed
+        for name, per in r.exchanges.items():
+            mine = self.exchanges.setdefault(name, {"published": 0, "confirmed": 0})
+            mine["published"] += per["published"]
+            mine["confirmed"] += per["confirmed"]
+        self.events.extend(r.events)
+        for ev in r.events:
+            if ev["event"] == "replay_failed":
+                self.errors.append(f"exchange {ev['exchange']!r}: {ev['reason']}")
+        if r.error and (not self.errors or self.errors[-1] != r.error):
+            self.errors.append(r.error)
+        if not final:
+            self.caught_up = r.caught_up
+
+    @property
+    def rate(self) -> float:
+        """Confirmed messages per second."""
+        return self.confirmed / self.seconds if self.seconds > 0 else 0.0
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "published": self.published,
+            "confirmed": self.confirmed,
+            "exchanges": self.exchanges,
+            "errors": self.errors,
+            "events": len(self.events),
+            "caught_up": self.caught_up,
+            "seconds": round(self.seconds, 3),
+            "confirmed_per_second": round(self.rate, 1),
+        }
+
+
+# -- per exchange -----------------------------------------------------------------------------
+Decl = tuple[str, bool, bool, bool, str | None]
+"""``(type, durable, auto_delete, internal, arguments typed JSON)`` as a row carries it."""
+
+
+@dataclass
+class _Lane:
+    """One approved exchange on the current connection."""
+
+    name: str
+    progress: Progress
+    cursor: Key = START  # last row published (or the progress after a rewind)
+    read_through: int = -1  # every row of land_seq <= this was read and published
+    channel: Channel | None = None
+    declared: Decl | None = None
+    window: ConfirmWindow = field(default_factory=ConfirmWindow)
+    blocked: str | None = None
+    blocked_kind: str = ""
+    retry_at: float = 0.0
+    reported: str | None = None  # reason of the last replay_failed event (not repeated)
+    rewinds: int = 0  # rewinds after nacks at the current progress
+    retired: bool = False  # approval revoked: no new publishes
+    caught_up: bool = False
+    no_id_header: int = 0  # rows published without the id header (undecodable properties)
+    replayed: dict[str, list[int]] = field(default_factory=dict)
+    replayed_since: float = field(default_factory=time.monotonic)
+
+    def rewind(self) -> int:
+        """Back to the confirmed prefix; returns how many publishes were still pending."""
+        self.cursor = self.progress.key
+        self.read_through = -1
+        self.caught_up = False
+        return self.window.clear()
+
+
+class _Stop(Exception):
+    """Internal: the deadline passed or the stop event was set while waiting."""
+
+
+# -- the publisher ----------------------------------------------------------------------------
+class Replayer:
+    """Replays approved exchanges of ``cfg.red.tables_dir/messages`` into ``red.replay.amqp_url``.
+
+    ``step()`` makes one pass (returns a :class:`StepResult`); ``run()`` loops until stopped,
+    timed out or, with ``until_caught_up``, until every approved row is confirmed or its
+    exchange stopped. The instance holds ``state_dir/replay.lock`` from its first pass until
+    ``close()`` (``run`` closes at its end): one publisher per state_dir.
+    """
+
+    def __init__(
+        self,
+        cfg: Config,
+        *,
+        sink: Callable[[list[dict[str, Any]]], None] | None = None,
+        client_name: str = "diode-red-replay",
+        retry_seconds: float = RETRY_SECONDS,
+    ) -> None:
+        r = cfg.red.replay
+        self.cfg = cfg
+        self.state_dir = Path(cfg.red.state_dir)
+        self.table_path = Path(cfg.red.tables_dir) / "messages"
+        self.in_flight = int(r.in_flight)
+        self.batch_rows = int(r.batch_rows)
+        self.poll_seconds = float(r.poll_seconds)
+        self.id_header = r.id_header
+        self.retry_seconds = retry_seconds
+        self.client_name = client_name
+        self.sink = sink
+        self._url = r.amqp_url.get_secret_value()
+        self.where = parse_url(self._url).where
+        self._conn: Connection | None = None
+        self._lanes: dict[str, _Lane] = {}
+        self._by_channel: dict[int, _Lane] = {}
+        self._progress: dict[str, Progress] = {}
+        self._pending = 0  # publishes not yet settled, all exchanges
+        self._lock: contextlib.ExitStack | None = None
+        self._dt: Any = None
+        self._backoff = 0.0
+        self._next_connect = 0.0
+        self._dirty = False
+        self._saved_at = 0.0
+        self._events: list[dict[str, Any]] = []  # not yet returned by step / run / close
+        self._unsunk: list[dict[str, Any]] = []  # not yet accepted by the sink
+        self._result = StepResult()
+        self._approved_error: str | None = None
+
+    def __repr__(self) -> str:
+        return f"Replayer({str(self.table_path)!r} -> {self.where})"
+
+    def __enter__(self) -> Replayer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- public --------------------------------------------------------------------------------
+    def step(self, *, wait_confirms: bool = True) -> StepResult:
+        """One pass over the approved exchanges: read each one's next batch, publish it; with
+        ``wait_confirms`` wait (up to 30 s) for the confirms before saving progress."""
+        return self._step(None, None, wait_confirms)
+
+    def run(
+        self,
+        *,
+        until_caught_up: bool = False,
+        timeout: float | None = None,
+        stop: threading.Event | None = None,
+    ) -> ReplaySummary:
+        """Pass after pass until ``stop`` is set, ``timeout`` seconds passed or (with
+        ``until_caught_up``) nothing approved is left to confirm; never raises for a broker
+        that is down or refusing. Closes the instance at the end."""
+        t0 = time.monotonic()
+        deadline = None if timeout is None else t0 + timeout
+        summary = ReplaySummary()
+        try:
+            while not self._should_stop(deadline, stop):
+                r = self._step(deadline, stop, False)
+                summary.add(r)
+                if r.caught_up and until_caught_up:
+                    break
+                if self._conn is None:  # no table yet, or the broker is unavailable
+                    pause = self._next_connect - time.monotonic()
+                    self._sleep(pause if pause > 0 else self.poll_seconds, deadline, stop)
+                    continue
+                if r.published == 0:
+                    if self._pending:
+                        self._guarded_drain(deadline, stop, self.poll_seconds)
+                    elif not r.caught_up:
+                        continue  # a rewind or a retry is due: no pause
+                    else:
+                        self._sleep(self.poll_seconds, deadline, stop)
+        finally:
+            summary.add(self._finish(), final=True)
+            summary.seconds = time.monotonic() - t0
+        return summary
+
+    def close(self) -> StepResult:
+        """Wait briefly for outstanding confirms, save progress, emit pending events, close the
+        connection and release the lock; idempotent. Returns what the closing did."""
+        return self._finish()
+
+    def status(self) -> dict[str, Any]:
+        """Per exchange: approved, progress, lag (rows in later landing commits), in flight,
+        stopped (why); rows waiting per exchange not approved. Reads the Delta log only."""
+        approved = self._approved()
+        progress = dict(self._progress) if self._lock is not None else self._load_progress_safe()
+        stats = self._stats()
+        names = set(approved) | set(progress) | set(stats or {})
+        out: dict[str, Any] = {}
+        for name in sorted(names):
+            lane = self._lanes.get(name)
+            p = lane.progress if lane else progress.get(name)
+            out[name] = {
+                "approved": name in approved,
+                "progress": p.to_json() if p else None,
+                "lag_rows": self._lag(stats, name, p),
+                "in_flight": len(lane.window) if lane else 0,
+                "stopped": lane.blocked if lane else None,
+            }
+        return {
+            "target": self.where,
+            "connected": self._conn is not None and self._conn.is_open,
+            "approved": sorted(approved),
+            "approvals_error": self._approved_error,
+            "exchanges": out,
+            "unapproved_waiting": {
+                n: d["lag_rows"] for n, d in out.items() if not d["approved"] and d["lag_rows"]
+            },
+        }
+
+    # -- the pass ------------------------------------------------------------------------------
+    def _step(self, deadline: float | None, stop: threading.Event | None, wait: bool) -> StepResult:
+        t0 = time.monotonic()
+        self._open()
+        res = self._result = StepResult()
+        approved = self._approved()
+        stats = self._stats()
+        self._sync_lanes(approved)
+        self._update_lag(stats, approved)
+        if stats is not None and self._connect(res):
+            try:
+                self._pass(stats, deadline, stop)
+                if wait:
+                    self._drain(deadline, stop, DRAIN_SECONDS)
+            except _Stop:
+                pass
+            except BrokerError as e:
+                self._lost(e)
+        self._end_pass(force_save=True)
+        if stats is None:
+            res.error = f"no messages table at {self.table_path} yet (the red job creates it)"
+        if stats is None:
+            res.caught_up = True  # nothing landed yet
+        else:
+            res.caught_up = self._conn is not None and all(
+                lane.retired
+                or lane.blocked is not None
+                or (lane.caught_up and not len(lane.window))
+                for lane in self._lanes.values()
+            )
+        res.events = self._take_events()
+        res.seconds = time.monotonic() - t0
+        return res
+
+    def _pass(self, stats: dict[str, list[FileStat]], deadline: float | None, stop: Any) -> None:
+        now = time.monotonic()
+        for lane in [self._lanes[n] for n in sorted(self._lanes)]:
+            self._check_stop(deadline, stop)
+            if lane.retired:
+                continue
+            if lane.blocked is not None:
+                if now < lane.retry_at:
+                    continue
+                log_event(log, 20, "retrying a stopped exchange", exchange=lane.name,
+                          reason=lane.blocked)  # fmt: skip
+                lane.blocked = None
+            if lane.window.head_nacked or (lane.window.nacked and not lane.window.pending):
+                if lane.window.pending:
+                    continue  # let the rest settle first
+                self._after_nack(lane)
+                if lane.blocked is not None:
+                    continue
+            self._publish_lane(lane, stats.get(lane.name, []), deadline, stop)
+        self._pump(0.0)
+
+    def _publish_lane(
+        self, lane: _Lane, files: list[FileStat], deadline: float | None, stop: Any
+    ) -> None:
+        lo = max(lane.cursor[0], lane.read_through + 1, 0)
+        batch, hi = self._read(lane, files, lo)
+        if batch is None or hi is None:
+            lane.caught_up = True
+            return
+        n = batch.num_rows
+        if n == 0:
+            lane.read_through = hi
+            lane.caught_up = True
+            return
+        lane.caught_up = False
+        cols = {name: batch.column(name).to_pylist() for name in _COLUMNS}
+        decls = zip(
+            cols["exchange_type"], cols["exchange_durable"], cols["exchange_auto_delete"],
+            cols["exchange_internal"], cols["exchange_arguments"], strict=True,
+        )  # fmt: skip
+        rows = zip(
+            decls, cols["land_seq"], cols["channel"], cols["seq"], cols["routing_key"],
+            cols["properties_raw"], cols["body"], strict=True,
+        )  # fmt: skip
+        name, window, cap, id_header = lane.name, lane.window, self.in_flight, self.id_header
+        published = 0
+        completed = False
+        try:
+            for i, (decl, land_seq, channel, seq, rk, props, body) in enumerate(rows):
+                if decl != lane.declared and not self._declare(
+                    lane, decl, (land_seq, channel, seq)
+                ):
+                    return
+                if self._pending >= cap or not i & 255:
+                    self._wait_window(cap, deadline, stop)
+                    if window.nacked or lane.channel is None or lane.blocked is not None:
+                        return  # rewind (nack) or failure: the next pass takes it from there
+                ch = lane.channel
+                assert ch is not None
+                if id_header:
+                    props = self._with_id(lane, props, f"{channel}:{seq}")
+                window.sent(ch.publish(name, rk, props, body), (land_seq, channel, seq))
+                self._pending += 1
+                lane.cursor = (land_seq, channel, seq)
+                published += 1
+            completed = True
+        except AmqpClosed as e:
+            if not e.channel:
+                raise
+            self._channel_closed(e)
+        finally:
+            if published:
+                METRICS.published.labels(name).inc(published)
+                self._result._count(name, "published", published)
+            if completed:
+                lane.read_through = hi
+
+    def _read(self, lane: _Lane, files: list[FileStat], lo: int) -> tuple[Any, int | None]:
+        """The next batch of ``lane`` (rows after its cursor, sorted) and its last land_seq."""
+        ds = self._dataset()
+        base = _f("exchange") == lane.name
+        if not files or any(f[0] < 0 for f in files):  # no statistics: count land_seq values
+            files = self._counts(ds, base, lo)
+        hi = plan_upper(files, lo, self.batch_rows)
+        if hi is None:
+            return None, None
+        land, channel, seq = lane.cursor
+        after = (_f("land_seq") > land) | (
+            (_f("land_seq") == land)
+            & ((_f("channel") > channel) | ((_f("channel") == channel) & (_f("seq") > seq)))
+        )
+        flt = base & (_f("land_seq") >= lo) & (_f("land_seq") <= hi) & after
+        table = ds.to_table(columns=_COLUMNS, filter=flt)
+        return table.sort_by(_ORDER), hi
+
+    @staticmethod
+    def _counts(ds: pads.Dataset, base: pads.Expression, lo: int) -> list[FileStat]:
+        col = ds.to_table(columns=["land_seq"], filter=base & (_f("land_seq") >= lo))["land_seq"]
+        vc = pc.value_counts(col)
+        values = vc.field("values").to_pylist()
+        counts = vc.field("counts").to_pylist()
+        return [(v, v, c) for v, c in zip(values, counts, strict=True)]
+
+    def _with_id(self, lane: _Lane, props: bytes, value: str) -> bytes:
+        try:
+            return with_id_header(props, self.id_header, value)
+        except ProtocolError as e:
+            if not lane.no_id_header:
+                log_event(log, 30, "property bytes do not decode: published without the id header",
+                          exchange=lane.name, id=value, error=str(e))  # fmt: skip
+            lane.no_id_header += 1
+            return props
+
+    # -- declarations ----------------------------------------------------------------------------
+    def _declare(self, lane: _Lane, decl: Decl, at: Key) -> bool:
+        """Declare ``lane``'s exchange as ``decl`` says; False (exchange stopped) if refused."""
+        xtype, durable, auto_delete, internal, arguments = decl
+        ch = self._lane_channel(lane)
+        what = _describe(lane.name, decl)
+        if xtype == UNKNOWN_EXCHANGE_TYPE:
+            try:
+                ch.exchange_declare(lane.name, "direct", passive=True)
+            except AmqpClosed as e:
+                if not e.channel:
+                    raise
+                self._block(
+                    lane, "unknown_type", at,
+                    f"black did not know the type of exchange {lane.name!r} (not in its "
+                    f"catalog) and it does not exist on red ({e.reply_code} {e.reply_text}): "
+                    "declare it on the red broker to replay it",
+                )  # fmt: skip
+                return False
+            log_event(log, 30, "exchange type unknown on black: publishing to the existing red "
+                      "exchange", exchange=lane.name)  # fmt: skip
+            lane.declared = decl
+            return True
+        try:
+            table = encode_table(typed_json_to_headers(arguments)) if arguments else None
+        except ProtocolError as e:
+            self._block(lane, "bad_arguments", at, f"{what}: arguments do not decode: {e}")
+            return False
+        try:
+            ch.exchange_declare(
+                lane.name, xtype, durable=durable, auto_delete=auto_delete, internal=internal,
+                arguments=table,
+            )  # fmt: skip
+        except AmqpClosed as e:
+            if not e.channel:
+                raise
+            self._block(
+                lane, "declare", at,
+                f"the red broker refused to declare {what}: {e.reply_code} {e.reply_text}",
+            )  # fmt: skip
+            return False
+        lane.declared = decl
+        log_event(log, 20, "exchange declared", exchange=lane.name, type=xtype, durable=durable,
+                  auto_delete=auto_delete, internal=internal, arguments=arguments)  # fmt: skip
+        if internal:
+            self._block(
+                lane, "internal", at,
+                f"{what} is internal: clients cannot publish to it (declared on red, its rows "
+                "stay landed)",
+            )  # fmt: skip
+            return False
+        return True
+
+    def _lane_channel(self, lane: _Lane) -> Channel:
+        ch = lane.channel
+        if ch is not None and ch.is_open:
+            return ch
+        assert self._conn is not None
+        ch = self._conn.channel()
+        ch.confirm_select()
+        lane.channel = ch
+        lane.declared = None
+        self._by_channel[ch.number] = lane
+        return ch
+
+    # -- confirms --------------------------------------------------------------------------------
+    def _pump(self, timeout: float) -> None:
+        """Read what the broker sent (waiting up to ``timeout``) and apply the confirms."""
+        assert self._conn is not None
+        try:
+            ev = self._conn.poll(timeout)
+        except AmqpClosed as e:
+            if not e.channel:
+                raise
+            self._channel_closed(e)
+            return
+        touched: dict[int, _Lane] = {}
+        by_channel = self._by_channel
+        for c in ev.confirms:
+            lane = by_channel.get(c.channel)
+            if lane is None:
+                continue
+            self._pending -= lane.window.confirm(c.delivery_tag, c.multiple, c.ack)
+            touched[c.channel] = lane
+        for lane in touched.values():
+            self._advance(lane)
+        if self._dirty and time.monotonic() - self._saved_at >= SAVE_EVERY:
+            self._save()
+
+    def _advance(self, lane: _Lane) -> None:
+        keys = lane.window.pop_acked()
+        if not keys:
+            return
+        n = len(keys)
+        last = keys[-1]
+        p = lane.progress
+        p.land_seq, p.channel, p.seq = last
+        p.confirmed_rows += n
+        p.updated_at = None  # set when saved
+        self._progress[lane.name] = p
+        self._dirty = True
+        lane.rewinds = 0
+        lane.reported = None  # a later failure is a new episode: reported again
+        acc = lane.replayed
+        for land_seq, channel, seq in keys:
+            a = acc.get(channel)
+            if a is None:
+                acc[channel] = [seq, seq, 1, land_seq, land_seq]
+            else:
+                if seq < a[0]:
+                    a[0] = seq
+                if seq > a[1]:
+                    a[1] = seq
+                a[2] += 1
+                a[4] = land_seq
+        METRICS.confirmed.labels(lane.name).inc(n)
+        self._result._count(lane.name, "confirmed", n)
+
+    def _wait_window(self, cap: int, deadline: float | None, stop: Any) -> None:
+        """Read confirms; while ``cap`` publishes are pending, wait for them."""
+        self._pump(0.0)
+        while self._pending >= cap:
+            self._check_stop(deadline, stop)
+            self._pump(0.5)
+
+    def _drain(self, deadline: float | None, stop: Any, limit: float) -> None:
+        """Wait up to ``limit`` seconds for every pending publish to be settled."""
+        end = time.monotonic() + limit
+        while self._pending > 0 and self._conn is not None:
+            self._check_stop(deadline, stop)
+            left = end - time.monotonic()
+            if left <= 0:
+                return
+            self._pump(min(left, 0.5))
+
+    def _guarded_drain(self, deadline: float | None, stop: Any, limit: float) -> None:
+        try:
+            self._drain(deadline, stop, limit)
+        except _Stop:
+            pass
+        except BrokerError as e:
+            self._lost(e)
+        self._end_pass(force_save=False)
+
+    def _after_nack(self, lane: _Lane) -> None:
+        """Every publish of ``lane`` is settled and one was nacked: rewind and republish."""
+        self._pending -= lane.rewind()
+        lane.rewinds += 1
+        METRICS.errors.labels(lane.name, "nack").inc()
+        key = lane.progress.key
+        if lane.rewinds > MAX_NACK_RETRIES:
+            self._block(
+                lane, "nack", None,
+                f"the red broker nacked publishes to exchange {lane.name!r} after land_seq "
+                f"{key[0]} channel {key[1]!r} seq {key[2]} {MAX_NACK_RETRIES + 1} times "
+                "(a queue bound to it refusing messages, e.g. x-overflow=reject-publish?)",
+            )  # fmt: skip
+            lane.rewinds = 0
+            return
+        log_event(log, 30, "broker nacked a publish: republishing from the confirmed progress",
+                  exchange=lane.name, land_seq=key[0], channel=key[1], seq=key[2],
+                  attempt=lane.rewinds)  # fmt: skip
+
+    # -- failures --------------------------------------------------------------------------------
+    def _block(self, lane: _Lane, kind: str, at: Key | None, reason: str) -> None:
+        """Stop ``lane`` (its channel closed, rewound to its progress) until ``retry_at``."""
+        ch = lane.channel
+        lane.channel = None
+        lane.declared = None
+        if ch is not None:
+            self._by_channel.pop(ch.number, None)
+            if ch.is_open:
+                with contextlib.suppress(BrokerError):
+                    ch.close()
+        self._pending -= lane.rewind()
+        lane.blocked, lane.blocked_kind = reason, kind
+        lane.retry_at = time.monotonic() + self.retry_seconds
+        METRICS.errors.labels(lane.name, kind).inc()
+        self._flush_replayed(lane)
+        if lane.reported == reason:
+            log_event(log, 10, "exchange still failing", exchange=lane.name, reason=reason)
+            return
+        lane.reported = reason
+        log_event(log, 40, "replay of an exchange stopped", exchange=lane.name, kind=kind,
+                  reason=reason, retry_seconds=self.retry_seconds)  # fmt: skip
+        self._event(
+            "replay_failed", lane.name,
+            channel=at[1] if at else lane.progress.channel or None,
+            seq_first=at[2] if at else None, seq_last=at[2] if at else None,
+            reason=reason,
+            detail={"kind": kind, "land_seq": at[0] if at else lane.progress.land_seq,
+                    "retry_seconds": self.retry_seconds},
+        )  # fmt: skip
+
+    def _channel_closed(self, e: AmqpClosed) -> None:
+        """The broker closed a lane's channel (e.g. its exchange was deleted on red)."""
+        lane = self._by_channel.get(e.channel)
+        if lane is None or lane.channel is None or lane.channel.is_open:
+            return  # a channel already replaced
+        self._block(
+            lane, "channel_closed", None,
+            f"the red broker closed the channel publishing to exchange {lane.name!r}: "
+            f"{e.reply_code} {e.reply_text}",
+        )  # fmt: skip
+
+    def _lost(self, e: BrokerError) -> None:
+        """The connection failed: forget everything unconfirmed, reconnect later."""
+        log_event(log, 30, "red broker connection lost: resuming from the confirmed progress "
+                  "after reconnecting", target=self.where, error=str(e))  # fmt: skip
+        METRICS.errors.labels("", "connection").inc()
+        self._result.error = f"red broker at {self.where}: {e}"
+        self._drop_connection()
+        self._schedule_reconnect()
+
+    def _drop_connection(self) -> None:
+        conn, self._conn = self._conn, None
+        if conn is not None:
+            with contextlib.suppress(Exception):
+                conn.close()
+        self._by_channel.clear()
+        for lane in self._lanes.values():
+            lane.channel = None
+            lane.declared = None
+            self._pending -= lane.rewind()
+        self._pending = 0
+
+    def _schedule_reconnect(self) -> None:
+        self._backoff = BACKOFF_FIRST if not self._backoff else min(2 * self._backoff, BACKOFF_MAX)
+        self._next_connect = time.monotonic() + self._backoff
+
+    def _connect(self, res: StepResult) -> bool:
+        if self._conn is not None and self._conn.is_open:
+            return True
+        if self._conn is not None:
+            self._drop_connection()
+        wait = self._next_connect - time.monotonic()
+        if wait > 0:
+            res.error = f"red broker at {self.where} unavailable; next try in {wait:.1f}s"
+            return False
+        try:
+            self._conn = Connection.open(
+                self._url, client_name=self.client_name, heartbeat=HEARTBEAT
+            )
+        except BrokerError as e:
+            METRICS.errors.labels("", "connection").inc()
+            self._schedule_reconnect()
+            res.error = f"red broker at {self.where}: {e}"
+            log_event(log, 30, "red broker unavailable", target=self.where, error=str(e),
+                      retry_seconds=self._backoff)  # fmt: skip
+            return False
+        if self._backoff:
+            log_event(log, 20, "red broker connected again", target=self.where)
+        self._backoff = 0.0
+        return True
+
+    # -- lanes, approvals, table -------------------------------------------------------------------
+    def _open(self) -> None:
+        if self._lock is not None:
+            return
+        durable_mkdir(self.state_dir)
+        stack = contextlib.ExitStack()
+        stack.enter_context(
+            exclusive_lock(
+                self.state_dir / LOCK_FILE,
+                what=f"replay publisher of {self.state_dir}",
+                hint="only one replay publisher may run per red state_dir; stop the other first",
+            )
+        )
+        try:
+            self._progress = load_progress(self.state_dir)
+        except BaseException:
+            stack.close()
+            raise
+        self._lock = stack
+
+    def _load_progress_safe(self) -> dict[str, Progress]:
+        try:
+            return load_progress(self.state_dir)
+        except StateError:
+            return {}
+
+    def _approved(self) -> set[str]:
+        configured = set(self.cfg.red.replay.approved)
+        try:
+            approved = configured | Approvals.load(self.state_dir).approved()
+        except DiodeError as e:
+            if self._approved_error != str(e):
+                log_event(log, 40, "approvals unreadable: replaying configured exchanges only",
+                          error=str(e))  # fmt: skip
+            self._approved_error = str(e)
+            return configured
+        self._approved_error = None
+        return approved
+
+    def _sync_lanes(self, approved: set[str]) -> None:
+        for name in approved:
+            lane = self._lanes.get(name)
+            if lane is None:
+                p = self._progress.get(name) or Progress()
+                self._lanes[name] = _Lane(name, p, cursor=p.key)
+            elif lane.retired:
+                lane.retired = False
+                log_event(log, 20, "exchange approved again", exchange=name)
+        for name, lane in list(self._lanes.items()):
+            if name in approved:
+                continue
+            if not lane.retired:
+                lane.retired = True
+                log_event(log, 20, "approval revoked: no new publishes", exchange=name)
+            if not lane.window.pending:
+                self._flush_replayed(lane)
+                ch = lane.channel
+                if ch is not None:
+                    self._by_channel.pop(ch.number, None)
+                    if ch.is_open:
+                        with contextlib.suppress(BrokerError):
+                            ch.close()
+                self._pending -= lane.rewind()
+                del self._lanes[name]
+
+    def _table(self) -> Any:
+        from deltalake import DeltaTable
+
+        if self._dt is None:
+            if not DeltaTable.is_deltatable(str(self.table_path)):
+                return None
+            self._dt = DeltaTable(str(self.table_path))
+        else:
+            self._dt.update_incremental()
+        return self._dt
+
+    def _dataset(self) -> pads.Dataset:
+        return self._table().to_pyarrow_dataset()
+
+    def _stats(self) -> dict[str, list[FileStat]] | None:
+        """Per exchange, ``(min land_seq, max land_seq, rows)`` of each data file (-1 when the
+        log has no statistics); None when the table does not exist yet."""
+        dt = self._table()
+        if dt is None:
+            return None
+        actions = pa.table(dt.get_add_actions(flatten=True))
+        names = set(actions.column_names)
+        n = actions.num_rows
+        if "partition.exchange" not in names:  # not partitioned by exchange: read the column
+            return self._stats_by_reading()
+        part = actions.column("partition.exchange").to_pylist()
+        rows = actions.column("num_records").to_pylist() if "num_records" in names else [0] * n
+        mins = actions.column("min.land_seq").to_pylist() if "min.land_seq" in names else [None] * n
+        maxs = actions.column("max.land_seq").to_pylist() if "max.land_seq" in names else [None] * n
+        out: dict[str, list[FileStat]] = {}
+        for x, r, mn, mx in zip(part, rows, mins, maxs, strict=True):
+            if x is None:
+                continue
+            if mn is None or mx is None or r is None:
+                out.setdefault(x, []).append((-1, -1, int(r or 0)))
+            else:
+                out.setdefault(x, []).append((int(mn), int(mx), int(r)))
+        return out
+
+    def _stats_by_reading(self) -> dict[str, list[FileStat]]:
+        t = self._dataset().to_table(columns=["exchange", "land_seq"])
+        g = t.group_by(["exchange", "land_seq"]).aggregate([("land_seq", "count")])
+        out: dict[str, list[FileStat]] = {}
+        for x, ls, c in zip(
+            g["exchange"].to_pylist(), g["land_seq"].to_pylist(), g["land_seq_count"].to_pylist(),
+            strict=True,
+        ):  # fmt: skip
+            out.setdefault(x, []).append((ls, ls, c))
+        return out
+
+    @staticmethod
+    def _lag(stats: dict[str, list[FileStat]] | None, name: str, p: Progress | None) -> int | None:
+        if stats is None:
+            return None
+        after = p.land_seq if p else -1
+        total = 0.0
+        for mn, mx, n in stats.get(name, []):
+            if mn < 0:
+                total += n  # no statistics: counted whole
+            elif mx > after:
+                total += n if mn > after else n * (mx - after) / (mx - mn + 1)
+        return math.ceil(total)
+
+    def _update_lag(self, stats: dict[str, list[FileStat]] | None, approved: set[str]) -> None:
+        if stats is None:
+            return
+        for name in set(stats) | approved:
+            lane = self._lanes.get(name)
+            p = lane.progress if lane else self._progress.get(name)
+            lag = self._lag(stats, name, p)
+            METRICS.lag.labels(name).set(lag or 0)
+
+    # -- events, progress, ending ---------------------------------------------------------------
+    def _event(
+        self,
+        event: str,
+        exchange: str,
+        *,
+        channel: str | None = None,
+        seq_first: int | None = None,
+        seq_last: int | None = None,
+        reason: str | None = None,
+        detail: dict[str, Any] | None = None,
+    ) -> None:
+        ev = {
+            "event": event,
+            "exchange": exchange,
+            "channel": channel,
+            "seq_first": seq_first,
+            "seq_last": seq_last,
+            "reason": reason,
+            "detail": None if detail is None else json.dumps(detail, sort_keys=True),
+        }
+        self._events.append(ev)
+        if self.sink is not None:
+            self._unsunk.append(ev)
+
+    def _flush_replayed(self, lane: _Lane) -> None:
+        acc, lane.replayed = lane.replayed, {}
+        lane.replayed_since = time.monotonic()
+        for channel in sorted(acc):
+            first, last, rows, land_first, land_last = acc[channel]
+            detail: dict[str, Any] = {
+                "rows": rows, "land_seq_first": land_first, "land_seq_last": land_last,
+            }  # fmt: skip
+            if lane.no_id_header:
+                detail["without_id_header"] = lane.no_id_header
+            self._event(
+                "replayed", lane.name, channel=channel, seq_first=first, seq_last=last,
+                detail=detail,
+            )  # fmt: skip
+        lane.no_id_header = 0
+
+    def _end_pass(self, *, force_save: bool) -> None:
+        now = time.monotonic()
+        for lane in self._lanes.values():
+            if lane.replayed and (
+                (lane.caught_up and not len(lane.window))
+                or now - lane.replayed_since >= REPLAYED_EVERY
+            ):
+                self._flush_replayed(lane)
+        if self._dirty and (force_save or now - self._saved_at >= SAVE_EVERY):
+            self._save()
+        self._sink()
+
+    def _save(self) -> None:
+        stamp = _now_text()
+        for p in self._progress.values():
+            if p.updated_at is None:
+                p.updated_at = stamp
+        _save_progress(self.state_dir, self._progress)
+        self._dirty = False
+        self._saved_at = time.monotonic()
+
+    def _take_events(self) -> list[dict[str, Any]]:
+        events, self._events = self._events, []
+        return events
+
+    def _sink(self) -> None:
+        if self.sink is None or not self._unsunk:
+            return
+        batch = self._unsunk
+        try:
+            self.sink(list(batch))
+        except Exception as e:  # the events stay in the results; retried with the next ones
+            log_event(log, 40, "replay events not written by the sink; retrying later",
+                      events=len(batch), error=str(e))  # fmt: skip
+            self._unsunk = batch[-10_000:]
+            return
+        self._unsunk = []
+
+    def _finish(self) -> StepResult:
+        res = self._result = StepResult()
+        if self._lock is None:
+            return res
+        try:
+            if self._conn is not None and self._pending:
+                self._drain(None, None, CLOSE_DRAIN_SECONDS)
+        except (BrokerError, _Stop) as e:
+            log_event(log, 30, "confirms not all received before closing", error=str(e))
+        for lane in self._lanes.values():
+            self._flush_replayed(lane)
+        try:
+            if self._dirty:
+                self._save()
+            self._sink()
+        finally:
+            self._drop_connection()
+            self._lanes.clear()
+            lock, self._lock = self._lock, None
+            lock.close()
+        res.events = self._take_events()
+        return res
+
+    # -- waiting ---------------------------------------------------------------------------------
+    @staticmethod
+    def _should_stop(deadline: float | None, stop: threading.Event | None) -> bool:
+        return (stop is not None and stop.is_set()) or (
+            deadline is not None and time.monotonic() >= deadline
+        )
+
+    def _check_stop(self, deadline: float | None, stop: threading.Event | None) -> None:
+        if self._should_stop(deadline, stop):
+            raise _Stop
+
+    @staticmethod
+    def _sleep(seconds: float, deadline: float | None, stop: threading.Event | None) -> None:
+        if deadline is not None:
+            seconds = min(seconds, deadline - time.monotonic())
+        if seconds <= 0:
+            return
+        if stop is not None:
+            stop.wait(seconds)
+        else:
+            time.sleep(seconds)
+
+
+def _describe(name: str, decl: Decl) -> str:
+    xtype, durable, auto_delete, internal, arguments = decl
+    flags = [n for n, v in (("durable", durable), ("auto-delete", auto_delete),
+                            ("internal", internal)) if v]  # fmt: skip
+    return (
+        f"exchange {name!r} (type {xtype}{', ' + ', '.join(flags) if flags else ''}, arguments "
+        f"{arguments or '[]'})"
+    )
+
+
+# -- audit ------------------------------------------------------------------------------------
+def audit_sink(cfg: Config) -> Callable[[list[dict[str, Any]]], None]:
+    """A ``sink`` that appends replay events to ``tables_dir/audit`` with the application
+    transaction ``("diode-replay", n)``, ``n`` one more than the table's last. Raises (and the
+    Replayer retries with its next events) while the audit table does not exist."""
+    from bridge.red.schema import audit_rows
+    from bridge.red.tables import RedTables
+
+    tables = RedTables(Path(cfg.red.tables_dir), "delta-rs")
+
+    def write(events: Sequence[dict[str, Any]]) -> None:
+        if not events:
+            return
+        version = tables.txn_version("audit", APP_ID) + 1
+        rows = audit_rows(list(events), APP_ID, version, datetime.now(UTC))
+        tables.append("audit", rows, app_id=APP_ID, version=version)
+
+    return write
