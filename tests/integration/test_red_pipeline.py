@@ -104,10 +104,13 @@ def test_out_of_order_holes_duplicates_land_exactly_once(
     copy.write_bytes(
         (Path(cfg.red.processed_dir).glob(f"*/{chain[1].name}").__next__()).read_bytes()
     )
-    drop(cfg, chain[2].path, chain[4].path, copy)
+    # ... and a heartbeat saying bundle 7 was shipped: it has not arrived (missing last bundle)
+    hb2 = make_heartbeat(made, keys, "orders", 2, last_bundle_seq=7, last_seq=400)
+    drop(cfg, chain[2].path, chain[4].path, copy, hb2.path)
     s2 = run(cfg, spark)
     assert s2["bundles_landed"] == 2 and s2["duplicates"] == 1, s2
-    assert red_gaps(cfg)["open_transit_gaps"] == []
+    gaps = red_gaps(cfg)["open_transit_gaps"]
+    assert [(g["first_bundle_seq"], g["last_bundle_seq"]) for g in gaps] == [(7, 7)]
 
     msgs = table(cfg, "messages", ["channel", "seq", "bundle_seq", "land_seq"])
     keys_ = [(m["channel"], m["seq"]) for m in msgs]
@@ -120,13 +123,16 @@ def test_out_of_order_holes_duplicates_land_exactly_once(
     assert landed[1]["chain_status"] == "first"
     assert [r["bundle_seq"] for r in ledger if r["status"] == "duplicate"] == [2]
     events = [a["event"] for a in table(cfg, "audit", ["event"])]
-    for kind in ("gap_opened", "gap_closed", "gap_declared", "chain_verified", "duplicate"):
+    for kind in (
+        "gap_opened", "gap_closed", "gap_declared", "chain_verified", "duplicate",
+        "missing_last_bundle", "heartbeat",
+    ):  # fmt: skip
         assert kind in events, (kind, sorted(set(events)))
     assert events.count("chain_verified") == 5
     assert events.count("gap_declared") == 2  # bundles 3 and 6 carry black's declared gaps
     # every file is evidence in processed/, nothing left behind, nothing quarantined
     processed = sorted(p.name for p in Path(cfg.red.processed_dir).rglob("*") if p.is_file())
-    assert len(processed) == 8 and f"{chain[1].name}.1" in processed
+    assert len(processed) == 9 and f"{chain[1].name}.1" in processed
     assert not list(Path(cfg.red.inbox).iterdir())
     assert not [p for p in (Path(cfg.red.work_dir) / "intake").iterdir() if p.name != "NEXT"]
     assert not list(Path(cfg.red.quarantine_dir).rglob("*.dbundle"))
