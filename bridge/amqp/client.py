@@ -31,7 +31,7 @@ import sys
 import time
 import urllib.parse
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple, NoReturn
 
@@ -341,6 +341,35 @@ class Channel:
             )
         )  # fmt: skip
         self._seq += 1
+        return self._seq
+
+    def publish_many(
+        self,
+        exchange: str,
+        messages: Sequence[tuple[str, bytes, bytes | bytearray | memoryview]],
+        *,
+        mandatory: bool = False,
+    ) -> int:
+        """Publish ``(routing_key, properties_raw, body)`` messages to ``exchange`` in one
+        socket write (properties sent byte for byte, as ``publish``); returns the publish
+        sequence number of the last one (the first is ``last - len(messages) + 1``)."""
+        self._check()
+        if not messages:
+            return self._seq
+        conn = self._conn
+        number, frame_max = self.number, conn.frame_max
+        x = exchange.encode("utf-8", "surrogateescape")
+        frames = f.publish_frames
+        conn._send(
+            b"".join(
+                [
+                    frames(number, x, rk.encode("utf-8", "surrogateescape"), props, body,
+                           frame_max, mandatory)
+                    for rk, props, body in messages
+                ]
+            )
+        )  # fmt: skip
+        self._seq += len(messages)
         return self._seq
 
     # -- topology ----------------------------------------------------------------------------

@@ -55,6 +55,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.dataset as pads
+from deltalake.exceptions import DeltaError
 from prometheus_client import Counter, Gauge
 
 from bridge.amqp.client import Channel, Connection, parse_url
@@ -97,6 +98,7 @@ BACKOFF_FIRST, BACKOFF_MAX = 1.0, 30.0
 SAVE_EVERY = 1.0  # seconds between progress saves while publishing
 REPLAYED_EVERY = 60.0  # seconds between `replayed` events of an exchange still catching up
 DRAIN_SECONDS = 30.0  # how long a pass waits for outstanding confirms
+PUBLISH_CHUNK = 128  # messages per socket write
 CLOSE_DRAIN_SECONDS = 5.0
 HEARTBEAT = 30
 
@@ -245,6 +247,14 @@ class ConfirmWindow:
             raise ValueError(f"publish tag {tag} does not follow {q[-1][0]}")
         q.append([tag, key, None])
         self.pending += 1
+
+    def sent_many(self, first_tag: int, keys: Sequence[Key]) -> None:
+        """``sent`` for consecutive tags from ``first_tag``."""
+        q = self._q
+        if q and keys and first_tag != q[-1][0] + 1:
+            raise ValueError(f"publish tag {first_tag} does not follow {q[-1][0]}")
+        q.extend([[first_tag + i, k, None] for i, k in enumerate(keys)])
+        self.pending += len(keys)
 
     def confirm(self, tag: int, multiple: bool, ack: bool) -> int:
         """Apply one confirm; returns how many publishes it settled."""
@@ -462,6 +472,13 @@ class _Stop(Exception):
     """Internal: the deadline passed or the stop event was set while waiting."""
 
 
+class _TableError(Exception):
+    """Internal: the `messages` table could not be read this pass (retried the next one)."""
+
+
+_TABLE_ERRORS = (OSError, pa.ArrowException, DeltaError)
+
+
 # -- the publisher ----------------------------------------------------------------------------
 class Replayer:
     """Replays approved exchanges of ``cfg.red.tables_dir/messages`` into ``red.replay.amqp_url``.
@@ -508,6 +525,7 @@ class Replayer:
         self._unsunk: list[dict[str, Any]] = []  # not yet accepted by the sink
         self._result = StepResult()
         self._approved_error: str | None = None
+        self._last: tuple[dict[str, list[FileStat]] | None, set[str]] = (None, set())
 
     def __repr__(self) -> str:
         return f"Replayer({str(self.table_path)!r} -> {self.where})"
@@ -549,11 +567,11 @@ class Replayer:
                     continue
                 if r.published == 0:
                     if self._pending:
-                        self._guarded_drain(deadline, stop, self.poll_seconds)
-                    elif not r.caught_up:
-                        continue  # a rewind or a retry is due: no pause
-                    else:
+                        summary.add(self._guarded_drain(deadline, stop, self.poll_seconds))
+                    elif r.caught_up or r.error:
                         self._sleep(self.poll_seconds, deadline, stop)
+                    else:  # a rewind or a retry is due: hardly a pause
+                        self._sleep(min(self.poll_seconds, 0.01), deadline, stop)
         finally:
             summary.add(self._finish(), final=True)
             summary.seconds = time.monotonic() - t0
@@ -599,9 +617,16 @@ class Replayer:
         self._open()
         res = self._result = StepResult()
         approved = self._approved()
-        stats = self._stats()
+        missing = False
+        try:
+            stats = self._stats()
+            missing = stats is None
+        except _TABLE_ERRORS as e:
+            stats = None
+            self._table_failed(e)
         self._sync_lanes(approved)
         self._update_lag(stats, approved)
+        self._last = (stats, approved)
         if stats is not None and self._connect(res):
             try:
                 self._pass(stats, deadline, stop)
@@ -609,14 +634,16 @@ class Replayer:
                     self._drain(deadline, stop, DRAIN_SECONDS)
             except _Stop:
                 pass
+            except _TableError as e:
+                res.error = str(e)
+                stats = None  # not known to be caught up
             except BrokerError as e:
                 self._lost(e)
         self._end_pass(force_save=True)
-        if stats is None:
+        if missing:
             res.error = f"no messages table at {self.table_path} yet (the red job creates it)"
-        if stats is None:
-            res.caught_up = True  # nothing landed yet
-        else:
+            res.caught_up = True  # nothing landed, nothing to replay
+        elif stats is not None:
             res.caught_up = self._conn is not None and all(
                 lane.retired
                 or lane.blocked is not None
@@ -639,9 +666,9 @@ class Replayer:
                 log_event(log, 20, "retrying a stopped exchange", exchange=lane.name,
                           reason=lane.blocked)  # fmt: skip
                 lane.blocked = None
-            if lane.window.head_nacked or (lane.window.nacked and not lane.window.pending):
+            if lane.window.nacked:
                 if lane.window.pending:
-                    continue  # let the rest settle first
+                    continue  # let the rest settle first, then rewind
                 self._after_nack(lane)
                 if lane.blocked is not None:
                     continue
@@ -651,48 +678,56 @@ class Replayer:
     def _publish_lane(
         self, lane: _Lane, files: list[FileStat], deadline: float | None, stop: Any
     ) -> None:
-        lo = max(lane.cursor[0], lane.read_through + 1, 0)
-        batch, hi = self._read(lane, files, lo)
-        if batch is None or hi is None:
-            lane.caught_up = True
-            return
-        n = batch.num_rows
-        if n == 0:
-            lane.read_through = hi
-            lane.caught_up = True
-            return
+        while True:
+            lo = max(lane.cursor[0], lane.read_through + 1, 0)
+            try:
+                batch, hi = self._read(lane, files, lo)
+            except _TABLE_ERRORS as e:
+                self._table_failed(e)
+                raise _TableError(self._result.error) from e
+            if batch is None or hi is None:
+                lane.caught_up = True
+                return
+            if batch.num_rows:
+                break
+            lane.read_through = hi  # every row up to hi was published already: look further
         lane.caught_up = False
         cols = {name: batch.column(name).to_pylist() for name in _COLUMNS}
-        decls = zip(
+        decls = list(zip(
             cols["exchange_type"], cols["exchange_durable"], cols["exchange_auto_delete"],
             cols["exchange_internal"], cols["exchange_arguments"], strict=True,
-        )  # fmt: skip
-        rows = zip(
-            decls, cols["land_seq"], cols["channel"], cols["seq"], cols["routing_key"],
-            cols["properties_raw"], cols["body"], strict=True,
-        )  # fmt: skip
-        name, window, cap, id_header = lane.name, lane.window, self.in_flight, self.id_header
-        published = 0
-        completed = False
+        ))  # fmt: skip
+        keys = list(zip(cols["land_seq"], cols["channel"], cols["seq"], strict=True))
+        rks, props, bodies = cols["routing_key"], cols["properties_raw"], cols["body"]
+        if self.id_header:
+            props = [
+                self._with_id(lane, p, f"{k[1]}:{k[2]}") for p, k in zip(props, keys, strict=True)
+            ]
+        name, window, cap = lane.name, lane.window, self.in_flight
+        n = len(keys)
+        published = i = 0
         try:
-            for i, (decl, land_seq, channel, seq, rk, props, body) in enumerate(rows):
-                if decl != lane.declared and not self._declare(
-                    lane, decl, (land_seq, channel, seq)
-                ):
+            while i < n:
+                decl = decls[i]
+                if decl != lane.declared and not self._declare(lane, decl, keys[i]):
                     return
-                if self._pending >= cap or not i & 255:
-                    self._wait_window(cap, deadline, stop)
-                    if window.nacked or lane.channel is None or lane.blocked is not None:
-                        return  # rewind (nack) or failure: the next pass takes it from there
+                self._wait_window(cap, deadline, stop)
                 ch = lane.channel
-                assert ch is not None
-                if id_header:
-                    props = self._with_id(lane, props, f"{channel}:{seq}")
-                window.sent(ch.publish(name, rk, props, body), (land_seq, channel, seq))
-                self._pending += 1
-                lane.cursor = (land_seq, channel, seq)
-                published += 1
-            completed = True
+                if window.nacked or ch is None or lane.blocked is not None:
+                    return  # rewind (nack) or failure: the next pass takes it from there
+                j = min(n, i + cap - self._pending, i + PUBLISH_CHUNK)
+                same = i + 1
+                while same < j and decls[same] == decl:  # a chunk has one declaration
+                    same += 1
+                j = same
+                chunk = list(zip(rks[i:j], props[i:j], bodies[i:j], strict=True))
+                last = ch.publish_many(name, chunk)
+                window.sent_many(last - (j - i) + 1, keys[i:j])
+                self._pending += j - i
+                published += j - i
+                lane.cursor = keys[j - 1]
+                i = j
+            lane.read_through = hi
         except AmqpClosed as e:
             if not e.channel:
                 raise
@@ -701,8 +736,6 @@ class Replayer:
             if published:
                 METRICS.published.labels(name).inc(published)
                 self._result._count(name, "published", published)
-            if completed:
-                lane.read_through = hi
 
     def _read(self, lane: _Lane, files: list[FileStat], lo: int) -> tuple[Any, int | None]:
         """The next batch of ``lane`` (rows after its cursor, sorted) and its last land_seq."""
@@ -720,7 +753,16 @@ class Replayer:
         )
         flt = base & (_f("land_seq") >= lo) & (_f("land_seq") <= hi) & after
         table = ds.to_table(columns=_COLUMNS, filter=flt)
-        return table.sort_by(_ORDER), hi
+        order = pc.sort_indices(table.select(["land_seq", "channel", "seq"]), sort_keys=_ORDER)
+        if not order.equals(pa.array(range(len(order)), order.type)):
+            table = table.take(order)
+        return table, hi
+
+    def _table_failed(self, e: BaseException) -> None:
+        self._dt = None  # re-opened next pass
+        msg = f"messages table at {self.table_path} unreadable this pass: {type(e).__name__}: {e}"
+        log_event(log, 40, msg)
+        self._result.error = msg
 
     @staticmethod
     def _counts(ds: pads.Dataset, base: pads.Expression, lo: int) -> list[FileStat]:
@@ -774,12 +816,12 @@ class Replayer:
                 arguments=table,
             )  # fmt: skip
         except AmqpClosed as e:
-            if not e.channel:
-                raise
             self._block(
                 lane, "declare", at,
                 f"the red broker refused to declare {what}: {e.reply_code} {e.reply_text}",
             )  # fmt: skip
+            if not e.channel:  # e.g. 503 unknown exchange type closes the whole connection
+                raise
             return False
         lane.declared = decl
         log_event(log, 20, "exchange declared", exchange=lane.name, type=xtype, durable=durable,
@@ -875,7 +917,10 @@ class Replayer:
                 return
             self._pump(min(left, 0.5))
 
-    def _guarded_drain(self, deadline: float | None, stop: Any, limit: float) -> None:
+    def _guarded_drain(self, deadline: float | None, stop: Any, limit: float) -> StepResult:
+        """Between passes: wait for confirms; returns what they confirmed."""
+        t0 = time.monotonic()
+        res = self._result = StepResult()
         try:
             self._drain(deadline, stop, limit)
         except _Stop:
@@ -883,6 +928,10 @@ class Replayer:
         except BrokerError as e:
             self._lost(e)
         self._end_pass(force_save=False)
+        res.events = self._take_events()
+        res.seconds = time.monotonic() - t0
+        res.caught_up = False
+        return res
 
     def _after_nack(self, lane: _Lane) -> None:
         """Every publish of ``lane`` is settled and one was nacked: rewind and republish."""
@@ -1193,6 +1242,7 @@ class Replayer:
         _save_progress(self.state_dir, self._progress)
         self._dirty = False
         self._saved_at = time.monotonic()
+        self._update_lag(*self._last)
 
     def _take_events(self) -> list[dict[str, Any]]:
         events, self._events = self._events, []
@@ -1270,7 +1320,8 @@ def _describe(name: str, decl: Decl) -> str:
 # -- audit ------------------------------------------------------------------------------------
 def audit_sink(cfg: Config) -> Callable[[list[dict[str, Any]]], None]:
     """A ``sink`` that appends replay events to ``tables_dir/audit`` with the application
-    transaction ``("diode-replay", n)``, ``n`` one more than the table's last. Raises (and the
+    transaction ``("diode-replay", n)``, ``n`` one more than the table's last (1 for the
+    first). Raises (and the
     Replayer retries with its next events) while the audit table does not exist."""
     from bridge.red.schema import audit_rows
     from bridge.red.tables import RedTables
@@ -1280,7 +1331,7 @@ def audit_sink(cfg: Config) -> Callable[[list[dict[str, Any]]], None]:
     def write(events: Sequence[dict[str, Any]]) -> None:
         if not events:
             return
-        version = tables.txn_version("audit", APP_ID) + 1
+        version = max(tables.txn_version("audit", APP_ID), 0) + 1
         rows = audit_rows(list(events), APP_ID, version, datetime.now(UTC))
         tables.append("audit", rows, app_id=APP_ID, version=version)
 

@@ -1,0 +1,767 @@
+"""Red, replay: real Delta `messages` tables replayed into a real red RabbitMQ vhost.
+
+Rows are built with the wire row builder (``build_rows``) plus red's columns and appended the
+way the landing does (``RedTables.append`` with ``("diode-red", land_seq)``). Consumers on red
+use the bridge AMQP client, which hands out the raw property bytes as the broker sent them.
+The pure pieces (confirm window, batch planning, id header splice) get property tests.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator, Sequence
+from dataclasses import replace
+from datetime import UTC, datetime
+from decimal import Decimal
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pytest
+from deltalake import DeltaTable
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from bridge.amqp.client import Connection, Delivery
+from bridge.black.management import ManagementClient
+from bridge.config import Config, config_from_dict
+from bridge.errors import AmqpClosed, StateError
+from bridge.metrics import REGISTRY
+from bridge.protocol.exchange import ExchangeDecl
+from bridge.protocol.properties import (
+    ByteArray,
+    Float32,
+    Float64,
+    Int8,
+    Int64,
+    Properties,
+    Timestamp,
+    UInt16,
+    decode_properties,
+    encode_properties,
+    field_table,
+)
+from bridge.protocol.rows import build_rows
+from bridge.red import replay as rp
+from bridge.red.approvals import Approvals
+from bridge.red.replay import ConfirmWindow, Replayer, plan_upper, with_id_header
+from bridge.red.tables import RedTables
+from tests.conftest import MGMT, Vhost
+from tests.unit.test_protocol_properties import canon, properties
+
+NOW = datetime(2026, 11, 22, 12, 0, 0, tzinfo=UTC)
+RICH = encode_properties(
+    Properties(
+        content_type="application/octet-stream",
+        headers=field_table(
+            {
+                "kind": "h",
+                "f32": Float32(1.1),
+                "f64": Float64(-0.0),
+                "dec": Decimal("3.14"),
+                "i8": Int8(-3),
+                "u16": UInt16(65535),
+                "i64": Int64(-(2**63)),
+                "bytes": ByteArray(b"\x00\xff"),
+                "when": Timestamp(1_700_000_000),
+                "nested": {"a": [1, "two", None, True]},
+            }
+        ),
+        delivery_mode=2,
+        priority=7,
+        correlation_id="corr",
+        message_id="mid",
+        timestamp=1_700_000_001,
+        app_id="black-app",
+    )
+)
+PLAIN = encode_properties(Properties(delivery_mode=1))
+
+
+# ---------------------------------------------------------------------------- helpers
+def make_cfg(tmp: Path, url: str, approved: Sequence[str] = (), **replay: Any) -> Config:
+    return config_from_dict(
+        {
+            "channels": [{"name": "c1", "encrypt": False}],
+            "red": {
+                "state_dir": str(tmp / "state"),
+                "tables_dir": str(tmp / "tables"),
+                "replay": {"amqp_url": url, "approved": list(approved), "poll_seconds": 0.05,
+                           **replay},
+            },
+        },
+        base=tmp,
+        environ={},
+    )  # fmt: skip
+
+
+@pytest.fixture
+def tables(tmp_path: Path) -> RedTables:
+    t = RedTables(tmp_path / "tables", "delta-rs")
+    t.ensure()
+    return t
+
+
+def rows(
+    channel: str,
+    seqs: Sequence[int],
+    decl: ExchangeDecl,
+    *,
+    props: bytes = PLAIN,
+    routing_key: str = "rk",
+    body_size: int = 0,
+) -> pa.RecordBatch:
+    """Wire rows of ``decl.name``; each body starts with ``<channel>:<seq>``."""
+    pad = b"." * body_size
+    bodies = [f"{channel}:{s}".encode() + pad for s in seqs]
+    n = len(seqs)
+    return build_rows(
+        channel, list(seqs), [decl.name] * n, [routing_key] * n, [False] * n, [props] * n,
+        bodies, {decl.name: decl},
+    )  # fmt: skip
+
+
+def land(tables: RedTables, land_seq: int, *batches: pa.RecordBatch) -> None:
+    """Append ``batches`` to ``messages`` as landing ``land_seq`` does."""
+    parts = []
+    for b in batches:
+        t = pa.Table.from_batches([b])
+        n = t.num_rows
+        t = t.append_column("bundle_seq", pa.array([land_seq] * n, pa.int64()))
+        t = t.append_column("bundle_id", pa.array([f"b{land_seq}"] * n))
+        t = t.append_column("land_seq", pa.array([land_seq] * n, pa.int64()))
+        t = t.append_column("landed_at", pa.array([NOW] * n, pa.timestamp("us", tz="UTC")))
+        t = t.append_column("landed_date", pa.array([NOW.date()] * n, pa.date32()))
+        parts.append(t)
+    assert tables.append("messages", pa.concat_tables(parts), app_id="diode-red", version=land_seq)
+
+
+def body_id(d: Delivery) -> tuple[str, int]:
+    ch, _, rest = d.body.partition(b":")
+    return ch.decode(), int(rest.split(b".")[0])
+
+
+class Consumer:
+    """A server-named queue on red bound to ``exchange``; deliveries with raw properties."""
+
+    def __init__(self, url: str, exchange: str, key: str = "#", args: Any = None, **qargs: Any):
+        self.conn = Connection.open(url, client_name="test-consumer")
+        self.ch = self.conn.channel()
+        self.queue = self.ch.queue_declare("", exclusive=True, **qargs).queue
+        self.ch.queue_bind(self.queue, exchange, key, args)
+        self.got: list[Delivery] = []
+        self._consuming = False
+
+    def start(self) -> None:
+        if not self._consuming:
+            self.ch.basic_qos(5000)
+            self.ch.basic_consume(self.queue, no_ack=True)
+            self._consuming = True
+
+    def collect(self, n: int, timeout: float = 20.0) -> list[Delivery]:
+        self.start()
+        deadline = time.monotonic() + timeout
+        while len(self.got) < n and time.monotonic() < deadline:
+            self.got += self.conn.poll(0.2).deliveries
+        return self.got
+
+    def quiet(self, seconds: float = 0.3) -> list[Delivery]:
+        """Whatever else arrives within ``seconds``."""
+        self.start()
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline:
+            self.got += self.conn.poll(0.05).deliveries
+        return self.got
+
+    def depth(self) -> int:
+        return self.ch.queue_depth(self.queue)
+
+    def close(self) -> None:
+        self.conn.close()
+
+
+@pytest.fixture
+def admin(red_vhost: Vhost) -> Iterator[Connection]:
+    c = Connection.open(red_vhost.amqp_url, client_name="test-admin")
+    yield c
+    c.close()
+
+
+def exists(url: str, name: str) -> bool:
+    with Connection.open(url) as c:
+        try:
+            c.channel().exchange_declare(name, passive=True)
+            return True
+        except AmqpClosed as e:
+            assert e.reply_code == 404
+            return False
+
+
+def no_forward_skips(order: list[tuple[str, int]], delivered: list[tuple[str, int]]) -> None:
+    """At-least-once and in order: every row arrives, and after any delivery the next one is at
+    most the following row (a restart may go back, never jump ahead)."""
+    index = {k: i for i, k in enumerate(order)}
+    seen = [index[k] for k in delivered]
+    assert set(seen) == set(range(len(order)))
+    assert seen[0] == 0
+    jumps = [(a, b) for a, b in zip(seen, seen[1:], strict=False) if b > a + 1]
+    assert not jumps, f"skipped ahead: {jumps[:5]}"
+
+
+def metric(name: str, **labels: str) -> float:
+    return REGISTRY.get_sample_value(name, labels) or 0.0
+
+
+# ---------------------------------------------------------------------------- pure pieces
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.integers(1, 30), st.data())
+def test_confirm_window_yields_exactly_the_acked_prefix(n: int, data: Any) -> None:
+    w = ConfirmWindow()
+    first = data.draw(st.integers(1, 1000))
+    for i in range(n):
+        w.sent(first + i, (1, "c", i))
+    outcome: dict[int, bool] = {}
+    popped: list[Any] = []
+    while len(outcome) < n:
+        tag = data.draw(st.integers(first, first + n - 1))
+        multiple = data.draw(st.booleans())
+        ack = data.draw(st.integers(0, 9)) > 0
+        settled = w.confirm(tag, multiple, ack)
+        newly = [
+            t for t in range(first, (tag if multiple else first - 1) + 1) if t not in outcome
+        ] + ([tag] if not multiple and tag not in outcome else [])
+        for t in newly:
+            outcome[t] = ack
+        assert settled == len(newly)
+        assert w.pending == n - len(outcome)
+        popped += w.pop_acked()
+        prefix = 0
+        while prefix < n and outcome.get(first + prefix) is True:
+            prefix += 1
+        assert popped == [(1, "c", i) for i in range(prefix)]
+        assert w.head_nacked == (outcome.get(first + prefix) is False)
+        assert w.nacked == (False in outcome.values())
+    assert w.clear() == 0 and len(w) == 0 and not w.nacked
+
+
+_files = st.lists(
+    st.tuples(st.integers(0, 30), st.integers(0, 5), st.integers(0, 50)).map(
+        lambda t: (t[0], t[0] + t[1], t[2])
+    ),
+    max_size=12,
+)
+
+
+@settings(max_examples=500, deadline=None)
+@given(_files, st.integers(0, 40), st.integers(1, 100))
+def test_plan_upper_takes_the_fewest_commits_that_make_a_batch(
+    files: list[tuple[int, int, int]], lo: int, batch: int
+) -> None:
+    hi = plan_upper(files, lo, batch)
+    live = [f for f in files if f[1] >= lo and f[2] > 0]
+    if not live:
+        assert hi is None
+        return
+    assert hi is not None and hi >= lo and hi in {f[1] for f in live}
+
+    def est(upto: int) -> float:
+        return sum(
+            n if mn >= lo else n * (mx - lo + 1) / (mx - mn + 1) for mn, mx, n in live if mx <= upto
+        )
+
+    total = est(max(f[1] for f in live))
+    assert est(hi) >= min(batch, total) - 1e-9
+    smaller = [f[1] for f in live if f[1] < hi]
+    if smaller:
+        assert est(max(smaller)) < batch  # one commit less would not have made the batch
+
+
+def _key(k: Any) -> bytes:
+    return k.encode() if isinstance(k, str) else k
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(properties, st.sampled_from(["x-diode-id", "dup", "k"]), st.text(max_size=12))
+def test_id_header_adds_one_header_and_keeps_every_other_byte(
+    p: Properties, name: str, value: str
+) -> None:
+    raw = encode_properties(p)
+    out = with_id_header(raw, name, value)
+    got = decode_properties(out)
+    assert got.headers is not None
+    kept = tuple(e for e in (p.headers or ()) if _key(e[0]) != name.encode())
+    assert canon(got.headers[:-1]) == canon(kept)
+    assert got.headers[-1] == (name, ("S", value))
+    assert canon(replace(got, headers=None)) == canon(replace(p, headers=None))
+    if len(kept) == len(p.headers or ()):  # nothing replaced: every old byte is kept
+        without = got.headers[:-1] if p.headers is not None else None
+        assert encode_properties(replace(got, headers=without)) == raw
+
+
+def test_id_header_refuses_property_bytes_that_do_not_decode() -> None:
+    with pytest.raises(rp.ProtocolError):
+        with_id_header(b"\x20\x00\x00\x00\x00\x05\x01kZ", "x-id", "c1:1")  # unknown type Z
+
+
+# ---------------------------------------------------------------------------- the broker
+pytestmark_broker = pytest.mark.broker
+
+
+@pytestmark_broker
+def test_exchanges_are_declared_as_landed_and_messages_replay_byte_for_byte(
+    tmp_path: Path, tables: RedTables, red_vhost: Vhost
+) -> None:
+    decls = [
+        ExchangeDecl("x.fanout", "fanout", True, False, False, {"alternate-exchange": "ae"}),
+        ExchangeDecl("x.topic", "topic", True, False, False, {"x-note": "t", "x-n": 5}),
+        ExchangeDecl("x.headers", "headers", False, False, False, {}),
+        ExchangeDecl("x.direct", "direct", False, True, False, {"x-flag": True}),
+    ]
+    keys = {"x.fanout": "", "x.topic": "#", "x.headers": "", "x.direct": "rk"}
+    bind_args = {"x.headers": {"x-match": "any", "kind": "h"}}
+    url = red_vhost.amqp_url
+    cfg = make_cfg(tmp_path, url, [d.name for d in decls])
+    # landing 1: one row each; nothing is bound on red yet, so only the declarations matter
+    land(tables, 1, *[rows("c1", [i], d, props=RICH) for i, d in enumerate(decls)])
+    s1 = Replayer(cfg).run(until_caught_up=True, timeout=30)
+    assert s1.caught_up and s1.confirmed == 4 and not s1.errors, s1
+    on_red = {d.name: d for d in ManagementClient(MGMT, "guest", "guest").list_exchanges(
+        red_vhost.name)}  # fmt: skip
+    for d in decls:
+        assert on_red[d.name] == d
+    consumers = {d.name: Consumer(url, d.name, keys[d.name], bind_args.get(d.name)) for d in decls}
+    try:
+        # landing 2 and 3: two channels, interleaved, rich properties
+        land(tables, 2, *[rows("c1", range(10, 60), d, props=RICH) for d in decls])
+        third = [rows("c2", range(0, 30), d, props=RICH) for d in decls]
+        land(tables, 3, *third, *[rows("c1", range(60, 70), d, props=RICH) for d in decls])
+        s2 = Replayer(cfg).run(until_caught_up=True, timeout=30)
+        assert s2.confirmed == 4 * 90 and not s2.errors
+        # (land_seq, channel, seq) order: landing 2, then landing 3 with c1 before c2
+        want = [("c1", s) for s in range(10, 70)] + [("c2", s) for s in range(30)]
+        for d in decls:
+            got = consumers[d.name].collect(90)
+            assert [body_id(m) for m in got] == want, d.name
+            assert all(m.properties_raw == RICH for m in got)
+            assert all(m.routing_key == "rk" and m.exchange == d.name for m in got)
+            assert consumers[d.name].quiet(0.2) == got  # exactly once when nothing failed
+        # replayed events: one per exchange and channel with the ranges confirmed
+        ev = [e for e in s2.events if e["event"] == "replayed" and e["exchange"] == "x.topic"]
+        assert {(e["channel"], e["seq_first"], e["seq_last"]) for e in ev} == {
+            ("c1", 10, 69), ("c2", 0, 29)}  # fmt: skip
+        assert json.loads(ev[0]["detail"])["rows"] in (60, 30)
+        progress = json.loads((tmp_path / "state" / rp.PROGRESS_FILE).read_text())
+        assert progress["exchanges"]["x.fanout"]["land_seq"] == 3
+        assert (progress["exchanges"]["x.fanout"]["channel"],
+                progress["exchanges"]["x.fanout"]["seq"]) == ("c2", 29)  # fmt: skip
+        assert metric("bridge_red_replay_confirmed_total", exchange="x.headers") >= 91
+    finally:
+        for c in consumers.values():
+            c.close()
+
+
+@pytestmark_broker
+def test_unapproved_exchange_stays_landed_and_approving_replays_its_history(
+    tmp_path: Path, tables: RedTables, red_vhost: Vhost, admin: Connection
+) -> None:
+    url = red_vhost.amqp_url
+    a = ExchangeDecl("a", "fanout", True)
+    b = ExchangeDecl("b", "fanout", True)
+    for name in ("a", "b"):  # made by an operator, as the rows say (so queues can bind first)
+        admin.channel().exchange_declare(name, "fanout", durable=True)
+    ca, cb = Consumer(url, "a", ""), Consumer(url, "b", "")
+    land(tables, 1, rows("c1", range(0, 20), a), rows("c1", range(20, 50), b))
+    land(tables, 2, rows("c1", range(50, 60), b))
+    cfg = make_cfg(tmp_path, url, ["a"])
+    try:
+        r = Replayer(cfg)
+        s = r.run(until_caught_up=True, timeout=30)
+        assert s.confirmed == 20 and set(s.exchanges) == {"a"}
+        assert [body_id(m)[1] for m in ca.collect(20)] == list(range(20))
+        assert cb.quiet(0.3) == [] and cb.depth() == 0
+        status = r.status()
+        assert status["unapproved_waiting"] == {"b": 40}
+        assert status["exchanges"]["a"]["lag_rows"] == 0
+        assert metric("bridge_red_replay_lag_rows", exchange="b") == 40
+        # approval at run time: the next pass replays b's whole history, in order
+        assert Approvals.load(tmp_path / "state").approve("b", "ops", "checked") == 1
+        s = Replayer(cfg).run(until_caught_up=True, timeout=30)
+        assert s.confirmed == 40 and set(s.exchanges) == {"b"}  # a: nothing new
+        assert [body_id(m)[1] for m in cb.collect(40)] == list(range(20, 60))
+        assert ca.quiet(0.2) and len(ca.got) == 20
+        assert metric("bridge_red_replay_lag_rows", exchange="b") == 0
+    finally:
+        ca.close()
+        cb.close()
+
+
+@pytestmark_broker
+def test_revoking_stops_new_publishes_and_one_publisher_per_state_dir(
+    tmp_path: Path, tables: RedTables, red_vhost: Vhost
+) -> None:
+    url = red_vhost.amqp_url
+    x = ExchangeDecl("x", "fanout", False)
+    land(tables, 1, rows("c1", range(5), x))
+    state = tmp_path / "state"
+    Approvals.load(state).approve("x", "ops")
+    cfg = make_cfg(tmp_path, url)
+    with Replayer(cfg) as r:
+        assert r.step().confirmed == 5
+        with pytest.raises(StateError, match="replay publisher"):
+            Replayer(cfg).step()
+        Approvals.load(state).revoke("x", "ops")
+        land(tables, 2, rows("c1", range(5, 9), x))
+        res = r.step()
+        assert res.published == 0 and res.caught_up
+        assert r.status()["unapproved_waiting"] == {"x": 4}
+        Approvals.load(state).approve("x", "ops")  # approved again: resumes, no repeats
+        assert r.step().confirmed == 4
+    assert json.loads((state / rp.PROGRESS_FILE).read_text())["exchanges"]["x"]["seq"] == 8
+
+
+@pytestmark_broker
+def test_graceful_stop_then_a_new_publisher_continues_exactly(
+    tmp_path: Path, tables: RedTables, red_vhost: Vhost
+) -> None:
+    url = red_vhost.amqp_url
+    x = ExchangeDecl("g", "topic", True)
+    for ls in range(1, 6):
+        land(tables, ls, rows("c1", range(ls * 100, ls * 100 + 100), x),
+             rows("c2", range(ls * 50, ls * 50 + 50), x))  # fmt: skip
+    cfg = make_cfg(tmp_path, url, ["g"], batch_rows=120)
+    r = Replayer(cfg)
+    assert r.step().confirmed == 150  # the first landing commit only
+    r.step()
+    r.close()
+    order = sorted(
+        [(ls, "c1", s) for ls in range(1, 6) for s in range(ls * 100, ls * 100 + 100)]
+        + [(ls, "c2", s) for ls in range(1, 6) for s in range(ls * 50, ls * 50 + 50)]
+    )
+    c = Consumer(url, "g")
+    try:
+        s = Replayer(cfg).run(until_caught_up=True, timeout=30)
+        assert s.confirmed == 750 - 300
+        got = [body_id(m) for m in c.collect(450)]
+        assert got == [(ch, sq) for _, ch, sq in order[300:]]
+    finally:
+        c.close()
+
+
+KILLED_RUN = """
+import json, sys
+from pathlib import Path
+from bridge.config import config_from_dict
+from bridge.red.replay import Replayer
+cfg = config_from_dict(json.loads(sys.argv[1]), base=Path("."), environ={})
+Replayer(cfg).run()
+"""
+
+
+@pytestmark_broker
+def test_kill_9_mid_run_resumes_without_skipping(
+    tmp_path: Path, tables: RedTables, red_vhost: Vhost, admin: Connection
+) -> None:
+    url = red_vhost.amqp_url
+    x = ExchangeDecl("k", "fanout", True)
+    for ls in range(1, 5):
+        land(tables, ls, rows("c1", range(ls * 5000, ls * 5000 + 5000), x, body_size=200),
+             rows("c0", range(ls * 1000, ls * 1000 + 1000), x))  # fmt: skip
+    order = sorted(
+        [(ls, "c1", s) for ls in range(1, 5) for s in range(ls * 5000, ls * 5000 + 5000)]
+        + [(ls, "c0", s) for ls in range(1, 5) for s in range(ls * 1000, ls * 1000 + 1000)]
+    )
+    admin.channel().exchange_declare("k", "fanout", durable=True)  # as the rows say
+    c = Consumer(url, "k", "")  # bound before anything is published: sees every publish
+    spec = {
+        "channels": [{"name": "c1", "encrypt": False}],
+        "red": {
+            "state_dir": str(tmp_path / "state"),
+            "tables_dir": str(tmp_path / "tables"),
+            "replay": {"amqp_url": url, "approved": ["k"], "in_flight": 64, "batch_rows": 3000},
+        },
+    }
+    progress = tmp_path / "state" / rp.PROGRESS_FILE
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    proc = subprocess.Popen([sys.executable, "-c", KILLED_RUN, json.dumps(spec)], env=env)
+    try:
+        deadline = time.monotonic() + 60
+        confirmed = 0
+        while confirmed < 3000:
+            assert proc.poll() is None and time.monotonic() < deadline
+            if progress.exists():
+                confirmed = json.loads(progress.read_text())["exchanges"]["k"]["confirmed_rows"]
+            time.sleep(0.02)
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(10)
+        saved = json.loads(progress.read_text())["exchanges"]["k"]
+        assert 3000 <= saved["confirmed_rows"] < len(order)  # killed mid-way
+        s = Replayer(make_cfg(tmp_path, url, ["k"])).run(until_caught_up=True, timeout=60)
+        assert s.caught_up and not s.errors
+        c.collect(len(order), timeout=60)
+        no_forward_skips([(ch, sq) for _, ch, sq in order], [body_id(m) for m in c.quiet()])
+        assert len(c.got) - len(order) <= 64 + 3000  # duplicates: what was unsaved at the kill
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        c.close()
+
+
+@pytestmark_broker
+def test_refused_declarations_internal_and_unknown_exchanges_fail_alone(
+    tmp_path: Path, tables: RedTables, red_vhost: Vhost, admin: Connection
+) -> None:
+    url = red_vhost.amqp_url
+    admin.channel().exchange_declare("clash", "topic", durable=True)  # red has it as a topic
+    admin.channel().exchange_declare("ok", "fanout", durable=True)  # as landed: queues can bind
+    ok = ExchangeDecl("ok", "fanout", True)
+    clash = ExchangeDecl("clash", "fanout", True)
+    internal = ExchangeDecl("inner", "topic", True, False, True)
+    weird = ExchangeDecl("weird", "x-no-such-type", True)
+    land(
+        tables, 1, rows("c1", range(10), ok), rows("c1", range(10, 15), clash),
+        rows("c1", range(15, 18), internal), rows("c1", [18, 19], weird),
+    )  # fmt: skip
+    # black's rows say "unknown" when its catalog did not know the exchange
+    land(tables, 2, build_rows("c1", [20], ["mystery"], ["rk"], [False], [PLAIN], [b"c1:20"], {}))
+    land(tables, 3, rows("c1", range(21, 30), ok))
+    c = Consumer(url, "ok", "")
+    cfg = make_cfg(tmp_path, url, ["ok", "clash", "inner", "mystery", "weird"])
+    try:
+        sunk: list[dict[str, Any]] = []
+        r = Replayer(cfg, sink=sunk.extend)
+        s = r.run(until_caught_up=True, timeout=30)
+        want = [("c1", i) for i in [*range(10), *range(21, 30)]]
+        no_forward_skips(want, [body_id(m) for m in c.collect(19)])
+        failed = {e["exchange"]: e for e in s.events if e["event"] == "replay_failed"}
+        assert set(failed) == {"clash", "inner", "mystery", "weird"}
+        reason = failed["clash"]["reason"]
+        assert "406" in reason and "PRECONDITION_FAILED" in reason and "'clash'" in reason
+        assert (failed["clash"]["channel"], failed["clash"]["seq_first"]) == ("c1", 10)
+        assert json.loads(failed["inner"]["detail"])["kind"] == "internal"
+        assert "internal" in failed["inner"]["reason"]
+        assert json.loads(failed["mystery"]["detail"])["kind"] == "unknown_type"
+        assert "503" in failed["weird"]["reason"]  # refused by closing the whole connection
+        assert sunk == s.events  # the sink saw the same events
+        assert exists(url, "inner")  # declared as landed (internal), nothing published
+        assert metric("bridge_red_replay_errors_total", exchange="clash", kind="declare") >= 1
+        status = Replayer(cfg).status()
+        assert status["exchanges"]["clash"]["lag_rows"] == 5
+        assert status["exchanges"]["ok"]["lag_rows"] == 0
+    finally:
+        c.close()
+
+
+@pytestmark_broker
+def test_unknown_type_publishes_once_the_exchange_exists_on_red(
+    tmp_path: Path, tables: RedTables, red_vhost: Vhost, admin: Connection
+) -> None:
+    url = red_vhost.amqp_url
+    land(tables, 1, build_rows("c1", [1, 2], ["mystery"] * 2, ["rk"] * 2, [False] * 2,
+                               [PLAIN] * 2, [b"c1:1", b"c1:2"], {}))  # fmt: skip
+    cfg = make_cfg(tmp_path, url, ["mystery"])
+    s = Replayer(cfg, retry_seconds=0.0).run(until_caught_up=True, timeout=20)
+    (ev,) = [e for e in s.events if e["event"] == "replay_failed"]
+    assert json.loads(ev["detail"])["kind"] == "unknown_type" and "declare it" in ev["reason"]
+    assert s.confirmed == 0 and not exists(url, "mystery")
+    admin.channel().exchange_declare("mystery", "fanout")  # the operator declares it on red
+    c = Consumer(url, "mystery", "")
+    try:
+        s = Replayer(cfg).run(until_caught_up=True, timeout=20)
+        assert s.confirmed == 2 and not s.errors
+        assert [body_id(m) for m in c.collect(2)] == [("c1", 1), ("c1", 2)]
+    finally:
+        c.close()
+
+
+@pytestmark_broker
+def test_nacks_are_republished_then_the_exchange_stops_and_others_go_on(
+    tmp_path: Path, tables: RedTables, red_vhost: Vhost, admin: Connection
+) -> None:
+    url = red_vhost.amqp_url
+    full, fine = ExchangeDecl("full", "fanout", False), ExchangeDecl("fine", "fanout", False)
+    admin.channel().exchange_declare("full", "fanout")
+    # a queue that refuses messages beyond 3: the broker nacks those publishes
+    q = f"small-{uuid.uuid4().hex[:6]}"
+    admin.channel().queue_declare(q, arguments={"x-max-length": 3, "x-overflow": "reject-publish"})
+    admin.channel().queue_bind(q, "full", "")
+    land(tables, 1, rows("c1", range(10), full), rows("c1", range(10, 30), fine))
+    cfg = make_cfg(tmp_path, url, ["full", "fine"], in_flight=4)
+    r = Replayer(cfg, retry_seconds=0.0)
+    s = r.run(until_caught_up=True, timeout=30)
+    failed = [e for e in s.events if e["event"] == "replay_failed"]
+    assert [e["exchange"] for e in failed] == ["full"]
+    assert json.loads(failed[0]["detail"])["kind"] == "nack" and "nacked" in failed[0]["reason"]
+    assert s.exchanges["fine"]["confirmed"] == 20
+    assert s.exchanges["full"]["confirmed"] == 3  # the queue took 3, then refused
+    assert s.exchanges["full"]["published"] > 3 + rp.MAX_NACK_RETRIES  # republished
+    prog = json.loads((tmp_path / "state" / rp.PROGRESS_FILE).read_text())["exchanges"]
+    assert (prog["full"]["seq"], prog["fine"]["seq"]) == (2, 29)
+    # room again: the stopped exchange is retried and finishes, in order from where it stopped
+    drained = Connection.open(url)
+    try:
+        ch = drained.channel()
+        ch.basic_consume(q, no_ack=True)
+        got: list[Delivery] = []
+        while len(got) < 3:
+            got += drained.poll(0.2).deliveries
+        assert [body_id(m)[1] for m in got] == [0, 1, 2]
+        cfg2 = make_cfg(tmp_path, url, ["full", "fine"], in_flight=2)
+        s = Replayer(cfg2).run(until_caught_up=True, timeout=30)
+        while len(got) < 10:
+            got += drained.poll(0.2).deliveries
+        assert [body_id(m)[1] for m in got][3:] == list(range(3, 10)) and not s.errors
+    finally:
+        drained.close()
+
+
+@pytestmark_broker
+def test_id_header_adds_exactly_one_header(
+    tmp_path: Path, tables: RedTables, red_vhost: Vhost
+) -> None:
+    url = red_vhost.amqp_url
+    x = ExchangeDecl("ids", "fanout", True)
+    land(tables, 1, rows("c1", range(3), x, props=RICH), rows("c2", [7], x, props=PLAIN))
+    cfg = make_cfg(tmp_path, url, ["ids"], id_header="x-diode-id")
+    Replayer(cfg).run(until_caught_up=True, timeout=5)  # declares the exchange
+    c = Consumer(url, "ids", "")
+    land(tables, 2, rows("c1", range(3, 5), x, props=RICH), rows("c2", [8], x, props=PLAIN))
+    try:
+        Replayer(cfg).run(until_caught_up=True, timeout=20)
+        got = c.collect(3)
+        assert [body_id(m) for m in got] == [("c1", 3), ("c1", 4), ("c2", 8)]
+        for m in got:
+            ch, seq = body_id(m)
+            src = RICH if ch == "c1" else PLAIN
+            assert m.properties_raw == with_id_header(src, "x-diode-id", f"{ch}:{seq}")
+            before, after = decode_properties(src), decode_properties(m.properties_raw)
+            assert after.headers is not None
+            assert after.headers[-1] == ("x-diode-id", ("S", f"{ch}:{seq}"))
+            assert canon(after.headers[:-1]) == canon(before.headers or ())
+            assert canon(replace(after, headers=None)) == canon(replace(before, headers=None))
+    finally:
+        c.close()
+
+
+@pytestmark_broker
+def test_broker_down_and_lost_connections_are_survived(
+    tmp_path: Path, tables: RedTables, red_vhost: Vhost
+) -> None:
+    from tests.integration.test_amqp_client import Relay, url_of
+
+    x = ExchangeDecl("r", "fanout", True)
+    for ls in range(1, 4):
+        land(tables, ls, rows("c1", range(ls * 1000, ls * 1000 + 1000), x))
+    with_dead = make_cfg(tmp_path, "amqp://guest:guest@127.0.0.1:1/%2F", ["r"])
+    s = Replayer(with_dead).run(until_caught_up=True, timeout=1.5)
+    assert not s.caught_up and s.confirmed == 0
+    assert any("unreachable" in e for e in s.errors) and "guest:guest" not in str(s.errors)
+    relay = Relay()
+    c: Consumer | None = None
+    cfg = make_cfg(tmp_path, url_of(red_vhost.name, "127.0.0.1", relay.port), ["r"],
+                   batch_rows=1000)  # fmt: skip
+    r = Replayer(cfg)
+    try:
+        assert r.step().confirmed == 1000  # declares r
+        c = Consumer(red_vhost.amqp_url, "r", "")
+        relay.sever()
+        res = r.step()
+        assert res.error and res.confirmed == 0
+        t0 = time.monotonic()
+        while not (res := r.step()).caught_up:
+            assert time.monotonic() - t0 < 30, res
+            time.sleep(0.1)
+        assert time.monotonic() - t0 >= 0.5  # backed off before reconnecting
+        c.collect(2000)
+        got = [body_id(m)[1] for m in c.quiet()]
+        assert got == list(range(2000, 4000))
+    finally:
+        r.close()
+        relay.stopped.set()
+        if c:
+            c.close()
+
+
+@pytestmark_broker
+def test_audit_sink_writes_replay_events_with_their_own_app_id(
+    tmp_path: Path, tables: RedTables, red_vhost: Vhost
+) -> None:
+    x = ExchangeDecl("au", "fanout", False)
+    land(tables, 1, rows("c1", range(4), x))
+    cfg = make_cfg(tmp_path, red_vhost.amqp_url, ["au"])
+    Replayer(cfg, sink=rp.audit_sink(cfg)).run(until_caught_up=True, timeout=20)
+    land(tables, 2, rows("c1", range(4, 6), x))
+    Replayer(cfg, sink=rp.audit_sink(cfg)).run(until_caught_up=True, timeout=20)
+    dt = DeltaTable(str(tables.path("audit")))
+    assert dt.transaction_version(rp.APP_ID) == 2
+    got = sorted(
+        (r["event"], r["exchange"], r["channel"], r["seq_first"], r["seq_last"])
+        for r in dt.to_pyarrow_table().to_pylist()
+    )
+    assert got == [("replayed", "au", "c1", 0, 3), ("replayed", "au", "c1", 4, 5)]
+
+
+# ---------------------------------------------------------------------------- measured
+@pytestmark_broker
+def test_replay_rate_against_a_raw_confirmed_publish_loop(
+    tmp_path: Path, tables: RedTables, red_vhost: Vhost, admin: Connection
+) -> None:
+    n, size, window = 50_000, 1024, 1000
+    url = red_vhost.amqp_url
+    x = ExchangeDecl("perf", "fanout", False)
+    for ls in range(1, 6):
+        land(tables, ls, rows("c1", range(ls * 10_000, ls * 10_000 + 10_000), x, body_size=size))
+    ch = admin.channel()
+    for name in ("perf", "raw"):
+        ch.exchange_declare(name, "fanout")
+        ch.queue_declare(f"q.{name}", arguments={"x-max-length": 1000})  # drop-head: flat
+        ch.queue_bind(f"q.{name}", name, "")
+    body = b"c1:0." + b"." * size
+
+    def raw_rate() -> float:
+        with Connection.open(url) as conn:
+            pub = conn.channel()
+            pub.confirm_select()
+            t0 = time.perf_counter()
+            sent = acked = 0
+            while acked < n:
+                while sent < n and sent - acked < window:
+                    sent = pub.publish("raw", "rk", PLAIN, body)
+                for cf in conn.poll(0.0 if sent < n else 0.5).confirms:
+                    assert cf.ack
+                    acked = max(acked, cf.delivery_tag)  # multiple or in order: a high mark
+            return n / (time.perf_counter() - t0)
+
+    raw1 = raw_rate()
+    cfg = make_cfg(tmp_path, url, ["perf"], in_flight=window)
+    s = Replayer(cfg).run(until_caught_up=True, timeout=120)
+    raw2 = raw_rate()
+    assert s.confirmed == n and not s.errors, s.errors
+    raw = max(raw1, raw2)
+    print(f"\nraw confirmed publish: {raw1:.0f} / {raw2:.0f} msg/s; replay: {s.rate:.0f} msg/s "
+          f"({s.rate / raw:.2f}x of the better raw run, {s.seconds:.2f}s for {n})")  # fmt: skip
+    assert s.rate >= 0.5 * raw
+
+
+@pytestmark_broker
+def test_missing_empty_and_unreadable_tables_do_not_stop_the_publisher(
+    tmp_path: Path, red_vhost: Vhost
+) -> None:
+    cfg = make_cfg(tmp_path, red_vhost.amqp_url, ["t"])
+    s = Replayer(cfg).run(until_caught_up=True, timeout=10)  # the red job has not run yet
+    assert s.caught_up and s.confirmed == 0 and "no messages table" in s.errors[0]
+    tables = RedTables(tmp_path / "tables", "delta-rs")
+    tables.ensure()
+    s = Replayer(cfg).run(until_caught_up=True, timeout=10)  # created, still empty
+    assert s.caught_up and not s.errors
+    land(tables, 1, rows("c1", range(3), ExchangeDecl("t", "fanout", False)))
+    for f in (tmp_path / "tables" / "messages").rglob("*.parquet"):
+        f.unlink()  # a data file lost under the table
+    s = Replayer(cfg).run(until_caught_up=True, timeout=1.0)
+    assert not s.caught_up and s.confirmed == 0
+    assert any("unreadable" in e for e in s.errors), s.errors

@@ -1,0 +1,200 @@
+"""Red, replay approvals: revisions, durability, locking, malformed files, the audit rows."""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+import threading
+from pathlib import Path
+
+import pytest
+from deltalake import DeltaTable
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from bridge.config import Config, config_from_dict
+from bridge.errors import ConfigError, StateError
+from bridge.red import approvals as ap
+from bridge.red.approvals import Approvals, approve_exchanges, effective_approved, sync_audit
+
+
+def _cfg(tmp: Path, approved: list[str] | None = None) -> Config:
+    return config_from_dict(
+        {
+            "channels": [{"name": "c1", "encrypt": False}],
+            "red": {
+                "state_dir": str(tmp / "state"),
+                "tables_dir": str(tmp / "tables"),
+                "replay": {"approved": approved or []},
+            },
+        },
+        base=tmp,
+        environ={},
+    )
+
+
+def _audit(tmp: Path) -> DeltaTable:
+    from bridge.red.tables import RedTables
+
+    t = RedTables(tmp / "tables", "delta-rs")
+    t.ensure()
+    return DeltaTable(str(t.path("audit")))
+
+
+def test_empty_state_dir_has_nothing_approved(tmp_path: Path) -> None:
+    a = Approvals.load(tmp_path / "nowhere")
+    assert a.approved() == set() and a.revision == 0 and a.history == []
+    assert not (tmp_path / "nowhere").exists()  # reading creates nothing
+
+
+def test_approve_and_revoke_bump_revisions_and_survive_reload(tmp_path: Path) -> None:
+    a = Approvals.load(tmp_path)
+    assert a.approve("orders", "ops", "ticket 42") == 1
+    assert a.approve("prices", "ops") == 2
+    assert a.approve("orders", "someone else") == 1  # approved already: no new revision
+    assert a.revision == 2
+    assert a.revoke("orders", "ops", "done") == 3
+    assert a.revoke("orders", "ops") == 3  # not approved: nothing to revoke
+    b = Approvals.load(tmp_path)
+    assert b.approved() == {"prices"} and b.revision == 3
+    assert [(c.revision, c.action, c.exchange, c.by, c.note) for c in b.history] == [
+        (1, "approve", "orders", "ops", "ticket 42"),
+        (2, "approve", "prices", "ops", ""),
+        (3, "revoke", "orders", "ops", "done"),
+    ]
+    assert b.approval("prices") is not None and b.approval("orders") is None
+    assert [c.revision for c in b.changes_since(1)] == [2, 3]
+    # the file is plain JSON, mode 0640, with no temp file left behind
+    doc = json.loads((tmp_path / ap.APPROVALS_FILE).read_text())
+    assert doc["revision"] == 3 and set(doc["approved"]) == {"prices"}
+    assert stat.S_IMODE(os.stat(tmp_path / ap.APPROVALS_FILE).st_mode) == 0o640
+    assert not [p for p in tmp_path.iterdir() if p.name.endswith(".tmp")]
+
+
+def test_a_stale_instance_reads_the_file_before_changing_it(tmp_path: Path) -> None:
+    one, two = Approvals.load(tmp_path), Approvals.load(tmp_path)
+    assert one.approve("a", "x") == 1
+    assert two.approve("b", "y") == 2  # two had revision 0 in memory: it must not reuse 1
+    assert two.revoke("a", "y") == 3  # and it sees "a" approved by the other instance
+    assert Approvals.load(tmp_path).approved() == {"b"}
+
+
+def test_concurrent_approvals_lose_nothing(tmp_path: Path) -> None:
+    names = [f"x{i}" for i in range(24)]
+    errors: list[BaseException] = []
+
+    def work(chunk: list[str]) -> None:
+        try:
+            for n in chunk:
+                Approvals.load(tmp_path).approve(n, "t")
+        except BaseException as e:  # pragma: no cover - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=work, args=(names[i::4],)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    a = Approvals.load(tmp_path)
+    assert a.approved() == set(names)
+    assert sorted(c.revision for c in a.history) == list(range(1, 25))
+
+
+@pytest.mark.parametrize(
+    "content",
+    [
+        b"{not json",
+        b'{"format": 2, "revision": 0, "history": []}',
+        b'{"format": 1, "revision": 1, "history": [{"revision": 1}]}',
+        b'{"format": 1, "revision": 2, "history": [{"revision": 1, "action": "approve", '
+        b'"exchange": "a", "by": "x", "note": "", "at": "2026-01-01T00:00:00Z"}]}',
+        b'{"format": 1, "revision": 1, "history": [{"revision": 1, "action": "delete", '
+        b'"exchange": "a", "by": "x", "note": "", "at": "2026-01-01T00:00:00Z"}]}',
+    ],
+)
+def test_a_malformed_file_is_refused_naming_it(tmp_path: Path, content: bytes) -> None:
+    (tmp_path / ap.APPROVALS_FILE).write_bytes(content)
+    with pytest.raises(StateError, match=ap.APPROVALS_FILE):
+        Approvals.load(tmp_path)
+
+
+@pytest.mark.parametrize("name", ["", "x" * 256, "é" * 128])
+def test_names_that_cannot_be_exchanges_are_refused(tmp_path: Path, name: str) -> None:
+    with pytest.raises(ConfigError):
+        Approvals.load(tmp_path).approve(name, "ops")
+    assert not (tmp_path / ap.APPROVALS_FILE).exists()
+
+
+_ops = st.lists(
+    st.tuples(st.sampled_from(["approve", "revoke"]), st.sampled_from(["a", "b", "c", "amq.x"])),
+    max_size=30,
+)
+
+
+@settings(max_examples=60, deadline=None)
+@given(_ops)
+def test_approvals_match_a_set_model(tmp_path_factory: pytest.TempPathFactory, ops: list) -> None:
+    d = tmp_path_factory.mktemp("ap")
+    model: set[str] = set()
+    effective = 0
+    a = Approvals.load(d)
+    for action, name in ops:
+        before = name in model
+        rev, changed = a.change(action, name, "h")
+        if action == "approve":
+            model.add(name)
+        else:
+            model.discard(name)
+        assert changed == (before != (name in model))
+        effective += changed
+        assert a.revision == effective
+        if changed:
+            assert rev == effective
+    again = Approvals.load(d)
+    assert again.approved() == model and again.revision == effective
+    assert [c.revision for c in again.history] == list(range(1, effective + 1))
+
+
+def test_effective_approvals_are_the_config_list_plus_the_file(tmp_path: Path) -> None:
+    cfg = _cfg(tmp_path, approved=["from-config"])
+    assert effective_approved(cfg) == {"from-config"}
+    Approvals.load(tmp_path / "state").approve("at-runtime", "ops")
+    assert effective_approved(cfg) == {"from-config", "at-runtime"}
+
+
+def test_approve_exchanges_without_tables_reports_and_defers_the_audit(tmp_path: Path) -> None:
+    cfg = _cfg(tmp_path, approved=["cfg-x"])
+    out = approve_exchanges(cfg, ["a", "b"], note="why", by="ops")
+    assert out["changed"] == [{"exchange": "a", "revision": 1}, {"exchange": "b", "revision": 2}]
+    assert out["approved"] == ["a", "b", "cfg-x"] and out["audit_rows_written"] == 0
+    out = approve_exchanges(cfg, ["a", "cfg-x"], revoke=True, by="ops")
+    assert out["changed"] == [{"exchange": "a", "revision": 3}]
+    assert out["unchanged"] == ["cfg-x"]
+    assert out["approved"] == ["b", "cfg-x"]
+    assert len(out["warnings"]) == 1 and "red.replay.approved" in out["warnings"][0]
+    json.dumps(out)  # the CLI prints it
+
+
+def test_approvals_are_audited_once_and_missing_rows_catch_up(tmp_path: Path) -> None:
+    cfg = _cfg(tmp_path)
+    approve_exchanges(cfg, ["early"], by="ops")  # before the audit table exists
+    dt = _audit(tmp_path)
+    out = approve_exchanges(cfg, ["orders"], note="ticket 7", by="ops")
+    assert out["audit_rows_written"] == 2  # the early one caught up, in the same commit
+    approve_exchanges(cfg, ["orders"], revoke=True, by="ops")
+    dt.update_incremental()
+    assert dt.transaction_version(ap.APP_ID) == 3
+    rows = sorted(dt.to_pyarrow_table().to_pylist(), key=lambda r: r["event_id"])
+    got = [(r["event"], r["exchange"], r["reason"], json.loads(r["detail"])) for r in rows]
+    assert got == [
+        ("approved", "early", None, {"by": "ops", "revision": 1}),
+        ("approved", "orders", "ticket 7", {"by": "ops", "revision": 2}),
+        ("revoked", "orders", None, {"by": "ops", "revision": 3}),
+    ]
+    assert {r["app_id"] for r in rows} == {ap.APP_ID}
+    # idempotent: nothing new to write, nothing written
+    assert sync_audit(tmp_path / "tables", Approvals.load(tmp_path / "state")) == 0
+    dt.update_incremental()
+    assert dt.to_pyarrow_table().num_rows == 3
