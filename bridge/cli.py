@@ -481,23 +481,11 @@ def red_maintain(config_path: Path | None, table: str, vacuum_hours: float | Non
 @click.option("--note", default="", help="why (kept in the approvals file and the audit table)")
 def approve(config_path: Path | None, exchanges: tuple[str, ...], revoke: bool, note: str) -> None:
     """Approve red exchanges for replay (their whole landed history is replayed)."""
-    import getpass
-
-    from bridge.red.approvals import Approvals, effective_approved, sync_audit
+    from bridge.red.approvals import approve_exchanges
 
     cfg = _load(config_path)
-    ap = Approvals.load(Path(cfg.red.state_dir))
-    by = getpass.getuser()
-    revisions = {
-        x: (ap.revoke(x, by, note) if revoke else ap.approve(x, by, note)) for x in exchanges
-    }
-    audited = sync_audit(Path(cfg.red.tables_dir), ap)
-    out = {
-        "revisions": revisions,
-        "approved": sorted(effective_approved(cfg)),
-        "audit_rows_written": audited,
-    }
-    click.echo(json.dumps(out))
+    out = approve_exchanges(cfg, list(exchanges), revoke=revoke, note=note)
+    click.echo(json.dumps(out, default=str))
 
 
 # -- demo ------------------------------------------------------------------------------
