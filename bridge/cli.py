@@ -449,7 +449,7 @@ def red_status(config_path: Path | None) -> None:
 @red.command("gaps")
 @config_option
 def red_gaps(config_path: Path | None) -> None:
-    """Bundles missing in transit (open gaps) and messages black declared lost, per channel."""
+    """Bundles missing in transit (open gaps) and messages black declared lost (from audit)."""
     from bridge.red.report import red_gaps as report
 
     click.echo(json.dumps(report(_load(config_path)), indent=2, default=str))

@@ -338,7 +338,8 @@ class RedConfig(_Strict):
     deltalake package; `auto`: spark when the jars are there, else delta-rs."""
 
     trigger_seconds: float = Field(default=2.0, gt=0)
-    """Micro-batch interval of the continuous job (watchdog wakes it sooner)."""
+    """Continuous job: the inbox is listed at least this often; inotify events are acted on
+    within 0.5 s (the query polls the source that often; an idle poll costs almost nothing)."""
 
     settle_seconds: float = Field(default=2.0, ge=0)
     """A file is taken when its writer closed it, or when its size and mtime have not

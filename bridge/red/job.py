@@ -126,7 +126,11 @@ class RedRun:
     ) -> RedSummary:
         """Land what arrives. Holds the red state lock: two landers would fork the ledger."""
         state_dir = durable_mkdir(Path(self.cfg.red.state_dir))
-        with exclusive_lock(state_dir / "red.lock", what="red run"):
+        hint = (
+            "another red job is landing from this state dir (two landers would fork the "
+            "ledger); stop it first"
+        )
+        with exclusive_lock(state_dir / "red.lock", what="red run", hint=hint):
             return self._run(spark, trigger, timeout, stop)
 
     def _run(
@@ -146,7 +150,8 @@ class RedRun:
                 done = query.awaitTermination(1.0)
                 if done:
                     break
-                self.summary.totals.add(self.landing.tick())
+                if trigger == "continuous":  # a scheduled run checks silence once, at its end
+                    self.summary.totals.add(self.landing.tick())
                 if stop is not None and stop.is_set():
                     break
                 if timeout is not None and time.monotonic() - t0 >= timeout:

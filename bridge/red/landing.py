@@ -161,6 +161,7 @@ class Landing:
                     redone = 1
                 else:
                     intent_path.unlink()
+            self._check_state_vs_tables()
             swept = sweep_plain_dir(self.plain_dir)
             for d in self.hold_dir.iterdir():
                 if d.name.isdigit() and int(d.name) <= self.land_seq:
@@ -169,6 +170,19 @@ class Landing:
                 log_event(log, 20, "swept temporary plaintexts left by a crash", files=swept)
             RED.land_seq.set(self.land_seq)
             return redone
+
+    def _check_state_vs_tables(self) -> None:
+        """Refuse to run on a state older than the tables (restored from backup, or lost):
+        new landings would reuse land_seqs the tables hold, and Delta would skip their rows."""
+        for name in ("messages", "bundles", "audit"):
+            v = self.tables.txn_version(name, APP_ID)
+            if v > self.land_seq:
+                raise LandingError(
+                    f"red state {self.state_dir / STATE_FILE} says landing {self.land_seq} but "
+                    f"table {name!r} already holds landing {v}: the state is older than the "
+                    "tables (restored or lost). Do not delete anything; see the runbook "
+                    "('red state behind the tables') to rebuild the state before restarting"
+                )
 
     # -- one micro-batch -----------------------------------------------------------------------
     def _lookup(self, channel: str, bundle_seq: int) -> str | None:

@@ -66,6 +66,29 @@ def red_status(cfg: Config) -> dict[str, Any]:
     }
 
 
+def _declared(cfg: Config) -> list[dict[str, Any]]:
+    """Message seq ranges black declared lost (audit ``gap_declared``), per channel."""
+    import pyarrow.dataset as pads
+
+    from bridge.red.tables import RedTables
+
+    tables = RedTables(Path(cfg.red.tables_dir), "delta-rs")
+    try:
+        t = tables.read(
+            "audit",
+            columns=["channel", "bundle_seq", "seq_first", "seq_last", "reason"],
+            filter=pads.field("event") == "gap_declared",
+        )
+    except Exception:  # noqa: BLE001 - no audit table yet: nothing declared
+        return []
+    rows = sorted(t.to_pylist(), key=lambda r: (r["channel"] or "", r["seq_first"] or 0))
+    return [
+        {**r, "messages": (r["seq_last"] - r["seq_first"] + 1)}
+        for r in rows
+        if r["seq_first"] is not None and r["seq_last"] is not None
+    ]
+
+
 def red_gaps(cfg: Config) -> dict[str, Any]:
     _, state, _ = load_sequence(cfg)
-    return {"open_transit_gaps": sq.open_gaps(state)}
+    return {"open_transit_gaps": sq.open_gaps(state), "declared_by_black": _declared(cfg)}

@@ -49,10 +49,6 @@ log = get_logger("bridge.red.source")
 SOURCE_SCHEMA = pa.schema([pa.field("ordinal", pa.int64(), nullable=False), *VERDICT_SCHEMA])
 """One row per file: its intake ordinal, then the verdict (bridge.red.verify)."""
 
-RESCAN_SECONDS = 5.0
-"""Without inotify events, the inbox is still listed this often (a missed event never
-strands a file)."""
-
 
 @dataclass(frozen=True)
 class FileBatch(InputPartition):
@@ -118,7 +114,7 @@ class InboxStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         return self._intake
 
     def _scan(self, *, force: bool = False) -> None:
-        """Take settled files into intake when the inbox changed (or every RESCAN_SECONDS)."""
+        """Take settled files into intake when the inbox changed (or every red.trigger_seconds)."""
         intake = self._get_intake()
         if self._watcher is None:
             self._watcher = InboxWatcher(Path(self.cfg.red.inbox))
@@ -126,7 +122,12 @@ class InboxStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
             force = True
         now = time.monotonic()
         changed = self._watcher.wait(0)
-        if not (force or changed or self._waiting or now - self._last_scan >= RESCAN_SECONDS):
+        if not (
+            force
+            or changed
+            or self._waiting
+            or now - self._last_scan >= self.cfg.red.trigger_seconds
+        ):
             return
         res = intake.scan(time.time(), self._watcher.closed_names())
         self._last_scan = now

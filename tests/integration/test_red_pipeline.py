@@ -13,7 +13,9 @@ import pytest
 from deltalake import DeltaTable
 
 from bridge.config import Config, load_config
-from bridge.red.job import RedRun
+from bridge.red.evidence import Evidence
+from bridge.red.job import RedRun, open_tables
+from bridge.red.landing import Landing, LandingError
 from bridge.red.report import red_gaps, red_status
 from tests.red_factory import (
     RedKeys,
@@ -138,6 +140,22 @@ def test_out_of_order_holes_duplicates_land_exactly_once(
     assert not list(Path(cfg.red.quarantine_dir).rglob("*.dbundle"))
     st = red_status(cfg)
     assert st["interrupted_landing"] is False and st["channels"]["orders"]["contig"] == 6
+    declared = red_gaps(cfg)["declared_by_black"]
+    assert [(g["seq_first"], g["seq_last"], g["reason"]) for g in declared] == [
+        (80, 81, "maxlen"),
+        (202, 203, "maxlen"),
+    ]
+
+    # a state restored from an old backup is refused: it would reuse landing numbers
+    state_file = Path(cfg.red.state_dir) / "red-state.json"
+    doc = json.loads(state_file.read_text())
+    doc["land_seq"] = 1
+    state_file.write_text(json.dumps(doc))
+    landing = Landing(
+        cfg, open_tables(cfg), Evidence(cfg.red.processed_dir, cfg.red.quarantine_dir)
+    )
+    with pytest.raises(LandingError, match="older than the tables"):
+        landing.recover()
 
 
 def test_hostile_files_are_quarantined_and_good_ones_land(
