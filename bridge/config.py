@@ -349,6 +349,10 @@ class RedConfig(_Strict):
     max_files_per_batch: int = Field(default=64, ge=1)
     """Files verified per micro-batch (bounds memory: plaintexts are read one at a time)."""
 
+    max_batch_bytes: int = Field(default=256 * 1024 * 1024, ge=1024 * 1024)
+    """Bytes of inbox files per micro-batch (at least one file): bounds the memory of one
+    landing, whose Delta write holds its rows."""
+
     link_silent_seconds: float = Field(default=60.0, gt=0)
     """No heartbeat for this long: the link is reported silent (audit, metric, status)."""
 

@@ -174,6 +174,16 @@ class InboxStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         elif not isinstance(limit, ReadAllAvailable):
             cap = self.cfg.red.max_files_per_batch
         chosen = ordinals[:cap]
+        budget, total = self.cfg.red.max_batch_bytes, 0
+        names = dict(self._pending())
+        for i, o in enumerate(chosen):
+            try:
+                total += (intake_dir(self.cfg) / f"{o:012d}.{names[o]}").stat().st_size
+            except OSError:
+                continue
+            if total > budget and i > 0:
+                chosen = chosen[:i]
+                break
         return {"next": chosen[-1] + 1}
 
     def partitions(self, start: dict[str, int], end: dict[str, int]) -> Sequence[InputPartition]:

@@ -14,6 +14,8 @@ always use delta-rs on the local ``root``; tables written by either engine are r
 
 from __future__ import annotations
 
+import datetime
+import hashlib
 import itertools
 import json
 import math
@@ -204,6 +206,94 @@ def _write_parquet(path: Path, table: pa.Table) -> int:
     return path.stat().st_size
 
 
+def _safe_dir(value: str) -> str:
+    """A partition folder name that needs no escaping (the log's partitionValues hold the
+    real value; readers never parse folder names)."""
+    keep = "".join(c if (c.isascii() and (c.isalnum() or c in "._-")) else "_" for c in value)
+    if keep != value or not keep:
+        keep = (
+            f"{keep[:60]}_{hashlib.sha256(value.encode('utf-8', 'surrogatepass')).hexdigest()[:12]}"
+        )
+    return keep[:120]
+
+
+def _stat_value(v: Any, *, up: bool) -> Any:
+    """A min/max as the Delta log writes it: timestamps in UTC to the millisecond (a max is
+    rounded up, a min down, so the bounds stay true), dates as ISO dates."""
+    if isinstance(v, datetime.datetime):
+        v = v.astimezone(datetime.UTC)
+        ms = v.replace(microsecond=(v.microsecond // 1000) * 1000)
+        if up and ms != v:
+            ms += datetime.timedelta(milliseconds=1)
+        return ms.strftime("%Y-%m-%dT%H:%M:%S.") + f"{ms.microsecond // 1000:03d}Z"
+    if isinstance(v, datetime.date):
+        return v.isoformat()
+    return v
+
+
+class _PartFile:
+    """One new Parquet data file of one partition, written batch by batch."""
+
+    def __init__(self, root: Path, parts: list[str], key: tuple[str, ...], schema: pa.Schema):
+        self.parts, self.key = parts, key
+        rel_dir = "/".join(f"{p}={_safe_dir(v)}" for p, v in zip(parts, key, strict=True))
+        self.rel = f"{rel_dir}/part-00000-{uuid.uuid4()}-c000.zstd.parquet".lstrip("/")
+        self.path = root / self.rel
+        durable_mkdir(self.path.parent)
+        self._fh = open(self.path, "xb")  # noqa: SIM115 - closed in close()/abort()
+        self._writer = pq.ParquetWriter(self._fh, schema, compression="zstd")
+        self.rows = 0
+        self.mins: dict[str, Any] = {}
+        self.maxs: dict[str, Any] = {}
+        self.nulls: dict[str, int] = {}
+
+    def write(self, batch: pa.RecordBatch) -> None:
+        self._writer.write_batch(batch)
+        self.rows += batch.num_rows
+        for f in batch.schema:
+            col = batch.column(f.name)
+            if pa.types.is_map(f.type) or pa.types.is_nested(f.type):
+                continue
+            self.nulls[f.name] = self.nulls.get(f.name, 0) + col.null_count
+            t = f.type
+            if not (
+                pa.types.is_integer(t)
+                or pa.types.is_string(t)
+                or pa.types.is_boolean(t)
+                or pa.types.is_timestamp(t)
+                or pa.types.is_date(t)
+            ):
+                continue  # binary and maps: no min/max (Delta collects none either)
+            mm = pc.min_max(col).as_py()
+            if mm["min"] is not None:
+                self.mins[f.name] = min(self.mins.get(f.name, mm["min"]), mm["min"])
+                self.maxs[f.name] = max(self.maxs.get(f.name, mm["max"]), mm["max"])
+
+    def close(self) -> AddAction:
+        self._writer.close()
+        self._fh.flush()
+        os.fsync(self._fh.fileno())
+        self._fh.close()
+        stats = json.dumps(
+            {
+                "numRecords": self.rows,
+                "minValues": {k: _stat_value(v, up=False) for k, v in self.mins.items()},
+                "maxValues": {k: _stat_value(v, up=True) for k, v in self.maxs.items()},
+                "nullCount": self.nulls,
+            }
+        )
+        values = dict(zip(self.parts, self.key, strict=True))
+        now_ms = int(time.time() * 1000)
+        return AddAction(self.rel, self.path.stat().st_size, values, now_ms, True, stats)
+
+    def abort(self) -> None:
+        try:
+            self._writer.close()
+            self._fh.close()
+        finally:
+            self.path.unlink(missing_ok=True)
+
+
 def _sql_str(value: str) -> str:
     return "'" + value.replace("'", "''") + "'"
 
@@ -335,6 +425,9 @@ class RedTables:
         if self.engine == "spark":
             self._spark_append(name, reader.read_all(), app_id, version)
             return True
+        if name == "messages":  # large: stream into files, memory bounded by one batch
+            self._append_files(name, reader, app_id, version)
+            return True
         try:
             write_deltalake(
                 str(self.path(name)),
@@ -348,6 +441,53 @@ class RedTables:
                 raise conformed.error from e
             raise
         return True
+
+    def _append_files(
+        self, name: str, reader: pa.RecordBatchReader, app_id: str, version: int
+    ) -> None:
+        """Stream ``reader`` into one Parquet file per partition (pyarrow, fsynced), then add
+        them in one commit carrying the app transaction. Memory holds one batch, not the whole
+        append (delta-rs' own writer held several times the data)."""
+        root = self.path(name)
+        parts = list(_PARTITIONS[name])
+        schema = schema_for(name)
+        data_schema = pa.schema([f for f in schema if f.name not in parts])
+        writers: dict[tuple[str, ...], _PartFile] = {}
+        try:
+            for batch in reader:
+                if not batch.num_rows:
+                    continue
+                keys = pa.table([batch.column(p) for p in parts], names=parts)
+                groups = keys.group_by(parts, use_threads=False).aggregate([])
+                for values in groups.to_pylist():
+                    key = tuple("" if values[p] is None else str(values[p]) for p in parts)
+                    mask = None
+                    for p in parts:
+                        eq = pc.equal(
+                            batch.column(p), pa.scalar(values[p], batch.schema.field(p).type)
+                        )
+                        mask = eq if mask is None else pc.and_(mask, eq)
+                    sub = batch.filter(mask)
+                    w = writers.get(key)
+                    if w is None:
+                        w = writers[key] = _PartFile(root, parts, key, data_schema)
+                    w.write(sub.select(data_schema.names))
+            actions: list[AddAction | RemoveAction] = [w.close() for w in writers.values()]
+        except BaseException:
+            for w in writers.values():
+                w.abort()
+            raise
+        if not actions:
+            return
+        for d in {w.path.parent for w in writers.values()}:
+            fsync_dir(d)
+        self._table(name).create_write_transaction(
+            actions,
+            mode="append",
+            schema=schema,
+            partition_by=parts or None,
+            commit_properties=CommitProperties(app_transactions=[Transaction(app_id, version)]),
+        )
 
     def _spark_append(self, name: str, data: pa.Table, app_id: str, version: int) -> None:
         """Delta on Spark: the writer options txnAppId/txnVersion make the append idempotent."""
