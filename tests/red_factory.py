@@ -501,3 +501,44 @@ def red_config(
         **dict(extra or {}),
     }
     return config_from_dict(data, base=Path(root), environ={})
+
+
+def write_red_toml(
+    root: Path,
+    keys: RedKeys,
+    channels: Mapping[str, bool] = {"orders": True},  # noqa: B006 (read only)
+    *,
+    replay_url: str | None = None,
+    replay_extra: str = "",
+) -> Path:
+    """A red config FILE under ``root`` (the Spark source reads the config from disk): pinned
+    black key, red dirs under ``root/red``, delta-rs, 0.2 s settle, mode 0600."""
+    chans = "\n".join(
+        f'[[channels]]\nname = "{n}"\nencrypt = {str(enc).lower()}\n'
+        f"recipients = {json.dumps(keys.recipients)}\n"
+        for n, enc in channels.items()
+    )
+    replay = f'\n[red.replay]\namqp_url = "{replay_url}"\n{replay_extra}' if replay_url else ""
+    text = f"""
+[link]
+bridge_id = "{BRIDGE_ID}"
+black_signers = ["{keys.black_fpr}"]
+
+{chans}
+[red]
+gnupg_home = "{keys.red_home}"
+inbox = "red/inbox"
+work_dir = "red/work"
+processed_dir = "red/processed"
+quarantine_dir = "red/quarantine"
+state_dir = "red/state"
+checkpoint_dir = "red/checkpoint"
+tables_dir = "red/tables"
+delta_engine = "delta-rs"
+settle_seconds = 0.2
+{replay}"""
+    root.mkdir(parents=True, exist_ok=True)
+    p = root / "diode.toml"
+    p.write_text(text)
+    p.chmod(0o600)
+    return p

@@ -24,6 +24,7 @@ from tests.red_factory import (
     make_chain,
     make_heartbeat,
     make_rows,
+    write_red_toml,
 )
 
 pytestmark = [pytest.mark.gpg, pytest.mark.spark, pytest.mark.slow]
@@ -39,33 +40,7 @@ def keys(tmp_path_factory: pytest.TempPathFactory) -> Any:
 
 
 def write_config(root: Path, keys: RedKeys, channels: dict[str, bool]) -> Config:
-    chans = "\n".join(
-        f'[[channels]]\nname = "{n}"\nencrypt = {str(enc).lower()}\n'
-        f"recipients = {json.dumps(keys.recipients)}\n"
-        for n, enc in channels.items()
-    )
-    text = f"""
-[link]
-bridge_id = "diode-bridge"
-black_signers = ["{keys.black_fpr}"]
-
-{chans}
-[red]
-gnupg_home = "{keys.red_home}"
-inbox = "red/inbox"
-work_dir = "red/work"
-processed_dir = "red/processed"
-quarantine_dir = "red/quarantine"
-state_dir = "red/state"
-checkpoint_dir = "red/checkpoint"
-tables_dir = "red/tables"
-delta_engine = "delta-rs"
-settle_seconds = 0.2
-"""
-    root.mkdir(parents=True, exist_ok=True)
-    p = root / "diode.toml"
-    p.write_text(text)
-    return load_config(p)
+    return load_config(write_red_toml(root, keys, channels))
 
 
 def table(cfg: Config, name: str, columns: list[str] | None = None) -> list[dict[str, Any]]:

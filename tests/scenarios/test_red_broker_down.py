@@ -20,42 +20,10 @@ from bridge.config import load_config
 from bridge.red.approvals import Approvals
 from bridge.red.job import RedRun
 from bridge.red.replay import Replayer, ReplaySummary
-from tests.red_factory import RedKeys, kill_agents, make_chain
+from tests.red_factory import RedKeys, kill_agents, make_chain, write_red_toml
 from tests.scenarios.test_broker_restart import rabbitmqctl, restartable_broker  # noqa: F401
 
 pytestmark = [pytest.mark.broker, pytest.mark.gpg, pytest.mark.spark, pytest.mark.slow]
-
-
-def write_config(root: Path, keys: RedKeys, red_url: str) -> Path:
-    p = root / "diode.toml"
-    p.write_text(
-        f"""
-[link]
-bridge_id = "diode-bridge"
-black_signers = ["{keys.black_fpr}"]
-
-[[channels]]
-name = "orders"
-recipients = {json.dumps(keys.recipients)}
-
-[red]
-gnupg_home = "{keys.red_home}"
-inbox = "red/inbox"
-work_dir = "red/work"
-processed_dir = "red/processed"
-quarantine_dir = "red/quarantine"
-state_dir = "red/state"
-checkpoint_dir = "red/checkpoint"
-tables_dir = "red/tables"
-delta_engine = "delta-rs"
-settle_seconds = 0.2
-
-[red.replay]
-amqp_url = "{red_url}"
-poll_seconds = 0.3
-"""
-    )
-    return p
 
 
 def test_landing_goes_on_while_red_broker_is_down(
@@ -68,7 +36,12 @@ def test_landing_goes_on_while_red_broker_is_down(
     root.mkdir(exist_ok=True)
     keys = RedKeys.create(root)
     try:
-        cfg = load_config(write_config(tmp_path, keys, red_vhost.amqp_url))
+        cfg = load_config(
+            write_red_toml(
+                tmp_path, keys, {"orders": True}, replay_url=red_vhost.amqp_url,
+                replay_extra="poll_seconds = 0.3\n",
+            )
+        )  # fmt: skip
         made = tmp_path / "made"
         made.mkdir()
         chain = make_chain(made, keys, "orders", 6, 200)
