@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import shutil
 import signal
 import subprocess
@@ -437,3 +438,35 @@ def test_kill_9_at_a_landing_crash_point_then_recover(
     assert versions == {
         t: DeltaTable(str(Path(cfg.red.tables_dir) / t)).version() for t in versions
     }
+
+
+def test_random_kill_9_of_a_continuous_run_while_files_arrive(keys: RedKeys) -> None:
+    """Waves of bundles of two channels (shuffled, so out of order), each wave landed by a
+    continuous run that is SIGKILLed at a random moment after its first landing; a final
+    available-now run finishes. At least one kill must have interrupted work in progress."""
+    rng = random.Random(20261122)
+    root = keys.root / "random"
+    cfg = write_config(root, keys, CHANNELS, max_files_per_batch=2, settle_seconds=0.2)
+    made = root / "made"
+    made.mkdir(parents=True)
+    alpha = make_chain(made, keys, "alpha", 10, 30, encrypt=True)
+    beta = make_chain(made, keys, "beta", 10, 30, encrypt=False)
+    bundles = alpha + beta
+    order = list(bundles)
+    rng.shuffle(order)
+    waves = [order[i : i + 5] for i in range(0, len(order), 5)]
+    interrupted = 0
+    for i, wave in enumerate(waves):
+        drop(cfg, *(b.path for b in wave))
+        before = saved_land_seq(cfg)
+        job = RedJob(cfg, "continuous", tag=f"kill{i}", timeout=JOB_TIMEOUT)
+        wait_until(lambda b=before: saved_land_seq(cfg) > b, 120, "a first landing", job)
+        time.sleep(rng.uniform(0.0, 1.5))
+        job.kill()
+        intake = [p for p in (Path(cfg.red.work_dir) / "intake").iterdir() if p.name != "NEXT"]
+        if intake or intent_path(cfg).exists() or list(Path(cfg.red.inbox).iterdir()):
+            interrupted += 1
+    assert interrupted >= 1, "no kill hit a run with work in progress: the test proved nothing"
+    s = run_clean(cfg, "final")
+    assert s["rejected"] == 0, s
+    check_exactly_once(cfg, bundles, [], [])
