@@ -29,6 +29,9 @@ __all__ = [
     "LinkConfig",
     "RedConfig",
     "ReplayConfig",
+    "UdpConfig",
+    "UdpReceiveConfig",
+    "UdpSendConfig",
     "load_config",
     "ENV_PREFIX",
 ]
@@ -87,18 +90,13 @@ class ChannelConfig(_Strict):
     """False ships signed plaintext: an explicit, logged opt-out."""
 
     transport: Literal["file", "udp"] = "file"
-    """How bundles of this channel cross: dropped into the outbox (UDP: not available yet)."""
+    """How this channel's files cross: "file" leaves them in the outbox for the diode vendor's
+    mover; "udp" lets `diode udp send` carry them (needs the [udp] section)."""
 
     @model_validator(mode="after")
     def _check(self) -> ChannelConfig:
         fprs = [_fingerprint(f, f"channels[{self.name}].recipients") for f in self.recipients]
         object.__setattr__(self, "recipients", fprs)
-        if self.transport == "udp":
-            raise ValueError(
-                f'channel {self.name!r}: transport = "udp" is not implemented in this release '
-                '(a setting that does nothing is refused, not ignored): use transport = "file" '
-                "and let the diode vendor's mover carry the outbox"
-            )
         if self.encrypt and not fprs:
             raise ValueError(
                 f"channel {self.name!r} is encrypted but has no recipients: add red key "
@@ -360,6 +358,116 @@ class RedConfig(_Strict):
     """Replay publisher."""
 
 
+def _host_port(value: str, where: str) -> str:
+    host, sep, port = value.rpartition(":")
+    host = host.strip("[]")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"{where} must be HOST:PORT (an IPv6 host in brackets), got {value!r}")
+    if host in ("0.0.0.0", "::"):
+        raise ValueError(
+            f"{where} = {value!r} would use every interface: name the one address that faces "
+            "the diode"
+        )
+    return value
+
+
+class UdpSendConfig(_Strict):
+    """Black: `diode udp send` carries the outbox files of "udp" channels as datagrams."""
+
+    destination: str = "127.0.0.1:47100"
+    """HOST:PORT datagrams are sent to (the diode's input, the relay, or the receiver)."""
+
+    source: str = ""
+    """Optional HOST:PORT to send from (the interface that faces the diode); empty: any."""
+
+    rate_bytes_per_second: int = Field(default=100_000_000, ge=10_000)
+    """Token-bucket pace of datagram bytes (UDP payload, repair symbols included). Never send
+    faster than the diode and the receiver can take: loss follows the receiver's CPU."""
+
+    burst_bytes: int = Field(default=256 * 1024, ge=65_536)
+    """Token-bucket depth: the most sent back to back before pacing applies."""
+
+    repair_overhead: float = Field(default=0.1, ge=0, le=4)
+    """Repair symbols per block as a fraction of its source symbols (0.1 survives ~5% random
+    loss with margin; raise it for bursty links)."""
+
+    min_repair_symbols: int = Field(default=2, ge=0, le=1000)
+    """At least this many repair symbols per block (small files are one small block)."""
+
+    block_symbols: int = Field(default=128, ge=1, le=4096)
+    """Source symbols per FEC block: larger blocks resist loss better and cost more memory."""
+
+    interleave_datagrams: int = Field(default=4096, ge=1, le=1_000_000)
+    """Each block's symbols are spread over this many datagrams, so a burst of B lost
+    datagrams takes about B * block size / this from any block."""
+
+    copies: int = Field(default=1, ge=1, le=16)
+    """Send every file this many times (later copies carry fresh repair symbols)."""
+
+    heartbeat_seconds: float = Field(default=2.0, gt=0, le=3600)
+    """A link heartbeat datagram (epoch, per channel last seq sent, counters) this often."""
+
+    scan_seconds: float = Field(default=0.5, gt=0, le=60)
+    """How often the outbox is listed when nothing woke the sender."""
+
+    state_dir: Path = Path("black/udp-send")
+    """Sender's durable state: the epoch and the journal of files sent."""
+
+    @model_validator(mode="after")
+    def _check(self) -> UdpSendConfig:
+        _host_port(self.destination, "udp.send.destination")
+        if self.source:
+            _host_port(self.source, "udp.send.source")
+        return self
+
+
+class UdpReceiveConfig(_Strict):
+    """Red: `diode udp receive` reassembles datagrams into files in red's inbox."""
+
+    bind: str = "127.0.0.1:47100"
+    """HOST:PORT to receive on: one address, never every interface."""
+
+    inbox: Path | None = None
+    """Where completed files go; default: red.inbox."""
+
+    spool_dir: Path = Path("red/udp-spool")
+    """Durable reassembly spool (survives kill -9); on the inbox's file system."""
+
+    expire_seconds: float = Field(default=120.0, gt=0)
+    """An object with no new symbol for this long is expired: logged and recorded as a gap."""
+
+    rcvbuf_bytes: int = Field(default=8 * 1024 * 1024, ge=65_536)
+    """Socket receive buffer asked for (SO_RCVBUFFORCE as root, else capped by rmem_max)."""
+
+    max_object_bytes: int = Field(default=4 * 1024**3, ge=1024)
+    """Objects announcing more than this are refused (counted, never spooled)."""
+
+    max_open_objects: int = Field(default=256, ge=1)
+    """Objects reassembled at once; beyond it the oldest incomplete one is expired."""
+
+    @model_validator(mode="after")
+    def _check(self) -> UdpReceiveConfig:
+        _host_port(self.bind, "udp.receive.bind")
+        return self
+
+
+class UdpConfig(_Strict):
+    """The UDP transport (DESIGN.md 3.6); both sides need the same key_file and mtu."""
+
+    key_file: Path = Path("keys/udp.key")
+    """Pre-shared key authenticating every datagram: 64 hex digits, mode 0600, the same
+    file on both sides (`diode udp keygen` makes one)."""
+
+    mtu: int = Field(default=1500, ge=576, le=65535)
+    """Link MTU; datagrams are sized to fit one IP packet (9000 for jumbo frames)."""
+
+    send: UdpSendConfig = Field(default_factory=UdpSendConfig)
+    """Black: the sender."""
+
+    receive: UdpReceiveConfig = Field(default_factory=UdpReceiveConfig)
+    """Red: the receiver."""
+
+
 class Config(_Strict):
     """The whole configuration; both sides read the same file."""
 
@@ -375,6 +483,9 @@ class Config(_Strict):
     red: RedConfig = Field(default_factory=RedConfig)
     """Red side."""
 
+    udp: UdpConfig | None = None
+    """UDP transport; required when a channel has transport = "udp"."""
+
     source: Path | None = None
     """The file this configuration was read from (set by load_config)."""
 
@@ -386,7 +497,17 @@ class Config(_Strict):
         dupes = sorted({n for n in names if names.count(n) > 1})
         if dupes:
             raise ValueError(f"channel names must be unique; repeated: {dupes}")
+        udp = [c.name for c in self.channels if c.transport == "udp"]
+        if udp and self.udp is None:
+            raise ValueError(
+                f'channels {udp} have transport = "udp" but there is no [udp] section: add one '
+                '(see conf/diode.example.toml), or set transport = "file"'
+            )
         return self
+
+    def udp_channels(self) -> list[str]:
+        """Names of the channels whose files the UDP sender carries."""
+        return [c.name for c in self.channels if c.transport == "udp"]
 
     def channel(self, name: str) -> ChannelConfig:
         for ch in self.channels:
@@ -455,6 +576,9 @@ def _resolve_paths(data: dict[str, Any], base: Path) -> None:
                 continue
             value = Path(raw)
             sect[k] = str(value if value.is_absolute() else (base / value))
+    udp = data.get("udp")
+    if isinstance(udp, dict):
+        _resolve_udp_paths(udp, base, Path(data["red"]["inbox"]))
     black = data["black"]
     staging = black.get("staging_dir")
     if staging is None:  # beside the outbox, on its file system
@@ -462,6 +586,24 @@ def _resolve_paths(data: dict[str, Any], base: Path) -> None:
         black["staging_dir"] = str(outbox.parent / f".{outbox.name}.staging")
     elif isinstance(staging, str) and not Path(staging).is_absolute():
         black["staging_dir"] = str(base / staging)
+
+
+def _resolve_udp_paths(udp: dict[str, Any], base: Path, red_inbox: Path) -> None:
+    def rel(raw: Any) -> str:
+        value = Path(raw)
+        return str(value if value.is_absolute() else base / value)
+
+    udp["key_file"] = rel(udp.get("key_file", UdpConfig.model_fields["key_file"].default))
+    send = udp.setdefault("send", {})
+    if isinstance(send, dict):
+        send["state_dir"] = rel(
+            send.get("state_dir", UdpSendConfig.model_fields["state_dir"].default)
+        )
+    recv = udp.setdefault("receive", {})
+    if isinstance(recv, dict):
+        default_spool = UdpReceiveConfig.model_fields["spool_dir"].default
+        recv["spool_dir"] = rel(recv.get("spool_dir", default_spool))
+        recv["inbox"] = rel(recv["inbox"]) if recv.get("inbox") else str(red_inbox)
 
 
 def _format_validation(err: ValidationError, source: str) -> str:

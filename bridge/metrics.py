@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
 
-__all__ = ["REGISTRY", "BLACK", "RED", "serve_metrics"]
+__all__ = ["REGISTRY", "BLACK", "RED", "UDP", "serve_metrics"]
 
 REGISTRY = CollectorRegistry()
 
@@ -131,6 +131,68 @@ class _Red:
 
 
 RED = _Red(REGISTRY)
+
+
+class _Udp:
+    def __init__(self, reg: CollectorRegistry) -> None:
+        self.datagrams_sent = Counter(
+            "bridge_udp_datagrams_sent",
+            "Datagrams sent, by type (source, repair, heartbeat)",
+            ["type"],
+            registry=reg,
+        )
+        self.bytes_sent = Counter(
+            "bridge_udp_bytes_sent",
+            "UDP payload bytes sent (headers and repair included)",
+            registry=reg,
+        )
+        self.objects_sent = Counter(
+            "bridge_udp_objects_sent", "Files sent (each copy counts)", ["channel"], registry=reg
+        )
+        self.datagrams_received = Counter(
+            "bridge_udp_datagrams_received", "Datagrams read from the socket", registry=reg
+        )
+        self.datagrams_dropped = Counter(
+            "bridge_udp_datagrams_dropped",
+            "Datagrams dropped, by reason (tag, magic, version, short, malformed, duplicate, "
+            "late, too_large, spool_full)",
+            ["reason"],
+            registry=reg,
+        )
+        self.objects_completed = Counter(
+            "bridge_udp_objects_completed",
+            "Files reassembled, digest checked and delivered to the inbox",
+            ["channel"],
+            registry=reg,
+        )
+        self.objects_expired = Counter(
+            "bridge_udp_objects_expired",
+            "Files given up (timeout, undecodable block, digest mismatch): recorded as gaps",
+            ["channel", "reason"],
+            registry=reg,
+        )
+        self.repair_symbols_used = Counter(
+            "bridge_udp_repair_symbols_used",
+            "Repair symbols that stood in for lost source symbols",
+            registry=reg,
+        )
+        self.goodput_bytes = Counter(
+            "bridge_udp_goodput_bytes", "Bytes of files delivered intact", registry=reg
+        )
+        self.heartbeat_age = Gauge(
+            "bridge_udp_heartbeat_age_seconds",
+            "Seconds since the last link heartbeat datagram (alarm when it grows)",
+            registry=reg,
+        )
+        self.sender_epoch = Gauge(
+            "bridge_udp_sender_epoch", "Epoch of the sender session last heard", registry=reg
+        )
+        self.open_objects = Gauge(
+            "bridge_udp_open_objects", "Objects being reassembled", registry=reg
+        )
+
+
+UDP = _Udp(REGISTRY)
 
 
 def serve_metrics(port: int, addr: str = "127.0.0.1") -> None:

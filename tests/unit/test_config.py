@@ -15,6 +15,9 @@ from bridge.config import (
     Config,
     LinkConfig,
     RedConfig,
+    UdpConfig,
+    UdpReceiveConfig,
+    UdpSendConfig,
     load_config,
 )
 from bridge.errors import ConfigError
@@ -39,6 +42,9 @@ def test_example_loads_and_documents_every_key() -> None:
         BlackConfig,
         BundleConfig,
         RedConfig,
+        UdpConfig,
+        UdpSendConfig,
+        UdpReceiveConfig,
     ]
     for model in models:
         for name in model.model_fields:
@@ -113,3 +119,25 @@ def test_secrets_not_in_repr(tmp_path: Path) -> None:
     cfg = load_config(p, environ={})
     assert "hunter2" not in repr(cfg) and "hunter2" not in str(cfg)
     assert isinstance(cfg, Config)
+
+
+def test_udp_transport_needs_the_udp_section(tmp_path: Path) -> None:
+    base = '[[channels]]\nname = "a"\nencrypt = false\ntransport = "udp"\n'
+    with pytest.raises(ConfigError, match=r"no \[udp\] section"):
+        load_config(_write(tmp_path, base), environ={})
+    cfg = load_config(_write(tmp_path, base + "[udp]\n[udp.receive]\n"), environ={})
+    assert cfg.udp_channels() == ["a"]
+    assert cfg.udp is not None
+    assert cfg.udp.key_file == tmp_path / "keys/udp.key"
+    assert cfg.udp.receive.inbox == cfg.red.inbox  # default: red's inbox
+    assert cfg.udp.send.state_dir == tmp_path / "black/udp-send"
+
+
+def test_udp_refuses_every_interface_and_bad_addresses(tmp_path: Path) -> None:
+    base = '[[channels]]\nname = "a"\nencrypt = false\n[udp.receive]\n'
+    with pytest.raises(ConfigError, match="every interface"):
+        load_config(_write(tmp_path, base + 'bind = "0.0.0.0:47100"\n'), environ={})
+    with pytest.raises(ConfigError, match="HOST:PORT"):
+        load_config(_write(tmp_path, base + 'bind = "localhost"\n'), environ={})
+    cfg = load_config(_write(tmp_path, base + 'bind = "[::1]:9"\n'), environ={})
+    assert cfg.udp is not None and cfg.udp.receive.bind == "[::1]:9"
