@@ -3,7 +3,7 @@
 Every datagram can be placed on its own: it names the sender session (``epoch``), its own
 number (``packet``), and for a symbol the whole object it belongs to (id, kind, channel, seq,
 length, SHA-256 digest, FEC parameters) and where it goes in it (block, symbol id). All
-integers are big-endian and unsigned; ``docs/protocol.md`` §8 draws the layout::
+integers are big-endian and unsigned; ``docs/protocol.md`` §12 draws the layout::
 
      0  2  magic 0xD1 0x0D            20  8  object id        48 32  object digest (SHA-256)
      2  1  version (1)                28  1  object kind      80  2  block symbols K
@@ -136,6 +136,8 @@ class ObjectHeader:
         for value, lo, hi, name in checks:
             if type(value) is not int or not lo <= value <= hi:
                 raise ValueError(f"{w}: {name} must be an int in [{lo}, {hi}], got {value!r}")
+        if self.symbol_size % 8:
+            raise ValueError(f"{w}: symbol_size must be a multiple of 8, got {self.symbol_size}")
         if not isinstance(self.digest, bytes) or len(self.digest) != 32:
             raise ValueError(f"{w}: digest must be 32 bytes (SHA-256)")
         object.__setattr__(self, "kind", ObjectKind(self.kind))

@@ -1,0 +1,160 @@
+"""Diode, UDP (both sides): FEC blocks of an object, RaptorQ (RFC 6330) per block, systematic.
+
+An object of L bytes is cut into blocks of K source symbols of T bytes (the last block
+shorter). Each block is encoded on its own: symbol ids 0..k-1 are the data (the last one
+zero-padded), ids >= k repair symbols; about any k distinct symbols rebuild the block (RaptorQ
+fails to decode from exactly k with probability below 1%, from k + 2 below 1e-6). RaptorQ was
+chosen by measurement over zfec (benchmarks/udp.py --fec): at T = 1360, k = 128 it encodes at
+~430 MB/s vs 150 MB/s and decodes at ~500 vs 330 MB/s, and it is a fountain code: a repeated
+send draws fresh repair symbols instead of repeating the same ones.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import raptorq
+
+from bridge.errors import ProtocolError
+
+__all__ = [
+    "MAX_BLOCK_SYMBOLS",
+    "BlockPlan",
+    "FecError",
+    "BlockDecoder",
+    "block_count",
+    "block_plan",
+    "encode_block",
+    "repair_count",
+]
+
+MAX_BLOCK_SYMBOLS = 4096
+"""RaptorQ keeps one source block up to here (measured); larger K is refused."""
+MAX_ESI = (1 << 24) - 1
+
+
+class FecError(ProtocolError):
+    """A symbol that cannot belong to its block (id or length out of range)."""
+
+
+@dataclass(frozen=True, slots=True)
+class BlockPlan:
+    """Block ``index`` of an object: ``length`` bytes at ``offset``, ``k`` source symbols."""
+
+    index: int
+    offset: int
+    length: int
+    k: int
+
+
+def block_count(length: int, symbol_size: int, block_symbols: int) -> int:
+    """Blocks of an object of ``length`` bytes (at least 1)."""
+    return max(1, math.ceil(length / (symbol_size * block_symbols)))
+
+
+def block_plan(length: int, symbol_size: int, block_symbols: int, index: int) -> BlockPlan:
+    """The plan of one block; ValueError when ``index`` is not a block of this object."""
+    n = block_count(length, symbol_size, block_symbols)
+    if not 0 <= index < n:
+        raise ValueError(f"block {index} of an object of {length} bytes ({n} blocks)")
+    size = symbol_size * block_symbols
+    offset = index * size
+    blen = max(0, min(size, length - offset))
+    return BlockPlan(index, offset, blen, max(1, math.ceil(blen / symbol_size)))
+
+
+def repair_count(k: int, overhead: float, min_repair: int) -> int:
+    """Repair symbols for a block of ``k`` source symbols."""
+    return max(min_repair, math.ceil(k * overhead - 1e-9))
+
+
+def encode_block(
+    data: bytes, symbol_size: int, n_repair: int, first_repair: int = 0
+) -> list[tuple[int, bytes]]:
+    """``[(esi, symbol)]``: every source symbol of the block, then ``n_repair`` repair symbols
+    with ids ``k + first_repair ..`` (a later copy asks for fresh ones with ``first_repair``)."""
+    if not data:
+        raise ValueError("an empty block cannot be encoded (an envelope is never empty)")
+    if symbol_size % 8:
+        raise ValueError(f"symbol size {symbol_size} is not a multiple of 8 (RaptorQ alignment)")
+    k = math.ceil(len(data) / symbol_size)
+    if k > MAX_BLOCK_SYMBOLS:
+        raise ValueError(f"block of {k} symbols; at most {MAX_BLOCK_SYMBOLS}")
+    padded = bytes(data) + bytes(k * symbol_size - len(data))  # whole symbols, zero-padded
+    packets = raptorq.Encoder.with_defaults(padded, symbol_size).get_encoded_packets(
+        first_repair + n_repair
+    )
+    out: list[tuple[int, bytes]] = []
+    for i, pkt in enumerate(packets):
+        if k <= i < k + first_repair:
+            continue
+        out.append((int.from_bytes(pkt[1:4], "big"), bytes(pkt[4:])))
+    return out
+
+
+class BlockDecoder:
+    """Collects the symbols of one block until it can be rebuilt; duplicates are ignored.
+
+    Fast path: when every source symbol arrived, the block is their concatenation. Otherwise
+    RaptorQ runs once enough distinct symbols are there (again after each further one if it
+    could not yet decode).
+    """
+
+    __slots__ = ("plan", "t", "_symbols", "_data", "repairs_used")
+
+    def __init__(self, plan: BlockPlan, symbol_size: int) -> None:
+        self.plan = plan
+        self.t = symbol_size
+        self._symbols: dict[int, bytes] | None = {}
+        self._data: bytes | None = None
+        self.repairs_used = 0
+
+    @property
+    def complete(self) -> bool:
+        return self._data is not None
+
+    @property
+    def received(self) -> int:
+        return len(self._symbols) if self._symbols is not None else self.plan.k
+
+    def symbols(self) -> dict[int, bytes]:
+        """The symbols held (empty once complete)."""
+        return dict(self._symbols or {})
+
+    def add(self, esi: int, payload: bytes) -> bool:
+        """Add one symbol; True when this one completed the block."""
+        syms = self._symbols
+        if syms is None or esi in syms:
+            return False
+        if len(payload) != self.t or not 0 <= esi <= MAX_ESI:
+            raise FecError(
+                f"block {self.plan.index}: symbol {esi} of {len(payload)} bytes does not fit "
+                f"(T = {self.t}, ids < {MAX_ESI + 1})"
+            )
+        syms[esi] = payload
+        k = self.plan.k
+        if len(syms) < k:
+            return False
+        if all(i in syms for i in range(k)):
+            data = b"".join(syms[i] for i in range(k))
+        else:
+            decoder = raptorq.Decoder.with_defaults(k * self.t, self.t)
+            got = None
+            for i, sym in syms.items():
+                got = decoder.decode(bytes((0,)) + i.to_bytes(3, "big") + sym)
+                if got is not None:
+                    break
+            if got is None:
+                return False
+            data = bytes(got)
+            self.repairs_used = sum(1 for i in range(k) if i not in syms)
+        self._data = data[: self.plan.length]
+        self._symbols = None
+        return True
+
+    def data(self) -> bytes:
+        """The block's bytes; only once complete."""
+        if self._data is None:
+            raise FecError(f"block {self.plan.index} is not complete ({self.received} symbols)")
+        return self._data
