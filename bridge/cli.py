@@ -346,10 +346,16 @@ def resend(config_path: Path | None, channel: str, first: int, last: int, wait: 
 @cli.command("status")
 @config_option
 def status(config_path: Path | None) -> None:
-    """Per channel: last bundle and message seq, counters, pending work, outbox backlog."""
+    """Per channel: last bundle and message seq, counters, pending work, outbox backlog; and
+    the UDP link (sender epoch and counters) when one is configured."""
     from bridge.black.report import channel_status
+    from bridge.diode.link_status import link_status
 
-    click.echo(json.dumps(channel_status(_load(config_path)), indent=2))
+    cfg = _load(config_path)
+    out = channel_status(cfg)
+    if cfg.udp is not None:
+        out["link"] = link_status(cfg)
+    click.echo(json.dumps(out, indent=2))
 
 
 @cli.command("gaps")
@@ -488,6 +494,90 @@ def approve(config_path: Path | None, exchanges: tuple[str, ...], revoke: bool, 
     click.echo(json.dumps(out, default=str))
 
 
+# -- udp -------------------------------------------------------------------------------
+@cli.group()
+def udp() -> None:
+    """UDP transport across a one-way link (DESIGN.md 3.6, docs/protocol.md §12)."""
+
+
+@udp.command("keygen")
+@click.option(
+    "--out", type=click.Path(dir_okay=False, path_type=Path), required=True, help="key file"
+)
+@click.option("--force", is_flag=True, help="replace an existing key file")
+def udp_keygen(out: Path, force: bool) -> None:
+    """Make the link's pre-shared datagram key (mode 0600); copy the file to both sides."""
+    from bridge.diode.udp_key import generate_key_file
+
+    generate_key_file(out, force=force)
+    click.echo(f"wrote {out}: set udp.key_file to it on black and on red")
+
+
+def _udp_metrics(port: int | None) -> None:
+    if port:
+        from bridge.metrics import serve_metrics
+
+        serve_metrics(port)
+
+
+@udp.command("send")
+@config_option
+@click.option("--until-idle", is_flag=True, help="stop once the outbox holds nothing to send")
+@click.option("--timeout", type=float, default=None, help="stop after N seconds")
+@click.option("--metrics-port", type=int, default=None, help="serve /metrics on 127.0.0.1")
+def udp_send(
+    config_path: Path | None, until_idle: bool, timeout: float | None, metrics_port: int | None
+) -> None:
+    """Black: carry the outbox files of "udp" channels as paced, FEC-coded datagrams."""
+    from bridge.diode.udp_sender import run_sender
+
+    cfg = _load(config_path)
+    _udp_metrics(metrics_port)
+    summary = run_sender(cfg, until_idle=until_idle, timeout=timeout)
+    click.echo(json.dumps(_jsonable(summary)))
+
+
+@udp.command("receive")
+@config_option
+@click.option("--timeout", type=float, default=None, help="stop after N seconds")
+@click.option("--metrics-port", type=int, default=None, help="serve /metrics on 127.0.0.1")
+def udp_receive(config_path: Path | None, timeout: float | None, metrics_port: int | None) -> None:
+    """Red: reassemble datagrams into files in red's inbox (durable spool, digest checked)."""
+    from bridge.diode.udp_receiver import run_receiver
+
+    cfg = _load(config_path)
+    _udp_metrics(metrics_port)
+    summary = run_receiver(cfg, timeout=timeout)
+    click.echo(json.dumps(_jsonable(summary)))
+
+
+@udp.command("relay", context_settings={"ignore_unknown_options": True})
+@click.argument("argv", nargs=-1, type=click.UNPROCESSED)
+def udp_relay(argv: tuple[str, ...]) -> None:
+    """Lossy virtual diode for tests and demos (`diode udp relay --help`)."""
+    from bridge.diode.udp_relay import main as relay_main
+
+    sys.exit(relay_main(list(argv)))
+
+
+@udp.command("status")
+@config_option
+def udp_status(config_path: Path | None) -> None:
+    """The link as each side last wrote it: sender epoch and counters, receiver counters, gaps."""
+    from bridge.diode.link_status import link_status
+
+    click.echo(json.dumps(link_status(_load(config_path)), indent=2))
+
+
+def _jsonable(obj: Any) -> Any:
+    to_json = getattr(obj, "to_json", None)
+    if callable(to_json):
+        return to_json()
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return dataclasses.asdict(obj)
+    return obj
+
+
 # -- demo ------------------------------------------------------------------------------
 @cli.command("demo")
 @click.option("--messages", type=int, default=20000, show_default=True)
@@ -505,12 +595,35 @@ def approve(config_path: Path | None, exchanges: tuple[str, ...], revoke: bool, 
     show_default=True,
     help="every Nth message carries a 3 MB body (0: none)",
 )
+@click.option(
+    "--transport",
+    type=click.Choice(["file", "udp"]),
+    default="file",
+    show_default=True,
+    help="file: a stand-in hot-folder mover; udp: sender -> lossy relay -> receiver",
+)
+@click.option(
+    "--loss", type=float, default=0.0, show_default=True, help="udp: % of datagrams the relay drops"
+)
 @click.option("--json", "as_json", is_flag=True, help="print one JSON summary as the last line")
-def demo(messages: int, workdir: Path, vhost: str, big_every: int, as_json: bool) -> None:
-    """Set up and run the pipeline on this machine: keys, traffic, black job, bundles."""
+def demo(
+    messages: int,
+    workdir: Path,
+    vhost: str,
+    big_every: int,
+    transport: str,
+    loss: float,
+    as_json: bool,
+) -> None:
+    """Set up and run the whole chain on this machine: black broker -> bundles -> diode ->
+    red Delta -> red broker, then print a summary."""
     from bridge.demo.run import run_demo
 
-    summary = run_demo(workdir, messages, vhost=vhost, big_every=big_every)
+    if loss and transport != "udp":
+        raise click.UsageError("--loss needs --transport udp")
+    summary = run_demo(
+        workdir, messages, vhost=vhost, big_every=big_every, transport=transport, loss_percent=loss
+    )
     if as_json:
         click.echo(json.dumps(summary))
     else:

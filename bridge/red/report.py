@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from bridge.config import Config
+from bridge.diode.link_status import read_gap_records
 from bridge.red import sequence as sq
 from bridge.red.landing import STATE_FILE
 
@@ -91,4 +92,10 @@ def _declared(cfg: Config) -> list[dict[str, Any]]:
 
 def red_gaps(cfg: Config) -> dict[str, Any]:
     _, state, _ = load_sequence(cfg)
-    return {"open_transit_gaps": sq.open_gaps(state), "declared_by_black": _declared(cfg)}
+    out: dict[str, Any] = {
+        "open_transit_gaps": sq.open_gaps(state),
+        "declared_by_black": _declared(cfg),
+    }
+    if cfg.udp is not None:  # why a bundle never reached the inbox: the UDP receiver's records
+        out["udp_transport_gaps"] = read_gap_records(Path(cfg.udp.receive.spool_dir))
+    return out

@@ -1,0 +1,60 @@
+"""Diode, UDP (both sides): the link as the sender and the receiver last reported it."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+from bridge.config import Config
+
+__all__ = ["link_status", "read_json", "read_gap_records"]
+
+
+def read_json(path: Path) -> dict[str, Any] | None:
+    """A status file written atomically by a sender or receiver; None when absent or torn."""
+    try:
+        doc = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return doc if isinstance(doc, dict) else None
+
+
+def read_gap_records(spool_dir: Path) -> list[dict[str, Any]]:
+    """The receiver's gap records (``gaps.jsonl``): objects expired before they completed."""
+    path = Path(spool_dir) / "gaps.jsonl"
+    out: list[dict[str, Any]] = []
+    try:
+        lines = path.read_text(encoding="utf-8", errors="replace").splitlines()
+    except OSError:
+        return out
+    for line in lines:
+        try:
+            doc = json.loads(line)
+        except ValueError:
+            continue  # a torn last line after a crash: the record was not durable
+        if isinstance(doc, dict):
+            out.append(doc)
+    return out
+
+
+def link_status(cfg: Config) -> dict[str, Any]:
+    """What this host knows of the link: the sender's (black) and/or receiver's (red) view."""
+    if cfg.udp is None:
+        return {"transport": "file", "udp": None}
+    now = time.time()
+    send = read_json(Path(cfg.udp.send.state_dir) / "status.json")
+    recv = read_json(Path(cfg.udp.receive.spool_dir) / "status.json")
+    for doc in (send, recv):
+        if doc is not None and isinstance(doc.get("written_at"), int | float):
+            doc["age_seconds"] = round(now - doc["written_at"], 1)
+    gaps = read_gap_records(Path(cfg.udp.receive.spool_dir))
+    return {
+        "transport": "udp",
+        "channels": cfg.udp_channels(),
+        "sender": send,
+        "receiver": recv,
+        "gaps": gaps[-100:],
+        "gaps_total": len(gaps),
+    }

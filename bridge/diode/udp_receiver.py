@@ -1,0 +1,311 @@
+"""Diode, UDP (red): `diode udp receive` — datagrams -> durable spool -> files in red's inbox.
+
+A tight loop in its own process reads the one configured address, drops what does not
+authenticate before any work, and hands symbols to the reassembler (``udp_spool``). Objects
+whose blocks are all rebuilt go to a delivery thread that checks the SHA-256, writes the file
+aside, fsyncs and renames it into the inbox (hashing and copying release the GIL, so the loop
+keeps reading). Every datagram is counted: received, or dropped by reason.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import signal
+import socket
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from bridge.config import Config
+from bridge.diode.udp_key import load_key
+from bridge.diode.udp_spool import Delivery, Reassembler, deliver, verify_and_read_name
+from bridge.errors import ConfigError
+from bridge.fsutil import atomic_write_bytes, durable_mkdir, exclusive_lock
+from bridge.logs import get_logger, log_event
+from bridge.metrics import UDP
+from bridge.protocol.datagram import DatagramCodec, DatagramError, LinkHeartbeat
+
+__all__ = ["ReceiveSummary", "run_receiver"]
+
+log = get_logger("bridge.diode.udp_receiver")
+
+_STATUS_EVERY = 1.0
+_FLUSH_EVERY = 0.2
+
+
+@dataclass
+class ReceiveSummary:
+    """What one run of the receiver saw."""
+
+    datagrams: int = 0
+    dropped: dict[str, int] = field(default_factory=dict)
+    objects_completed: int = 0
+    objects_expired: int = 0
+    duplicate_objects: int = 0
+    repair_symbols_used: int = 0
+    goodput_bytes: int = 0
+    epoch: int | None = None
+    epochs_seen: int = 0
+    heartbeats: int = 0
+    seconds: float = 0.0
+
+    def to_json(self) -> dict[str, Any]:
+        d = dict(self.__dict__)
+        d["dropped"] = dict(self.dropped)
+        d["goodput_mb_per_s"] = (
+            round(self.goodput_bytes / self.seconds / 1e6, 2) if self.seconds else 0.0
+        )
+        return d
+
+
+class _Receiver:
+    def __init__(self, cfg: Config, stop: threading.Event) -> None:
+        if cfg.udp is None:
+            raise ConfigError("no [udp] section: `diode udp receive` needs one")
+        self.u = cfg.udp.receive
+        self.stop = stop
+        self.codec = DatagramCodec(load_key(cfg.udp.key_file))
+        self.inbox = Path(self.u.inbox or cfg.red.inbox)
+        self.root = Path(self.u.spool_dir)
+        host, _, port = self.u.bind.rpartition(":")
+        host = host.strip("[]")
+        self.sock = socket.socket(
+            socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_DGRAM
+        )
+        self.rcvbuf = self._rcvbuf()
+        try:
+            self.sock.bind((host, int(port)))
+        except OSError as e:
+            self.sock.close()
+            raise ConfigError(
+                f"udp.receive.bind {self.u.bind}: cannot bind ({e.strerror}); name an address "
+                "of this host that no other process uses"
+            ) from None
+        self.sock.settimeout(0.2)
+        self.summary = ReceiveSummary()
+        self.heartbeat: dict[str, Any] | None = None
+        self.heard = 0.0
+        self.work: queue.Queue[Delivery | None] = queue.Queue()
+        self.lock = threading.Lock()
+
+    def _rcvbuf(self) -> int:
+        want = self.u.rcvbuf_bytes
+        for opt in (getattr(socket, "SO_RCVBUFFORCE", None), socket.SO_RCVBUF):
+            if opt is None:
+                continue
+            try:
+                self.sock.setsockopt(socket.SOL_SOCKET, opt, want)
+                break
+            except OSError:
+                continue
+        got = self.sock.getsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF) // 2
+        if got < want:
+            log_event(log, 30, "socket receive buffer smaller than asked: bursts may be lost",
+                      asked=want, granted=got,
+                      fix="run as root (SO_RCVBUFFORCE) or raise net.core.rmem_max")  # fmt: skip
+        return got
+
+    # -- delivery thread ------------------------------------------------------------------
+    def _deliver_loop(self, ra: Reassembler) -> None:
+        tmp = self.root / "tmp"
+        while True:
+            d = self.work.get()
+            if d is None:
+                return
+            try:
+                self._deliver_one(ra, d, tmp)
+            except OSError as e:  # the disk: keep the spool, retry at the next start
+                log_event(log, 40, "delivery into the inbox failed: kept in the spool",
+                          object_id=d.header.object_id, epoch=d.epoch, error=str(e))  # fmt: skip
+
+    def _deliver_one(self, ra: Reassembler, d: Delivery, tmp: Path) -> None:
+        checked = verify_and_read_name(d)
+        h = d.header
+        if isinstance(checked, str):
+            with self.lock:
+                ra.fail(d, checked)
+                self.summary.objects_expired += 1
+            UDP.objects_expired.labels(h.channel, checked).inc()
+            return
+        name, offset = checked
+        final, outcome = deliver(d, name, offset, tmp, self.inbox)
+        with self.lock:
+            ra.mark_delivered(d, final)
+            s = self.summary
+            if outcome == "duplicate":
+                s.duplicate_objects += 1
+            else:
+                s.objects_completed += 1
+                s.goodput_bytes += h.length - offset
+                s.repair_symbols_used += d.repairs_used
+        if outcome != "duplicate":
+            UDP.objects_completed.labels(h.channel).inc()
+            UDP.goodput_bytes.inc(h.length - offset)
+            UDP.repair_symbols_used.inc(d.repairs_used)
+        level = 40 if outcome == "renamed" else 20
+        log_event(log, level, f"udp object {outcome}", file_name=final, channel=h.channel,
+                  seq=h.seq, bytes=h.length - offset, epoch=d.epoch, object_id=h.object_id,
+                  repairs_used=d.repairs_used)  # fmt: skip
+
+    # -- the loop -------------------------------------------------------------------------
+    def _on_heartbeat(self, hb: LinkHeartbeat) -> None:
+        self.summary.heartbeats += 1
+        self._epoch(hb.epoch)
+        if hb.epoch < (self.summary.epoch or 0):
+            return  # an old session's straggler says nothing about the link now
+        self.heard = time.time()
+        self.heartbeat = {
+            "epoch": hb.epoch,
+            "sender_time": hb.sender_time,
+            "interval_seconds": hb.interval_seconds,
+            "channels": hb.channels,
+            "counters": hb.counters,
+            "received_at": self.heard,
+        }
+
+    def _epoch(self, epoch: int) -> None:
+        cur = self.summary.epoch
+        if cur is None or epoch > cur:
+            if cur is None:
+                log_event(log, 20, "sender epoch seen", epoch=epoch)
+            else:
+                log_event(log, 30, "sender restarted: new epoch", old_epoch=cur, epoch=epoch)
+            self.summary.epoch = epoch
+            self.summary.epochs_seen += 1
+            UDP.sender_epoch.set(epoch)
+
+    def _status(self, ra: Reassembler) -> None:
+        with self.lock:
+            s = self.summary
+            for reason, n in ra.dropped.items():
+                s.dropped[reason] = n
+            doc = {
+                "written_at": time.time(),
+                "pid": os.getpid(),
+                "bind": self.u.bind,
+                "rcvbuf_bytes": self.rcvbuf,
+                "open_objects": len(ra.open),
+                "heartbeat": self.heartbeat,
+                "heartbeat_age_seconds": round(time.time() - self.heard, 1) if self.heard else None,
+                **s.to_json(),
+            }
+        if self.heard:
+            UDP.heartbeat_age.set(time.time() - self.heard)
+        UDP.open_objects.set(len(ra.open))
+        atomic_write_bytes(self.root / "status.json", json.dumps(doc).encode(), mode=0o600)
+
+    def run(
+        self, timeout: float | None, ready: Callable[[tuple[str, int]], None] | None
+    ) -> ReceiveSummary:
+        durable_mkdir(self.root)
+        durable_mkdir(self.inbox)
+        with exclusive_lock(
+            self.root / "receive.lock", what="udp receiver",
+            hint="another `diode udp receive` uses this udp.receive.spool_dir; stop it first",
+        ):  # fmt: skip
+            try:
+                return self._run(timeout, ready)
+            finally:
+                self.sock.close()
+
+    def _run(
+        self, timeout: float | None, ready: Callable[[tuple[str, int]], None] | None
+    ) -> ReceiveSummary:
+        ra = Reassembler(
+            self.root,
+            max_object_bytes=self.u.max_object_bytes,
+            max_open_objects=self.u.max_open_objects,
+        )
+        t0 = time.monotonic()
+        rebuilt = ra.recover(t0)
+        worker = threading.Thread(target=self._deliver_loop, args=(ra,), daemon=True)
+        worker.start()
+        log_event(log, 20, "udp receiver listening", bind=self.u.bind, inbox=str(self.inbox),
+                  rcvbuf=self.rcvbuf, objects_rebuilt=rebuilt)  # fmt: skip
+        self._status(ra)
+        if ready is not None:
+            ready(self.sock.getsockname()[:2])
+        deadline = None if timeout is None else t0 + timeout
+        buf = bytearray(65536)
+        view = memoryview(buf)
+        recv_into, open_ = self.sock.recv_into, self.codec.open
+        dropped, s = ra.dropped, self.summary
+        last_status = last_flush = last_expire = time.monotonic()
+        epoch = -1
+        try:
+            while not self.stop.is_set():
+                while ra.ready:
+                    self.work.put(ra.ready.popleft())
+                batch_now = time.monotonic()
+                for _ in range(1024):
+                    try:
+                        n = recv_into(buf)
+                    except TimeoutError:
+                        break
+                    s.datagrams += 1
+                    try:
+                        dg = open_(view[:n])
+                    except DatagramError as e:
+                        dropped[e.reason] = dropped.get(e.reason, 0) + 1
+                        continue
+                    if type(dg) is LinkHeartbeat:
+                        self._on_heartbeat(dg)
+                        continue
+                    if dg.epoch != epoch:  # type: ignore[union-attr]
+                        epoch = dg.epoch
+                        self._epoch(epoch)
+                    with self.lock:
+                        ra.add(dg, batch_now)  # type: ignore[arg-type]
+                    if ra.ready:
+                        break
+                now = time.monotonic()
+                if now - last_flush >= _FLUSH_EVERY:
+                    last_flush = now
+                    with self.lock:
+                        ra.flush_all()
+                if now - last_expire >= 1.0:
+                    last_expire = now
+                    with self.lock:
+                        n_exp = ra.expire_idle(now, self.u.expire_seconds)
+                        s.objects_expired += n_exp
+                if now - last_status >= _STATUS_EVERY:
+                    last_status = now
+                    self._status(ra)
+                if deadline is not None and now > deadline:
+                    break
+        finally:
+            with self.lock:
+                ra.flush_all()
+            while ra.ready:
+                self.work.put(ra.ready.popleft())
+            self.work.put(None)
+            worker.join(timeout=600)
+            s.seconds = round(time.monotonic() - t0, 3)
+            self._status(ra)
+        log_event(log, 20, "udp receiver stopped", **s.to_json())
+        return s
+
+
+def run_receiver(
+    cfg: Config,
+    *,
+    stop: threading.Event | None = None,
+    timeout: float | None = None,
+    ready: Callable[[tuple[str, int]], None] | None = None,
+) -> ReceiveSummary:
+    """Receive until stopped (SIGTERM / SIGINT in the main thread), or for ``timeout`` s."""
+    stop = stop or threading.Event()
+    saved: dict[signal.Signals, Any] = {}
+    if threading.current_thread() is threading.main_thread():
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            saved[sig] = signal.signal(sig, lambda *_: stop.set())
+    try:
+        return _Receiver(cfg, stop).run(timeout, ready)
+    finally:
+        for signum, handler in saved.items():
+            signal.signal(signum, handler)

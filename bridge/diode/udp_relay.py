@@ -1,0 +1,243 @@
+"""Diode, UDP (tests, benchmarks, demo): a lossy one-way relay standing in for the diode.
+
+It never parses a datagram: it forwards each one from ``--listen`` to ``--forward`` unless
+its impairments decide otherwise — random loss, loss in bursts (Gilbert-Elliott), reordering,
+duplication and single-bit corruption. Counters go to stdout as one JSON line when it stops
+(SIGTERM / SIGINT) and every ``--report-seconds``.
+
+Burst model: two states. In *good* nothing is lost by it; in *bad* every datagram is lost.
+Bad -> good with probability ``1 / burst_mean`` per datagram (bursts last ``burst_mean`` on
+average, geometrically), good -> bad with ``p = r / (burst_mean * (1 - r))`` so that the
+long-run fraction lost in bursts is ``r = burst_loss``. ``burst_max`` caps a burst's length
+(``burst_mean = burst_max = 50`` gives bursts of exactly 50).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import signal
+import socket
+import sys
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = ["Impairment", "LossModel", "Relay", "main"]
+
+
+@dataclass(frozen=True)
+class Impairment:
+    """What the relay does to the datagrams it forwards (fractions in 0..1)."""
+
+    loss: float = 0.0
+    burst_loss: float = 0.0
+    burst_mean: float = 4.0
+    burst_max: int | None = None
+    reorder: float = 0.0
+    reorder_depth: int = 8
+    duplicate: float = 0.0
+    corrupt: float = 0.0
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("loss", "burst_loss", "reorder", "duplicate", "corrupt"):
+            v = getattr(self, name)
+            if not 0 <= v < 1:
+                raise ValueError(f"relay {name} must be a fraction in [0, 1), got {v}")
+        if self.burst_mean < 1 or self.reorder_depth < 1:
+            raise ValueError("relay burst_mean and reorder_depth must be >= 1")
+
+
+class LossModel:
+    """Decides per datagram: lost at random, lost in a burst, or kept (pure, seeded)."""
+
+    __slots__ = ("_rng", "_loss", "_p_enter", "_p_leave", "_max", "_bad", "_run")
+
+    def __init__(self, imp: Impairment, rng: random.Random) -> None:
+        self._rng = rng
+        self._loss = imp.loss
+        r = imp.burst_loss
+        self._p_leave = 1.0 / imp.burst_mean
+        self._p_enter = r / (imp.burst_mean * (1.0 - r)) if r > 0 else 0.0
+        self._max = imp.burst_max
+        self._bad = False
+        self._run = 0
+
+    def decide(self) -> str | None:
+        """None to keep the datagram, else the reason it is lost ("random" or "burst")."""
+        rnd = self._rng.random
+        if self._bad:
+            self._run += 1
+            if rnd() < self._p_leave or (self._max is not None and self._run >= self._max):
+                self._bad = False
+            return "burst"
+        if self._p_enter and rnd() < self._p_enter:
+            self._bad = self._max != 0
+            self._run = 1
+            if self._bad and (rnd() < self._p_leave or self._max == 1):
+                self._bad = False
+            return "burst"
+        if self._loss and rnd() < self._loss:
+            return "random"
+        return None
+
+
+@dataclass
+class Relay:
+    """One socket in, one out; a tight loop in the calling thread."""
+
+    listen: tuple[str, int]
+    forward: tuple[str, int]
+    imp: Impairment = field(default_factory=Impairment)
+    rcvbuf: int = 8 << 20
+    counters: dict[str, int] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.counters = dict.fromkeys(
+            (
+                "received",
+                "forwarded",
+                "dropped_random",
+                "dropped_burst",
+                "reordered",
+                "duplicated",
+                "corrupted",
+            ),
+            0,
+        )
+        family = socket.AF_INET6 if ":" in self.listen[0] else socket.AF_INET
+        self.sock = socket.socket(family, socket.SOCK_DGRAM)
+        for opt in (getattr(socket, "SO_RCVBUFFORCE", None), socket.SO_RCVBUF):
+            if opt is None:
+                continue
+            try:
+                self.sock.setsockopt(socket.SOL_SOCKET, opt, self.rcvbuf)
+                break
+            except OSError:
+                continue
+        self.sock.bind(self.listen)
+        self.sock.settimeout(0.2)
+        self.out = socket.socket(family, socket.SOCK_DGRAM)
+        self.out.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, self.rcvbuf)
+
+    @property
+    def address(self) -> tuple[str, int]:
+        return tuple(self.sock.getsockname()[:2])  # type: ignore[return-value]
+
+    def run(self, stop: threading.Event | None = None) -> dict[str, int]:
+        stop = stop or threading.Event()
+        imp, c = self.imp, self.counters
+        rng = random.Random(imp.seed)
+        model = LossModel(imp, rng)
+        rnd = rng.random
+        held: deque[tuple[int, bytes]] = deque()  # (release after this many forwards, data)
+        buf = bytearray(65536)
+        view = memoryview(buf)
+        recv_into, send, dest = self.sock.recv_into, self.out.sendto, self.forward
+        while not stop.is_set():
+            try:
+                n = recv_into(buf)
+            except TimeoutError:
+                while held:  # idle: let held-back datagrams go
+                    send(held.popleft()[1], dest)
+                    c["forwarded"] += 1
+                continue
+            c["received"] += 1
+            why = model.decide()
+            if why is not None:
+                c["dropped_" + why] += 1
+                continue
+            data = bytes(view[:n])
+            if imp.corrupt and rnd() < imp.corrupt:
+                bit = rng.randrange(n * 8)
+                flipped = bytearray(data)
+                flipped[bit // 8] ^= 1 << (bit % 8)
+                data = bytes(flipped)
+                c["corrupted"] += 1
+            if imp.reorder and rnd() < imp.reorder:
+                held.append((imp.reorder_depth, data))
+                c["reordered"] += 1
+                continue
+            send(data, dest)
+            c["forwarded"] += 1
+            if imp.duplicate and rnd() < imp.duplicate:
+                send(data, dest)
+                c["duplicated"] += 1
+                c["forwarded"] += 1
+            if held:
+                left, first = held[0]
+                if left <= 1:
+                    held.popleft()
+                    send(first, dest)
+                    c["forwarded"] += 1
+                else:
+                    held[0] = (left - 1, first)
+        return dict(c)
+
+    def close(self) -> None:
+        self.sock.close()
+        self.out.close()
+
+
+def _addr(value: str) -> tuple[str, int]:
+    host, _, port = value.rpartition(":")
+    if not host or not port.isdigit():
+        raise argparse.ArgumentTypeError(f"expected HOST:PORT, got {value!r}")
+    return host.strip("[]"), int(port)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`diode udp relay`: percentages on the command line; counters as JSON on stdout."""
+    ap = argparse.ArgumentParser(prog="diode udp relay", description=__doc__.splitlines()[0])
+    ap.add_argument("--listen", type=_addr, required=True, help="HOST:PORT to receive on")
+    ap.add_argument("--forward", type=_addr, required=True, help="HOST:PORT to send to")
+    ap.add_argument("--loss", type=float, default=0.0, help="%% lost at random")
+    ap.add_argument("--burst-loss", type=float, default=0.0, help="%% lost in bursts")
+    ap.add_argument("--burst-mean", type=float, default=4.0, help="mean burst length")
+    ap.add_argument("--burst-max", type=int, default=None, help="longest burst")
+    ap.add_argument("--reorder", type=float, default=0.0, help="%% held back and sent later")
+    ap.add_argument("--reorder-depth", type=int, default=8, help="held back behind N others")
+    ap.add_argument("--duplicate", type=float, default=0.0, help="%% sent twice")
+    ap.add_argument("--corrupt", type=float, default=0.0, help="%% with one bit flipped")
+    ap.add_argument("--seed", type=int, default=None)
+    ap.add_argument("--report-seconds", type=float, default=0.0, help="also print every N s")
+    a = ap.parse_args(argv)
+    try:
+        imp = Impairment(
+            loss=a.loss / 100,
+            burst_loss=a.burst_loss / 100,
+            burst_mean=a.burst_mean,
+            burst_max=a.burst_max,
+            reorder=a.reorder / 100,
+            reorder_depth=a.reorder_depth,
+            duplicate=a.duplicate / 100,
+            corrupt=a.corrupt / 100,
+            seed=a.seed,
+        )
+        relay = Relay(a.listen, a.forward, imp)
+    except (ValueError, OSError) as e:
+        print(f"error: relay: {e}", file=sys.stderr)
+        return 2
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    if a.report_seconds > 0:
+
+        def report() -> None:
+            while not stop.wait(a.report_seconds):
+                _print(relay.counters)
+
+        threading.Thread(target=report, daemon=True).start()
+    started = time.monotonic()
+    counters = relay.run(stop)
+    relay.close()
+    _print({**counters, "seconds": round(time.monotonic() - started, 3)})
+    return 0
+
+
+def _print(doc: dict[str, Any]) -> None:
+    print(json.dumps(doc, sort_keys=True), flush=True)

@@ -1,0 +1,524 @@
+"""Diode, UDP (black): `diode udp send` — the outbox's mover for "udp" channels, as datagrams.
+
+    outbox/<file of a udp channel> --envelope, SHA-256--> blocks --RaptorQ--> symbols
+        --interleave--> seal (tag) --token bucket--> sendto --> diode --> receiver
+
+Each run is a new *epoch* (stored durably before the first datagram, strictly above every
+earlier one), so the receiver knows a restart for what it is. Before the first datagram of a
+file, the journal records it as ``sending``; after its last datagram (of the last copy),
+``sent``, then the file is unlinked from the outbox (black keeps its archive copy for `diode
+resend`). A restart unlinks files already ``sent`` and sends the others again, whole, under
+the new epoch: nothing is skipped, at most the files in flight are repeated.
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import json
+import os
+import signal
+import socket
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from bridge.config import Config
+from bridge.diode.udp_fec import block_count, block_plan, encode_block, repair_count
+from bridge.diode.udp_interleave import Interleaver
+from bridge.diode.udp_key import load_key
+from bridge.diode.udp_pacing import TokenBucket
+from bridge.errors import ConfigError, TransportError
+from bridge.fsutil import atomic_write_bytes, durable_mkdir, exclusive_lock, fsync_dir
+from bridge.logs import get_logger, log_event
+from bridge.metrics import UDP
+from bridge.protocol.datagram import (
+    DatagramCodec,
+    LinkHeartbeat,
+    ObjectHeader,
+    ObjectKind,
+    SymbolSealer,
+    symbol_size_for,
+)
+from bridge.protocol.naming import parse_bundle_name, parse_heartbeat_name
+
+__all__ = ["SendSummary", "Journal", "run_sender", "envelope_prefix"]
+
+log = get_logger("bridge.diode.udp_sender")
+
+JOURNAL = "journal.jsonl"
+EPOCH = "epoch"
+_JOURNAL_COMPACT_BYTES = 4 << 20
+_CHUNK = 1 << 20
+
+
+def envelope_prefix(name: str) -> bytes:
+    """The bytes before the file's own in an object: u16 name length, then the name."""
+    raw = name.encode("ascii")
+    return len(raw).to_bytes(2, "big") + raw
+
+
+@dataclass
+class SendSummary:
+    """What one run of the sender did."""
+
+    epoch: int = 0
+    files: list[str] = field(default_factory=list)
+    datagrams: int = 0
+    bytes: int = 0
+    file_bytes: int = 0
+    skipped: int = 0
+    already_sent: int = 0
+    heartbeats: int = 0
+    seconds: float = 0.0
+
+    def to_json(self) -> dict[str, Any]:
+        d = dict(self.__dict__)
+        d["files"] = len(self.files)
+        d["mb_per_s"] = round(self.file_bytes / self.seconds / 1e6, 2) if self.seconds else 0.0
+        return d
+
+
+class Journal:
+    """Append-only JSON lines, one fsync per record; the last record of a name wins."""
+
+    def __init__(self, state_dir: Path) -> None:
+        self.path = Path(state_dir) / JOURNAL
+        self.last: dict[str, dict[str, Any]] = {}
+        if self.path.exists():
+            for line in self.path.read_text(encoding="utf-8", errors="replace").splitlines():
+                try:
+                    rec = json.loads(line)
+                except ValueError:
+                    continue  # a torn last line: that record was never durable
+                if isinstance(rec, dict) and isinstance(rec.get("name"), str):
+                    self.last[rec["name"]] = rec
+        self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+
+    def record(self, **rec: Any) -> None:
+        rec["time"] = round(time.time(), 3)
+        os.write(self._fd, (json.dumps(rec, sort_keys=True) + "\n").encode())
+        os.fsync(self._fd)
+        self.last[rec["name"]] = rec
+
+    def compact(self, keep: set[str]) -> None:
+        """Rewrite with the last record of each name in ``keep`` (files still in the outbox)."""
+        if os.fstat(self._fd).st_size < _JOURNAL_COMPACT_BYTES:
+            return
+        self.last = {n: r for n, r in self.last.items() if n in keep}
+        text = "".join(json.dumps(r, sort_keys=True) + "\n" for r in self.last.values())
+        atomic_write_bytes(self.path, text.encode(), mode=0o600)
+        os.close(self._fd)
+        self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND)
+
+    def close(self) -> None:
+        os.close(self._fd)
+
+
+def _new_epoch(state_dir: Path) -> int:
+    path = state_dir / EPOCH
+    prev = 0
+    if path.exists():
+        try:
+            prev = int(path.read_text().strip())
+        except ValueError:
+            raise TransportError(
+                f"{path} is damaged; write into it a number above the last epoch the receiver "
+                "logged (or the current time in ns) and start again"
+            ) from None
+    epoch = max(prev + 1, time.time_ns())
+    atomic_write_bytes(path, f"{epoch}\n".encode(), mode=0o600)
+    return epoch
+
+
+@dataclass
+class _Object:
+    """One file being sent: its header, its open descriptor, what is left to send."""
+
+    path: Path
+    name: str
+    channel: str
+    header: ObjectHeader
+    sealer: SymbolSealer
+    fd: int
+    ino: int
+    size: int
+    copy: int = 0
+    next_block: int = 0
+    blocks_open: int = 0
+
+
+@dataclass
+class _Block:
+    obj: _Object
+    index: int
+    symbols: list[tuple[int, bytes]]
+    k: int
+    left: int
+
+
+class _Sender:
+    def __init__(self, cfg: Config, stop: threading.Event) -> None:
+        if cfg.udp is None:
+            raise ConfigError(
+                "no [udp] section: `diode udp send` needs one (conf/diode.example.toml)"
+            )
+        self.channels = set(cfg.udp_channels())
+        if not self.channels:
+            raise ConfigError(
+                'no channel has transport = "udp": nothing for `diode udp send` to carry'
+            )
+        self.cfg, self.u, self.stop = cfg, cfg.udp.send, stop
+        self.mtu = cfg.udp.mtu
+        self.outbox = Path(cfg.black.outbox)
+        self.codec = DatagramCodec(load_key(cfg.udp.key_file))
+        host, _, port = self.u.destination.rpartition(":")
+        self.dest = (host.strip("[]"), int(port))
+        self.ipv6 = ":" in self.dest[0]
+        self.sock = socket.socket(
+            socket.AF_INET6 if self.ipv6 else socket.AF_INET, socket.SOCK_DGRAM
+        )
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 8 << 20)
+        if self.u.source:
+            shost, _, sport = self.u.source.rpartition(":")
+            try:
+                self.sock.bind((shost.strip("[]"), int(sport)))
+            except OSError as e:
+                raise ConfigError(f"udp.send.source {self.u.source}: cannot bind ({e})") from None
+        self.state_dir = Path(self.u.state_dir)
+        self.summary = SendSummary()
+        self.queue: deque[Path] = deque()
+        self.queued: set[str] = set()
+        self.feeding: _Object | None = None
+        self.il: Interleaver[_Block] = Interleaver(self.u.interleave_datagrams)
+        self.packet = 0
+        self.object_id = 0
+        self.per_channel: dict[str, dict[str, int | None]] = {
+            c: {"last_seq": None, "objects": 0} for c in sorted(self.channels)
+        }
+        self.last_heartbeat = 0.0
+        self.last_status = 0.0
+        self.repairs_sent = 0
+        self._pushed = (0, 0, 0)  # datagrams, repairs, bytes already added to the metrics
+        self.bucket = TokenBucket(
+            self.u.rate_bytes_per_second, self.u.burst_bytes, time.monotonic()
+        )
+
+    # -- outbox --------------------------------------------------------------------------
+    def _ours(self, name: str) -> tuple[str, ObjectKind, int] | None:
+        for parse, kind in (
+            (parse_bundle_name, ObjectKind.BUNDLE),
+            (parse_heartbeat_name, ObjectKind.HEARTBEAT_FILE),
+        ):
+            try:
+                parsed = parse(name)
+            except Exception:  # noqa: BLE001 - any name that is not ours is left alone
+                continue
+            seq = getattr(parsed, "bundle_seq", None) or getattr(parsed, "heartbeat_seq", 0)
+            if parsed.channel in self.channels:
+                return parsed.channel, kind, int(seq or 0)
+            return None
+        return None
+
+    def scan(self) -> int:
+        """Queue the outbox files of udp channels not queued yet (oldest first)."""
+        found: list[tuple[float, str, Path]] = []
+        try:
+            entries = list(os.scandir(self.outbox))
+        except FileNotFoundError:
+            return 0
+        for e in entries:
+            if e.name in self.queued or e.name.startswith(".") or self._ours(e.name) is None:
+                continue
+            try:
+                st = e.stat(follow_symlinks=False)
+            except FileNotFoundError:
+                continue
+            if not e.is_file(follow_symlinks=False):
+                continue
+            found.append((st.st_mtime, e.name, Path(e.path)))
+        for _, name, path in sorted(found):
+            self.queue.append(path)
+            self.queued.add(name)
+        return len(found)
+
+    def _open_next(self) -> _Object | None:
+        while self.queue:
+            path = self.queue.popleft()
+            obj = self._open(path)
+            if obj is not None:
+                return obj
+        return None
+
+    def _open(self, path: Path) -> _Object | None:
+        name = path.name
+        ours = self._ours(name)
+        assert ours is not None
+        channel, kind, seq = ours
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except FileNotFoundError:
+            log_event(log, 30, "outbox file vanished before it was sent", file_name=name)
+            self._forget(name, skipped=True)
+            return None
+        st = os.fstat(fd)
+        prefix = envelope_prefix(name)
+        digest = hashlib.sha256(prefix)
+        off = 0
+        while chunk := os.pread(fd, _CHUNK, off):
+            digest.update(chunk)
+            off += len(chunk)
+        size = off
+        done = self.journal.last.get(name)
+        hexd = digest.hexdigest()
+        if done and done.get("state") == "sent" and done.get("digest") == hexd:
+            os.close(fd)  # sent before a restart, not yet unlinked: unlink, do not resend
+            self._unlink(path, st.st_ino)
+            self.summary.already_sent += 1
+            self._forget(name)
+            return None
+        t = symbol_size_for(self.mtu, channel, ipv6=self.ipv6)
+        header = ObjectHeader(
+            object_id=self.object_id,
+            kind=kind,
+            channel=channel,
+            seq=seq,
+            length=len(prefix) + size,
+            digest=digest.digest(),
+            symbol_size=t,
+            block_symbols=self.u.block_symbols,
+        )
+        self.object_id += 1
+        obj = _Object(
+            path, name, channel, header, self.codec.symbol_sealer(self.epoch, header), fd,
+            st.st_ino, size,
+        )  # fmt: skip
+        self.journal.record(
+            state="sending", name=name, size=size, digest=hexd, epoch=self.epoch,
+            object_id=header.object_id,
+        )  # fmt: skip
+        return obj
+
+    def _forget(self, name: str, *, skipped: bool = False) -> None:
+        self.queued.discard(name)
+        if skipped:
+            self.summary.skipped += 1
+
+    def _unlink(self, path: Path, ino: int) -> None:
+        try:
+            if os.stat(path).st_ino == ino:  # the very file we sent, not a new one of that name
+                os.unlink(path)
+        except FileNotFoundError:
+            pass
+
+    def _block_bytes(self, obj: _Object, index: int) -> bytes:
+        h = obj.header
+        plan = block_plan(h.length, h.symbol_size, h.block_symbols, index)
+        prefix = envelope_prefix(obj.name)
+        start, end = plan.offset, plan.offset + plan.length
+        head = prefix[start:end] if start < len(prefix) else b""
+        fstart = max(0, start - len(prefix))
+        body = os.pread(obj.fd, end - len(prefix) - fstart, fstart) if end > len(prefix) else b""
+        data = head + body
+        if len(data) != plan.length:
+            raise TransportError(f"{obj.name} changed while it was sent (short read)")
+        return data
+
+    def _feed_one_block(self) -> bool:
+        """Add the next block (of this object, or the next file) to the interleaver."""
+        if self.feeding is None:
+            self.feeding = self._open_next()
+            if self.feeding is None:
+                return False
+        obj = self.feeding
+        h = obj.header
+        try:
+            data = self._block_bytes(obj, obj.next_block)
+        except (OSError, TransportError) as e:
+            log_event(log, 40, "outbox file could not be read: skipped", file_name=obj.name,
+                      error=str(e))  # fmt: skip
+            os.close(obj.fd)
+            self._forget(obj.name, skipped=True)
+            self.feeding = None
+            return True
+        k = -(-len(data) // h.symbol_size)
+        n_rep = repair_count(k, self.u.repair_overhead, self.u.min_repair_symbols)
+        syms = encode_block(data, h.symbol_size, n_rep, first_repair=n_rep * obj.copy)
+        self.il.add(_Block(obj, obj.next_block, syms, k, len(syms)), len(syms))
+        obj.blocks_open += 1
+        obj.next_block += 1
+        if obj.next_block >= block_count(h.length, h.symbol_size, h.block_symbols):
+            obj.copy += 1
+            if obj.copy < self.u.copies:
+                obj.next_block = 0
+            else:
+                self.feeding = None
+        return True
+
+    def _block_done(self, blk: _Block) -> None:
+        obj = blk.obj
+        obj.blocks_open -= 1
+        if obj.blocks_open or self.feeding is obj:
+            return
+        os.close(obj.fd)
+        self.journal.record(
+            state="sent", name=obj.name, size=obj.size, digest=obj.header.digest.hex(),
+            epoch=self.epoch, object_id=obj.header.object_id,
+        )  # fmt: skip
+        self._unlink(obj.path, obj.ino)
+        self._forget(obj.name)
+        ch = self.per_channel[obj.channel]
+        ch["objects"] = int(ch["objects"] or 0) + 1
+        if obj.header.kind == ObjectKind.BUNDLE:
+            ch["last_seq"] = max(int(ch["last_seq"] or 0), obj.header.seq)
+        self.summary.files.append(obj.name)
+        self.summary.file_bytes += obj.size
+        UDP.objects_sent.labels(obj.channel).inc()
+        log_event(log, 20, "file sent", file_name=obj.name, bytes=obj.size,
+                  object_id=obj.header.object_id, copies=self.u.copies)  # fmt: skip
+
+    # -- the wire ------------------------------------------------------------------------
+    def _send(self, data: bytes) -> None:
+        wait = self.bucket.take(len(data), time.monotonic())
+        if wait > 0:
+            time.sleep(wait)
+        while True:
+            try:
+                self.sock.sendto(data, self.dest)
+                break
+            except OSError as e:
+                if e.errno in (errno.ENOBUFS, errno.EAGAIN, errno.ECONNREFUSED):
+                    time.sleep(0.001)  # the kernel's queue is full: wait, never drop
+                    continue
+                raise TransportError(f"sendto {self.u.destination} failed: {e}") from None
+        self.packet += 1
+        self.summary.datagrams += 1
+        self.summary.bytes += len(data)
+
+    def _heartbeat(self, now: float) -> None:
+        self.last_heartbeat = now
+        s = self.summary
+        hb = LinkHeartbeat(
+            self.epoch, self.packet, time.time(), self.u.heartbeat_seconds,
+            {c: dict(v) for c, v in self.per_channel.items()},
+            {"datagrams": s.datagrams, "bytes": s.bytes, "objects": len(s.files),
+             "skipped": s.skipped},
+        )  # fmt: skip
+        self._send(self.codec.seal_heartbeat(hb))
+        UDP.datagrams_sent.labels("heartbeat").inc()
+        self.summary.datagrams -= 1  # counted apart: source + repair + heartbeat = all
+        self.summary.heartbeats += 1
+
+    def _status(self, now: float) -> None:
+        self.last_status = now
+        s = self.summary
+        d0, r0, b0 = self._pushed  # metrics in bulk: a labelled inc() per datagram costs too much
+        UDP.datagrams_sent.labels("repair").inc(self.repairs_sent - r0)
+        UDP.datagrams_sent.labels("source").inc(s.datagrams - d0 - (self.repairs_sent - r0))
+        UDP.bytes_sent.inc(s.bytes - b0)
+        self._pushed = (s.datagrams, self.repairs_sent, s.bytes)
+        self.journal.compact(set(self.queued))
+        doc = {
+            "written_at": time.time(),
+            "pid": os.getpid(),
+            "epoch": self.epoch,
+            "destination": self.u.destination,
+            "rate_bytes_per_second": self.u.rate_bytes_per_second,
+            "queue": len(self.queue) + (self.feeding is not None),
+            "channels": self.per_channel,
+            **self.summary.to_json(),
+        }
+        atomic_write_bytes(self.state_dir / "status.json", json.dumps(doc).encode(), mode=0o600)
+
+    def run(self, until_idle: bool, timeout: float | None) -> SendSummary:
+        durable_mkdir(self.state_dir)
+        with exclusive_lock(
+            self.state_dir / "send.lock", what="udp sender",
+            hint="another `diode udp send` uses this udp.send.state_dir; stop it first",
+        ):  # fmt: skip
+            self.journal = Journal(self.state_dir)
+            try:
+                return self._run(until_idle, timeout)
+            finally:
+                self.journal.close()
+                self.sock.close()
+
+    def _run(self, until_idle: bool, timeout: float | None) -> SendSummary:
+        self.epoch = _new_epoch(self.state_dir)
+        fsync_dir(self.state_dir)
+        self.summary.epoch = self.epoch
+        log_event(log, 20, "udp sender starting", epoch=self.epoch,
+                  destination=self.u.destination, rate=self.u.rate_bytes_per_second,
+                  channels=sorted(self.channels))  # fmt: skip
+        from bridge.red.watch import InboxWatcher  # inotify hints; listing stays the truth
+
+        watcher = InboxWatcher(self.outbox)
+        watcher.start()
+        t0 = time.monotonic()
+        deadline = None if timeout is None else t0 + timeout
+        hb_every, il = self.u.heartbeat_seconds, self.il
+        last_scan = 0.0
+        try:
+            self._heartbeat(time.monotonic())
+            while not self.stop.is_set():
+                now = time.monotonic()
+                if deadline is not None and now > deadline:
+                    break
+                if now - self.last_heartbeat >= hb_every:
+                    self._heartbeat(now)
+                if now - self.last_status >= 1.0:
+                    self._status(now)
+                for _ in range(256):  # the hot loop: a batch between clock checks
+                    while il.wants_more() and (self.feeding is not None or self.queue):
+                        if not self._feed_one_block():
+                            break
+                    nxt = il.pop()
+                    if nxt is None:
+                        break
+                    blk, i = nxt
+                    esi, payload = blk.symbols[i]
+                    self._send(blk.obj.sealer.seal(self.packet, blk.index, esi, payload))
+                    if esi >= blk.k:
+                        self.repairs_sent += 1
+                    blk.left -= 1
+                    if not blk.left:
+                        self._block_done(blk)
+                if il.pending() or self.feeding is not None or self.queue:
+                    continue
+                if now - last_scan >= self.u.scan_seconds or watcher.wait(0):
+                    last_scan = now
+                    if self.scan():
+                        continue
+                    if until_idle:
+                        break
+                watcher.wait(min(self.u.scan_seconds, 0.1))
+            self._heartbeat(time.monotonic())
+        finally:
+            watcher.stop()
+            self.summary.seconds = round(time.monotonic() - t0, 3)
+            self._status(time.monotonic())
+        log_event(log, 20, "udp sender stopped", **self.summary.to_json())
+        return self.summary
+
+
+def run_sender(
+    cfg: Config,
+    *,
+    stop: threading.Event | None = None,
+    until_idle: bool = False,
+    timeout: float | None = None,
+) -> SendSummary:
+    """Send every outbox file of the udp channels (until stopped, or idle with until_idle)."""
+    stop = stop or threading.Event()
+    saved: dict[signal.Signals, Any] = {}
+    if threading.current_thread() is threading.main_thread():
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            saved[sig] = signal.signal(sig, lambda *_: stop.set())
+    try:
+        return _Sender(cfg, stop).run(until_idle, timeout)
+    finally:
+        for signum, handler in saved.items():
+            signal.signal(signum, handler)

@@ -1,0 +1,469 @@
+"""Diode, UDP (red): reassembly of objects from symbols in a durable spool, then into the inbox.
+
+    <spool>/objects/<epoch>-<object id>/
+        meta.json     the object's header, written once when its first symbol arrives
+        data          the envelope; each block is written at its offset once rebuilt
+        blocks.done   u32 indices of rebuilt blocks (appended after the block's data)
+        symbols.log   symbols of blocks not yet rebuilt: u32 block, u32 esi, T bytes
+    <spool>/tmp/      a delivered file is written here, fsynced, renamed into the inbox
+    <spool>/done.jsonl  objects delivered (epoch, object id, digest): later symbols are late
+    <spool>/gaps.jsonl  objects given up, with the reason (red's `diode red gaps` lists them)
+
+Writes are buffered and not fsynced until delivery: the page cache survives kill -9, so a
+restarted receiver rebuilds its decoders from the spool and an object whose symbols keep
+arriving still completes. After a power loss a half-written spool can at worst fail the
+object's SHA-256 check: the object is then expired as a gap, never delivered corrupt.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import struct
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from bridge.diode.udp_fec import BlockDecoder, block_plan
+from bridge.fsutil import durable_mkdir, fsync_dir
+from bridge.logs import get_logger, log_event
+from bridge.protocol.datagram import ObjectHeader, ObjectKind, Symbol
+
+__all__ = ["Reassembler", "Delivery", "GAPS", "DONE", "deliver", "verify_and_read_name"]
+
+log = get_logger("bridge.diode.udp_spool")
+
+GAPS = "gaps.jsonl"
+DONE = "done.jsonl"
+_REC = struct.Struct(">II")
+_U32 = struct.Struct(">I")
+_FLUSH_BYTES = 256 * 1024
+_DONE_REMEMBERED = 20_000
+
+
+def _obj_dir_name(epoch: int, oid: int) -> str:
+    return f"{epoch:020d}-{oid:020d}"
+
+
+@dataclass
+class _Open:
+    """An object being reassembled."""
+
+    epoch: int
+    h: ObjectHeader
+    path: Path
+    n_blocks: int
+    data_fd: int
+    done_fd: int
+    log_fd: int
+    first_seen: float
+    last_seen: float
+    done: set[int] = field(default_factory=set)
+    decoders: dict[int, BlockDecoder] = field(default_factory=dict)
+    pending: bytearray = field(default_factory=bytearray)
+    symbols: int = 0
+    repairs_used: int = 0
+
+    def record(self) -> dict[str, Any]:
+        h = self.h
+        return {
+            "epoch": self.epoch,
+            "object_id": h.object_id,
+            "channel": h.channel,
+            "kind": h.kind.name.lower(),
+            "seq": h.seq,
+            "length": h.length,
+            "digest": h.digest.hex(),
+            "blocks_total": self.n_blocks,
+            "blocks_done": len(self.done),
+            "symbols_received": self.symbols,
+        }
+
+
+@dataclass(frozen=True)
+class Delivery:
+    """An object whose blocks are all rebuilt, ready for the digest check and the inbox."""
+
+    epoch: int
+    header: ObjectHeader
+    path: Path
+    repairs_used: int
+
+
+class Reassembler:
+    """Every open object, its decoders and its spool files; single-threaded (the receive loop)."""
+
+    def __init__(
+        self,
+        spool_dir: Path,
+        *,
+        max_object_bytes: int,
+        max_open_objects: int,
+        max_held_bytes: int = 512 << 20,
+    ) -> None:
+        self.root = Path(spool_dir)
+        self.objects_dir = durable_mkdir(self.root / "objects")
+        durable_mkdir(self.root / "tmp")
+        self.max_object_bytes = max_object_bytes
+        self.max_open = max_open_objects
+        self.max_held = max_held_bytes
+        self.open: dict[tuple[int, int], _Open] = {}
+        self.held = 0
+        self.done: dict[tuple[int, int], str] = {}  # (epoch, oid) -> digest hex
+        self.done_digests: dict[str, float] = {}
+        self._done_order: deque[tuple[int, int]] = deque()
+        self.ready: deque[Delivery] = deque()
+        self.dropped: dict[str, int] = {}
+        self.expired = 0
+        self.symbols_total = 0
+        self._refused: set[tuple[int, int]] = set()
+        self._load_done()
+
+    # -- bookkeeping --------------------------------------------------------------------
+    def _drop(self, reason: str) -> None:
+        self.dropped[reason] = self.dropped.get(reason, 0) + 1
+
+    def _load_done(self) -> None:
+        path = self.root / DONE
+        if not path.exists():
+            return
+        for line in path.read_text(errors="replace").splitlines()[-_DONE_REMEMBERED:]:
+            try:
+                rec = json.loads(line)
+                self._remember((int(rec["epoch"]), int(rec["object_id"])), str(rec["digest"]))
+            except (ValueError, KeyError, TypeError):
+                continue
+
+    def _remember(self, key: tuple[int, int], digest: str) -> None:
+        self.done[key] = digest
+        self.done_digests[digest] = time.time()
+        self._done_order.append(key)
+        while len(self._done_order) > _DONE_REMEMBERED:
+            old = self._done_order.popleft()
+            self.done.pop(old, None)
+
+    def mark_delivered(self, d: Delivery, name: str) -> None:
+        """Called by the delivery worker once the file is in the inbox (or was already)."""
+        key = (d.epoch, d.header.object_id)
+        rec = {
+            "epoch": d.epoch,
+            "object_id": d.header.object_id,
+            "digest": d.header.digest.hex(),
+            "name": name,
+            "time": round(time.time(), 3),
+        }
+        with open(self.root / DONE, "a", encoding="utf-8") as f:
+            f.write(json.dumps(rec, sort_keys=True) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        self._remember(key, d.header.digest.hex())
+        shutil.rmtree(d.path, ignore_errors=True)
+
+    def gap(self, rec: dict[str, Any], reason: str) -> None:
+        """Append a gap record (fsynced) and log it."""
+        rec = {**rec, "reason": reason, "time": round(time.time(), 3)}
+        with open(self.root / GAPS, "a", encoding="utf-8") as f:
+            f.write(json.dumps(rec, sort_keys=True) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        log_event(log, 30, "udp object given up: recorded as a gap", **rec)
+
+    # -- the hot path -------------------------------------------------------------------
+    def add(self, sym: Symbol, now: float) -> None:
+        """Place one authenticated symbol."""
+        h = sym.obj
+        key = (sym.epoch, h.object_id)
+        obj = self.open.get(key)
+        if obj is None:
+            if key in self.done:
+                self._drop("late")
+                return
+            if h.length > self.max_object_bytes:
+                self._drop("too_large")
+                if key not in self._refused:
+                    self._refused.add(key)
+                    self.gap({"epoch": sym.epoch, "object_id": h.object_id, "channel": h.channel,
+                              "kind": h.kind.name.lower(), "seq": h.seq, "length": h.length},
+                             "too_large")  # fmt: skip
+                return
+            obj = self._create(sym.epoch, h, now)
+        elif obj.h != h:
+            self._drop("malformed")  # same object id, another header: not ours to guess
+            return
+        obj.last_seen = now
+        b = sym.block
+        if b in obj.done:
+            self._drop("surplus")  # a repair symbol the rebuilt block no longer needs
+            return
+        dec = obj.decoders.get(b)
+        if dec is None:
+            dec = obj.decoders[b] = BlockDecoder(
+                block_plan(h.length, h.symbol_size, h.block_symbols, b), h.symbol_size
+            )
+        before = dec.received
+        completed = dec.add(sym.esi, sym.payload)
+        if dec.received == before and not completed:
+            self._drop("duplicate")
+            return
+        obj.symbols += 1
+        self.symbols_total += 1
+        if completed:
+            self._block_done(obj, b, dec)
+        else:
+            self.held += h.symbol_size
+            obj.pending += _REC.pack(b, sym.esi)
+            obj.pending += sym.payload
+            if len(obj.pending) >= _FLUSH_BYTES:
+                self._flush(obj)
+            if self.held > self.max_held:
+                self._evict_oldest("evicted")
+
+    def _block_done(self, obj: _Open, b: int, dec: BlockDecoder) -> None:
+        h = obj.h
+        self.held -= (dec.received - 1) * h.symbol_size if dec.received else 0
+        self.held = max(self.held, 0)
+        os.pwrite(obj.data_fd, dec.data(), dec.plan.offset)
+        os.write(obj.done_fd, _U32.pack(b))
+        obj.done.add(b)
+        obj.repairs_used += dec.repairs_used
+        del obj.decoders[b]
+        if len(obj.done) == obj.n_blocks:
+            self._close(obj)
+            del self.open[(obj.epoch, h.object_id)]
+            self.ready.append(Delivery(obj.epoch, h, obj.path, obj.repairs_used))
+
+    def _create(self, epoch: int, h: ObjectHeader, now: float) -> _Open:
+        if len(self.open) >= self.max_open:
+            self._evict_oldest("evicted")
+        path = self.objects_dir / _obj_dir_name(epoch, h.object_id)
+        path.mkdir(exist_ok=True)
+        meta = {
+            "epoch": epoch,
+            "object_id": h.object_id,
+            "kind": int(h.kind),
+            "channel": h.channel,
+            "seq": h.seq,
+            "length": h.length,
+            "digest": h.digest.hex(),
+            "symbol_size": h.symbol_size,
+            "block_symbols": h.block_symbols,
+            "first_seen": time.time(),
+        }
+        tmp = path / "meta.json.tmp"
+        tmp.write_text(json.dumps(meta, sort_keys=True))
+        os.replace(tmp, path / "meta.json")
+        obj = self._open_files(epoch, h, path, now)
+        self.open[(epoch, h.object_id)] = obj
+        return obj
+
+    def _open_files(self, epoch: int, h: ObjectHeader, path: Path, now: float) -> _Open:
+        flags = os.O_WRONLY | os.O_CREAT | os.O_APPEND
+        return _Open(
+            epoch=epoch,
+            h=h,
+            path=path,
+            n_blocks=h.block_count,
+            data_fd=os.open(path / "data", os.O_RDWR | os.O_CREAT, 0o600),
+            done_fd=os.open(path / "blocks.done", flags, 0o600),
+            log_fd=os.open(path / "symbols.log", flags, 0o600),
+            first_seen=now,
+            last_seen=now,
+        )
+
+    def _flush(self, obj: _Open) -> None:
+        if obj.pending:
+            os.write(obj.log_fd, obj.pending)
+            obj.pending = bytearray()
+
+    def flush_all(self) -> None:
+        for obj in self.open.values():
+            self._flush(obj)
+
+    def _close(self, obj: _Open) -> None:
+        self._flush(obj)
+        for fd in (obj.data_fd, obj.done_fd, obj.log_fd):
+            os.close(fd)
+        for dec in obj.decoders.values():
+            self.held -= dec.received * obj.h.symbol_size
+        self.held = max(self.held, 0)
+        obj.decoders.clear()
+
+    # -- expiry -------------------------------------------------------------------------
+    def _evict_oldest(self, reason: str) -> None:
+        if not self.open:
+            return
+        key = min(self.open, key=lambda k: self.open[k].last_seen)
+        self._expire(key, reason)
+
+    def _expire(self, key: tuple[int, int], reason: str) -> None:
+        obj = self.open.pop(key)
+        self._close(obj)
+        rec = obj.record()
+        if rec["digest"] in self.done_digests:
+            reason = "superseded"  # the same bytes were delivered under another object id
+            log_event(log, 20, "udp object superseded by an identical delivered one", **rec)
+        else:
+            self.gap(rec, reason)
+            self.expired += 1
+        shutil.rmtree(obj.path, ignore_errors=True)
+
+    def expire_idle(self, now: float, expire_seconds: float) -> int:
+        """Give up objects that got no new symbol for ``expire_seconds``."""
+        stale = [k for k, o in self.open.items() if now - o.last_seen >= expire_seconds]
+        for key in stale:
+            self._expire(key, "timeout")
+        return len(stale)
+
+    def fail(self, d: Delivery, reason: str) -> None:
+        """A rebuilt object that must not be delivered (digest mismatch, bad name)."""
+        obj_rec = {
+            "epoch": d.epoch,
+            "object_id": d.header.object_id,
+            "channel": d.header.channel,
+            "kind": d.header.kind.name.lower(),
+            "seq": d.header.seq,
+            "length": d.header.length,
+            "digest": d.header.digest.hex(),
+        }
+        self.gap(obj_rec, reason)
+        self.expired += 1
+        shutil.rmtree(d.path, ignore_errors=True)
+
+    # -- restart ------------------------------------------------------------------------
+    def recover(self, now: float) -> int:
+        """Rebuild every open object from the spool (after a crash or a restart)."""
+        for tmp in (self.root / "tmp").iterdir():
+            tmp.unlink(missing_ok=True)  # a delivery interrupted before its rename
+        n = 0
+        for path in sorted(self.objects_dir.iterdir()):
+            try:
+                meta = json.loads((path / "meta.json").read_text())
+                h = ObjectHeader(
+                    meta["object_id"], ObjectKind(meta["kind"]), meta["channel"], meta["seq"],
+                    meta["length"], bytes.fromhex(meta["digest"]), meta["symbol_size"],
+                    meta["block_symbols"],
+                )  # fmt: skip
+                epoch = int(meta["epoch"])
+            except (OSError, ValueError, KeyError, TypeError):
+                log_event(log, 30, "unreadable spooled object removed", path=str(path))
+                shutil.rmtree(path, ignore_errors=True)
+                continue
+            key = (epoch, h.object_id)
+            if key in self.done:
+                shutil.rmtree(path, ignore_errors=True)
+                continue
+            obj = self._open_files(epoch, h, path, now)
+            raw = (path / "blocks.done").read_bytes()
+            obj.done = {_U32.unpack_from(raw, i)[0] for i in range(0, len(raw) - 3, 4)}
+            self.open[key] = obj
+            rec_len = _REC.size + h.symbol_size
+            with open(path / "symbols.log", "rb") as f:
+                while len(chunk := f.read(rec_len)) == rec_len:
+                    b, esi = _REC.unpack_from(chunk)
+                    if b >= obj.n_blocks or b in obj.done:
+                        continue
+                    sym = Symbol(epoch, 0, h, b, esi, chunk[_REC.size :])
+                    self._replay(obj, sym)
+            if len(obj.done) == obj.n_blocks and key in self.open:
+                self._close(obj)
+                del self.open[key]
+                self.ready.append(Delivery(epoch, h, path, obj.repairs_used))
+            n += 1
+        return n
+
+    def _replay(self, obj: _Open, sym: Symbol) -> None:
+        h = obj.h
+        dec = obj.decoders.get(sym.block)
+        if dec is None:
+            dec = obj.decoders[sym.block] = BlockDecoder(
+                block_plan(h.length, h.symbol_size, h.block_symbols, sym.block), h.symbol_size
+            )
+        if dec.add(sym.esi, sym.payload):
+            self._block_done(obj, sym.block, dec)
+        else:
+            self.held += h.symbol_size
+        obj.symbols += 1
+
+
+def verify_and_read_name(d: Delivery) -> tuple[str, int] | str:
+    """Check the rebuilt envelope: ``(name, body offset)``, or the reason to refuse it."""
+    digest = hashlib.sha256()
+    with open(d.path / "data", "rb") as f:
+        os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_SEQUENTIAL)
+        size = 0
+        while chunk := f.read(1 << 20):
+            digest.update(chunk)
+            size += len(chunk)
+        if size != d.header.length or digest.digest() != d.header.digest:
+            return "digest_mismatch"
+        f.seek(0)
+        head = f.read(2 + 255)
+    n = int.from_bytes(head[:2], "big")
+    raw = head[2 : 2 + n]
+    if not 0 < n <= 255 or len(raw) != n:
+        return "bad_name"
+    try:
+        name = raw.decode("ascii")
+    except UnicodeDecodeError:
+        return "bad_name"
+    if (
+        name.startswith(".")
+        or "/" in name
+        or not name.isprintable()
+        or name in (".", "..")
+        or any(c.isspace() for c in name)
+    ):
+        return "bad_name"
+    return name, 2 + n
+
+
+def deliver(d: Delivery, name: str, offset: int, tmp_dir: Path, inbox: Path) -> tuple[str, str]:
+    """Copy the body into ``tmp_dir``, fsync, rename into ``inbox``; never overwrite.
+
+    Returns ``(final name, outcome)``: outcome ``delivered``, ``duplicate`` (the inbox already
+    had these bytes under this name) or ``renamed`` (it had other bytes: this copy was
+    delivered as ``<name>~<epoch>.<object id>``, which red quarantines as evidence).
+    """
+    src = d.path / "data"
+    length = d.header.length - offset
+    final = inbox / name
+    outcome = "delivered"
+    if final.exists():
+        try:
+            same = final.stat().st_size == length and _same_bytes(src, offset, final)
+        except OSError:
+            same = False
+        if same:
+            return name, "duplicate"
+        name = f"{name}~{d.epoch}.{d.header.object_id}"
+        final = inbox / name
+        outcome = "renamed"
+    tmp = tmp_dir / f"{name}.{os.getpid()}.tmp"
+    with open(src, "rb") as fi, open(tmp, "wb") as fo:
+        left, pos = length, offset
+        while left > 0:
+            sent = os.copy_file_range(fi.fileno(), fo.fileno(), min(left, 1 << 26), pos)
+            if sent <= 0:
+                raise OSError(f"short copy of {src} at {pos}")
+            pos += sent
+            left -= sent
+        fo.flush()
+        os.fsync(fo.fileno())
+    os.rename(tmp, final)
+    fsync_dir(inbox)
+    return name, outcome
+
+
+def _same_bytes(src: Path, offset: int, other: Path) -> bool:
+    with open(src, "rb") as a, open(other, "rb") as b:
+        a.seek(offset)
+        while True:
+            x, y = a.read(1 << 20), b.read(1 << 20)
+            if x != y:
+                return False
+            if not x:
+                return True
