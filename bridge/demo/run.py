@@ -17,6 +17,9 @@ from bridge.crypto.perms import write_file
 from bridge.demo.counter import ReplayCounter
 from bridge.demo.diode import move_outbox
 from bridge.demo.traffic import DEMO_DIRECT_KEYS, DEMO_EXCHANGES, declare_exchanges, publish_mix
+from bridge.demo.udp_link import UdpLink, free_udp_port, udp_config_toml
+from bridge.diode.udp_key import generate_key_file
+from bridge.diode.udp_sender import run_sender
 from bridge.logs import get_logger, log_event
 from bridge.red.job import RedRun
 from bridge.red.replay import Replayer, audit_sink
@@ -34,6 +37,8 @@ def write_demo_config(
     amqp_url: str,
     mgmt: str,
     red_amqp_url: str,
+    transport: str = "file",
+    udp_section: str = "",
 ) -> Path:
     keys = ", ".join(f'"{f}"' for f in red_fprs)
     approved = ", ".join(f'"{x.name}"' for x in DEMO_EXCHANGES)
@@ -52,7 +57,7 @@ exchanges = ["*"]
 deny = ["unrouted"]
 recipients = [{keys}]
 encrypt = true
-transport = "file"
+transport = "{transport}"
 
 [channels.direct_routing_keys]
 {direct}
@@ -90,7 +95,7 @@ settle_seconds = 0.5
 [red.replay]
 amqp_url = "{red_amqp_url}"
 approved = [{approved}]
-"""
+{udp_section}"""
     p = workdir / "diode.toml"
     write_file(p, text.encode(), mode=0o600)  # it holds the AMQP password
     return p
@@ -109,11 +114,14 @@ def run_demo(
     password: str = "guest",
     big_every: int = 5000,
     spark: Any = None,
+    transport: str = "file",
+    loss_percent: float = 0.0,
 ) -> dict[str, Any]:
     """Run the whole chain on this machine; returns the summary.
 
-    black vhost -> mirror -> tap -> spool -> black job -> outbox -> (stand-in mover) ->
-    red inbox -> red job -> Delta -> replay publisher -> red vhost (queues bound to count).
+    black vhost -> mirror -> tap -> spool -> black job -> outbox -> (stand-in mover, or UDP
+    sender -> lossy relay -> UDP receiver) -> red inbox -> red job -> Delta -> replay
+    publisher -> red vhost (queues bound to count).
     """
     t0 = time.monotonic()
     workdir = workdir.resolve()
@@ -128,6 +136,12 @@ def run_demo(
         black_fpr, red_fprs = inv.black_fpr, list(inv.red_fprs.values())
     for sub in ("black", "red"):  # a fresh run: new vhosts, new state on both sides
         shutil.rmtree(workdir / sub, ignore_errors=True)
+    udp_section = ""
+    if transport == "udp":
+        if not (keys_dir / "udp.key").exists():
+            generate_key_file(keys_dir / "udp.key")
+        relay_port, receive_port = free_udp_port(), free_udp_port()
+        udp_section = udp_config_toml(relay_port, receive_port, loss_percent=loss_percent)
     mc = ManagementClient(mgmt, user, password)
     for v in (vhost, red_vhost):
         mc.delete_vhost(v)
@@ -143,8 +157,13 @@ def run_demo(
         amqp_url=amqp_url,
         mgmt=mgmt,
         red_amqp_url=red_url,
+        transport=transport,
+        udp_section=udp_section,
     )
     cfg = load_config(cfg_path)
+    link = UdpLink(cfg, relay_port, loss_percent) if transport == "udp" else None
+    if link is not None:
+        link.start()
     run = BlackRun(cfg)
     run.mirror.sync()  # mirror queues exist before the first message is published
     log_event(log, 20, "publishing demo traffic", messages=messages, vhost=vhost)
@@ -156,7 +175,19 @@ def run_demo(
         spark = get_spark("diode-demo")
     black = run.run(spark, "available-now")
     t_black = time.monotonic()
-    moved = move_outbox(Path(cfg.black.outbox), Path(cfg.red.inbox))
+    udp: dict[str, Any] = {}
+    if link is None:
+        moved = move_outbox(Path(cfg.black.outbox), Path(cfg.red.inbox))
+        files_crossed = moved.files
+    else:
+        try:
+            sent = run_sender(cfg, until_idle=True, timeout=600)
+            udp = link.wait_delivered(list(sent.files), timeout=120)
+        finally:
+            udp["processes"] = link.close()
+        udp["datagrams_sent"] = sent.datagrams
+        udp["files_sent"] = len(sent.files)
+        files_crossed = udp["delivered"]
     red = RedRun(cfg).run(spark, "available-now")
     t_red = time.monotonic()
     counter = ReplayCounter(red_url, [x.name for x in DEMO_EXCHANGES])
@@ -172,7 +203,8 @@ def run_demo(
         "sealed": black.messages,
         "lost": black.lost,
         "bundles": black.bundles,
-        "files_crossed": moved.files,
+        "transport": transport,
+        "files_crossed": files_crossed,
         "landed": rs["messages_landed"],
         "bundles_landed": rs["bundles_landed"],
         "rejected": rs["rejected"],
@@ -190,11 +222,14 @@ def run_demo(
         "tables": str(cfg.red.tables_dir),
         "config": str(cfg_path),
     }
+    if link is not None:
+        out["udp"] = udp
     out["ok"] = (
         black.messages == pub.count
         and black.lost == 0
         and rs["messages_landed"] == pub.count
         and rs["rejected"] == 0
         and received == pub.count
+        and (link is None or udp["missing"] == 0)
     )
     return out
