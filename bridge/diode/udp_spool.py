@@ -191,7 +191,7 @@ class Reassembler:
                              "too_large")  # fmt: skip
                 return
             obj = self._create(sym.epoch, h, now)
-        elif obj.h != h:
+        elif obj.h is not h and obj.h != h:
             self._drop("malformed")  # same object id, another header: not ours to guess
             return
         obj.last_seen = now
