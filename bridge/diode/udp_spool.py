@@ -233,7 +233,9 @@ class Reassembler:
         del obj.decoders[b]
         if len(obj.done) == obj.n_blocks:
             self._close(obj)
-            del self.open[(obj.epoch, h.object_id)]
+            key = (obj.epoch, h.object_id)
+            del self.open[key]
+            self.done[key] = h.digest.hex()  # later symbols are late from now on
             self.ready.append(Delivery(obj.epoch, h, obj.path, obj.repairs_used))
 
     def _create(self, epoch: int, h: ObjectHeader, now: float) -> _Open:

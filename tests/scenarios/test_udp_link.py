@@ -248,6 +248,7 @@ def test_hundreds_of_files_through_a_lossy_relay_arrive_intact_or_as_gaps(link: 
     assert dropped.get("duplicate", 0) + dropped.get("surplus", 0) > 0, recv_counts
     assert recv_counts["objects_completed"] == len(sent)
     assert recv_counts["repair_symbols_used"] > 0
+    assert recv_counts["heartbeats"] > 0 and recv_counts["epochs_seen"] == 1
 
 
 def test_beyond_the_repair_budget_files_become_gaps_never_corrupt(link: Link) -> None:

@@ -1,0 +1,210 @@
+"""UDP receiver on a real socket: hostile datagrams are counted and dropped, objects that lie
+about their digest or name become gaps, clashes never overwrite, the spool survives a restart."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from bridge.config import Config, config_from_dict
+from bridge.demo.udp_link import free_udp_port
+from bridge.diode.link_status import read_gap_records
+from bridge.diode.udp_fec import block_count, block_plan, encode_block, repair_count
+from bridge.diode.udp_key import generate_key_file, load_key
+from bridge.diode.udp_receiver import ReceiveSummary, run_receiver
+from bridge.diode.udp_sender import envelope_prefix
+from bridge.diode.udp_spool import Reassembler
+from bridge.protocol.datagram import DatagramCodec, ObjectHeader, ObjectKind
+
+T = 256
+K = 16
+
+
+def datagrams(
+    codec: DatagramCodec,
+    epoch: int,
+    oid: int,
+    name: str,
+    body: bytes,
+    *,
+    repair: float = 0.25,
+    digest: bytes | None = None,
+    length: int | None = None,
+) -> list[bytes]:
+    env = envelope_prefix(name) + body if not name.startswith("raw:") else body
+    h = ObjectHeader(
+        oid, ObjectKind.BUNDLE, "u1", oid + 1, length if length is not None else len(env),
+        digest or hashlib.sha256(env).digest(), T, K,
+    )  # fmt: skip
+    sealer = codec.symbol_sealer(epoch, h)
+    out = []
+    packet = oid * 1_000_000
+    for b in range(block_count(len(env), T, K)):
+        p = block_plan(len(env), T, K, b)
+        for esi, sym in encode_block(env[p.offset : p.offset + p.length], T,
+                                     repair_count(p.k, repair, 2)):  # fmt: skip
+            out.append(sealer.seal(packet, b, esi, sym))
+            packet += 1
+    return out
+
+
+@dataclass
+class Rx:
+    cfg: Config
+    addr: tuple[str, int]
+    codec: DatagramCodec
+    sock: socket.socket
+    stop: threading.Event
+    thread: threading.Thread
+    result: list[ReceiveSummary]
+
+    @property
+    def inbox(self) -> Path:
+        return Path(self.cfg.red.inbox)
+
+    @property
+    def spool(self) -> Path:
+        return Path(self.cfg.udp.receive.spool_dir)  # type: ignore[union-attr]
+
+    def send(self, items: list[bytes]) -> None:
+        for d in items:
+            self.sock.sendto(d, self.addr)
+            time.sleep(0)  # let the receiver keep up (no pacing needed for a few hundred)
+
+    def wait(self, cond: Any, what: str, timeout: float = 20) -> None:
+        deadline = time.monotonic() + timeout
+        while not cond():
+            assert self.thread.is_alive(), "receiver thread died"
+            assert time.monotonic() < deadline, f"timed out waiting for {what}"
+            time.sleep(0.05)
+
+    def finish(self) -> ReceiveSummary:
+        self.stop.set()
+        self.thread.join(timeout=30)
+        return self.result[0]
+
+
+def _cfg(tmp: Path, port: int, **recv: Any) -> Config:
+    generate_key_file(tmp / "udp.key", force=True)
+    data = {
+        "channels": [{"name": "u1", "encrypt": False, "transport": "udp"}],
+        "red": {"inbox": "red/inbox"},
+        "udp": {
+            "key_file": "udp.key",
+            "receive": {"bind": f"127.0.0.1:{port}", "expire_seconds": 1.0, **recv},
+        },
+    }
+    return config_from_dict(data, base=tmp, environ={})
+
+
+@pytest.fixture
+def rx(tmp_path: Path) -> Iterator[Rx]:
+    port = free_udp_port()
+    cfg = _cfg(tmp_path, port, max_object_bytes=1 << 20)
+    stop, ready, result = threading.Event(), threading.Event(), []
+    th = threading.Thread(
+        target=lambda: result.append(run_receiver(cfg, stop=stop, ready=lambda _: ready.set())),
+        daemon=True,
+    )
+    th.start()
+    assert ready.wait(20)
+    codec = DatagramCodec(load_key(tmp_path / "udp.key"))
+    sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    r = Rx(cfg, ("127.0.0.1", port), codec, sock, stop, th, result)
+    yield r
+    stop.set()
+    th.join(timeout=30)
+    sock.close()
+
+
+def test_hostile_datagrams_are_counted_and_nothing_bad_is_delivered(rx: Rx) -> None:
+    good = datagrams(rx.codec, 5, 1, "u1.000000000002.ok.dbundle", os.urandom(10_000))
+    foreign = datagrams(DatagramCodec(os.urandom(32)), 5, 2, "u1.x.dbundle", b"evil" * 100)
+    flipped = bytearray(good[3])
+    flipped[200] ^= 0x10
+    rx.send([b"", b"\xd1", os.urandom(600), good[0][:50], bytes(flipped), *foreign, *good])
+    rx.wait(lambda: (rx.inbox / "u1.000000000002.ok.dbundle").exists(), "the good file")
+    s = rx.finish()
+    assert s.dropped["short"] == 2  # b"" and one byte
+    assert s.dropped["magic"] == 1
+    assert s.dropped["tag"] == len(foreign) + 2  # + the truncated and the flipped symbol
+    assert sorted(p.name for p in rx.inbox.iterdir()) == ["u1.000000000002.ok.dbundle"]
+    assert s.objects_completed == 1
+
+
+def test_lying_objects_become_gaps_never_files(rx: Rx) -> None:
+    body = os.urandom(5000)
+    rx.send(datagrams(rx.codec, 7, 1, "u1.a.dbundle", body, digest=b"\x00" * 32))
+    rx.send(datagrams(rx.codec, 7, 2, "../../etc/passwd", b"root::0:0"))
+    rx.send(datagrams(rx.codec, 7, 3, ".hidden", b"x"))
+    rx.send(datagrams(rx.codec, 7, 4, "raw:", b"\xff\xff" + b"no name"))
+    rx.send(datagrams(rx.codec, 7, 5, "u1.big.dbundle", b"x", length=2 << 20)[:3])
+    rx.wait(lambda: len(read_gap_records(rx.spool)) >= 5, "five gap records")
+    s = rx.finish()
+    reasons = sorted(g["reason"] for g in read_gap_records(rx.spool))
+    assert reasons == ["bad_name", "bad_name", "bad_name", "digest_mismatch", "too_large"]
+    assert list(rx.inbox.iterdir()) == []
+    assert s.dropped.get("too_large") == 3
+    assert not list((rx.spool / "objects").iterdir())
+
+
+def test_clashing_names_are_never_overwritten(rx: Rx) -> None:
+    name = "u1.000000000009.clash.dbundle"
+    first, other = os.urandom(3000), os.urandom(3000)
+    rx.send(datagrams(rx.codec, 9, 1, name, first))
+    rx.wait(lambda: (rx.inbox / name).exists(), "first copy")
+    rx.send(datagrams(rx.codec, 9, 2, name, first))  # same bytes again: a duplicate
+    rx.send(datagrams(rx.codec, 9, 3, name, other))  # other bytes under that name
+    rx.wait(lambda: len(list(rx.inbox.iterdir())) == 2, "the clashing copy")
+    s = rx.finish()
+    assert (rx.inbox / name).read_bytes() == first
+    assert (rx.inbox / f"{name}~9.3").read_bytes() == other
+    assert s.duplicate_objects == 1
+
+
+def test_incomplete_objects_expire_as_gaps_and_late_symbols_are_counted(rx: Rx) -> None:
+    dg = datagrams(rx.codec, 11, 1, "u1.000000000004.late.dbundle", os.urandom(20_000), repair=0)
+    rx.send(dg[: len(dg) // 2])
+    rx.wait(lambda: read_gap_records(rx.spool), "the timeout gap", timeout=10)
+    done = datagrams(rx.codec, 11, 2, "u1.000000000005.done.dbundle", os.urandom(900))
+    rx.send(done)
+    rx.wait(lambda: (rx.inbox / "u1.000000000005.done.dbundle").exists(), "second file")
+    rx.send(done[:2])  # stragglers of a delivered object
+    time.sleep(0.5)
+    s = rx.finish()
+    (gap,) = read_gap_records(rx.spool)
+    assert (
+        gap["reason"] == "timeout" and gap["seq"] == 2 and gap["blocks_done"] < gap["blocks_total"]
+    )
+    assert s.dropped.get("late") == 4  # 2 repair symbols after completion + 2 stragglers
+
+
+def test_spool_rebuilds_an_object_after_the_process_is_gone(tmp_path: Path) -> None:
+    key = os.urandom(32)
+    codec = DatagramCodec(key)
+    body = os.urandom(100_000)
+    dg = [codec.open(d) for d in datagrams(codec, 3, 1, "u1.000000000001.r.dbundle", body)]
+    ra = Reassembler(tmp_path, max_object_bytes=1 << 30, max_open_objects=8)
+    half = len(dg) // 2
+    for sym in dg[:half]:
+        ra.add(sym, 1.0)  # type: ignore[arg-type]
+    ra.flush_all()
+    spooled = list((tmp_path / "objects").iterdir())
+    assert len(spooled) == 1 and (spooled[0] / "symbols.log").stat().st_size > 0
+    del ra  # as after kill -9: nothing but the spool is left
+    ra2 = Reassembler(tmp_path, max_object_bytes=1 << 30, max_open_objects=8)
+    assert ra2.recover(2.0) == 1
+    assert not ra2.ready
+    for sym in dg[half:]:
+        ra2.add(sym, 3.0)  # type: ignore[arg-type]
+    (d,) = ra2.ready
+    assert (d.path / "data").read_bytes() == envelope_prefix("u1.000000000001.r.dbundle") + body
