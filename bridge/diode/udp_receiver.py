@@ -92,6 +92,7 @@ class _Receiver:
         self.heard = 0.0
         self.work: queue.Queue[Delivery | None] = queue.Queue()
         self.lock = threading.Lock()
+        self._pushed: dict[str, int] = {}
 
     def _rcvbuf(self) -> int:
         want = self.u.rcvbuf_bytes
@@ -194,6 +195,12 @@ class _Receiver:
                 "heartbeat_age_seconds": round(time.time() - self.heard, 1) if self.heard else None,
                 **s.to_json(),
             }
+        pushed = self._pushed  # metrics in bulk: a labelled inc() per datagram costs too much
+        UDP.datagrams_received.inc(s.datagrams - pushed.get("", 0))
+        pushed[""] = s.datagrams
+        for reason, n in ra.dropped.items():
+            UDP.datagrams_dropped.labels(reason).inc(n - pushed.get(reason, 0))
+            pushed[reason] = n
         if self.heard:
             UDP.heartbeat_age.set(time.time() - self.heard)
         UDP.open_objects.set(len(ra.open))

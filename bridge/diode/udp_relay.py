@@ -9,7 +9,7 @@ Burst model: two states. In *good* nothing is lost by it; in *bad* every datagra
 Bad -> good with probability ``1 / burst_mean`` per datagram (bursts last ``burst_mean`` on
 average, geometrically), good -> bad with ``p = r / (burst_mean * (1 - r))`` so that the
 long-run fraction lost in bursts is ``r = burst_loss``. ``burst_max`` caps a burst's length
-(``burst_mean = burst_max = 50`` gives bursts of exactly 50).
+(``burst_mean = burst_max = 50`` gives bursts of exactly 50; two may touch now and then).
 """
 
 from __future__ import annotations
@@ -64,6 +64,8 @@ class LossModel:
         self._p_leave = 1.0 / imp.burst_mean
         self._p_enter = r / (imp.burst_mean * (1.0 - r)) if r > 0 else 0.0
         self._max = imp.burst_max
+        if self._max is not None and imp.burst_mean >= self._max:
+            self._p_leave = 0.0  # fixed-length bursts: only burst_max ends one
         self._bad = False
         self._run = 0
 

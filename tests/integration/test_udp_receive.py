@@ -208,3 +208,50 @@ def test_spool_rebuilds_an_object_after_the_process_is_gone(tmp_path: Path) -> N
         ra2.add(sym, 3.0)  # type: ignore[arg-type]
     (d,) = ra2.ready
     assert (d.path / "data").read_bytes() == envelope_prefix("u1.000000000001.r.dbundle") + body
+
+
+def test_sender_copies_and_journal_and_pace(rx: Rx, tmp_path: Path) -> None:
+    from bridge.diode.udp_sender import JOURNAL, Journal, run_sender
+
+    data = {
+        "channels": [
+            {"name": "u1", "encrypt": False, "transport": "udp"},
+            {"name": "f1", "encrypt": False, "transport": "file"},
+        ],
+        "black": {"outbox": "black/outbox"},
+        "udp": {
+            "key_file": "udp.key",
+            "mtu": 1500,
+            "send": {
+                "destination": f"127.0.0.1:{rx.addr[1]}",
+                "copies": 2,
+                "rate_bytes_per_second": 20_000_000,
+                "heartbeat_seconds": 0.2,
+            },
+        },
+    }
+    cfg = config_from_dict(data, base=tmp_path, environ={})
+    outbox = Path(cfg.black.outbox)
+    outbox.mkdir(parents=True)
+    body = os.urandom(700_000)
+    name = "u1.000000000003.0123456789abcdef0123456789abcdef.dbundle"
+    (outbox / name).write_bytes(body)
+    (outbox / "f1.000000000001.0123456789abcdef0123456789abcdef.dbundle").write_bytes(b"file")
+    (outbox / "notes.txt").write_bytes(b"not a wire name: left alone")
+    summary = run_sender(cfg, until_idle=True, timeout=60)
+    assert summary.files == [name] and summary.heartbeats >= 2
+    rx.wait(lambda: (rx.inbox / name).exists(), "the file")
+    time.sleep(0.5)  # the second copy arrives after the first was delivered
+    s = rx.finish()
+    assert (rx.inbox / name).read_bytes() == body
+    assert s.objects_completed == 1 and s.dropped.get("late", 0) > 0  # copy 2: late, not twice
+    assert sorted(p.name for p in outbox.iterdir()) == [
+        "f1.000000000001.0123456789abcdef0123456789abcdef.dbundle",
+        "notes.txt",
+    ]
+    state = Path(cfg.udp.send.state_dir)  # type: ignore[union-attr]
+    assert Journal(state).last[name]["state"] == "sent"
+    assert (state / JOURNAL).read_text().count('"sending"') == 1
+    # about 2 x (700 KB + repair) at 20 MB/s (after a 256 KB burst): the pace was applied
+    assert summary.seconds >= (summary.bytes - 262_144) / 20_000_000 * 0.9
+    assert s.heartbeats >= 2
