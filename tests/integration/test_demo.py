@@ -21,13 +21,15 @@ pytestmark = [pytest.mark.broker, pytest.mark.gpg, pytest.mark.spark, pytest.mar
 REPO = Path(__file__).resolve().parents[2]
 
 
-def test_demo_runs_from_scratch(short_tmp: Path) -> None:
+@pytest.mark.parametrize("transport", ["file", "udp"])
+def test_demo_runs_from_scratch(short_tmp: Path, transport: str) -> None:
     vhost = f"diode-test-demo-{uuid.uuid4().hex[:8]}"
     env = dict(os.environ, PYTHONPATH=str(REPO), DIODE_LOG_LEVEL="WARNING")
+    extra = ["--transport", "udp", "--loss", "2"] if transport == "udp" else []
     try:
         r = subprocess.run(
             [sys.executable, "-m", "bridge.cli", "demo", "--messages", "3000", "--workdir",
-             str(short_tmp / "demo"), "--vhost", vhost, "--json"],
+             str(short_tmp / "demo"), "--vhost", vhost, "--json", *extra],
             cwd=REPO, env=env, capture_output=True, timeout=600, check=False,
         )  # fmt: skip
     finally:
@@ -48,5 +50,12 @@ def test_demo_runs_from_scratch(short_tmp: Path) -> None:
     )
     keys = set(zip(messages["channel"].to_pylist(), messages["seq"].to_pylist(), strict=True))
     assert len(keys) == messages.num_rows == summary["published"], "each (channel, seq) once"
+    if transport == "udp":  # the files really crossed as datagrams, through a lossy relay
+        udp = summary["udp"]
+        assert udp["missing"] == 0 and udp["files_sent"] == udp["delivered"] >= summary["bundles"]
+        relay = udp["processes"]["relay"]
+        assert relay["received"] >= udp["datagrams_sent"] > 0  # all of it through the relay
+        assert relay["forwarded"] + relay["dropped_random"] == relay["received"]
+        assert udp["processes"]["receiver"]["objects_completed"] == udp["files_sent"]
     cfg = Path(summary["config"])
     assert cfg.stat().st_mode & 0o077 == 0, "the demo config holds the AMQP password: 0600"
