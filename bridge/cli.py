@@ -224,6 +224,10 @@ def check(config_path: Path | None) -> None:
         click.echo(f"error: {p}", err=True)
     if problems:
         sys.exit(1)
+    if cfg.udp is not None and cfg.udp_channels():
+        from bridge.diode.udp_key import load_key
+
+        load_key(cfg.udp.key_file)  # fails fast with the fix (missing, readable by others, short)
     connect(cfg.black, purpose="diode check").close()
     if cfg.black.discover:
         from bridge.black.management import ManagementClient

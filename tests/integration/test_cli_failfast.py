@@ -131,3 +131,25 @@ def test_config_with_secrets_readable_by_others(short_tmp: Path) -> None:
     assert code == 1, out
     assert "chmod 600" in out and str(p) in out and "black.amqp_url" in out, out
     assert "s3cret" not in out, "credentials must never be printed"
+
+
+def test_udp_commands_fail_fast_with_a_fix(short_tmp: Path) -> None:
+    base = '[[channels]]\nname = "u1"\nencrypt = false\ntransport = "udp"\n[udp]\nkey_file = "k"\n'
+    p = short_tmp / "u.toml"
+    p.write_text(base)
+    for cmd in (["udp", "send"], ["udp", "receive"]):
+        code, out = _run(*cmd, "--config", str(p), "--timeout", "1")
+        assert code == 2 and "diode udp keygen" in out, out
+    key = short_tmp / "k"
+    code, out = _run("udp", "keygen", "--out", str(key))
+    assert code == 0 and key.stat().st_mode & 0o077 == 0, out
+    key.chmod(0o640)
+    code, out = _run("udp", "receive", "--config", str(p), "--timeout", "1")
+    assert code == 2 and "chmod 600" in out, out
+    key.chmod(0o600)
+    p.write_text(base + '[udp.receive]\nbind = "0.0.0.0:47100"\n')
+    code, out = _run("udp", "receive", "--config", str(p), "--timeout", "1")
+    assert code == 2 and "every interface" in out, out
+    p.write_text(base.replace('transport = "udp"', 'transport = "file"'))
+    code, out = _run("udp", "send", "--config", str(p), "--timeout", "1")
+    assert code == 2 and 'no channel has transport = "udp"' in out, out
