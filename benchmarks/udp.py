@@ -47,6 +47,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from bridge.demo.udp_link import last_json  # noqa: E402
 from bridge.diode.link_status import read_gap_records, read_json  # noqa: E402
 from bridge.diode.udp_key import generate_key_file  # noqa: E402
 from bridge.protocol.datagram import SYMBOL_HEADER_LEN, TAG_LEN, symbol_size_for  # noqa: E402
@@ -288,16 +289,6 @@ def proc(argv: list[str], log: Path) -> Iterator[subprocess.Popen[bytes]]:
             except subprocess.TimeoutExpired:
                 p.kill()
                 p.wait()
-
-
-def last_json(log: Path) -> dict[str, Any]:
-    for line in reversed(log.read_text(errors="replace").splitlines()):
-        if line.startswith("{") and '"msg"' not in line:
-            try:
-                return dict(json.loads(line))
-            except ValueError:
-                continue
-    return {}
 
 
 def run_transport(

@@ -24,7 +24,7 @@ from bridge.config import Config
 from bridge.diode.link_status import read_gap_records
 from bridge.errors import TransportError
 
-__all__ = ["UdpLink", "free_udp_port", "udp_config_toml"]
+__all__ = ["UdpLink", "free_udp_port", "last_json", "udp_config_toml"]
 
 
 def free_udp_port() -> int:
@@ -143,11 +143,12 @@ class UdpLink:
                 except subprocess.TimeoutExpired:
                     proc.kill()
                     proc.wait()
-            out[name] = _last_json(self.logs[name])
+            out[name] = last_json(self.logs[name])
         return out
 
 
-def _last_json(path: Path) -> dict[str, Any]:
+def last_json(path: Path) -> dict[str, Any]:
+    """The last JSON line of a process log that is not a log record (a summary)."""
     try:
         lines = path.read_text(errors="replace").splitlines()
     except OSError:

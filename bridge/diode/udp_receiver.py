@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import os
 import queue
-import signal
 import socket
 import threading
 import time
@@ -29,6 +28,7 @@ from bridge.fsutil import atomic_write_bytes, durable_mkdir, exclusive_lock
 from bridge.logs import get_logger, log_event
 from bridge.metrics import UDP
 from bridge.protocol.datagram import DatagramCodec, DatagramError, LinkHeartbeat
+from bridge.signals import stop_on_signals
 
 __all__ = ["ReceiveSummary", "run_receiver"]
 
@@ -306,13 +306,5 @@ def run_receiver(
     ready: Callable[[tuple[str, int]], None] | None = None,
 ) -> ReceiveSummary:
     """Receive until stopped (SIGTERM / SIGINT in the main thread), or for ``timeout`` s."""
-    stop = stop or threading.Event()
-    saved: dict[signal.Signals, Any] = {}
-    if threading.current_thread() is threading.main_thread():
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            saved[sig] = signal.signal(sig, lambda *_: stop.set())
-    try:
-        return _Receiver(cfg, stop).run(timeout, ready)
-    finally:
-        for signum, handler in saved.items():
-            signal.signal(signum, handler)
+    with stop_on_signals(stop or threading.Event()) as ev:
+        return _Receiver(cfg, ev).run(timeout, ready)

@@ -17,7 +17,6 @@ import errno
 import hashlib
 import json
 import os
-import signal
 import socket
 import threading
 import time
@@ -44,6 +43,7 @@ from bridge.protocol.datagram import (
     symbol_size_for,
 )
 from bridge.protocol.naming import parse_bundle_name, parse_heartbeat_name
+from bridge.signals import stop_on_signals
 
 __all__ = ["SendSummary", "Journal", "run_sender", "envelope_prefix"]
 
@@ -512,13 +512,5 @@ def run_sender(
     timeout: float | None = None,
 ) -> SendSummary:
     """Send every outbox file of the udp channels (until stopped, or idle with until_idle)."""
-    stop = stop or threading.Event()
-    saved: dict[signal.Signals, Any] = {}
-    if threading.current_thread() is threading.main_thread():
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            saved[sig] = signal.signal(sig, lambda *_: stop.set())
-    try:
-        return _Sender(cfg, stop).run(until_idle, timeout)
-    finally:
-        for signum, handler in saved.items():
-            signal.signal(signum, handler)
+    with stop_on_signals(stop or threading.Event()) as ev:
+        return _Sender(cfg, ev).run(until_idle, timeout)
