@@ -239,6 +239,9 @@ class Reassembler:
             self.ready.append(Delivery(obj.epoch, h, obj.path, obj.repairs_used))
 
     def _create(self, epoch: int, h: ObjectHeader, now: float) -> _Open:
+        for key, o in list(self.open.items()):  # a restarted sender resends what was in flight
+            if o.epoch < epoch and o.h.digest == h.digest:
+                self._supersede(key, epoch)
         if len(self.open) >= self.max_open:
             self._evict_oldest("evicted")
         path = self.objects_dir / _obj_dir_name(epoch, h.object_id)
@@ -311,6 +314,13 @@ class Reassembler:
         else:
             self.gap(rec, reason)
             self.expired += 1
+        shutil.rmtree(obj.path, ignore_errors=True)
+
+    def _supersede(self, key: tuple[int, int], epoch: int) -> None:
+        obj = self.open.pop(key)
+        self._close(obj)
+        log_event(log, 20, "udp object superseded: the sender resent it under a new epoch",
+                  new_epoch=epoch, **obj.record())  # fmt: skip
         shutil.rmtree(obj.path, ignore_errors=True)
 
     def expire_idle(self, now: float, expire_seconds: float) -> int:

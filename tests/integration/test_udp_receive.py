@@ -255,3 +255,20 @@ def test_sender_copies_and_journal_and_pace(rx: Rx, tmp_path: Path) -> None:
     # about 2 x (700 KB + repair) at 20 MB/s (after a 256 KB burst): the pace was applied
     assert summary.seconds >= (summary.bytes - 262_144) / 20_000_000 * 0.9
     assert s.heartbeats >= 2
+
+
+def test_a_resend_under_a_new_epoch_supersedes_the_old_partial_object(tmp_path: Path) -> None:
+    codec = DatagramCodec(os.urandom(32))
+    body = os.urandom(30_000)
+    name = "u1.000000000001.s.dbundle"
+    old = [codec.open(d) for d in datagrams(codec, 1, 7, name, body)]
+    new = [codec.open(d) for d in datagrams(codec, 2, 0, name, body)]
+    ra = Reassembler(tmp_path, max_object_bytes=1 << 30, max_open_objects=8)
+    for sym in old[:5]:
+        ra.add(sym, 1.0)  # type: ignore[arg-type]
+    assert list(ra.open) == [(1, 7)]
+    for sym in new:
+        ra.add(sym, 2.0)  # type: ignore[arg-type]
+    assert not ra.open and [d.epoch for d in ra.ready] == [2]
+    assert read_gap_records(tmp_path) == []  # superseded, not a gap
+    assert [p.name for p in (tmp_path / "objects").iterdir()] == [ra.ready[0].path.name]
