@@ -163,7 +163,7 @@ def netns_unavailable() -> str | None:
 _RAW_RECEIVER = """
 import socket, sys, time, json
 s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-s.setsockopt(socket.SOL_SOCKET, getattr(socket, "SO_RCVBUFFORCE", socket.SO_RCVBUF), 8 << 20)
+s.setsockopt(socket.SOL_SOCKET, 33, 8 << 20)  # SO_RCVBUFFORCE (Linux; not in Python 3.11)
 s.bind((sys.argv[1], int(sys.argv[2])))
 s.settimeout(1.0)
 buf = bytearray(65536); n = b = 0

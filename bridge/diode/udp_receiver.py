@@ -22,6 +22,7 @@ from typing import Any
 
 from bridge.config import Config
 from bridge.diode.udp_key import load_key
+from bridge.diode.udp_socket import set_rcvbuf
 from bridge.diode.udp_spool import Delivery, Reassembler, deliver, verify_and_read_name
 from bridge.errors import ConfigError
 from bridge.fsutil import atomic_write_bytes, durable_mkdir, exclusive_lock
@@ -96,15 +97,7 @@ class _Receiver:
 
     def _rcvbuf(self) -> int:
         want = self.u.rcvbuf_bytes
-        for opt in (getattr(socket, "SO_RCVBUFFORCE", None), socket.SO_RCVBUF):
-            if opt is None:
-                continue
-            try:
-                self.sock.setsockopt(socket.SOL_SOCKET, opt, want)
-                break
-            except OSError:
-                continue
-        got = self.sock.getsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF) // 2
+        got = set_rcvbuf(self.sock, want)
         if got < want:
             log_event(log, 30, "socket receive buffer smaller than asked: bursts may be lost",
                       asked=want, granted=got,

@@ -26,6 +26,8 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
+from bridge.diode.udp_socket import set_rcvbuf
+
 __all__ = ["Impairment", "LossModel", "Relay", "main"]
 
 
@@ -113,14 +115,7 @@ class Relay:
         )
         family = socket.AF_INET6 if ":" in self.listen[0] else socket.AF_INET
         self.sock = socket.socket(family, socket.SOCK_DGRAM)
-        for opt in (getattr(socket, "SO_RCVBUFFORCE", None), socket.SO_RCVBUF):
-            if opt is None:
-                continue
-            try:
-                self.sock.setsockopt(socket.SOL_SOCKET, opt, self.rcvbuf)
-                break
-            except OSError:
-                continue
+        set_rcvbuf(self.sock, self.rcvbuf)
         self.sock.bind(self.listen)
         self.sock.settimeout(0.2)
         self.out = socket.socket(family, socket.SOCK_DGRAM)

@@ -1,0 +1,270 @@
+"""Diode, UDP (test link): the lossy relay on real sockets, seen from a raw receiver.
+
+Each impairment is asserted twice: by the relay's counters and by what a plain socket behind
+it actually gets. The last test checks the benchmark's veth + nftables loss path, when root.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+from bridge.diode.udp_relay import Impairment, Relay
+from bridge.diode.udp_socket import set_rcvbuf
+
+REPO = Path(__file__).resolve().parents[2]
+SIZE = 200  # datagram bytes: 8-byte sequence number + filler
+
+
+def _datagram(seq: int, size: int = SIZE) -> bytes:
+    head = seq.to_bytes(8, "big")
+    return head + (head * (size // 8 + 1))[: size - 8]
+
+
+class Sink:
+    """A raw receiver on 127.0.0.1: keeps every datagram in arrival order."""
+
+    def __init__(self) -> None:
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        set_rcvbuf(self.sock, 16 << 20)  # forced past rmem_max when root, as the receiver does
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.settimeout(0.5)
+        self.address: tuple[str, int] = self.sock.getsockname()[:2]
+
+    def drain(self, expect: int, quiet: float = 0.5) -> list[bytes]:
+        """Everything received until `expect` datagrams came and then `quiet` s of silence."""
+        got: list[bytes] = []
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            try:
+                got.append(self.sock.recv(65536))
+            except TimeoutError:
+                if len(got) >= expect:
+                    break
+        self.sock.settimeout(quiet)
+        while True:
+            try:
+                got.append(self.sock.recv(65536))
+            except TimeoutError:
+                return got
+
+
+@contextmanager
+def relay_to(sink: Sink, imp: Impairment) -> Iterator[Relay]:
+    relay = Relay(("127.0.0.1", 0), sink.address, imp)
+    stop = threading.Event()
+    t = threading.Thread(target=relay.run, args=(stop,), daemon=True)
+    t.start()
+    try:
+        yield relay
+    finally:
+        stop.set()
+        t.join(5)
+        relay.close()
+        sink.sock.close()
+
+
+def send_paced(relay: Relay, datagrams: list[bytes]) -> None:
+    """Send all, never more than 500 ahead of the relay, so no socket buffer ever overflows."""
+    out = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    try:
+        for i, d in enumerate(datagrams):
+            out.sendto(d, relay.address)
+            if i % 500 == 499:
+                deadline = time.monotonic() + 10
+                while relay.counters["received"] < i + 1 and time.monotonic() < deadline:
+                    time.sleep(0.001)
+    finally:
+        out.close()
+    deadline = time.monotonic() + 10
+    while relay.counters["received"] < len(datagrams) and time.monotonic() < deadline:
+        time.sleep(0.005)
+
+
+def _seq(d: bytes) -> int:
+    return int.from_bytes(d[:8], "big")
+
+
+def test_zero_impairment_forwards_every_datagram_byte_identical_and_in_order() -> None:
+    sent = [os.urandom(n) for n in (1, 7, 512, 1400, 1472, 8000, *range(100, 1500, 7))]
+    sink = Sink()
+    with relay_to(sink, Impairment(seed=1)) as relay:
+        send_paced(relay, sent)
+        got = sink.drain(len(sent))
+    assert got == sent
+    c = relay.counters
+    assert c["received"] == c["forwarded"] == len(sent)
+    assert sum(v for k, v in c.items() if k not in ("received", "forwarded")) == 0
+
+
+def test_random_loss_rate_matches_counters_and_the_receiver() -> None:
+    n = 20_000
+    sent = [_datagram(i) for i in range(n)]
+    sink = Sink()
+    with relay_to(sink, Impairment(loss=0.05, seed=7)) as relay:
+        send_paced(relay, sent)
+        got = sink.drain(int(n * 0.9))
+    c = relay.counters
+    assert c["received"] == n
+    # 5% of 20k: mean 1000, sd ~31; +-5 sd
+    assert 845 < c["dropped_random"] < 1155, c
+    assert c["dropped_burst"] == 0
+    assert len(got) == c["forwarded"] == n - c["dropped_random"]
+    seqs = [_seq(d) for d in got]
+    assert seqs == sorted(set(seqs))  # loss only: no reordering, no copies
+    assert all(d == _datagram(_seq(d)) for d in got)
+
+
+def test_burst_loss_takes_runs_of_consecutive_datagrams() -> None:
+    n = 20_000
+    sent = [_datagram(i) for i in range(n)]
+    sink = Sink()
+    with relay_to(sink, Impairment(burst_loss=0.05, burst_mean=10, burst_max=10, seed=3)) as r:
+        send_paced(r, sent)
+        got = sink.drain(int(n * 0.9))
+    seen = {_seq(d) for d in got}
+    runs, run = [], 0
+    for i in range(n):
+        if i in seen:
+            if run:
+                runs.append(run)
+            run = 0
+        else:
+            run += 1
+    if run:
+        runs.append(run)
+    assert sum(runs) == r.counters["dropped_burst"] == n - len(got)
+    assert runs and all(x % 10 == 0 for x in runs), runs[:20]  # bursts of exactly 10 (may touch)
+
+
+def test_duplicates_arrive_twice_and_are_counted() -> None:
+    n = 4000
+    sent = [_datagram(i) for i in range(n)]
+    sink = Sink()
+    with relay_to(sink, Impairment(duplicate=0.05, seed=5)) as relay:
+        send_paced(relay, sent)
+        got = sink.drain(n)
+    c = relay.counters
+    twice = len(got) - len(set(got))
+    assert 100 < c["duplicated"] < 300, c
+    assert twice == c["duplicated"]
+    assert c["forwarded"] == n + c["duplicated"] == len(got)
+    assert set(got) == set(sent)
+
+
+def test_corruption_flips_exactly_one_bit_and_is_counted() -> None:
+    n = 4000
+    sent = [_datagram(i) for i in range(n)]
+    originals = {int.from_bytes(d, "big") for d in sent}
+    sink = Sink()
+    with relay_to(sink, Impairment(corrupt=0.05, seed=9)) as relay:
+        send_paced(relay, sent)
+        got = sink.drain(n)
+    c = relay.counters
+    assert len(got) == n == c["forwarded"]
+    bad = [d for d in got if int.from_bytes(d, "big") not in originals]
+    assert 100 < c["corrupted"] < 300, c
+    assert len(bad) == c["corrupted"]
+    for d in bad:
+        v = int.from_bytes(d, "big")
+        assert len(d) == SIZE
+        assert min((v ^ o).bit_count() for o in originals) == 1
+
+
+def test_reordered_datagrams_arrive_after_later_ones_and_none_is_lost() -> None:
+    n, depth = 4000, 8
+    sent = [_datagram(i) for i in range(n)]
+    sink = Sink()
+    with relay_to(sink, Impairment(reorder=0.05, reorder_depth=depth, seed=4)) as relay:
+        send_paced(relay, sent)
+        got = sink.drain(n)
+    c = relay.counters
+    assert sorted(got) == sorted(sent)  # nothing lost, nothing doubled
+    late, behind, top = 0, [], -1
+    for pos, d in enumerate(got):
+        s = _seq(d)
+        if s < top:
+            late += 1
+            behind.append(sum(1 for e in got[:pos] if _seq(e) > s))
+        top = max(top, s)
+    assert 100 < c["reordered"] < 300, c
+    # held back ones released when the sender went quiet are not late: at most a few at the end
+    assert c["reordered"] - 3 <= late <= c["reordered"]
+    assert min(behind) >= 1 and max(behind) >= depth
+
+
+# ------------------------------------------------------------------ veth + nftables (root)
+def _bench_udp() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("bench_udp", REPO / "benchmarks" / "udp.py")
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules.setdefault(spec.name, mod)  # its dataclasses look themselves up there
+    spec.loader.exec_module(mod)
+    return mod
+
+
+_COUNT = """
+import socket, sys, json
+s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+from bridge.diode.udp_socket import set_rcvbuf
+set_rcvbuf(s, 16 << 20)
+s.bind((sys.argv[1], int(sys.argv[2]))); s.settimeout(1.0); n = 0
+print("ready", flush=True)
+while True:
+    try:
+        s.recv(65536); n += 1
+    except TimeoutError:
+        if n: break
+print(json.dumps({"n": n}), flush=True)
+"""
+
+_SEND = """
+import socket, sys, time
+s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+dest = (sys.argv[1], int(sys.argv[2])); data = bytes(1400)
+for i in range(int(sys.argv[3])):
+    s.sendto(data, dest)
+    if i % 200 == 199: time.sleep(0.001)
+"""
+
+
+@pytest.mark.slow
+def test_netns_nftables_loss_drops_the_configured_fraction() -> None:
+    bench = _bench_udp()
+    why = bench.netns_unavailable()
+    if why is not None:
+        pytest.skip(f"netns path unavailable: {why}")
+    n = 20_000
+    ns = bench.Netns(1500)
+    try:
+        ns.set_loss(10_000)  # 10%
+        recv = subprocess.Popen(
+            [*ns.prefix(ns.r), sys.executable, "-c", _COUNT, ns.r_addr, "9000"],
+            stdout=subprocess.PIPE, text=True,
+        )  # fmt: skip
+        assert recv.stdout is not None
+        recv.stdout.readline()
+        subprocess.run(
+            [*ns.prefix(ns.s), sys.executable, "-c", _SEND, ns.r_addr, "9000", str(n)],
+            check=True, timeout=60,
+        )  # fmt: skip
+        got = json.loads(recv.communicate(timeout=30)[0].strip().splitlines()[-1])["n"]
+        dropped = ns.dropped()
+    finally:
+        ns.close()
+    assert got + dropped == n
+    assert 1800 < dropped < 2200  # 10% of 20k, sd ~42
+    left = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    assert ns.s not in left and ns.r not in left
