@@ -17,7 +17,8 @@ Per MTU and path, in one run:
 Paths: ``relay`` — loss by ``diode udp relay`` (a Python process: it costs CPU on this
 2-core machine, so its rates are a floor); ``netns`` — two network namespaces joined by a
 veth, loss applied by nftables (``numgen random mod 100000 < N drop`` on the receiver's
-ingress), which costs the endpoints no CPU; nftables cannot make bursts, so burst scenarios
+ingress), which costs the endpoints no CPU; nftables makes random bursts only by time (a set
+with a timeout) and fixed-length bursts only at a fixed spacing (``numgen inc``), so burst scenarios
 run through the relay only. Needs root, ``ip`` and ``nft`` (``apt-get install nftables``) for
 ``netns``; without them that path is skipped with the reason.
 
