@@ -149,6 +149,8 @@ class _Object:
     copy: int = 0
     next_block: int = 0
     blocks_open: int = 0
+    failed: bool = False
+    mtime_ns: int = 0
 
 
 @dataclass
@@ -294,7 +296,7 @@ class _Sender:
         self.object_id += 1
         obj = _Object(
             path, name, channel, header, self.codec.symbol_sealer(self.epoch, header), fd,
-            st.st_ino, size,
+            st.st_ino, size, mtime_ns=st.st_mtime_ns,
         )  # fmt: skip
         self.journal.record(
             state="sending", name=name, size=size, digest=hexd, epoch=self.epoch,
@@ -340,8 +342,7 @@ class _Sender:
         except (OSError, TransportError) as e:
             log_event(log, 40, "outbox file could not be read: skipped", file_name=obj.name,
                       error=str(e))  # fmt: skip
-            os.close(obj.fd)
-            self._forget(obj.name, skipped=True)
+            self._abandon(obj)
             self.feeding = None
             return True
         k = -(-len(data) // h.symbol_size)
@@ -358,10 +359,29 @@ class _Sender:
                 self.feeding = None
         return True
 
+    def _abandon(self, obj: _Object) -> None:
+        """Give up on a file that changed under us: no "sent", left in the outbox."""
+        obj.failed = True
+        self._forget(obj.name, skipped=True)
+        if not obj.blocks_open:
+            os.close(obj.fd)
+
+    def _changed(self, obj: _Object) -> bool:
+        st = os.fstat(obj.fd)
+        return st.st_size != obj.size or st.st_mtime_ns != obj.mtime_ns
+
     def _block_done(self, blk: _Block) -> None:
         obj = blk.obj
         obj.blocks_open -= 1
         if obj.blocks_open or self.feeding is obj:
+            return
+        if obj.failed:
+            os.close(obj.fd)  # its last queued symbols are out; it was never sent whole
+            return
+        if self._changed(obj):
+            log_event(log, 40, "outbox file changed while it was sent: skipped",
+                      file_name=obj.name)  # fmt: skip
+            self._abandon(obj)
             return
         os.close(obj.fd)
         self.journal.record(
@@ -381,7 +401,8 @@ class _Sender:
                   object_id=obj.header.object_id, copies=self.u.copies)  # fmt: skip
 
     # -- the wire ------------------------------------------------------------------------
-    def _send(self, data: bytes) -> None:
+    def _send(self, data: bytes) -> float:
+        """Send one datagram (after the pace's wait, which is returned)."""
         wait = self.bucket.take(len(data), time.monotonic())
         if wait > 0:
             time.sleep(wait)
@@ -397,6 +418,7 @@ class _Sender:
         self.packet += 1
         self.summary.datagrams += 1
         self.summary.bytes += len(data)
+        return wait
 
     def _heartbeat(self, now: float) -> None:
         self.last_heartbeat = now
@@ -480,12 +502,14 @@ class _Sender:
                         break
                     blk, i = nxt
                     esi, payload = blk.symbols[i]
-                    self._send(blk.obj.sealer.seal(self.packet, blk.index, esi, payload))
+                    waited = self._send(blk.obj.sealer.seal(self.packet, blk.index, esi, payload))
                     if esi >= blk.k:
                         self.repairs_sent += 1
                     blk.left -= 1
                     if not blk.left:
                         self._block_done(blk)
+                    if waited and time.monotonic() - now >= 0.05:
+                        break  # a slow pace: look at the clock (heartbeats) often enough
                 if il.pending() or self.feeding is not None or self.queue:
                     continue
                 if now - last_scan >= self.u.scan_seconds or watcher.wait(0):
