@@ -124,7 +124,6 @@ class _Receiver:
             with self.lock:
                 ra.fail(d, checked)
                 self.summary.objects_expired += 1
-            UDP.objects_expired.labels(h.channel, checked).inc()
             return
         name, offset = checked
         final, outcome = deliver(d, name, offset, tmp, self.inbox)

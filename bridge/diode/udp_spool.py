@@ -31,6 +31,7 @@ from typing import Any
 from bridge.diode.udp_fec import BlockDecoder, block_plan
 from bridge.fsutil import durable_mkdir, fsync_dir
 from bridge.logs import get_logger, log_event
+from bridge.metrics import UDP
 from bridge.protocol.datagram import ObjectHeader, ObjectKind, Symbol
 
 __all__ = ["Reassembler", "Delivery", "GAPS", "DONE", "deliver", "verify_and_read_name"]
@@ -170,6 +171,7 @@ class Reassembler:
             f.write(json.dumps(rec, sort_keys=True) + "\n")
             f.flush()
             os.fsync(f.fileno())
+        UDP.objects_expired.labels(str(rec.get("channel", "?")), reason).inc()
         log_event(log, 30, "udp object given up: recorded as a gap", **rec)
 
     # -- the hot path -------------------------------------------------------------------
@@ -212,6 +214,7 @@ class Reassembler:
         obj.symbols += 1
         self.symbols_total += 1
         if completed:
+            self.held -= before * h.symbol_size  # what this decoder held, now released
             self._block_done(obj, b, dec)
         else:
             self.held += h.symbol_size
@@ -224,8 +227,6 @@ class Reassembler:
 
     def _block_done(self, obj: _Open, b: int, dec: BlockDecoder) -> None:
         h = obj.h
-        self.held -= (dec.received - 1) * h.symbol_size if dec.received else 0
-        self.held = max(self.held, 0)
         os.pwrite(obj.data_fd, dec.data(), dec.plan.offset)
         os.write(obj.done_fd, _U32.pack(b))
         obj.done.add(b)
@@ -326,9 +327,10 @@ class Reassembler:
     def expire_idle(self, now: float, expire_seconds: float) -> int:
         """Give up objects that got no new symbol for ``expire_seconds``."""
         stale = [k for k, o in self.open.items() if now - o.last_seen >= expire_seconds]
+        gaps = self.expired
         for key in stale:
             self._expire(key, "timeout")
-        return len(stale)
+        return self.expired - gaps
 
     def fail(self, d: Delivery, reason: str) -> None:
         """A rebuilt object that must not be delivered (digest mismatch, bad name)."""
@@ -383,6 +385,7 @@ class Reassembler:
             if len(obj.done) == obj.n_blocks and key in self.open:
                 self._close(obj)
                 del self.open[key]
+                self.done[key] = h.digest.hex()  # later symbols are late, as in _block_done
                 self.ready.append(Delivery(epoch, h, path, obj.repairs_used))
             n += 1
         return n
@@ -394,7 +397,9 @@ class Reassembler:
             dec = obj.decoders[sym.block] = BlockDecoder(
                 block_plan(h.length, h.symbol_size, h.block_symbols, sym.block), h.symbol_size
             )
+        before = dec.received
         if dec.add(sym.esi, sym.payload):
+            self.held -= before * h.symbol_size
             self._block_done(obj, sym.block, dec)
         else:
             self.held += h.symbol_size

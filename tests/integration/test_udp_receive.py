@@ -1,11 +1,17 @@
 """UDP receiver on a real socket: hostile datagrams are counted and dropped, objects that lie
-about their digest or name become gaps, clashes never overwrite, the spool survives a restart."""
+about their digest or name become gaps, clashes never overwrite, the spool survives a restart
+(in process, and a receiver process killed -9 mid-object), heartbeats and epochs reach the
+status file."""
 
 from __future__ import annotations
 
 import hashlib
+import json
 import os
+import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -17,16 +23,17 @@ import pytest
 
 from bridge.config import Config, config_from_dict
 from bridge.demo.udp_link import free_udp_port
-from bridge.diode.link_status import read_gap_records
+from bridge.diode.link_status import read_gap_records, read_json
 from bridge.diode.udp_fec import block_count, block_plan, encode_block, repair_count
 from bridge.diode.udp_key import generate_key_file, load_key
 from bridge.diode.udp_receiver import ReceiveSummary, run_receiver
 from bridge.diode.udp_sender import envelope_prefix
 from bridge.diode.udp_spool import Reassembler
-from bridge.protocol.datagram import DatagramCodec, ObjectHeader, ObjectKind
+from bridge.protocol.datagram import DatagramCodec, LinkHeartbeat, ObjectHeader, ObjectKind
 
 T = 256
 K = 16
+REPO = Path(__file__).resolve().parents[2]
 
 
 def datagrams(
@@ -39,22 +46,27 @@ def datagrams(
     repair: float = 0.25,
     digest: bytes | None = None,
     length: int | None = None,
+    t: int = T,
+    k: int = K,
+    round_robin: bool = False,
 ) -> list[bytes]:
+    """Every symbol of one object, block after block (or esi by esi across blocks)."""
     env = envelope_prefix(name) + body if not name.startswith("raw:") else body
     h = ObjectHeader(
         oid, ObjectKind.BUNDLE, "u1", oid + 1, length if length is not None else len(env),
-        digest or hashlib.sha256(env).digest(), T, K,
+        digest or hashlib.sha256(env).digest(), t, k,
     )  # fmt: skip
     sealer = codec.symbol_sealer(epoch, h)
-    out = []
-    packet = oid * 1_000_000
-    for b in range(block_count(len(env), T, K)):
-        p = block_plan(len(env), T, K, b)
-        for esi, sym in encode_block(env[p.offset : p.offset + p.length], T,
+    syms = []
+    for b in range(block_count(len(env), t, k)):
+        p = block_plan(len(env), t, k, b)
+        for esi, sym in encode_block(env[p.offset : p.offset + p.length], t,
                                      repair_count(p.k, repair, 2)):  # fmt: skip
-            out.append(sealer.seal(packet, b, esi, sym))
-            packet += 1
-    return out
+            syms.append((b, esi, sym))
+    if round_robin:
+        syms.sort(key=lambda x: (x[1], x[0]))
+    packet = oid * 1_000_000
+    return [sealer.seal(packet + i, b, esi, sym) for i, (b, esi, sym) in enumerate(syms)]
 
 
 @dataclass
@@ -272,3 +284,157 @@ def test_a_resend_under_a_new_epoch_supersedes_the_old_partial_object(tmp_path: 
     assert not ra.open and [d.epoch for d in ra.ready] == [2]
     assert read_gap_records(tmp_path) == []  # superseded, not a gap
     assert [p.name for p in (tmp_path / "objects").iterdir()] == [ra.ready[0].path.name]
+
+
+def test_heartbeats_and_epochs_reach_the_status_file(rx: Rx) -> None:
+    def hb(epoch: int, last_seq: int) -> bytes:
+        return rx.codec.seal_heartbeat(LinkHeartbeat(
+            epoch, 1 << 40, time.time(), 2.0, {"u1": {"last_seq": last_seq, "objects": 3}},
+            {"datagrams": 10},
+        ))  # fmt: skip
+
+    rx.send([hb(20, 7)])
+    status = rx.spool / "status.json"
+    rx.wait(lambda: ((read_json(status) or {}).get("heartbeat") or {}).get("epoch") == 20, "hb")
+    doc = read_json(status) or {}
+    assert doc["heartbeat"]["channels"] == {"u1": {"last_seq": 7, "objects": 3}}
+    assert doc["epoch"] == 20 and doc["heartbeat_age_seconds"] is not None
+    # the sender restarted: a symbol of epoch 21; then a straggling heartbeat of epoch 20
+    rx.send(datagrams(rx.codec, 21, 1, "u1.000000000008.e.dbundle", os.urandom(2000))[:1])
+    rx.send([hb(20, 6)])
+    rx.wait(lambda: (read_json(status) or {}).get("epoch") == 21, "the new epoch")
+    time.sleep(1.2)  # one more status write
+    s = rx.finish()
+    doc = read_json(status) or {}
+    assert doc["heartbeat"]["channels"]["u1"]["last_seq"] == 7  # the old session's word ignored
+    assert (s.epoch, s.epochs_seen, s.heartbeats) == (21, 2, 2)
+    assert doc["datagrams"] == 3 and doc["dropped"] == {}
+
+
+def test_replayed_datagrams_of_a_delivered_file_are_late_and_deliver_nothing(rx: Rx) -> None:
+    name = "u1.000000000012.replay.dbundle"
+    dg = datagrams(rx.codec, 30, 1, name, os.urandom(4000))
+    rx.send(dg)
+    rx.wait(lambda: (rx.inbox / name).exists(), "the file")
+    mtime = (rx.inbox / name).stat().st_mtime_ns
+    rx.send(dg)  # a capture replayed whole
+    time.sleep(0.5)
+    s = rx.finish()
+    assert s.objects_completed == 1 and s.duplicate_objects == 0
+    assert s.dropped.get("late", 0) >= len(dg)
+    assert [p.name for p in rx.inbox.iterdir()] == [name]
+    assert (rx.inbox / name).stat().st_mtime_ns == mtime
+
+
+class RxProc:
+    """`diode udp receive` as its own process, its output in a log file."""
+
+    def __init__(self, cfg_path: Path, log: Path) -> None:
+        self.log = log
+        (cfg_path.parent / "red" / "udp-spool" / "status.json").unlink(missing_ok=True)
+        env = dict(os.environ, DIODE_LOG_FORMAT="json", DIODE_LOG_LEVEL="INFO")
+        with open(log, "wb") as out:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-c", "from bridge.cli import main; main()",
+                 "udp", "receive", "--config", str(cfg_path)],
+                cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT,
+            )  # fmt: skip
+        status = cfg_path.parent / "red" / "udp-spool" / "status.json"
+        deadline = time.monotonic() + 30
+        while not status.exists():
+            assert self.proc.poll() is None, f"receiver died:\n{log.read_text()[-3000:]}"
+            assert time.monotonic() < deadline, "receiver did not start"
+            time.sleep(0.05)
+
+    def events(self) -> list[dict[str, Any]]:
+        out = []
+        for line in self.log.read_text(errors="replace").splitlines():
+            if line.startswith("{"):
+                try:
+                    out.append(json.loads(line))
+                except ValueError:
+                    continue
+        return out
+
+    def kill9(self) -> None:
+        self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait(timeout=30)
+
+    def stop(self) -> dict[str, Any]:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            self.proc.wait(timeout=60)
+        docs = [e for e in self.events() if "msg" not in e]
+        assert docs, self.log.read_text()[-3000:]
+        return docs[-1]
+
+
+def _spooled_symbol_bytes(spool: Path) -> int:
+    return sum(p.stat().st_size for p in spool.glob("objects/*/symbols.log"))
+
+
+def test_a_receiver_killed_9_mid_object_completes_it_from_its_spool(tmp_path: Path) -> None:
+    port = free_udp_port()
+    generate_key_file(tmp_path / "udp.key")
+    cfg_path = tmp_path / "diode.toml"
+    cfg_path.write_text(f"""
+[[channels]]
+name = "u1"
+encrypt = false
+transport = "udp"
+
+[red]
+inbox = "red/inbox"
+
+[udp]
+key_file = "udp.key"
+
+[udp.receive]
+bind = "127.0.0.1:{port}"
+expire_seconds = 60.0
+""")
+    codec = DatagramCodec(load_key(tmp_path / "udp.key"))
+    name = "u1.000000000001.0123456789abcdef0123456789abcdef.dbundle"
+    t, k = 1024, 64
+    body = os.urandom(48 * t * k - len(envelope_prefix(name)))  # 48 blocks of 64 + 7 repair
+    dg = datagrams(codec, 50, 1, name, body, repair=0.1, t=t, k=k, round_robin=True)
+    # esi by esi across blocks: the first half leaves every block about half-received, so
+    # the object can only complete if the restarted receiver had them back from the spool
+    half = len(dg) // 2
+    spool, inbox = tmp_path / "red" / "udp-spool", tmp_path / "red" / "inbox"
+    sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    rx = RxProc(cfg_path, tmp_path / "rx1.log")
+    try:
+        for i, d in enumerate(dg[:half]):
+            sock.sendto(d, ("127.0.0.1", port))
+            if not i % 64:
+                time.sleep(0.001)  # well below what the receiver takes: no loss
+        deadline = time.monotonic() + 30
+        while _spooled_symbol_bytes(spool) < half * (8 + t):  # flushed every 0.2 s
+            assert time.monotonic() < deadline, "the receiver did not spool the symbols"
+            time.sleep(0.05)
+        rx.kill9()
+        assert _spooled_symbol_bytes(spool) == half * (8 + t)  # every one, none decoded
+        assert not inbox.exists() or list(inbox.iterdir()) == []
+
+        rx = RxProc(cfg_path, tmp_path / "rx2.log")
+        started = [e for e in rx.events() if e.get("msg") == "udp receiver listening"]
+        assert started and started[0]["objects_rebuilt"] == 1
+        for i, d in enumerate(dg[half:]):
+            sock.sendto(d, ("127.0.0.1", port))
+            if not i % 64:
+                time.sleep(0.001)
+        deadline = time.monotonic() + 30
+        while not (inbox / name).exists():
+            assert rx.proc.poll() is None, rx.log.read_text()[-3000:]
+            assert time.monotonic() < deadline, "the object did not complete after the restart"
+            time.sleep(0.05)
+        summary = rx.stop()
+    finally:
+        sock.close()
+        if rx.proc.poll() is None:
+            rx.kill9()
+    assert (inbox / name).read_bytes() == body
+    assert summary["objects_completed"] == 1 and summary["datagrams"] == len(dg) - half
+    assert read_gap_records(spool) == []
+    assert list((spool / "objects").iterdir()) == [] and list((spool / "tmp").iterdir()) == []

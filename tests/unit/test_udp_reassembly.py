@@ -1,0 +1,485 @@
+"""UDP receiver's reassembly (``udp_spool``) without sockets: crafted symbols in, spool files,
+gap records and inbox files out — order, duplicates, loss within and beyond the repair budget,
+supersede, bad names, digest mismatch, name clashes, rebuild after kill -9, memory caps."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import random
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from bridge.diode.link_status import read_gap_records
+from bridge.diode.udp_fec import block_count, block_plan, encode_block
+from bridge.diode.udp_sender import envelope_prefix
+from bridge.diode.udp_spool import DONE, Delivery, Reassembler, deliver, verify_and_read_name
+from bridge.protocol.datagram import ObjectHeader, ObjectKind, Symbol
+
+T = 64
+K = 8
+NAME = "u1.000000000001.0123456789abcdef0123456789abcdef.dbundle"
+
+
+def header(oid: int, env: bytes, *, digest: bytes | None = None, t: int = T) -> ObjectHeader:
+    return ObjectHeader(
+        oid, ObjectKind.BUNDLE, "u1", oid + 1, len(env), digest or hashlib.sha256(env).digest(),
+        t, K,
+    )  # fmt: skip
+
+
+def symbols(
+    epoch: int, h: ObjectHeader, env: bytes, *, repair: int = 2, first_repair: int = 0
+) -> list[Symbol]:
+    """Every symbol of every block of ``env``, block after block (source, then repair)."""
+    out: list[Symbol] = []
+    for b in range(block_count(h.length, h.symbol_size, h.block_symbols)):
+        p = block_plan(h.length, h.symbol_size, h.block_symbols, b)
+        for esi, payload in encode_block(
+            env[p.offset : p.offset + p.length], h.symbol_size, repair, first_repair
+        ):
+            out.append(Symbol(epoch, len(out), h, b, esi, payload))
+    return out
+
+
+def envelope(body: bytes, name: str = NAME) -> bytes:
+    return envelope_prefix(name) + body
+
+
+def reassembler(root: Path, **kw: int) -> Reassembler:
+    args = {"max_object_bytes": 1 << 30, "max_open_objects": 16, **kw}
+    return Reassembler(root, **args)
+
+
+def feed(ra: Reassembler, syms: list[Symbol], now: float = 1.0) -> None:
+    for s in syms:
+        ra.add(s, now)
+
+
+def delivered(ra: Reassembler) -> list[bytes]:
+    return [(d.path / "data").read_bytes() for d in ra.ready]
+
+
+# -- order, duplicates, loss ---------------------------------------------------------------
+
+
+def test_in_order_symbols_rebuild_the_envelope_and_surplus_repairs_are_counted(
+    tmp_path: Path,
+) -> None:
+    env = envelope(os.urandom(3 * T * K + 100))  # 4 blocks, the last one short
+    h = header(1, env)
+    syms = symbols(5, h, env, repair=3)
+    ra = reassembler(tmp_path)
+    feed(ra, syms)
+    assert delivered(ra) == [env]
+    (d,) = ra.ready
+    assert (d.epoch, d.header, d.repairs_used) == (5, h, 0)
+    # each block's 3 repair symbols arrive after its sources rebuilt it: surplus, never used;
+    # the last block's come after the whole object was rebuilt: late
+    assert ra.dropped == {"surplus": 3 * 3, "late": 3}
+    assert not ra.open and ra.held == 0
+
+
+def scrambled(seed: int, size: int, dup_fraction: float, lost_per_block: int) -> list[Symbol]:
+    """An object's symbols shuffled, some lost (never beyond k + 2 per block), some doubled."""
+    rnd = random.Random(seed)
+    env = envelope(rnd.randbytes(size))
+    h = header(2, env)
+    syms = symbols(9, h, env, repair=6)  # RaptorQ: k + 2 symbols decode with p > 1 - 1e-6
+    kept = []
+    for b in range(h.block_count):
+        block = [s for s in syms if s.block == b]
+        n_lost = min(lost_per_block, len(block) - block_plan(h.length, T, K, b).k - 2)
+        lost = rnd.sample(block, n_lost)
+        kept += [s for s in block if s not in lost]
+    kept += [s for s in kept if rnd.random() < dup_fraction]  # duplicates, anywhere
+    rnd.shuffle(kept)
+    return kept
+
+
+@settings(
+    max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(
+    size=st.integers(1, 5 * T * K),
+    seed=st.integers(0, 2**32 - 1),
+    dup_fraction=st.floats(0, 1),
+    lost_per_block=st.integers(0, 3),
+)
+def test_any_order_with_duplicates_and_loss_within_budget_rebuilds_exactly(
+    tmp_path_factory: pytest.TempPathFactory,
+    size: int,
+    seed: int,
+    dup_fraction: float,
+    lost_per_block: int,
+) -> None:
+    kept = scrambled(seed, size, dup_fraction, lost_per_block)
+    env = envelope(random.Random(seed).randbytes(size))
+    ra = reassembler(tmp_path_factory.mktemp("spool"))
+    feed(ra, kept)
+    assert delivered(ra) == [env]
+    assert not ra.open
+    assert ra.symbols_total + sum(ra.dropped.values()) == len(kept)
+    assert set(ra.dropped) <= {"duplicate", "surplus", "late"}
+
+
+def test_bytes_held_return_to_zero_when_raptorq_needs_more_than_k_symbols(
+    tmp_path: Path,
+) -> None:
+    kept = scrambled(2799, 2557, 0.5625, 0)  # found by hypothesis: one block needs k + 1
+    ra = reassembler(tmp_path)
+    feed(ra, kept)
+    assert len(ra.ready) == 1 and not ra.open
+    assert ra.held == 0
+
+
+def test_duplicates_are_counted_and_change_nothing(tmp_path: Path) -> None:
+    env = envelope(os.urandom(2 * T * K))
+    h = header(3, env)
+    syms = symbols(1, h, env, repair=0)
+    ra = reassembler(tmp_path)
+    feed(ra, syms[:3] * 4)
+    assert ra.dropped == {"duplicate": 9} and ra.symbols_total == 3
+    assert ra.held == 3 * T
+    feed(ra, syms[3:])
+    assert delivered(ra) == [env]
+    feed(ra, syms[:2])  # after completion: late, not duplicate
+    assert ra.dropped == {"duplicate": 9, "late": 2}
+
+
+def test_lost_source_symbols_are_repaired_and_the_repairs_used_counted(tmp_path: Path) -> None:
+    env = envelope(os.urandom(T * K * 2))
+    h = header(4, env)
+    syms = symbols(1, h, env, repair=5)
+    lost = {(0, 1), (0, 6), (1, 0)}  # (block, esi): three source symbols
+    ra = reassembler(tmp_path)
+    feed(ra, [s for s in syms if (s.block, s.esi) not in lost])
+    assert delivered(ra) == [env]
+    assert ra.ready[0].repairs_used == 3
+
+
+def test_loss_beyond_budget_expires_with_a_gap_record_and_no_spool_left(tmp_path: Path) -> None:
+    env = envelope(os.urandom(T * K * 3))
+    h = header(5, env)
+    syms = symbols(7, h, env, repair=1)
+    block1 = [s for s in syms if s.block == 1]
+    gone = set(map(id, block1[:3]))  # 3 lost, 1 repair: block 1 cannot be rebuilt
+    ra = reassembler(tmp_path)
+    feed(ra, [s for s in syms if id(s) not in gone], now=10.0)
+    assert not ra.ready and list(ra.open) == [(7, 5)]
+    assert ra.expire_idle(10.0 + 29.0, 30.0) == 0  # not idle long enough yet
+    assert ra.expire_idle(10.0 + 30.0, 30.0) == 1
+    (gap,) = read_gap_records(tmp_path)
+    assert gap["reason"] == "timeout"
+    assert (gap["epoch"], gap["object_id"], gap["channel"], gap["seq"]) == (7, 5, "u1", 6)
+    assert (gap["blocks_total"], gap["blocks_done"]) == (4, 3)  # 3 full blocks + the name's
+    assert gap["symbols_received"] == len(syms) - 3 - 3  # 3 lost, 3 surplus repairs
+    assert gap["kind"] == "bundle" and gap["length"] == len(env) and "time" in gap
+    assert not ra.open and ra.held == 0 and ra.expired == 1
+    assert list((tmp_path / "objects").iterdir()) == []
+
+
+def test_an_object_announcing_too_many_bytes_is_refused_once_and_never_spooled(
+    tmp_path: Path,
+) -> None:
+    env = envelope(os.urandom(5000))
+    syms = symbols(1, header(6, env), env)
+    ra = reassembler(tmp_path, max_object_bytes=4096)
+    feed(ra, syms)
+    assert ra.dropped == {"too_large": len(syms)}
+    assert [g["reason"] for g in read_gap_records(tmp_path)] == ["too_large"]
+    assert list((tmp_path / "objects").iterdir()) == [] and not ra.open
+
+
+def test_a_symbol_whose_header_contradicts_its_open_object_is_malformed(tmp_path: Path) -> None:
+    env = envelope(os.urandom(2 * T * K))
+    h = header(7, env)
+    syms = symbols(1, h, env)
+    liar = header(7, envelope(os.urandom(2 * T * K)))  # same epoch and id, other digest
+    ra = reassembler(tmp_path)
+    feed(ra, syms[:2])
+    feed(ra, [Symbol(1, 99, liar, 0, 5, syms[5].payload)])
+    assert ra.dropped == {"malformed": 1}
+    feed(ra, syms[2:])
+    assert delivered(ra) == [env]
+
+
+# -- epochs ---------------------------------------------------------------------------------
+
+
+def test_a_resend_under_a_new_epoch_supersedes_the_partial_object_not_a_gap(
+    tmp_path: Path,
+) -> None:
+    env = envelope(os.urandom(T * K * 2))
+    ra = reassembler(tmp_path)
+    feed(ra, symbols(1, header(40, env), env)[:5], now=1.0)
+    feed(ra, symbols(2, header(0, env), env), now=2.0)  # the restarted sender: new ids
+    assert not ra.open and [(d.epoch, d.header.object_id) for d in ra.ready] == [(2, 0)]
+    assert read_gap_records(tmp_path) == []
+
+
+def test_an_old_epoch_object_expiring_after_its_copy_was_delivered_is_superseded(
+    tmp_path: Path,
+) -> None:
+    env = envelope(os.urandom(T * K * 2))
+    other = envelope(os.urandom(T * K), "u1.000000000009.x.dbundle")
+    ra = reassembler(tmp_path)
+    feed(ra, symbols(3, header(1, env), env), now=1.0)  # delivered in epoch 3
+    ra.mark_delivered(ra.ready.popleft(), NAME)
+    late = ra.dropped["late"]
+    feed(ra, symbols(3, header(1, env), env)[:2], now=2.0)  # stragglers: late
+    assert ra.dropped["late"] == late + 2
+    # an older epoch's partial copy of the same bytes, then something that never completes
+    feed(ra, symbols(2, header(8, env), env)[:3], now=3.0)
+    feed(ra, symbols(3, header(2, other), other)[:2], now=3.0)
+    ra.expire_idle(100.0, 30.0)
+    assert [(g["object_id"], g["reason"]) for g in read_gap_records(tmp_path)] == [(2, "timeout")]
+    assert ra.expired == 1  # only the other one is a gap
+    assert not ra.open and list((tmp_path / "objects").iterdir()) == []
+
+
+def test_expire_idle_counts_gaps_not_superseded_objects(tmp_path: Path) -> None:
+    env = envelope(os.urandom(T * K))
+    ra = reassembler(tmp_path)
+    feed(ra, symbols(3, header(1, env), env))
+    ra.mark_delivered(ra.ready.popleft(), NAME)
+    feed(ra, symbols(2, header(8, env), env)[:3])  # an older copy of the delivered bytes
+    assert ra.expire_idle(100.0, 30.0) == 0
+
+
+def test_datagrams_of_an_older_epoch_still_complete_their_object(tmp_path: Path) -> None:
+    old = envelope(os.urandom(T * K))
+    new = envelope(os.urandom(T * K), "u1.000000000002.y.dbundle")
+    old_syms, new_syms = symbols(4, header(1, old), old), symbols(5, header(1, new), new)
+    ra = reassembler(tmp_path)
+    mixed = [s for pair in zip(old_syms, new_syms, strict=False) for s in pair]
+    feed(ra, mixed + old_syms[len(new_syms) :] + new_syms[len(old_syms) :])
+    assert sorted(delivered(ra)) == sorted([old, new])
+
+
+# -- delivery: digest, name, inbox ------------------------------------------------------------
+
+
+def checked(d: Delivery) -> tuple[str, int]:
+    got = verify_and_read_name(d)
+    assert not isinstance(got, str), got
+    return got
+
+
+def _complete(
+    tmp_path: Path, env: bytes, digest: bytes | None = None
+) -> tuple[Reassembler, Delivery]:
+    ra = reassembler(tmp_path / "spool")
+    feed(ra, symbols(6, header(3, env, digest=digest), env))
+    return ra, ra.ready.popleft()
+
+
+def test_a_digest_that_does_not_match_is_refused_and_recorded_as_a_gap(tmp_path: Path) -> None:
+    env = envelope(b"the real bytes")
+    ra, d = _complete(tmp_path, env, digest=hashlib.sha256(b"other bytes").digest())
+    assert verify_and_read_name(d) == "digest_mismatch"
+    ra.fail(d, "digest_mismatch")
+    (gap,) = read_gap_records(tmp_path / "spool")
+    assert (gap["reason"], gap["object_id"], gap["epoch"]) == ("digest_mismatch", 3, 6)
+    assert not d.path.exists()
+
+
+@pytest.mark.parametrize(
+    "name",
+    ["", ".hidden", "..", "a/b", "../etc/passwd", "nul\0byte", "tab\tname", "new\nline",
+     "sp ace", "é.dbundle", "x" * 256],
+)  # fmt: skip
+def test_names_that_are_not_plain_file_names_are_refused(tmp_path: Path, name: str) -> None:
+    raw = name.encode("utf-8")
+    env = len(raw).to_bytes(2, "big") + raw + b"body"
+    _, d = _complete(tmp_path, env)
+    assert verify_and_read_name(d) == "bad_name"
+
+
+@settings(
+    max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(st.binary(min_size=0, max_size=300))
+def test_any_envelope_either_names_a_plain_file_or_is_bad_name(
+    tmp_path_factory: pytest.TempPathFactory, env: bytes
+) -> None:
+    env = env or b"\x00"
+    _, d = _complete(tmp_path_factory.mktemp("n"), env)
+    got = verify_and_read_name(d)
+    if isinstance(got, str):
+        assert got == "bad_name"
+        return
+    name, offset = got
+    assert offset == 2 + len(name) and env[2:offset] == name.encode("ascii")
+    assert name.isascii() and name.isprintable() and "/" not in name
+    assert not name.startswith(".") and 0 < len(name) <= 255
+
+
+def test_a_name_shorter_than_its_envelope_claims_is_bad_name(tmp_path: Path) -> None:
+    _, d = _complete(tmp_path, b"\x00\x40abc")  # says 64 bytes of name, holds 3
+    assert verify_and_read_name(d) == "bad_name"
+
+
+def test_delivery_renames_the_body_into_the_inbox_then_clashes_never_overwrite(
+    tmp_path: Path,
+) -> None:
+    inbox, tmp = tmp_path / "inbox", tmp_path / "spool" / "tmp"
+    inbox.mkdir()
+    body = os.urandom(10_000)
+    ra, d = _complete(tmp_path, envelope(body))
+    name, offset = checked(d)
+    assert deliver(d, name, offset, tmp, inbox) == (NAME, "delivered")
+    assert (inbox / NAME).read_bytes() == body and list(tmp.iterdir()) == []
+    ra.mark_delivered(d, NAME)
+    assert not d.path.exists()
+
+    # the same bytes again (another object id): a duplicate, nothing delivered
+    ra2, d2 = _complete(tmp_path / "again", envelope(body))
+    assert deliver(d2, name, offset, tmp, inbox) == (NAME, "duplicate")
+    # other bytes under that name: delivered beside it as evidence, the first kept
+    other = body[:-1] + bytes([body[-1] ^ 1])
+    _, d3 = _complete(tmp_path / "other", envelope(other))
+    assert deliver(d3, name, offset, tmp, inbox) == (f"{NAME}~6.3", "renamed")
+    assert (inbox / NAME).read_bytes() == body
+    assert (inbox / f"{NAME}~6.3").read_bytes() == other
+    assert sorted(p.name for p in inbox.iterdir()) == [NAME, f"{NAME}~6.3"]
+
+
+def test_an_empty_file_is_delivered_empty(tmp_path: Path) -> None:
+    inbox = tmp_path / "inbox"
+    inbox.mkdir()
+    _, d = _complete(tmp_path, envelope(b""))
+    name, offset = checked(d)
+    deliver(d, name, offset, tmp_path / "spool" / "tmp", inbox)
+    assert (inbox / NAME).read_bytes() == b""
+
+
+# -- restart: the spool is the state --------------------------------------------------------
+
+
+def test_rebuild_from_the_spool_after_the_process_is_gone_then_complete(tmp_path: Path) -> None:
+    env = envelope(os.urandom(T * K * 4 + 7))
+    h = header(11, env)
+    syms = symbols(3, h, env, repair=2)
+    rnd = random.Random(4)
+    rnd.shuffle(syms)
+    first, rest = syms[: len(syms) // 2], syms[len(syms) // 2 :]
+    ra = reassembler(tmp_path)
+    feed(ra, first)
+    done_before = set(ra.open[(3, 11)].done)
+    assert done_before != set(range(h.block_count))
+    ra.flush_all()  # what the receive loop does every 0.2 s; then kill -9
+    log = tmp_path / "objects" / f"{3:020d}-{11:020d}" / "symbols.log"
+    assert log.stat().st_size > 0
+    del ra
+
+    ra2 = reassembler(tmp_path)
+    assert ra2.recover(50.0) == 1
+    obj = ra2.open[(3, 11)]
+    assert obj.done == done_before and obj.h == h and obj.last_seen == 50.0
+    assert ra2.held == sum(d.received for d in obj.decoders.values()) * T
+    feed(ra2, rest)
+    assert delivered(ra2) == [env]
+    assert ra2.held == 0
+
+
+def test_symbols_not_flushed_before_a_kill_are_lost_but_repair_covers_them(
+    tmp_path: Path,
+) -> None:
+    env = envelope(os.urandom(T * K))
+    syms = symbols(1, header(12, env), env, repair=4)
+    ra = reassembler(tmp_path)
+    feed(ra, syms[:3])
+    ra.flush_all()
+    feed(ra, syms[3:5])  # buffered, never written: killed here
+    del ra
+    ra2 = reassembler(tmp_path)
+    ra2.recover(1.0)
+    assert ra2.open[(1, 12)].symbols == 3
+    feed(ra2, syms[5:])  # 3 + 7 symbols remain of k = 8: enough
+    assert delivered(ra2) == [env]
+
+
+def test_an_object_complete_but_not_delivered_is_delivered_after_a_restart(
+    tmp_path: Path,
+) -> None:
+    env = envelope(os.urandom(T * K * 2))
+    ra = reassembler(tmp_path)
+    feed(ra, symbols(2, header(13, env), env))
+    assert len(ra.ready) == 1  # killed before the delivery thread took it
+    (tmp_path / "tmp" / "half-written.tmp").write_bytes(b"x")
+    del ra
+    ra2 = reassembler(tmp_path)
+    ra2.recover(1.0)
+    assert delivered(ra2) == [env] and not ra2.open
+    assert list((tmp_path / "tmp").iterdir()) == []  # interrupted deliveries swept
+
+
+def test_a_symbol_after_a_restart_of_an_object_awaiting_delivery_is_late(tmp_path: Path) -> None:
+    env = envelope(os.urandom(T * K * 2))
+    syms = symbols(2, header(14, env), env)
+    ra = reassembler(tmp_path)
+    feed(ra, syms)
+    del ra
+    ra2 = reassembler(tmp_path)
+    ra2.recover(1.0)
+    feed(ra2, syms[:1])
+    assert not ra2.open and ra2.dropped == {"late": 1}
+
+
+def test_objects_delivered_before_a_restart_stay_delivered(tmp_path: Path) -> None:
+    env = envelope(os.urandom(T * K))
+    syms = symbols(8, header(15, env), env)
+    ra = reassembler(tmp_path)
+    feed(ra, syms)
+    ra.mark_delivered(ra.ready.popleft(), NAME)
+    del ra
+    assert '"object_id": 15' in (tmp_path / DONE).read_text()
+    ra2 = reassembler(tmp_path)
+    assert ra2.recover(1.0) == 0
+    feed(ra2, syms)  # a second copy from the sender: dropped cheaply
+    assert ra2.dropped == {"late": len(syms)} and not ra2.open and not ra2.ready
+
+
+def test_a_torn_spooled_object_is_removed_at_restart(tmp_path: Path) -> None:
+    env = envelope(os.urandom(T * K))
+    ra = reassembler(tmp_path)
+    feed(ra, symbols(1, header(16, env), env)[:2])
+    ra.flush_all()
+    del ra
+    (path,) = (tmp_path / "objects").iterdir()
+    (path / "meta.json").write_text("{not json")
+    ra2 = reassembler(tmp_path)
+    assert ra2.recover(1.0) == 0 and not path.exists()
+
+
+# -- memory and open objects are bounded --------------------------------------------------------
+
+
+def test_more_open_objects_than_allowed_evicts_the_oldest_as_a_gap(tmp_path: Path) -> None:
+    ra = reassembler(tmp_path, max_open_objects=3)
+    envs = [envelope(os.urandom(T * K), f"u1.{i:012d}.e.dbundle") for i in range(5)]
+    for i, env in enumerate(envs):
+        feed(ra, symbols(1, header(i, env), env)[:2], now=float(i))
+    assert sorted(ra.open) == [(1, 2), (1, 3), (1, 4)]
+    gaps = read_gap_records(tmp_path)
+    assert [(g["object_id"], g["reason"]) for g in gaps] == [(0, "evicted"), (1, "evicted")]
+    assert len(list((tmp_path / "objects").iterdir())) == 3
+
+
+def test_bytes_held_in_decoders_are_capped_by_evicting_the_oldest(tmp_path: Path) -> None:
+    cap = 20 * T
+    ra = reassembler(tmp_path, max_open_objects=100)
+    ra.max_held = cap
+    rnd = random.Random(1)
+    for i in range(30):  # 30 objects, 5 symbols each, never enough for a block
+        env = envelope(rnd.randbytes(T * K), f"u1.{i:012d}.m.dbundle")
+        feed(ra, symbols(1, header(i, env), env, repair=0)[:5], now=float(i))
+        assert ra.held <= cap
+    assert ra.held == sum(d.received * T for o in ra.open.values() for d in o.decoders.values())
+    reasons = {g["reason"] for g in read_gap_records(tmp_path)}
+    assert reasons == {"evicted"} and len(ra.open) <= 4
+    assert max(o.h.object_id for o in ra.open.values()) == 29  # the newest kept
