@@ -442,6 +442,11 @@ def _gpg_reject(gpg: _RecordingGpg, e: CryptoError, limit: int, configured: bool
             f"plaintext exceeds the file size + 1 MiB ({limit} bytes): a compressed message "
             "(bundles are sealed uncompressed), refused as a compression bomb",
         )
+    if res.has("NEED_PASSPHRASE_SYM"):
+        # a passphrase (symmetric) message: gpg then asks for input it cannot get, which
+        # reads like a locked key below, but the file is at fault: red is only ever encrypted
+        # to by public key (random junk parses as such a packet now and then)
+        return _Reject("crypto", f"{e} (a passphrase-encrypted message: never a bundle)")
     if any(m in diag for m in _ENV_MARKERS) or any(res.has(s) for s in _ENV_STATUS):
         raise VerifyEnvironmentError(
             f"cannot verify with GnuPG home {gpg.home}: {res.reason()}; fix this host "

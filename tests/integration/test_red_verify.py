@@ -224,6 +224,25 @@ def test_plain_junk(ctx: VerifyContext, inbox: Path) -> None:
     rejected(inbox / hb, hb, ctx, "crypto")
 
 
+def test_a_passphrase_encrypted_file_is_rejected_not_blamed_on_this_host(
+    ctx: VerifyContext, inbox: Path, short_tmp: Path
+) -> None:
+    """A symmetric (passphrase) message makes gpg ask for a passphrase it cannot get in batch
+    mode; 1 in a few thousand random junk files parses as one too. It is the file's fault (red
+    is only ever encrypted to by public key), so it is rejected, never left in intake as a
+    host error that would stall the job."""
+    name = "orders.000000000001." + "d" * 32 + ".dbundle"
+    home = short_tmp / "symhome"
+    home.mkdir(mode=0o700)
+    subprocess.run(
+        ["gpg", "--homedir", str(home), "--batch", "--yes", "--pinentry-mode", "loopback",
+         "--passphrase", "not-red", "--symmetric", "--output", str(inbox / name)],
+        input=b"x" * 2000, check=True, capture_output=True,
+    )  # fmt: skip
+    v = rejected(inbox / name, name, ctx, "crypto")
+    assert "passphrase" in (v.detail or "")
+
+
 def test_not_for_our_keys(keys: RedKeys, ctx: VerifyContext, inbox: Path) -> None:
     """Encrypted to the audit key only; a red home holding only the red key cannot open it."""
     name = "orders.000000000001." + "d" * 32 + ".dbundle"
