@@ -33,7 +33,6 @@ import hashlib
 import json
 import os
 import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -48,7 +47,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from bridge.demo.udp_link import last_json  # noqa: E402
+from bridge.demo.udp_link import last_json, stop_process  # noqa: E402
 from bridge.diode.link_status import read_gap_records, read_json  # noqa: E402
 from bridge.diode.udp_key import generate_key_file  # noqa: E402
 from bridge.protocol.datagram import SYMBOL_HEADER_LEN, TAG_LEN, symbol_size_for  # noqa: E402
@@ -283,13 +282,7 @@ def proc(argv: list[str], log: Path) -> Iterator[subprocess.Popen[bytes]]:
     try:
         yield p
     finally:
-        if p.poll() is None:
-            p.send_signal(signal.SIGTERM)
-            try:
-                p.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
+        stop_process(p, timeout=60)
 
 
 def run_transport(

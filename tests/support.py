@@ -36,6 +36,19 @@ AMQP_PROPERTIES = (
 from the bridge: these tests read bundles independently)."""
 
 
+def json_lines(*paths: Path) -> list[dict[str, Any]]:
+    """Every JSON line of these process logs, in order (other lines are skipped)."""
+    out = []
+    for path in paths:
+        for line in path.read_text(errors="replace").splitlines():
+            if line.startswith("{"):
+                try:
+                    out.append(json.loads(line))
+                except ValueError:
+                    continue
+    return out
+
+
 def gpg_open_cli(red_home: Path, src: Path, black_fpr: str) -> bytes:
     """Decrypt + verify ``src`` with the plain gpg command line; returns the plaintext.
 
@@ -241,15 +254,7 @@ class BlackJob:
 
     def log_events(self) -> list[dict[str, Any]]:
         """The bridge's JSON log lines (Spark's own lines are skipped)."""
-        out = []
-        for path in (self.stderr_path, self.stdout_path):
-            for line in path.read_text(errors="replace").splitlines():
-                if line.startswith("{"):
-                    try:
-                        out.append(json.loads(line))
-                    except ValueError:
-                        continue
-        return out
+        return json_lines(self.stderr_path, self.stdout_path)
 
     def tail(self, n: int = 60) -> str:
         text = self.stderr_path.read_text(errors="replace") if self.stderr_path.exists() else ""

@@ -24,7 +24,7 @@ from bridge.config import Config
 from bridge.diode.link_status import read_gap_records
 from bridge.errors import TransportError
 
-__all__ = ["UdpLink", "free_udp_port", "last_json", "udp_config_toml"]
+__all__ = ["UdpLink", "free_udp_port", "last_json", "stop_process", "udp_config_toml"]
 
 
 def free_udp_port() -> int:
@@ -136,15 +136,22 @@ class UdpLink:
             proc = self.procs.get(name)
             if proc is None:
                 continue
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-                try:
-                    proc.wait(timeout=30)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
-                    proc.wait()
+            stop_process(proc)
             out[name] = last_json(self.logs[name])
         return out
+
+
+def stop_process(proc: subprocess.Popen[Any], timeout: float = 30.0) -> int:
+    """SIGTERM (the link's processes then print their summary), SIGKILL after ``timeout``
+    seconds; returns the exit code."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    return int(proc.returncode)
 
 
 def last_json(path: Path) -> dict[str, Any]:

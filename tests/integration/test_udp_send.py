@@ -290,13 +290,8 @@ def test_heartbeats_keep_coming_during_a_long_file(env: Env) -> None:
     assert len(syms) == summary.datagrams
 
 
-def test_a_file_truncated_while_it_is_sent_is_never_journaled_sent_as_it_was(env: Env) -> None:
-    big, after = bundle("u1", 1), bundle("u1", 2)
-    body = os.urandom(1_000_000)
-    (env.outbox / big).write_bytes(body)
-    (env.outbox / after).write_bytes(b"the next file")
-    os.utime(env.outbox / big, (1000, 1000))
-    cfg = env.cfg(rate_bytes_per_second=500_000, interleave_datagrams=32)
+def send_in_background(env: Env, cfg: Config) -> tuple[threading.Thread, list[Any]]:
+    """``run_sender`` in a thread; returns once its journal says a file is being sent."""
     result: list[Any] = []
     th = threading.Thread(
         target=lambda: result.append(run_sender(cfg, until_idle=True, timeout=30)), daemon=True
@@ -308,6 +303,17 @@ def test_a_file_truncated_while_it_is_sent_is_never_journaled_sent_as_it_was(env
     ):
         assert time.monotonic() < deadline
         time.sleep(0.01)
+    return th, result
+
+
+def test_a_file_truncated_while_it_is_sent_is_never_journaled_sent_as_it_was(env: Env) -> None:
+    big, after = bundle("u1", 1), bundle("u1", 2)
+    body = os.urandom(1_000_000)
+    (env.outbox / big).write_bytes(body)
+    (env.outbox / after).write_bytes(b"the next file")
+    os.utime(env.outbox / big, (1000, 1000))
+    cfg = env.cfg(rate_bytes_per_second=500_000, interleave_datagrams=32)
+    th, result = send_in_background(env, cfg)
     time.sleep(0.1)
     os.truncate(env.outbox / big, 100_000)  # an operator cut it short mid-send
     th.join(timeout=30)
@@ -346,17 +352,7 @@ def test_a_file_removed_while_it_is_sent_is_still_sent_whole(env: Env) -> None:
     body = os.urandom(400_000)
     (env.outbox / name).write_bytes(body)
     cfg = env.cfg(rate_bytes_per_second=400_000, interleave_datagrams=32)
-    result: list[Any] = []
-    th = threading.Thread(
-        target=lambda: result.append(run_sender(cfg, until_idle=True, timeout=30)), daemon=True
-    )
-    th.start()
-    deadline = time.monotonic() + 10
-    while (
-        not (env.state / JOURNAL).exists() or '"sending"' not in (env.state / JOURNAL).read_text()
-    ):
-        assert time.monotonic() < deadline
-        time.sleep(0.01)
+    th, result = send_in_background(env, cfg)
     (env.outbox / name).unlink()  # a mover or operator took it: the open file is still read
     th.join(timeout=30)
     assert result and result[0].files == [name]
