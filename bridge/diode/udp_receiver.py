@@ -23,7 +23,13 @@ from typing import Any
 from bridge.config import Config
 from bridge.diode.udp_key import load_key
 from bridge.diode.udp_socket import set_rcvbuf
-from bridge.diode.udp_spool import Delivery, Reassembler, deliver, verify_and_read_name
+from bridge.diode.udp_spool import (
+    Delivery,
+    Reassembler,
+    deliver,
+    delivery_tmp_dir,
+    verify_and_read_name,
+)
 from bridge.errors import ConfigError
 from bridge.fsutil import atomic_write_bytes, durable_mkdir, exclusive_lock
 from bridge.logs import get_logger, log_event
@@ -53,6 +59,8 @@ class ReceiveSummary:
     epoch: int | None = None
     epochs_seen: int = 0
     heartbeats: int = 0
+    delivery_errors: int = 0
+    """Deliveries into the inbox the disk refused (each retried; the object stays spooled)."""
     seconds: float = 0.0
 
     def to_json(self) -> dict[str, Any]:
@@ -105,17 +113,27 @@ class _Receiver:
         return got
 
     # -- delivery thread ------------------------------------------------------------------
-    def _deliver_loop(self, ra: Reassembler) -> None:
-        tmp = self.root / "tmp"
+    def _deliver_loop(self, ra: Reassembler, tmp: Path) -> None:
         while True:
             d = self.work.get()
             if d is None:
                 return
-            try:
-                self._deliver_one(ra, d, tmp)
-            except OSError as e:  # the disk: keep the spool, retry at the next start
-                log_event(log, 40, "delivery into the inbox failed: kept in the spool",
-                          object_id=d.header.object_id, epoch=d.epoch, error=str(e))  # fmt: skip
+            delay = 1.0
+            while True:
+                try:
+                    self._deliver_one(ra, d, tmp)
+                    break
+                except OSError as e:  # the disk (full, I/O error): the object stays spooled
+                    with self.lock:
+                        self.summary.delivery_errors += 1
+                    stopping = self.stop.is_set()
+                    log_event(log, 40, "delivery into the inbox failed: kept in the spool, "
+                              + ("delivered at the next start" if stopping else "retried"),
+                              object_id=d.header.object_id, epoch=d.epoch, error=str(e),
+                              retry_seconds=None if stopping else delay)  # fmt: skip
+                    if stopping or self.stop.wait(delay):
+                        break
+                    delay = min(delay * 2, 30.0)
 
     def _deliver_one(self, ra: Reassembler, d: Delivery, tmp: Path) -> None:
         checked = verify_and_read_name(d)
@@ -196,7 +214,11 @@ class _Receiver:
         if self.heard:
             UDP.heartbeat_age.set(time.time() - self.heard)
         UDP.open_objects.set(len(ra.open))
-        atomic_write_bytes(self.root / "status.json", json.dumps(doc).encode(), mode=0o600)
+        try:
+            atomic_write_bytes(self.root / "status.json", json.dumps(doc).encode(), mode=0o600)
+        except OSError as e:  # a full disk must not stop the receive loop; metrics still run
+            log_event(log, 40, "receiver status file not written", error=str(e),
+                      path=str(self.root / "status.json"))  # fmt: skip
 
     def run(
         self, timeout: float | None, ready: Callable[[tuple[str, int]], None] | None
@@ -221,8 +243,9 @@ class _Receiver:
             max_open_objects=self.u.max_open_objects,
         )
         t0 = time.monotonic()
-        rebuilt = ra.recover(t0)
-        worker = threading.Thread(target=self._deliver_loop, args=(ra,), daemon=True)
+        tmp = delivery_tmp_dir(self.root, self.inbox)
+        rebuilt = ra.recover(t0, tmp)
+        worker = threading.Thread(target=self._deliver_loop, args=(ra, tmp), daemon=True)
         worker.start()
         log_event(log, 20, "udp receiver listening", bind=self.u.bind, inbox=str(self.inbox),
                   rcvbuf=self.rcvbuf, objects_rebuilt=rebuilt)  # fmt: skip
@@ -259,19 +282,26 @@ class _Receiver:
                         epoch = dg.epoch
                         self._epoch(epoch)
                     with self.lock:
-                        ra.add(dg, batch_now)  # type: ignore[arg-type]
+                        try:
+                            ra.add(dg, batch_now)  # type: ignore[arg-type]
+                        except OSError as e:  # the spool's disk: that object is a gap
+                            ra.give_up(dg.epoch, dg.obj, e)  # type: ignore[union-attr]
+                            s.objects_expired += 1
                     if ra.ready:
                         break
                 now = time.monotonic()
                 if now - last_flush >= _FLUSH_EVERY:
                     last_flush = now
                     with self.lock:
-                        ra.flush_all()
+                        before = ra.expired
+                        ra.flush_all()  # a write the disk refuses gives that object up
+                        s.objects_expired += ra.expired - before
                 if now - last_expire >= 1.0:
                     last_expire = now
                     with self.lock:
                         n_exp = ra.expire_idle(now, self.u.expire_seconds)
                         s.objects_expired += n_exp
+                        ra.write_gaps()
                 if now - last_status >= _STATUS_EVERY:
                     last_status = now
                     self._status(ra)

@@ -5,7 +5,8 @@
         data          the envelope; each block is written at its offset once rebuilt
         blocks.done   u32 indices of rebuilt blocks (appended after the block's data)
         symbols.log   symbols of blocks not yet rebuilt: u32 block, u32 esi, T bytes
-    <spool>/tmp/      a delivered file is written here, fsynced, renamed into the inbox
+    <spool>/tmp/      a delivered file is written here, fsynced, renamed into the inbox (when the
+                      inbox is on another filesystem: ``.<inbox name>.udp-tmp`` beside it)
     <spool>/done.jsonl  objects delivered (epoch, object id, digest): later symbols are late
     <spool>/gaps.jsonl  objects given up, with the reason (red's `diode red gaps` lists them)
 
@@ -17,6 +18,7 @@ object's SHA-256 check: the object is then expired as a gap, never delivered cor
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -34,7 +36,15 @@ from bridge.logs import get_logger, log_event
 from bridge.metrics import UDP
 from bridge.protocol.datagram import ObjectHeader, ObjectKind, Symbol
 
-__all__ = ["Reassembler", "Delivery", "GAPS", "DONE", "deliver", "verify_and_read_name"]
+__all__ = [
+    "Reassembler",
+    "Delivery",
+    "GAPS",
+    "DONE",
+    "deliver",
+    "delivery_tmp_dir",
+    "verify_and_read_name",
+]
 
 log = get_logger("bridge.diode.udp_spool")
 
@@ -44,6 +54,28 @@ _REC = struct.Struct(">II")
 _U32 = struct.Struct(">I")
 _FLUSH_BYTES = 256 * 1024
 _DONE_REMEMBERED = 20_000
+_FAILED_REMEMBERED = 10_000
+
+
+def _header_record(epoch: int, h: ObjectHeader) -> dict[str, Any]:
+    """What a gap record says about an object (before anything of it was spooled)."""
+    return {
+        "epoch": epoch,
+        "object_id": h.object_id,
+        "channel": h.channel,
+        "kind": h.kind.name.lower(),
+        "seq": h.seq,
+        "length": h.length,
+        "digest": h.digest.hex(),
+        "blocks_total": h.block_count,
+        "blocks_done": 0,
+        "symbols_received": 0,
+    }
+
+
+def _os_error(e: OSError) -> str:
+    name = errno.errorcode.get(e.errno or 0, "")
+    return f"{name}: {e.strerror or e}" if name else str(e)
 
 
 def _obj_dir_name(epoch: int, oid: int) -> str:
@@ -70,15 +102,8 @@ class _Open:
     repairs_used: int = 0
 
     def record(self) -> dict[str, Any]:
-        h = self.h
         return {
-            "epoch": self.epoch,
-            "object_id": h.object_id,
-            "channel": h.channel,
-            "kind": h.kind.name.lower(),
-            "seq": h.seq,
-            "length": h.length,
-            "digest": h.digest.hex(),
+            **_header_record(self.epoch, self.h),
             "blocks_total": self.n_blocks,
             "blocks_done": len(self.done),
             "symbols_received": self.symbols,
@@ -122,6 +147,10 @@ class Reassembler:
         self.expired = 0
         self.symbols_total = 0
         self._refused: set[tuple[int, int]] = set()
+        self._failed: dict[tuple[int, int], None] = {}
+        """Objects given up because the spool could not be written: their symbols are dropped."""
+        self._unwritten_gaps: list[dict[str, Any]] = []
+        """Gap records the disk refused (full, I/O error): written first at the next chance."""
         self._load_done()
 
     # -- bookkeeping --------------------------------------------------------------------
@@ -165,14 +194,55 @@ class Reassembler:
         shutil.rmtree(d.path, ignore_errors=True)
 
     def gap(self, rec: dict[str, Any], reason: str) -> None:
-        """Append a gap record (fsynced) and log it."""
+        """Append a gap record (fsynced) and log it. A disk that refuses the write (full, I/O
+        error) keeps the record in memory until a later write succeeds: never lost silently,
+        never a crash."""
         rec = {**rec, "reason": reason, "time": round(time.time(), 3)}
-        with open(self.root / GAPS, "a", encoding="utf-8") as f:
-            f.write(json.dumps(rec, sort_keys=True) + "\n")
-            f.flush()
-            os.fsync(f.fileno())
         UDP.objects_expired.labels(str(rec.get("channel", "?")), reason).inc()
         log_event(log, 30, "udp object given up: recorded as a gap", **rec)
+        self._unwritten_gaps.append(rec)
+        self.write_gaps()
+
+    def write_gaps(self) -> int:
+        """Write the gap records still in memory; returns how many are left unwritten."""
+        if not self._unwritten_gaps:
+            return 0
+        text = "".join(json.dumps(r, sort_keys=True) + "\n" for r in self._unwritten_gaps)
+        try:
+            with open(self.root / GAPS, "a", encoding="utf-8") as f:
+                f.write(text)
+                f.flush()
+                os.fsync(f.fileno())
+        except OSError as e:
+            log_event(log, 40, "gap records not written yet: kept in memory, retried",
+                      pending=len(self._unwritten_gaps), error=_os_error(e),
+                      path=str(self.root / GAPS))  # fmt: skip
+            return len(self._unwritten_gaps)
+        self._unwritten_gaps.clear()
+        return 0
+
+    def give_up(self, epoch: int, h: ObjectHeader, err: OSError) -> None:
+        """A spool write for this object failed (disk full, quota, I/O error): the object
+        becomes a ``spool_error`` gap, its files are removed to free the space and its later
+        symbols are dropped. The receiver goes on; the next objects are spooled again as soon
+        as the disk has room (a sender restart resends the object under a new epoch)."""
+        self._drop("spool_error")
+        key = (epoch, h.object_id)
+        obj = self.open.pop(key, None)
+        if obj is not None:
+            self._close(obj)
+            rec, path = obj.record(), obj.path
+        else:
+            rec, path = _header_record(epoch, h), self.objects_dir / _obj_dir_name(epoch, key[1])
+        shutil.rmtree(path, ignore_errors=True)
+        self._failed[key] = None
+        while len(self._failed) > _FAILED_REMEMBERED:
+            del self._failed[next(iter(self._failed))]
+        self.held = sum(
+            d.received * o.h.symbol_size for o in self.open.values() for d in o.decoders.values()
+        )
+        self.expired += 1
+        self.gap({**rec, "error": _os_error(err)}, "spool_error")
 
     # -- the hot path -------------------------------------------------------------------
     def add(self, sym: Symbol, now: float) -> None:
@@ -184,13 +254,14 @@ class Reassembler:
             if key in self.done:
                 self._drop("late")
                 return
+            if key in self._failed:
+                self._drop("spool_error")
+                return
             if h.length > self.max_object_bytes:
                 self._drop("too_large")
                 if key not in self._refused:
                     self._refused.add(key)
-                    self.gap({"epoch": sym.epoch, "object_id": h.object_id, "channel": h.channel,
-                              "kind": h.kind.name.lower(), "seq": h.seq, "length": h.length},
-                             "too_large")  # fmt: skip
+                    self.gap(_header_record(sym.epoch, h), "too_large")
                 return
             obj = self._create(sym.epoch, h, now)
         elif obj.h is not h and obj.h != h:
@@ -286,13 +357,21 @@ class Reassembler:
             obj.pending = bytearray()
 
     def flush_all(self) -> None:
-        for obj in self.open.values():
-            self._flush(obj)
+        for obj in list(self.open.values()):
+            try:
+                self._flush(obj)
+            except OSError as e:
+                self.give_up(obj.epoch, obj.h, e)
 
     def _close(self, obj: _Open) -> None:
-        self._flush(obj)
+        """Close the object's files; symbols not yet flushed are dropped: a closed object is
+        complete (its blocks are in ``data``) or given up."""
+        obj.pending = bytearray()
         for fd in (obj.data_fd, obj.done_fd, obj.log_fd):
-            os.close(fd)
+            try:
+                os.close(fd)
+            except OSError:
+                pass
         for dec in obj.decoders.values():
             self.held -= dec.received * obj.h.symbol_size
         self.held = max(self.held, 0)
@@ -334,24 +413,18 @@ class Reassembler:
 
     def fail(self, d: Delivery, reason: str) -> None:
         """A rebuilt object that must not be delivered (digest mismatch, bad name)."""
-        obj_rec = {
-            "epoch": d.epoch,
-            "object_id": d.header.object_id,
-            "channel": d.header.channel,
-            "kind": d.header.kind.name.lower(),
-            "seq": d.header.seq,
-            "length": d.header.length,
-            "digest": d.header.digest.hex(),
-        }
-        self.gap(obj_rec, reason)
+        n = d.header.block_count
+        self.gap({**_header_record(d.epoch, d.header), "blocks_done": n}, reason)
         self.expired += 1
         shutil.rmtree(d.path, ignore_errors=True)
 
     # -- restart ------------------------------------------------------------------------
-    def recover(self, now: float) -> int:
+    def recover(self, now: float, tmp_dir: Path | None = None) -> int:
         """Rebuild every open object from the spool (after a crash or a restart)."""
-        for tmp in (self.root / "tmp").iterdir():
-            tmp.unlink(missing_ok=True)  # a delivery interrupted before its rename
+        for d in {self.root / "tmp", tmp_dir or self.root / "tmp"}:
+            for tmp in d.iterdir():
+                if tmp.name.endswith(".tmp"):
+                    tmp.unlink(missing_ok=True)  # a delivery interrupted before its rename
         n = 0
         for path in sorted(self.objects_dir.iterdir()):
             try:
@@ -460,19 +533,53 @@ def deliver(d: Delivery, name: str, offset: int, tmp_dir: Path, inbox: Path) -> 
         final = inbox / name
         outcome = "renamed"
     tmp = tmp_dir / f"{name}.{os.getpid()}.tmp"
-    with open(src, "rb") as fi, open(tmp, "wb") as fo:
-        left, pos = length, offset
-        while left > 0:
-            sent = os.copy_file_range(fi.fileno(), fo.fileno(), min(left, 1 << 26), pos)
-            if sent <= 0:
-                raise OSError(f"short copy of {src} at {pos}")
-            pos += sent
-            left -= sent
-        fo.flush()
-        os.fsync(fo.fileno())
-    os.rename(tmp, final)
+    try:
+        with open(src, "rb") as fi, open(tmp, "wb") as fo:
+            _copy_range(fi.fileno(), fo.fileno(), offset, length, src)
+            fo.flush()
+            os.fsync(fo.fileno())
+        try:
+            os.link(tmp, final)  # unlike rename, never replaces a file that appeared meanwhile
+        except FileExistsError:
+            return deliver(d, name, offset, tmp_dir, inbox)  # judged again: duplicate/renamed
+    finally:
+        tmp.unlink(missing_ok=True)
     fsync_dir(inbox)
     return name, outcome
+
+
+def _copy_range(fi: int, fo: int, offset: int, length: int, src: Path) -> None:
+    """``length`` bytes of ``fi`` from ``offset`` to ``fo``: in the kernel when it can (the
+    same filesystem), else read/write (copy_file_range refuses some cross-filesystem pairs)."""
+    left, pos = length, offset
+    while left > 0:
+        try:
+            sent = os.copy_file_range(fi, fo, min(left, 1 << 26), pos)
+        except OSError as e:
+            if e.errno not in (errno.EXDEV, errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP):
+                raise
+            break
+        if sent <= 0:
+            raise OSError(f"short copy of {src} at {pos}")
+        pos += sent
+        left -= sent
+    while left > 0:
+        chunk = os.pread(fi, min(left, 1 << 20), pos)
+        if not chunk:
+            raise OSError(f"short read of {src} at {pos}")
+        os.write(fo, chunk)
+        pos += len(chunk)
+        left -= len(chunk)
+
+
+def delivery_tmp_dir(spool: Path, inbox: Path) -> Path:
+    """Where a delivered file is written before it is linked into the inbox: the spool's
+    ``tmp/`` when it shares the inbox's filesystem, else ``.<inbox name>.udp-tmp`` beside the
+    inbox (a rename cannot cross filesystems, and the inbox only ever sees complete files)."""
+    tmp = durable_mkdir(spool / "tmp")
+    if os.stat(tmp).st_dev == os.stat(inbox).st_dev:
+        return tmp
+    return durable_mkdir(inbox.parent / f".{inbox.name}.udp-tmp")
 
 
 def _same_bytes(src: Path, offset: int, other: Path) -> bool:

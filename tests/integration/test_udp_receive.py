@@ -6,7 +6,6 @@ status file."""
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import signal
 import socket
@@ -15,6 +14,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 
 from bridge.config import Config, config_from_dict
-from bridge.demo.udp_link import free_udp_port
+from bridge.demo.udp_link import free_udp_port, stop_process
 from bridge.diode.link_status import read_gap_records, read_json
 from bridge.diode.udp_fec import block_count, block_plan, encode_block, repair_count
 from bridge.diode.udp_key import generate_key_file, load_key
@@ -30,6 +30,7 @@ from bridge.diode.udp_receiver import ReceiveSummary, run_receiver
 from bridge.diode.udp_sender import envelope_prefix
 from bridge.diode.udp_spool import Reassembler
 from bridge.protocol.datagram import DatagramCodec, LinkHeartbeat, ObjectHeader, ObjectKind
+from tests.support import json_lines
 
 T = 256
 K = 16
@@ -118,10 +119,11 @@ def _cfg(tmp: Path, port: int, **recv: Any) -> Config:
     return config_from_dict(data, base=tmp, environ={})
 
 
-@pytest.fixture
-def rx(tmp_path: Path) -> Iterator[Rx]:
+@contextmanager
+def receiving(tmp: Path, **recv: Any) -> Iterator[Rx]:
+    """A receiver in a thread on a free loopback port, and a socket to send to it."""
     port = free_udp_port()
-    cfg = _cfg(tmp_path, port, max_object_bytes=1 << 20)
+    cfg = _cfg(tmp, port, **recv)
     stop, ready, result = threading.Event(), threading.Event(), []
     th = threading.Thread(
         target=lambda: result.append(run_receiver(cfg, stop=stop, ready=lambda _: ready.set())),
@@ -129,13 +131,20 @@ def rx(tmp_path: Path) -> Iterator[Rx]:
     )
     th.start()
     assert ready.wait(20)
-    codec = DatagramCodec(load_key(tmp_path / "udp.key"))
+    codec = DatagramCodec(load_key(tmp / "udp.key"))
     sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-    r = Rx(cfg, ("127.0.0.1", port), codec, sock, stop, th, result)
-    yield r
-    stop.set()
-    th.join(timeout=30)
-    sock.close()
+    try:
+        yield Rx(cfg, ("127.0.0.1", port), codec, sock, stop, th, result)
+    finally:
+        stop.set()
+        th.join(timeout=30)
+        sock.close()
+
+
+@pytest.fixture
+def rx(tmp_path: Path) -> Iterator[Rx]:
+    with receiving(tmp_path, max_object_bytes=1 << 20) as r:
+        yield r
 
 
 def test_hostile_datagrams_are_counted_and_nothing_bad_is_delivered(rx: Rx) -> None:
@@ -347,23 +356,14 @@ class RxProc:
             time.sleep(0.05)
 
     def events(self) -> list[dict[str, Any]]:
-        out = []
-        for line in self.log.read_text(errors="replace").splitlines():
-            if line.startswith("{"):
-                try:
-                    out.append(json.loads(line))
-                except ValueError:
-                    continue
-        return out
+        return json_lines(self.log)
 
     def kill9(self) -> None:
         self.proc.send_signal(signal.SIGKILL)
         self.proc.wait(timeout=30)
 
     def stop(self) -> dict[str, Any]:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            self.proc.wait(timeout=60)
+        stop_process(self.proc, timeout=60)
         docs = [e for e in self.events() if "msg" not in e]
         assert docs, self.log.read_text()[-3000:]
         return docs[-1]
@@ -438,3 +438,48 @@ expire_seconds = 60.0
     assert summary["objects_completed"] == 1 and summary["datagrams"] == len(dg) - half
     assert read_gap_records(spool) == []
     assert list((spool / "objects").iterdir()) == [] and list((spool / "tmp").iterdir()) == []
+
+
+@pytest.fixture
+def small_disk(tmp_path: Path) -> Iterator[Path]:
+    """A real 2 MB filesystem (tmpfs) for the receiver's spool; needs root to mount."""
+    mnt = tmp_path / "smalldisk"
+    mnt.mkdir()
+    if os.geteuid() != 0:
+        pytest.skip("mounting a small tmpfs for the spool needs root")
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m,mode=0700", "tmpfs", str(mnt)],
+                       capture_output=True, text=True)  # fmt: skip
+    if r.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {r.stderr.strip()}")
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+def test_a_full_spool_disk_makes_a_gap_and_the_receiver_goes_on(
+    tmp_path: Path, small_disk: Path
+) -> None:
+    spool = small_disk / "spool"
+    with receiving(tmp_path, max_object_bytes=64 << 20, spool_dir=str(spool)) as rx:
+        codec, inbox = rx.codec, rx.inbox
+        big = datagrams(codec, 21, 1, "u1.000000000001.big.dbundle", os.urandom(3 << 20), repair=0)
+        rx.send(big)  # 3 MB of rebuilt blocks into a 2 MB spool: ENOSPC half way
+        rx.wait(lambda: read_gap_records(spool), "the spool_error gap record")
+        (gap,) = read_gap_records(spool)
+        assert gap["reason"] == "spool_error" and gap["seq"] == 2, gap
+        assert gap["error"].startswith("ENOSPC"), gap  # the fault really fired
+        assert 0 < gap["blocks_done"] < gap["blocks_total"], gap
+        assert not list((spool / "objects").iterdir())  # its files were removed: room again
+        # the receiver is still running: the next object is spooled and delivered intact
+        small = os.urandom(300_000)
+        rx.send(datagrams(codec, 21, 2, "u1.000000000002.small.dbundle", small))
+        name = inbox / "u1.000000000002.small.dbundle"
+        rx.wait(name.exists, "the next file after the full disk")
+        assert name.read_bytes() == small
+        rx.send(big[-5:])  # stragglers of the given-up object are dropped, never respooled
+        time.sleep(0.5)
+        s = rx.finish()
+    assert s.objects_completed == 1 and s.objects_expired == 1
+    assert s.dropped.get("spool_error", 0) >= 5 + 1
+    assert not (inbox / "u1.000000000001.big.dbundle").exists()
