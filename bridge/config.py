@@ -115,8 +115,10 @@ class BundleConfig(_Strict):
     """Rotate when the uncompressed message bytes (bodies + headers) would pass this."""
 
     max_age_seconds: float = Field(default=5.0, gt=0)
-    """Rotate once the bundle's first message has waited this long on black (continuous runs:
-    a quiet channel still ships within this time; a busy one rotates by rows or bytes first)."""
+    """Continuous runs cut a bundle at the last trigger before its first message would have
+    waited longer than this in the spool: a quiet channel still ships within this time, a busy
+    one rotates by rows or bytes first. Equal to trigger_seconds: every trigger cuts (lowest
+    latency, most bundles)."""
 
     max_file_bytes: int = Field(default=1024 * 1024 * 1024, ge=65536)
     """Hard ceiling of a file on the wire (vendor diodes impose one); never exceeded."""

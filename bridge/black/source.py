@@ -97,7 +97,9 @@ class SpoolStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         self.target: dict[str, int] | None = None
         self._planned = False  # partitions() not called yet in this run
         self._lagging: set[str] = set()
-        self._waiting: dict[str, float] = {}  # channel -> when unsealed messages were first seen
+        self._empty_at: dict[str, float] = {}
+        """channel -> when a plan last found nothing pending: every message pending now arrived
+        after that, so ``now - _empty_at`` bounds the age of the oldest one."""
 
     # -- driver -------------------------------------------------------------------------------
     def _spool(self, channel: str) -> SpoolReader:
@@ -142,6 +144,7 @@ class SpoolStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
             else:  # a channel added to the config after the query started
                 init = init or self.initialOffset()
                 s = init[ch]
+            planned_at = time.monotonic()  # before the tail is read: nothing after it is counted
             tail = self.target[ch] if self.target is not None else self._tail(ch)
             if tail < s:
                 # TAIL is written after each fsync but not itself fsynced: after a power loss
@@ -164,21 +167,29 @@ class SpoolStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
                 end = min(end, s + cap)
             if self.target is None and end > s and not capped and self._hold(ch, s, end, hint):
                 end = s
+            elif end == tail:
+                self._empty_at[ch] = planned_at  # what arrives next is younger than that
+            else:
+                self._empty_at.pop(ch, None)  # the rest is older than that: unknown age
             out[ch] = end
         return out
 
     def _hold(self, channel: str, start: int, end: int, hint: dict[str, float]) -> bool:
         """Continuous runs: keep collecting until a bundle is worth cutting — max_rows or
-        max_bytes reached, or its first message has waited ``bundle.max_age_seconds``."""
-        b = self.cfg.black.bundle
-        now = time.monotonic()
-        since = self._waiting.setdefault(channel, now)
+        max_bytes reached, or its first message would pass ``bundle.max_age_seconds`` before
+        the next trigger. Its age is bounded by the last plan that found the channel empty;
+        unknown (a backlog at start) counts as old."""
+        b = self.cfg.black
         n = end - start
         est = n * hint.get(channel, float(ROW_OVERHEAD_BYTES))
-        if n >= b.max_rows or est >= b.max_bytes or now - since >= b.max_age_seconds:
-            del self._waiting[channel]
+        if n >= b.bundle.max_rows or est >= b.bundle.max_bytes:
             return False
-        return True
+        empty_at = self._empty_at.get(channel)
+        if empty_at is None:
+            return False
+        age = time.monotonic() - empty_at
+        return age + b.trigger_seconds <= b.bundle.max_age_seconds
+
 
     def partitions(self, start: dict[str, int], end: dict[str, int]) -> Sequence[InputPartition]:
         start = self._from_journal(start) if not self._planned else start
