@@ -190,7 +190,6 @@ class SpoolStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         age = time.monotonic() - empty_at
         return age + b.trigger_seconds <= b.bundle.max_age_seconds
 
-
     def partitions(self, start: dict[str, int], end: dict[str, int]) -> Sequence[InputPartition]:
         start = self._from_journal(start) if not self._planned else start
         self._planned = True
