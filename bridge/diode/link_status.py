@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import json
+import os
 import time
 from pathlib import Path
 from typing import Any
 
 from bridge.config import Config
 
-__all__ = ["link_status", "read_json", "read_gap_records"]
+__all__ = ["link_status", "read_json", "read_gap_records", "read_new_gap_records"]
 
 
 def read_json(path: Path) -> dict[str, Any] | None:
@@ -37,6 +38,39 @@ def read_gap_records(spool_dir: Path) -> list[dict[str, Any]]:
         if isinstance(doc, dict):
             out.append(doc)
     return out
+
+
+def read_new_gap_records(
+    spool_dir: Path, offset: int, *, limit: int = 10_000
+) -> tuple[list[dict[str, Any]], int, bool]:
+    """Gap records appended to ``gaps.jsonl`` since byte ``offset``: ``(records, new_offset,
+    restarted)``. Only complete lines are consumed (a line being written is read next time);
+    a line that is not a JSON object is skipped. A file shorter than ``offset`` was replaced
+    (a new spool): it is read from the start and ``restarted`` says so. At most ``limit``
+    records per call, so memory stays bounded whatever the file holds."""
+    path = Path(spool_dir) / "gaps.jsonl"
+    try:
+        with open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            restarted = size < offset
+            if restarted:
+                offset = 0
+            f.seek(offset)
+            out: list[dict[str, Any]] = []
+            while len(out) < limit:
+                line = f.readline(1 << 20)
+                if not line.endswith(b"\n"):
+                    break  # not complete yet (or an over-long line: read on, next time)
+                offset += len(line)
+                try:
+                    doc = json.loads(line)
+                except ValueError:
+                    continue  # a torn record a crash left behind: it was never durable
+                if isinstance(doc, dict):
+                    out.append(doc)
+    except FileNotFoundError:
+        return [], offset, False
+    return out, offset, restarted
 
 
 def link_status(cfg: Config) -> dict[str, Any]:

@@ -209,8 +209,13 @@ class Reassembler:
             return 0
         text = "".join(json.dumps(r, sort_keys=True) + "\n" for r in self._unwritten_gaps)
         try:
-            with open(self.root / GAPS, "a", encoding="utf-8") as f:
-                f.write(text)
+            with open(self.root / GAPS, "ab+") as f:
+                end = f.seek(0, os.SEEK_END)
+                if end > 0:  # a torn last record (a crash mid-write) must end its own line
+                    f.seek(end - 1)
+                    if f.read(1) != b"\n":
+                        text = "\n" + text
+                f.write(text.encode())
                 f.flush()
                 os.fsync(f.fileno())
         except OSError as e:

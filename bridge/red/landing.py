@@ -31,6 +31,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from bridge.config import Config
+from bridge.diode.link_status import read_new_gap_records
 from bridge.errors import DiodeError
 from bridge.faults import crash_point
 from bridge.fsutil import atomic_write_bytes, durable_mkdir, fsync_dir
@@ -123,8 +124,11 @@ class Landing:
         self.plain_dir = durable_mkdir(self.work_dir / "plain")
         self.hold_dir = durable_mkdir(self.work_dir / "landing")
         self.lock = threading.RLock()
+        self.udp_gaps_offset = 0
+        """Bytes of the UDP receiver's gaps.jsonl already audited (saved with the state)."""
         self.land_seq, self.state = self._load_state()
         self.channels = [c.name for c in cfg.channels]
+        self.udp_spool = Path(cfg.udp.receive.spool_dir) if cfg.udp is not None else None
 
     # -- state ---------------------------------------------------------------------------------
     def _load_state(self) -> tuple[int, sq.SequenceState]:
@@ -132,16 +136,23 @@ class Landing:
         try:
             doc = json.loads(p.read_bytes())
         except FileNotFoundError:
+            self.udp_gaps_offset = 0
             return 0, sq.SequenceState()
         except ValueError as e:
             raise LandingError(
                 f"red state {p} is unreadable ({e}); restore it from backup — red cannot "
                 "check sequences without it"
             ) from None
+        self.udp_gaps_offset = int(doc.get("udp_gaps_offset", 0))
         return int(doc["land_seq"]), sq.SequenceState.from_json(doc["sequence"])
 
-    def _save_state(self, land_seq: int, state_json: dict[str, Any]) -> None:
-        doc = {"land_seq": land_seq, "sequence": state_json, "saved_at": _iso(datetime.now(UTC))}
+    def _save_state(self, land_seq: int, state_json: dict[str, Any], udp_gaps_offset: int) -> None:
+        doc = {
+            "land_seq": land_seq,
+            "sequence": state_json,
+            "udp_gaps_offset": udp_gaps_offset,
+            "saved_at": _iso(datetime.now(UTC)),
+        }
         atomic_write_bytes(self.state_dir / STATE_FILE, json.dumps(doc, sort_keys=True).encode())
 
     # -- start-up ------------------------------------------------------------------------------
@@ -322,17 +333,28 @@ class Landing:
         return res
 
     def tick(self, now: datetime | None = None) -> LandingResult:
-        """Timer events (a silent link): audited as a landing of their own when any fire."""
+        """Timer events (a silent link), the intake's own quarantines and the UDP receiver's
+        gap records: audited as a landing of their own when there are any."""
         with self.lock:
             now = now or datetime.now(UTC)
             state = sq.SequenceState.from_json(self.state.to_json())
             events = sq.tick(state, now, self.cfg.red.link_silent_seconds, self.channels)
             res = LandingResult()
             pending, consumed = self._intake_quarantines()
-            if not events and not pending and state.to_json() == self.state.to_json():
+            transport, udp_offset = self._transport_gaps(now)
+            if (
+                not events
+                and not pending
+                and not transport
+                and udp_offset == self.udp_gaps_offset
+                and state.to_json() == self.state.to_json()
+            ):
                 return res
             n = self.land_seq + 1
             audit = [self._jsonable(_event_row(ev, now)) for ev in events]
+            audit += transport
+            if transport:
+                res.events["transport_gap"] = len(transport)
             for doc in pending:
                 RED.files_rejected.labels(doc["reason"]).inc()
                 res.events["quarantined"] = res.events.get("quarantined", 0) + 1
@@ -358,10 +380,11 @@ class Landing:
                 "moves": [],
                 "consumed": consumed,
                 "state_after": state.to_json(),
+                "udp_gaps_offset": udp_offset,
             }
             atomic_write_bytes(self.journal_dir / INTENT_FILE, json.dumps(intent).encode())
             self._apply(intent)
-            self.land_seq, self.state = n, state
+            self.land_seq, self.state, self.udp_gaps_offset = n, state, udp_offset
             for ev in events:
                 res.events[ev.kind] = res.events.get(ev.kind, 0) + 1
             res.land_seq = n
@@ -369,6 +392,49 @@ class Landing:
             return res
 
     # -- pieces --------------------------------------------------------------------------------
+    def _transport_gaps(self, now: datetime) -> tuple[list[dict[str, Any]], int]:
+        """Audit rows for the objects the UDP receiver gave up since the last tick (its
+        ``gaps.jsonl``, read from the offset saved with the state: each record audited once)
+        and the offset after them. Every field is checked: the file is local, but what it
+        says about channels and seqs came off the wire."""
+        if self.udp_spool is None:
+            return [], self.udp_gaps_offset
+        try:
+            records, offset, restarted = read_new_gap_records(self.udp_spool, self.udp_gaps_offset)
+        except OSError as e:
+            log_event(log, 40, "UDP gap records unreadable: retried at the next tick",
+                      path=str(self.udp_spool / "gaps.jsonl"), error=str(e))  # fmt: skip
+            return [], self.udp_gaps_offset
+        if restarted:
+            log_event(log, 30, "UDP gap records file is shorter than what was audited: "
+                      "the receiver's spool was replaced; reading it from the start",
+                      path=str(self.udp_spool / "gaps.jsonl"),
+                      audited_bytes=self.udp_gaps_offset)  # fmt: skip
+        rows = []
+        for rec in records:
+            ch = rec.get("channel")
+            channel = ch if isinstance(ch, str) and ch in self.channels else None
+            seq = rec.get("seq")
+            is_bundle = rec.get("kind") == "bundle" and type(seq) is int and seq > 0
+            reason = rec.get("reason")
+            t = rec.get("time")
+            ok_time = isinstance(t, int | float) and 0 < t < 1e11
+            at = datetime.fromtimestamp(float(t), UTC) if ok_time else now  # type: ignore[arg-type]
+            rows.append(
+                {
+                    "event": "transport_gap",
+                    "at": _iso(at),
+                    "channel": channel,
+                    "bundle_seq": seq if is_bundle and channel is not None else None,
+                    "file_name": None,
+                    "seq_first": None,
+                    "seq_last": None,
+                    "reason": reason[:64] if isinstance(reason, str) else "unknown",
+                    "detail": json.dumps(rec, sort_keys=True, default=str),
+                }
+            )
+        return rows, offset
+
     def _intake_quarantines(self) -> tuple[list[dict[str, Any]], list[str]]:
         """Files the intake quarantined on its own (bad names, links, ...): to be audited."""
         d = self.work_dir / "audit-pending"
@@ -530,7 +596,9 @@ class Landing:
         crash_point("red.after_moves")
         for p in intent.get("consumed", []):
             Path(p).unlink(missing_ok=True)
-        self._save_state(n, intent["state_after"])
+        self._save_state(
+            n, intent["state_after"], int(intent.get("udp_gaps_offset", self.udp_gaps_offset))
+        )
         (self.journal_dir / INTENT_FILE).unlink(missing_ok=True)
         hold = self.hold_dir / str(n)
         if hold.exists():

@@ -78,6 +78,7 @@ AUDIT_EVENTS = (
     "missing_last_bundle",  # a heartbeat names a bundle seq red never received
     "link_silent",  # no heartbeat for longer than red.link_silent_seconds
     "link_resumed",  # a heartbeat after a silence
+    "transport_gap",  # the UDP receiver gave up an object (expired, undecodable, disk error)
     "approved",  # an operator approved an exchange for replay
     "revoked",  # an operator revoked an approval
     "replayed",  # the replay publisher published a range of rows to the red broker

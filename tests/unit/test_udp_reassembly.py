@@ -13,7 +13,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from bridge.diode.link_status import read_gap_records
+from bridge.diode.link_status import read_gap_records, read_new_gap_records
 from bridge.diode.udp_fec import block_count, block_plan, encode_block
 from bridge.diode.udp_sender import envelope_prefix
 from bridge.diode.udp_spool import DONE, Delivery, Reassembler, deliver, verify_and_read_name
@@ -192,6 +192,19 @@ def test_an_object_announcing_too_many_bytes_is_refused_once_and_never_spooled(
     assert ra.dropped == {"too_large": len(syms)}
     assert [g["reason"] for g in read_gap_records(tmp_path)] == ["too_large"]
     assert list((tmp_path / "objects").iterdir()) == [] and not ra.open
+
+
+def test_a_gap_record_after_a_torn_one_starts_its_own_line(tmp_path: Path) -> None:
+    """A receiver killed mid-write leaves a torn last line; the next record must not be glued
+    to it (red reads gaps.jsonl line by line and skips what is not JSON)."""
+    (tmp_path / "gaps.jsonl").write_text('{"epoch": 1, "object_id": 4, "chan')
+    env = envelope(os.urandom(5000))
+    ra = reassembler(tmp_path, max_object_bytes=4096)
+    feed(ra, symbols(1, header(6, env), env))
+    assert [g["object_id"] for g in read_gap_records(tmp_path)] == [6]
+    records, offset, restarted = read_new_gap_records(tmp_path, 0)
+    assert [g["object_id"] for g in records] == [6] and not restarted
+    assert offset == (tmp_path / "gaps.jsonl").stat().st_size
 
 
 def test_a_symbol_whose_header_contradicts_its_open_object_is_malformed(tmp_path: Path) -> None:
