@@ -503,6 +503,18 @@ def red_config(
     return config_from_dict(data, base=Path(root), environ={})
 
 
+RED_DIRS_TOML = """inbox = "red/inbox"
+work_dir = "red/work"
+processed_dir = "red/processed"
+quarantine_dir = "red/quarantine"
+state_dir = "red/state"
+checkpoint_dir = "red/checkpoint"
+tables_dir = "red/tables"
+delta_engine = "delta-rs"
+"""
+"""The [red] keys of a test config: every red dir under ``red/``, delta-rs."""
+
+
 def write_red_toml(
     root: Path,
     keys: RedKeys,
@@ -527,15 +539,7 @@ black_signers = ["{keys.black_fpr}"]
 {chans}
 [red]
 gnupg_home = "{keys.red_home}"
-inbox = "red/inbox"
-work_dir = "red/work"
-processed_dir = "red/processed"
-quarantine_dir = "red/quarantine"
-state_dir = "red/state"
-checkpoint_dir = "red/checkpoint"
-tables_dir = "red/tables"
-delta_engine = "delta-rs"
-settle_seconds = 0.2
+{RED_DIRS_TOML}settle_seconds = 0.2
 {replay}"""
     root.mkdir(parents=True, exist_ok=True)
     p = root / "diode.toml"

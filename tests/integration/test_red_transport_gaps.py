@@ -15,10 +15,11 @@ from bridge.config import Config, load_config
 from bridge.red.evidence import Evidence
 from bridge.red.job import open_tables
 from bridge.red.landing import Landing
+from tests.red_factory import RED_DIRS_TOML
 
 
 def _config(root: Path) -> Config:
-    text = """
+    text = f"""
 [link]
 bridge_id = "gaps-test"
 
@@ -28,15 +29,7 @@ encrypt = false
 transport = "udp"
 
 [red]
-inbox = "red/inbox"
-work_dir = "red/work"
-processed_dir = "red/processed"
-quarantine_dir = "red/quarantine"
-state_dir = "red/state"
-checkpoint_dir = "red/checkpoint"
-tables_dir = "red/tables"
-delta_engine = "delta-rs"
-
+{RED_DIRS_TOML}
 [udp]
 key_file = "udp.key"
 
