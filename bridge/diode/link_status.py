@@ -40,6 +40,10 @@ def read_gap_records(spool_dir: Path) -> list[dict[str, Any]]:
     return out
 
 
+MAX_GAP_RECORD_BYTES = 1 << 16
+"""A gap record is a few hundred bytes; a longer line is skipped, never waited on."""
+
+
 def read_new_gap_records(
     spool_dir: Path, offset: int, *, limit: int = 10_000
 ) -> tuple[list[dict[str, Any]], int, bool]:
@@ -58,9 +62,17 @@ def read_new_gap_records(
             f.seek(offset)
             out: list[dict[str, Any]] = []
             while len(out) < limit:
-                line = f.readline(1 << 20)
+                line = f.readline(MAX_GAP_RECORD_BYTES)
                 if not line.endswith(b"\n"):
-                    break  # not complete yet (or an over-long line: read on, next time)
+                    if len(line) < MAX_GAP_RECORD_BYTES:
+                        break  # not complete yet: read next time
+                    while line and not line.endswith(b"\n"):  # no record is this long: skip
+                        offset += len(line)
+                        line = f.readline(MAX_GAP_RECORD_BYTES)
+                    if not line:
+                        break
+                    offset += len(line)
+                    continue
                 offset += len(line)
                 try:
                     doc = json.loads(line)

@@ -205,6 +205,12 @@ def test_a_gap_record_after_a_torn_one_starts_its_own_line(tmp_path: Path) -> No
     records, offset, restarted = read_new_gap_records(tmp_path, 0)
     assert [g["object_id"] for g in records] == [6] and not restarted
     assert offset == (tmp_path / "gaps.jsonl").stat().st_size
+    # a line longer than any record is skipped, not waited on; a line still being written is
+    with open(tmp_path / "gaps.jsonl", "ab") as f:
+        f.write(b"x" * 200_000 + b"\n" + b'{"object_id": 7}\n' + b'{"object_id": 8')
+    more, offset2, _ = read_new_gap_records(tmp_path, offset)
+    assert [g["object_id"] for g in more] == [7]
+    assert offset2 == (tmp_path / "gaps.jsonl").stat().st_size - len(b'{"object_id": 8')
 
 
 def test_a_symbol_whose_header_contradicts_its_open_object_is_malformed(tmp_path: Path) -> None:
