@@ -141,7 +141,6 @@ class _Receiver:
         if isinstance(checked, str):
             with self.lock:
                 ra.fail(d, checked)
-                self.summary.objects_expired += 1
             return
         name, offset = checked
         final, outcome = deliver(d, name, offset, tmp, self.inbox)
@@ -195,6 +194,7 @@ class _Receiver:
             s = self.summary
             for reason, n in ra.dropped.items():
                 s.dropped[reason] = n
+            s.objects_expired = ra.expired  # every gap: timeout, eviction, spool or digest error
             doc = {
                 "written_at": time.time(),
                 "pid": os.getpid(),
@@ -286,21 +286,17 @@ class _Receiver:
                             ra.add(dg, batch_now)  # type: ignore[arg-type]
                         except OSError as e:  # the spool's disk: that object is a gap
                             ra.give_up(dg.epoch, dg.obj, e)  # type: ignore[union-attr]
-                            s.objects_expired += 1
                     if ra.ready:
                         break
                 now = time.monotonic()
                 if now - last_flush >= _FLUSH_EVERY:
                     last_flush = now
                     with self.lock:
-                        before = ra.expired
                         ra.flush_all()  # a write the disk refuses gives that object up
-                        s.objects_expired += ra.expired - before
                 if now - last_expire >= 1.0:
                     last_expire = now
                     with self.lock:
-                        n_exp = ra.expire_idle(now, self.u.expire_seconds)
-                        s.objects_expired += n_exp
+                        ra.expire_idle(now, self.u.expire_seconds)
                         ra.write_gaps()
                 if now - last_status >= _STATUS_EVERY:
                     last_status = now
