@@ -21,6 +21,7 @@ from bridge.red.approvals import Approvals
 from bridge.red.job import RedRun
 from bridge.red.replay import Replayer, audit_sink
 from tests.integration.test_black_pipeline import EXCHANGES, publish, write_config
+from tests.red_factory import RED_DIRS_TOML
 
 pytestmark = [pytest.mark.broker, pytest.mark.gpg, pytest.mark.spark, pytest.mark.slow]
 
@@ -45,15 +46,7 @@ def red_section(red_url: str) -> str:
     return f"""
 [red]
 gnupg_home = "keys/red"
-inbox = "red/inbox"
-work_dir = "red/work"
-processed_dir = "red/processed"
-quarantine_dir = "red/quarantine"
-state_dir = "red/state"
-checkpoint_dir = "red/checkpoint"
-tables_dir = "red/tables"
-delta_engine = "delta-rs"
-settle_seconds = 0.2
+{RED_DIRS_TOML}settle_seconds = 0.2
 
 [red.replay]
 amqp_url = "{red_url}"

@@ -44,6 +44,7 @@ from bridge.config import Config, load_config
 from bridge.faults import CRASH_ENV, MARK_ENV
 from bridge.red.evidence import REASON_SUFFIX
 from tests.red_factory import (
+    RED_DIRS_TOML,
     BundleMade,
     RedKeys,
     kill_agents,
@@ -79,15 +80,7 @@ black_signers = ["{keys.black_fpr}"]
 {chans}
 [red]
 gnupg_home = "{keys.red_home}"
-inbox = "red/inbox"
-work_dir = "red/work"
-processed_dir = "red/processed"
-quarantine_dir = "red/quarantine"
-state_dir = "red/state"
-checkpoint_dir = "red/checkpoint"
-tables_dir = "red/tables"
-delta_engine = "delta-rs"
-{extra}
+{RED_DIRS_TOML}{extra}
 """
     root.mkdir(parents=True, exist_ok=True)
     p = root / "diode.toml"

@@ -321,7 +321,9 @@ def test_sender_and_receiver_killed_mid_transfer_resume_without_loss(link: Link)
         # what arrives while the receiver restarts is lost for good; on a loaded machine that
         # outage can outgrow the repair budget, so the resend carries a second copy (fresh
         # repair symbols) and the test does not depend on how fast a process restarts
-        text = link.cfg_path.read_text().replace("[udp.send]\n", "[udp.send]\ncopies = 2\n")
+        text = link.cfg_path.read_text()
+        assert "[udp.send]\n" in text
+        text = text.replace("[udp.send]\n", "[udp.send]\ncopies = 2\n")
         link.cfg_path.write_text(text)
         sender = link.cli("sender", "udp", "send", "--until-idle", "--timeout", "200")
         time.sleep(2.0)
