@@ -6,7 +6,13 @@ rows (one channel, any order; seq = spool position)
      same plaintext, else re-sealed under the same bundle seq and chain link (red never saw it)
   -> lost markers (the broker dropped those messages) become gaps with their reason
   -> chunk by rows / bytes / file ceiling
-  -> per chunk: manifest, Parquet plaintext, journal intent, sign+encrypt, deliver, journal
+  -> per chunk: manifest, Parquet plaintext, sign+encrypt (gpg, in the background),
+     journal intent, deliver, journal
+
+Chunks are pipelined: chunk N+1 is packed while gpg seals chunk N, and gpg seals N+1 while N
+is delivered and journaled. At most one gpg runs, and the journal keeps one pending bundle at
+a time: N+1's intent is saved only after N is committed, and nothing reaches the outbox
+before its intent (gpg writes to a temp name outside it, swept at start).
 
 Determinism of a rebuild depends on: the spool records (kept until the bundle is shipped), the
 manifest recorded in the journal intent (created_at and bundle id included), the zstd level
@@ -16,9 +22,11 @@ and the pyarrow version (pinned by the deployment; a change is handled by re-sea
 from __future__ import annotations
 
 import datetime as dt
+import threading
 import uuid
 from collections import Counter as Tally
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
@@ -66,6 +74,57 @@ class ShippedBundle:
     plaintext_bytes: int
     sealed_bytes: int
     sha256: str
+
+
+@dataclass
+class _Chain:
+    """Where the next bundle packed links in: its bundle seq and the previous plaintext's hash."""
+
+    bundle_seq: int
+    prev_sha256: str | None
+
+
+@dataclass(frozen=True)
+class _Packed:
+    """A bundle's plaintext, packed but not journaled yet."""
+
+    manifest: Manifest
+    plain: bytes
+    sha: str
+
+
+class _Encryption:
+    """gpg sealing one packed bundle into its temp file, on a thread of its own (gpg is a
+    process of its own: the thread only feeds it and waits), while the sealer goes on."""
+
+    def __init__(self, sealer: BundleSealer, channel: ChannelConfig, packed: _Packed) -> None:
+        self.packed = packed
+        self._sealed: Path | None = None
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(
+            target=self._run, args=(sealer, channel), name="diode-gpg", daemon=True
+        )
+        self._thread.start()
+
+    def _run(self, sealer: BundleSealer, channel: ChannelConfig) -> None:
+        try:
+            self._sealed = sealer._encrypt(channel, self.packed.manifest, self.packed.plain)
+        except BaseException as e:  # noqa: BLE001 - raised by result() in the sealer's thread
+            self._error = e
+
+    def result(self) -> Path:
+        """The sealed temp file; gpg's error if it failed."""
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+        assert self._sealed is not None
+        return self._sealed
+
+    def discard(self) -> None:
+        """Wait for gpg and drop what it wrote (an earlier bundle failed)."""
+        self._thread.join()
+        if self._sealed is not None:
+            self._sealed.unlink(missing_ok=True)
 
 
 def _covered_last(manifest: Manifest, st: ChannelState) -> int:
@@ -167,9 +226,24 @@ class BundleSealer:
                     bytes=int(sizes[i]),
                     max_file_bytes=bundle.max_file_bytes,
                 )
-            for ch in chunks:
-                rows = table.slice(ch.start, ch.rows)
-                shipped.extend(self._seal_chunk(channel, st, rows, ch.gaps, max_plain))
+            chain = _Chain(st.last_bundle_seq + 1, st.last_sha256)
+            flight: _Encryption | None = None
+            try:
+                for ch in chunks:
+                    rows = table.slice(ch.start, ch.rows)
+                    for packed in self._pack_chunk(channel, chain, rows, ch.gaps, max_plain):
+                        done, flight = flight, None
+                        sealed = done.result() if done is not None else None
+                        flight = _Encryption(self, channel, packed)  # gpg: bundle N+1
+                        if done is not None and sealed is not None:
+                            shipped.append(self._land(channel, st, done.packed, sealed))  # N
+                if flight is not None:
+                    done, flight = flight, None
+                    shipped.append(self._land(channel, st, done.packed, done.result()))
+            except BaseException:
+                if flight is not None:
+                    flight.discard()  # its intent was never saved: as if it never started
+                raise
             return shipped
 
     @staticmethod
@@ -193,9 +267,7 @@ class BundleSealer:
             rows, manifest, zstd_level=b.zstd_level, body_zstd_level=b.body_zstd_level
         )
 
-    def _manifest(
-        self, channel: str, st: ChannelState, rows: pa.Table, gaps: list[Gap]
-    ) -> Manifest:
+    def _manifest(self, channel: str, chain: _Chain, rows: pa.Table, gaps: list[Gap]) -> Manifest:
         seqs = rows.column("seq")
         n = len(rows)
         inexact: list[Gap] = []
@@ -207,7 +279,7 @@ class BundleSealer:
         return Manifest(
             format=1,
             channel=channel,
-            bundle_seq=st.last_bundle_seq + 1,
+            bundle_seq=chain.bundle_seq,
             bundle_id=uuid.uuid4().hex,
             first_seq=int(pc.min(seqs).as_py()) if n else None,
             last_seq=int(pc.max(seqs).as_py()) if n else None,
@@ -216,20 +288,21 @@ class BundleSealer:
             created_at=_now_rfc3339(),
             bridge_id=self.cfg.link.bridge_id,
             schema_version=ROW_SCHEMA_VERSION,
-            prev_sha256=st.last_sha256,
+            prev_sha256=chain.prev_sha256,
             gaps=tuple(gaps),
             inexact=tuple(_merge_gaps(inexact)),
         )
 
-    def _seal_chunk(
+    def _pack_chunk(
         self,
         channel: ChannelConfig,
-        st: ChannelState,
+        chain: _Chain,
         rows: pa.Table,
         gaps: list[Gap],
         max_plain: int,
-    ) -> list[ShippedBundle]:
-        manifest = self._manifest(channel.name, st, rows, gaps)
+    ) -> list[_Packed]:
+        """The plaintext bundle(s) of one chunk, linked from ``chain`` (advanced past them)."""
+        manifest = self._manifest(channel.name, chain, rows, gaps)
         plain = self._pack(rows, manifest)
         if len(plain) > max_plain and len(rows) == 1:
             # one message that does not fit the file ceiling once packed: it is lost on black,
@@ -240,27 +313,44 @@ class BundleSealer:
                 channel=channel.name, seq=seq, plaintext_bytes=len(plain), max_plain=max_plain,
             )  # fmt: skip
             rows = rows.slice(0, 0)
-            manifest = self._manifest(channel.name, st, rows, [*gaps, Gap(seq, seq, "oversize")])
+            manifest = self._manifest(channel.name, chain, rows, [*gaps, Gap(seq, seq, "oversize")])
             plain = self._pack(rows, manifest)
         if len(plain) > max_plain and len(rows) > 1:
             # the estimate was off (incompressible data): split in two and try again
             head, tail = rows.slice(0, len(rows) // 2), rows.slice(len(rows) // 2)
             cut = int(tail.column("seq")[0].as_py())  # no gap contains a row's seq
-            a = self._seal_chunk(
-                channel, st, head, [g for g in gaps if g.last_seq < cut], max_plain
+            a = self._pack_chunk(
+                channel, chain, head, [g for g in gaps if g.last_seq < cut], max_plain
             )
-            return a + self._seal_chunk(
-                channel, st, tail, [g for g in gaps if g.first_seq > cut], max_plain
+            return a + self._pack_chunk(
+                channel, chain, tail, [g for g in gaps if g.first_seq > cut], max_plain
             )
         sha = sha256_hex(plain)
+        chain.bundle_seq, chain.prev_sha256 = manifest.bundle_seq + 1, sha
+        return [_Packed(manifest, plain, sha)]
+
+    def _land(
+        self, channel: ChannelConfig, st: ChannelState, packed: _Packed, sealed: Path
+    ) -> ShippedBundle:
+        """Journal the intent of a bundle gpg has sealed, then deliver and commit it."""
+        manifest = packed.manifest
+        if st.last_bundle_seq + 1 != manifest.bundle_seq or st.last_sha256 != (
+            manifest.prev_sha256
+        ):
+            sealed.unlink(missing_ok=True)
+            raise StateError(
+                f"channel {channel.name!r} bundle {manifest.bundle_seq} was packed to follow "
+                f"bundle {manifest.bundle_seq - 1}, but the journal's last is "
+                f"{st.last_bundle_seq}: a bug in the sealing pipeline"
+            )
         st.pending = {
             "manifest": manifest.to_json().decode(),
-            "sha256": sha,
-            "plaintext_bytes": len(plain),
+            "sha256": packed.sha,
+            "plaintext_bytes": len(packed.plain),
         }
         self.store.save(st)  # intent: a crash from here on re-creates exactly this plaintext
         crash_point("seal.after_intent")
-        return [self._ship(channel, st, manifest, plain, sha)]
+        return self._deliver(channel, st, manifest, sealed, packed.sha, len(packed.plain))
 
     def _finish_pending(
         self, channel: ChannelConfig, st: ChannelState, table: pa.Table
@@ -367,6 +457,12 @@ class BundleSealer:
         plain: bytes,
         sha: str,
     ) -> ShippedBundle:
+        """Seal, deliver and commit a bundle whose intent is already journaled (recovery)."""
+        sealed = self._encrypt(channel, manifest, plain)
+        return self._deliver(channel, st, manifest, sealed, sha, len(plain))
+
+    def _encrypt(self, channel: ChannelConfig, manifest: Manifest, plain: bytes) -> Path:
+        """gpg signs (and encrypts) ``plain`` into a fsynced temp file outside the outbox."""
         name = bundle_name(manifest.channel, manifest.bundle_seq, manifest.bundle_id)
         sealed = self.outbox.temp_for(name)
         self.gpg.seal(  # plaintext piped to gpg: it never touches the disk
@@ -377,6 +473,18 @@ class BundleSealer:
             encrypt=channel.encrypt,
             hide_recipients=self.cfg.black.bundle.hide_recipients,
         )
+        return sealed
+
+    def _deliver(
+        self,
+        channel: ChannelConfig,
+        st: ChannelState,
+        manifest: Manifest,
+        sealed: Path,
+        sha: str,
+        plain_bytes: int,
+    ) -> ShippedBundle:
+        name = bundle_name(manifest.channel, manifest.bundle_seq, manifest.bundle_id)
         size = sealed.stat().st_size
         if size > self.cfg.black.bundle.max_file_bytes:
             sealed.unlink(missing_ok=True)
@@ -387,7 +495,7 @@ class BundleSealer:
             )
         self.outbox.deliver(name, sealed, channel=channel.name, synced=True)  # gpg fsynced it
         crash_point("seal.after_deliver")
-        return self._commit(channel, st, manifest, sha, size, len(plain))
+        return self._commit(channel, st, manifest, sha, size, plain_bytes)
 
     def _commit(
         self,

@@ -12,8 +12,10 @@ id, missing rows as ``unrecoverable`` gaps, counted); a replay ships nothing; lo
 unexplained holes and oversize messages become manifest gaps with their reason; no sealed file
 passes ``max_file_bytes``.
 
-The crashes here are simulated in-process (an exception nothing may catch, raised after gpg
-wrote its output) and each test asserts the crash fired and the journal holds the intent;
+The crashes here are simulated in-process (an exception nothing may catch, raised when the
+outbox is asked to deliver a bundle gpg sealed and the journal recorded; or inside gpg, before
+any intent) and each test asserts the crash fired and what the journal holds; sealing is
+pipelined (chunk N+1 packed while gpg seals N), and a test proves the overlap happened.
 ``test_seal_edges.py`` kills a real process at the named crash points.
 """
 
@@ -24,6 +26,7 @@ import logging
 import os
 import random
 import string
+import threading
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -112,13 +115,13 @@ class Rig:
     def spool_dir(self) -> Path:
         return Path(self.cfg.black.spool_dir)
 
-    def sealer(self, gpg: Gpg | None = None) -> BundleSealer:
+    def sealer(self, gpg: Gpg | None = None, outbox: Outbox | None = None) -> BundleSealer:
         """A fresh sealer, as a restarted process builds it (new store, outbox, gpg objects)."""
         return BundleSealer(
             self.cfg,
             store=StateStore(self.state_dir),
             gpg=gpg or Gpg(self.keys.black_home),
-            outbox=Outbox.from_config(self.cfg.black),
+            outbox=outbox or Outbox.from_config(self.cfg.black),
         )
 
     def state(self) -> dict[str, Any]:
@@ -296,12 +299,33 @@ class SimulatedCrash(BaseException):
     """Like a kill: no ``except Exception`` of the product code may swallow it."""
 
 
-class CrashingGpg(Gpg):
-    """The real Gpg, except that the ``crash_on``-th ``seal`` dies after gpg wrote its output.
+class CrashingOutbox(Outbox):
+    """The real outbox, except that the ``crash_on``-th ``deliver`` dies before it moves a file.
 
-    That is the latest point of the crash window (sealed temp file in the staging dir, not yet
-    renamed into the outbox, journal still holding ``pending``).
+    That is the latest point of the crash window: gpg wrote the sealed temp file (staging dir),
+    the journal holds ``pending``, nothing is in the outbox yet.
     """
+
+    def __init__(self, cfg: Config, crash_on: int) -> None:
+        b = cfg.black
+        super().__init__(
+            Path(b.outbox), Path(b.archive), retention_days=b.archive_retention_days,
+            staging=b.staging_dir,
+        )  # fmt: skip
+        self.crash_on = crash_on
+        self.calls = 0
+
+    def deliver(self, name: str, sealed: Path, **kw: Any) -> Path:  # type: ignore[override]
+        self.calls += 1
+        if self.calls == self.crash_on:
+            assert sealed.exists(), "gpg must have written the sealed file before delivery"
+            raise SimulatedCrash("simulated crash after gpg and the intent, before delivery")
+        return super().deliver(name, sealed, **kw)
+
+
+class CrashingGpg(Gpg):
+    """The real Gpg, except that the ``crash_on``-th ``seal`` dies after gpg wrote its output
+    (a crash while gpg seals: no intent is journaled for that bundle yet)."""
 
     def __init__(self, home: Path, crash_on: int) -> None:
         super().__init__(home)
@@ -312,18 +336,18 @@ class CrashingGpg(Gpg):
         self.calls += 1
         super().seal(src, dst, **kw)
         if self.calls == self.crash_on:
-            raise SimulatedCrash("simulated crash after gpg, before delivery")
+            raise SimulatedCrash("simulated crash inside gpg sealing")
 
 
 def crash_on_bundle(rig: Rig, table: pa.Table, n: int) -> dict[str, Any]:
-    """Seal ``table`` with a crash after gpg sealed the ``n``-th bundle; returns the journal's
+    """Seal ``table`` with a crash before the ``n``-th bundle's delivery; returns the journal's
     pending entry (asserting the crash fired and the intent was journaled first)."""
-    crashing = CrashingGpg(rig.keys.black_home, crash_on=n)
+    crashing = CrashingOutbox(rig.cfg, crash_on=n)
     with pytest.raises(SimulatedCrash, match="simulated crash"):
-        rig.sealer(crashing).seal_rows(rig.channel, table)
-    assert crashing.calls == n, "the crash must have hit the n-th seal"
+        rig.sealer(outbox=crashing).seal_rows(rig.channel, table)
+    assert crashing.calls == n, "the crash must have hit the n-th delivery"
     st = rig.state()
-    assert st["pending"] is not None, "the intent must be journaled before sealing"
+    assert st["pending"] is not None, "the intent must be journaled before delivery"
     assert st["last_bundle_seq"] == n - 1
     delivered = [parse_bundle_name(p.name).bundle_seq for p in rig.outbox_dir.glob("*.dbundle")]
     assert sorted(delivered) == list(range(1, n)), "the crashed bundle must not be delivered"
@@ -444,6 +468,70 @@ def test_crash_on_the_first_bundle_and_a_longer_replayed_batch(rig: Rig) -> None
     check_chain(bundles)
     assert bundles[0].manifest.prev_sha256 is None
     assert all_rows(bundles).column("seq").to_pylist() == list(range(90))
+
+
+def test_crash_while_gpg_seals_leaves_no_intent_and_the_replay_seals_afresh(rig: Rig) -> None:
+    """gpg seals bundle N before N's intent is journaled (pipelining): a crash there leaves the
+    journal at N-1 with nothing pending and a stray temp file in staging (swept at start), and
+    the replay seals N anew; nothing is rebuilt or re-sealed, the chain stays intact."""
+    table = spooled(rig, messages(120))
+    crashing = CrashingGpg(rig.keys.black_home, crash_on=2)
+    with pytest.raises(SimulatedCrash, match="inside gpg"):
+        rig.sealer(crashing).seal_rows(rig.channel, table)
+    assert crashing.calls == 2, "the crash must have hit the 2nd gpg run"
+    st = rig.state()
+    assert st["pending"] is None, "no intent may be journaled before its gpg run ended"
+    assert (st["last_bundle_seq"], st["last_seq"]) == (1, 49)
+    assert [p.name for p in rig.outbox_dir.glob("*.dbundle")] == [
+        p.name for p in open_outbox(rig)[:1]
+    ]
+    outbox = Outbox.from_config(rig.cfg.black)
+    assert any(p.name != DROP_LOCK for p in outbox.staging.iterdir()), "gpg's output is left"
+    outbox.sweep_stale_temps()  # what the job does at start
+
+    before = recovery_counts()
+    shipped = rig.sealer().seal_rows(rig.channel, read_spool(rig, 0, 120))
+    assert recovery_counts() == before, "nothing was pending: no recovery path may run"
+    assert [(s.bundle_seq, s.first_seq, s.last_seq) for s in shipped] == [
+        (2, 50, 99),
+        (3, 100, 119),
+    ]
+    bundles = open_outbox(rig)
+    check_chain(bundles)
+    assert all_rows(bundles).column("seq").to_pylist() == list(range(120))
+    assert [p.name for p in outbox.staging.iterdir() if p.name != DROP_LOCK] == []
+
+
+def test_next_bundle_is_packed_while_gpg_seals_the_previous_one(rig: Rig) -> None:
+    """The pipeline's point: gpg's first run is held until the sealer has packed the second
+    bundle, which it can only do if packing does not wait for gpg."""
+    packed_second = threading.Event()
+    overlapped: list[bool] = []
+
+    class GatedGpg(Gpg):
+        def seal(self, src: Path | bytes, dst: Path, **kw: Any) -> None:  # type: ignore[override]
+            if not overlapped:
+                overlapped.append(packed_second.wait(30))
+            super().seal(src, dst, **kw)
+
+    sealer = rig.sealer(GatedGpg(rig.keys.black_home))
+    pack = sealer._pack
+    calls = 0
+
+    def counting_pack(rows: pa.Table, manifest: Manifest) -> bytes:
+        nonlocal calls
+        calls += 1
+        if calls == 2:
+            packed_second.set()
+        return pack(rows, manifest)
+
+    sealer._pack = counting_pack  # type: ignore[method-assign]
+    shipped = sealer.seal_rows(rig.channel, spooled(rig, messages(120)))
+    assert overlapped == [True], "bundle 2 was not packed while gpg sealed bundle 1"
+    assert [s.bundle_seq for s in shipped] == [1, 2, 3]
+    bundles = open_outbox(rig)
+    check_chain(bundles)
+    assert all_rows(bundles).column("seq").to_pylist() == list(range(120))
 
 
 def test_replay_after_everything_shipped_ships_nothing(rig: Rig) -> None:
