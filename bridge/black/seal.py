@@ -43,7 +43,7 @@ from bridge.errors import ManifestError, StateError
 from bridge.faults import crash_point
 from bridge.logs import get_logger, log_event
 from bridge.metrics import BLACK
-from bridge.protocol.bundle import pack_bundle, sha256_hex
+from bridge.protocol.bundle import pack_bundle_buffer, sha256_hex
 from bridge.protocol.manifest import Gap, Manifest
 from bridge.protocol.naming import bundle_name
 from bridge.protocol.schema import ROW_SCHEMA_VERSION, row_schema
@@ -89,7 +89,7 @@ class _Packed:
     """A bundle's plaintext, packed but not journaled yet."""
 
     manifest: Manifest
-    plain: bytes
+    plain: pa.Buffer
     sha: str
 
 
@@ -261,9 +261,9 @@ class BundleSealer:
         return table
 
     # -- internals --------------------------------------------------------------------------
-    def _pack(self, rows: pa.Table, manifest: Manifest) -> bytes:
+    def _pack(self, rows: pa.Table, manifest: Manifest) -> pa.Buffer:
         b = self.cfg.black.bundle
-        return pack_bundle(
+        return pack_bundle_buffer(
             rows, manifest, zstd_level=b.zstd_level, body_zstd_level=b.body_zstd_level
         )
 
@@ -454,19 +454,19 @@ class BundleSealer:
         channel: ChannelConfig,
         st: ChannelState,
         manifest: Manifest,
-        plain: bytes,
+        plain: pa.Buffer,
         sha: str,
     ) -> ShippedBundle:
         """Seal, deliver and commit a bundle whose intent is already journaled (recovery)."""
         sealed = self._encrypt(channel, manifest, plain)
         return self._deliver(channel, st, manifest, sealed, sha, len(plain))
 
-    def _encrypt(self, channel: ChannelConfig, manifest: Manifest, plain: bytes) -> Path:
+    def _encrypt(self, channel: ChannelConfig, manifest: Manifest, plain: pa.Buffer) -> Path:
         """gpg signs (and encrypts) ``plain`` into a fsynced temp file outside the outbox."""
         name = bundle_name(manifest.channel, manifest.bundle_seq, manifest.bundle_id)
         sealed = self.outbox.temp_for(name)
-        self.gpg.seal(  # plaintext piped to gpg: it never touches the disk
-            plain,
+        self.gpg.seal(  # plaintext handed to gpg in memory: it never touches the disk
+            memoryview(plain),
             sealed,
             signer=self.cfg.black.signing_key,
             recipients=channel.recipients,

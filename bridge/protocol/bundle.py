@@ -137,7 +137,17 @@ def check_rows(table: pa.Table, manifest: Manifest) -> None:
 def pack_bundle(
     table: pa.Table, manifest: Manifest, *, zstd_level: int = 3, body_zstd_level: int | None = None
 ) -> bytes:
-    """Parquet (zstd) of ``table`` with ``manifest`` embedded.
+    """Parquet (zstd) of ``table`` with ``manifest`` embedded (``pack_bundle_buffer`` as bytes)."""
+    return pack_bundle_buffer(
+        table, manifest, zstd_level=zstd_level, body_zstd_level=body_zstd_level
+    ).to_pybytes()
+
+
+def pack_bundle_buffer(
+    table: pa.Table, manifest: Manifest, *, zstd_level: int = 3, body_zstd_level: int | None = None
+) -> pa.Buffer:
+    """Parquet (zstd) of ``table`` with ``manifest`` embedded, in the Arrow buffer it was
+    written to (no copy: black hands it to gpg and hashes it as it is).
 
     ``body_zstd_level`` (default: ``zstd_level``) is the level of the ``body`` column alone:
     bodies are often already compressed or encrypted, where a high level costs time for
@@ -166,7 +176,7 @@ def pack_bundle(
     ) as writer:
         writer.write_table(table)
         writer.add_key_value_metadata({MANIFEST_KEY: manifest.to_json()})
-    return sink.getvalue().to_pybytes()
+    return sink.getvalue()
 
 
 def _parquet_file(data: Any) -> tuple[pq.ParquetFile, Manifest]:
