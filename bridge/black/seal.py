@@ -232,11 +232,12 @@ class BundleSealer:
                 for ch in chunks:
                     rows = table.slice(ch.start, ch.rows)
                     for packed in self._pack_chunk(channel, chain, rows, ch.gaps, max_plain):
+                        # packed (N+1) while gpg sealed N; N's gpg error, if any, raises here
                         done, flight = flight, None
                         sealed = done.result() if done is not None else None
-                        flight = _Encryption(self, channel, packed)  # gpg: bundle N+1
-                        if done is not None and sealed is not None:
-                            shipped.append(self._land(channel, st, done.packed, sealed))  # N
+                        flight = _Encryption(self, channel, packed)
+                        if done is not None and sealed is not None:  # lands while gpg seals N+1
+                            shipped.append(self._land(channel, st, done.packed, sealed))
                 if flight is not None:
                     done, flight = flight, None
                     shipped.append(self._land(channel, st, done.packed, done.result()))

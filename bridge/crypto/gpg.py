@@ -171,15 +171,16 @@ class Gpg:
             pass_fds = (rfd,)
             cmd += ["--passphrase-fd", str(rfd)]  # a descriptor number, never the secret
         cmd += list(args)
+        stdin: int | None = subprocess.DEVNULL
+        if stdin_fd is not None:
+            stdin = stdin_fd
+        elif data is not None:
+            stdin = None  # subprocess pipes ``data`` in
         try:
             proc = subprocess.run(
                 cmd,
                 input=data,
-                stdin=stdin_fd
-                if stdin_fd is not None
-                else None
-                if data is not None
-                else subprocess.DEVNULL,
+                stdin=stdin,
                 capture_output=True,
                 env=env,
                 check=False,
@@ -529,9 +530,8 @@ class Gpg:
         bytes-like object, e.g. a view of a pyarrow Buffer: no copy) that gpg reads from an
         anonymous in-memory file (``memfd``; a pipe where there is none): the plaintext never
         touches the disk, and feeding gpg costs one memory copy instead of a loop of 4 KiB
-        pipe writes. ``dst`` is fsynced but neither
-        renamed nor moved (the caller owns temp names). On failure ``dst`` is removed and
-        CryptoError carries gpg's reason.
+        pipe writes. ``dst`` is fsynced but neither renamed nor moved (the caller owns temp
+        names). On failure ``dst`` is removed and CryptoError carries gpg's reason.
         """
         args = self._seal_args(
             signer=signer, recipients=recipients, encrypt=encrypt, hide_recipients=hide_recipients
