@@ -22,6 +22,7 @@ __all__ = [
     "fsync_dir",
     "shared_lock",
     "tmp_path_for",
+    "write_all",
     "write_new_file",
 ]
 
@@ -89,14 +90,19 @@ def durable_rename(src: Path, dst: Path) -> None:
     fsync_dir(dst.parent)
 
 
+def write_all(fd: int, data: bytes | memoryview) -> None:
+    """Write all of ``data`` to ``fd`` (``os.write`` may write less than it is given)."""
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view) :]
+
+
 def write_new_file(path: Path, data: bytes, *, mode: int = FILE_MODE) -> None:
     """Create ``path`` (it must not exist) with exactly ``mode``, write ``data``, fsync it."""
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, mode)
     try:
         os.fchmod(fd, mode)  # the umask must not decide
-        view = memoryview(data)
-        while view:
-            view = view[os.write(fd, view) :]
+        write_all(fd, data)
         os.fsync(fd)
     finally:
         os.close(fd)

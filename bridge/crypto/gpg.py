@@ -36,7 +36,7 @@ from bridge.crypto.passphrase import Passphrase
 from bridge.crypto.verdict import Opened, Transcript, judge, parse_status
 from bridge.crypto.verdict import check_length as _check_length
 from bridge.errors import CryptoError, KeyMissingError, SignatureError
-from bridge.fsutil import durable_rename, tmp_path_for
+from bridge.fsutil import durable_rename, tmp_path_for, write_all
 
 __all__ = ["Gpg", "Opened", "normalize_fingerprint"]
 
@@ -54,9 +54,7 @@ def _passphrase_pipe(secret: bytes) -> int:
     """A pipe already holding ``secret`` + newline; returns the read end (caller closes it)."""
     rfd, wfd = os.pipe()  # both ends close-on-exec; pass_fds opens the read end to gpg only
     try:
-        view = memoryview(secret + b"\n")  # at most 4 KiB: one write, never blocks
-        while view:
-            view = view[os.write(wfd, view) :]
+        write_all(wfd, secret + b"\n")  # at most 4 KiB: one write, never blocks
     except BaseException:
         os.close(rfd)
         raise
@@ -545,8 +543,7 @@ class Gpg:
             else:
                 fd = os.memfd_create("diode-plaintext", os.MFD_CLOEXEC)
                 try:
-                    while view:
-                        view = view[os.write(fd, view) :]
+                    write_all(fd, view)
                     os.lseek(fd, 0, os.SEEK_SET)
                     res = self._run(out, stdin_fd=fd, secret=True)
                 finally:

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from bridge.config import Config
-from bridge.fsutil import fsync_dir, tmp_path_for
+from bridge.fsutil import fsync_dir, tmp_path_for, write_all
 
 __all__ = [
     "PRIVATE_DIR_MODE",
@@ -44,9 +44,7 @@ def write_file(final: Path, data: bytes, *, mode: int) -> None:
     tmp = tmp_path_for(final)
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, mode & 0o600)
     try:
-        view = memoryview(data)
-        while view:
-            view = view[os.write(fd, view) :]
+        write_all(fd, data)
         os.fchmod(fd, mode)  # the umask cannot widen, but it may narrow: set it exactly
         os.fsync(fd)
     except BaseException:
