@@ -22,9 +22,9 @@ and the pyarrow version (pinned by the deployment; a change is handled by re-sea
 from __future__ import annotations
 
 import datetime as dt
-import threading
 import uuid
 from collections import Counter as Tally
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -93,38 +93,12 @@ class _Packed:
     sha: str
 
 
-class _Encryption:
-    """gpg sealing one packed bundle into its temp file, on a thread of its own (gpg is a
-    process of its own: the thread only feeds it and waits), while the sealer goes on."""
-
-    def __init__(self, sealer: BundleSealer, channel: ChannelConfig, packed: _Packed) -> None:
-        self.packed = packed
-        self._sealed: Path | None = None
-        self._error: BaseException | None = None
-        self._thread = threading.Thread(
-            target=self._run, args=(sealer, channel), name="diode-gpg", daemon=True
-        )
-        self._thread.start()
-
-    def _run(self, sealer: BundleSealer, channel: ChannelConfig) -> None:
-        try:
-            self._sealed = sealer._encrypt(channel, self.packed.manifest, self.packed.plain)
-        except BaseException as e:  # noqa: BLE001 - raised by result() in the sealer's thread
-            self._error = e
-
-    def result(self) -> Path:
-        """The sealed temp file; gpg's error if it failed."""
-        self._thread.join()
-        if self._error is not None:
-            raise self._error
-        assert self._sealed is not None
-        return self._sealed
-
-    def discard(self) -> None:
-        """Wait for gpg and drop what it wrote (an earlier bundle failed)."""
-        self._thread.join()
-        if self._sealed is not None:
-            self._sealed.unlink(missing_ok=True)
+def _discard(sealing: Future[Path]) -> None:
+    """Wait for a gpg run a failure made pointless and remove what it wrote."""
+    try:
+        sealing.result().unlink(missing_ok=True)
+    except BaseException:  # noqa: BLE001 - the error that stopped the sealer is what counts
+        pass
 
 
 def _covered_last(manifest: Manifest, st: ChannelState) -> int:
@@ -227,24 +201,31 @@ class BundleSealer:
                     max_file_bytes=bundle.max_file_bytes,
                 )
             chain = _Chain(st.last_bundle_seq + 1, st.last_sha256)
-            flight: _Encryption | None = None
-            try:
-                for ch in chunks:
-                    rows = table.slice(ch.start, ch.rows)
-                    for packed in self._pack_chunk(channel, chain, rows, ch.gaps, max_plain):
-                        # packed (N+1) while gpg sealed N; N's gpg error, if any, raises here
-                        done, flight = flight, None
-                        sealed = done.result() if done is not None else None
-                        flight = _Encryption(self, channel, packed)
-                        if done is not None and sealed is not None:  # lands while gpg seals N+1
-                            shipped.append(self._land(channel, st, done.packed, sealed))
-                if flight is not None:
-                    done, flight = flight, None
-                    shipped.append(self._land(channel, st, done.packed, done.result()))
-            except BaseException:
-                if flight is not None:
-                    flight.discard()  # its intent was never saved: as if it never started
-                raise
+            # one worker: at most one gpg runs, and bundle N+1 is packed while it seals N
+            flight: tuple[_Packed, Future[Path]] | None = None
+            with ThreadPoolExecutor(1, thread_name_prefix="diode-gpg") as gpg_worker:
+
+                def encrypt(p: _Packed) -> tuple[_Packed, Future[Path]]:
+                    return p, gpg_worker.submit(self._encrypt, channel, p.manifest, p.plain)
+
+                try:
+                    for ch in chunks:
+                        rows = table.slice(ch.start, ch.rows)
+                        for packed in self._pack_chunk(channel, chain, rows, ch.gaps, max_plain):
+                            if flight is None:
+                                flight = encrypt(packed)
+                                continue
+                            (prev, sealing), flight = flight, None
+                            sealed = sealing.result()  # N's gpg error raises before N+1's runs
+                            flight = encrypt(packed)
+                            shipped.append(self._land(channel, st, prev, sealed))  # meanwhile
+                    if flight is not None:
+                        (prev, sealing), flight = flight, None
+                        shipped.append(self._land(channel, st, prev, sealing.result()))
+                except BaseException:
+                    if flight is not None:  # its intent was never saved: as if never started
+                        _discard(flight[1])
+                    raise
             return shipped
 
     @staticmethod
