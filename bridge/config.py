@@ -403,6 +403,11 @@ class UdpSendConfig(_Strict):
     """Each block's symbols are spread over this many datagrams, so a burst of B lost
     datagrams takes about B * block size / this from any block."""
 
+    gso: Literal["auto", "off"] = "auto"
+    """"auto": datagrams of one size leave in one system call (UDP GSO), falling back to one
+    call per datagram, with a warning, where the kernel or the device refuses it; "off": one
+    call per datagram. The wire carries the same datagrams either way."""
+
     copies: int = Field(default=1, ge=1, le=16)
     """Send every file this many times (later copies carry fresh repair symbols)."""
 
@@ -440,6 +445,11 @@ class UdpReceiveConfig(_Strict):
 
     rcvbuf_bytes: int = Field(default=8 * 1024 * 1024, ge=65_536)
     """Socket receive buffer asked for (SO_RCVBUFFORCE as root, else capped by rmem_max)."""
+
+    gro: Literal["auto", "off"] = "auto"
+    """"auto": ask the kernel to hand over datagrams that arrive together as one buffer
+    (UDP GRO, where the NIC or the kernel coalesces them), cut apart here; "off": one system
+    call per datagram. The same datagrams are received either way."""
 
     max_object_bytes: int = Field(default=4 * 1024**3, ge=1024)
     """Objects announcing more than this are refused (counted, never spooled)."""

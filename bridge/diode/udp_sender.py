@@ -13,7 +13,6 @@ the new epoch: nothing is skipped, at most the files in flight are repeated.
 
 from __future__ import annotations
 
-import errno
 import hashlib
 import json
 import os
@@ -26,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from bridge.config import Config
+from bridge.diode.udp_batch import DatagramBatcher
 from bridge.diode.udp_fec import block_count, block_plan, encode_block, repair_count
 from bridge.diode.udp_interleave import Interleaver
 from bridge.diode.udp_key import load_key
@@ -73,6 +73,8 @@ class SendSummary:
     skipped: int = 0
     already_sent: int = 0
     heartbeats: int = 0
+    send_calls: int = 0
+    """System calls that sent datagrams (fewer than datagrams with UDP GSO)."""
     seconds: float = 0.0
 
     def to_json(self) -> dict[str, Any]:
@@ -207,6 +209,16 @@ class _Sender:
         self._pushed = (0, 0, 0)  # datagrams, repairs, bytes already added to the metrics
         self.bucket = TokenBucket(
             self.u.rate_bytes_per_second, self.u.burst_bytes, time.monotonic()
+        )
+        self.finished: list[_Block] = []  # blocks whose last symbol waits in the batch
+        self.batch = DatagramBatcher(
+            self.sock,
+            self.dest,
+            gso=self.u.gso == "auto",
+            # a batch is paced as one: at most 50 ms of the rate, so heartbeats keep time
+            max_bytes=int(self.u.rate_bytes_per_second * 0.05),
+            pace=self._pace,
+            on_sent=self._sent,
         )
 
     # -- outbox --------------------------------------------------------------------------
@@ -401,24 +413,19 @@ class _Sender:
                   object_id=obj.header.object_id, copies=self.u.copies)  # fmt: skip
 
     # -- the wire ------------------------------------------------------------------------
-    def _send(self, data: bytes) -> float:
-        """Send one datagram (after the pace's wait, which is returned)."""
-        wait = self.bucket.take(len(data), time.monotonic())
+    def _pace(self, nbytes: int) -> float:
+        """The token bucket's wait before ``nbytes`` go out (slept here, and returned)."""
+        wait = self.bucket.take(nbytes, time.monotonic())
         if wait > 0:
             time.sleep(wait)
-        while True:
-            try:
-                self.sock.sendto(data, self.dest)
-                break
-            except OSError as e:
-                if e.errno in (errno.ENOBUFS, errno.EAGAIN, errno.ECONNREFUSED):
-                    time.sleep(0.001)  # the kernel's queue is full: wait, never drop
-                    continue
-                raise TransportError(f"sendto {self.u.destination} failed: {e}") from None
-        self.packet += 1
-        self.summary.datagrams += 1
-        self.summary.bytes += len(data)
         return wait
+
+    def _sent(self) -> None:
+        """A send went out: the blocks whose last symbols it carried are done (a file is
+        journaled "sent" only once every datagram of it is in the kernel's hands)."""
+        done, self.finished = self.finished, []
+        for blk in done:
+            self._block_done(blk)
 
     def _heartbeat(self, now: float) -> None:
         self.last_heartbeat = now
@@ -429,14 +436,19 @@ class _Sender:
             {"datagrams": s.datagrams, "bytes": s.bytes, "objects": len(s.files),
              "skipped": s.skipped},
         )  # fmt: skip
-        self._send(self.codec.seal_heartbeat(hb))
+        data = self.codec.seal_heartbeat(hb)
+        self.batch.flush()
+        self.batch.add(data)
+        self.batch.flush()
+        self.packet += 1
+        self.summary.bytes += len(data)  # datagrams counts symbols: heartbeats are apart
         UDP.datagrams_sent.labels("heartbeat").inc()
-        self.summary.datagrams -= 1  # counted apart: source + repair + heartbeat = all
         self.summary.heartbeats += 1
 
     def _status(self, now: float) -> None:
         self.last_status = now
         s = self.summary
+        s.send_calls = self.batch.sends
         d0, r0, b0 = self._pushed  # metrics in bulk: a labelled inc() per datagram costs too much
         UDP.datagrams_sent.labels("repair").inc(self.repairs_sent - r0)
         UDP.datagrams_sent.labels("source").inc(s.datagrams - d0 - (self.repairs_sent - r0))
@@ -481,7 +493,7 @@ class _Sender:
         watcher.start()
         t0 = time.monotonic()
         deadline = None if timeout is None else t0 + timeout
-        hb_every, il = self.u.heartbeat_seconds, self.il
+        hb_every, il, batch, s = self.u.heartbeat_seconds, self.il, self.batch, self.summary
         last_scan = 0.0
         try:
             self._heartbeat(time.monotonic())
@@ -502,16 +514,21 @@ class _Sender:
                         break
                     blk, i = nxt
                     esi, payload = blk.symbols[i]
-                    waited = self._send(blk.obj.sealer.seal(self.packet, blk.index, esi, payload))
+                    sealer = blk.obj.sealer
+                    waited = batch.add_symbol(sealer, self.packet, blk.index, esi, payload)
+                    self.packet += 1
+                    s.datagrams += 1
+                    s.bytes += sealer.size
                     if esi >= blk.k:
                         self.repairs_sent += 1
                     blk.left -= 1
                     if not blk.left:
-                        self._block_done(blk)
+                        self.finished.append(blk)
                     if waited and time.monotonic() - now >= 0.05:
                         break  # a slow pace: look at the clock (heartbeats) often enough
                 if il.pending() or self.feeding is not None or self.queue:
                     continue
+                batch.flush()  # nothing more to send now: what is collected goes out
                 if now - last_scan >= self.u.scan_seconds or watcher.wait(0):
                     last_scan = now
                     if self.scan():
@@ -519,7 +536,7 @@ class _Sender:
                     if until_idle:
                         break
                 watcher.wait(min(self.u.scan_seconds, 0.1))
-            self._heartbeat(time.monotonic())
+            self._heartbeat(time.monotonic())  # flushes what is collected first
         finally:
             watcher.stop()
             self.summary.seconds = round(time.monotonic() - t0, 3)

@@ -304,33 +304,57 @@ class DatagramCodec:
 class SymbolSealer:
     """Packs and tags the symbols of one object in one epoch; the hot path of the sender."""
 
-    __slots__ = ("_aead", "_head", "_mid", "_tail", "_t")
+    __slots__ = ("_aead", "_template", "_t", "size")
 
     def __init__(self, aead: AESGCM, epoch: int, obj: ObjectHeader) -> None:
         self._aead = aead
-        self._head = _COMMON.pack(MAGIC, VERSION, DatagramType.SYMBOL, epoch, 0)[:12]
-        self._mid = struct.pack(
-            ">QBBHQQ32sH",
-            obj.object_id,
-            obj.kind,
-            len(obj.channel),
-            obj.symbol_size,
-            obj.seq,
-            obj.length,
-            obj.digest,
-            obj.block_symbols,
+        self._template = b"".join(
+            (
+                _COMMON.pack(MAGIC, VERSION, DatagramType.SYMBOL, epoch, 0),
+                _OBJECT.pack(
+                    obj.object_id,
+                    obj.kind,
+                    len(obj.channel),
+                    obj.symbol_size,
+                    obj.seq,
+                    obj.length,
+                    obj.digest,
+                    obj.block_symbols,
+                    0,
+                    0,
+                ),
+                obj.channel.encode("ascii"),
+            )
         )
-        self._tail = obj.channel.encode("ascii")
         self._t = obj.symbol_size
+        self.size = len(self._template) + obj.symbol_size + TAG_LEN
+        """Bytes of every datagram of this object."""
 
     def seal(self, packet: int, block: int, esi: int, payload: bytes) -> bytes:
+        buf = bytearray(self.size)
+        self.seal_into(memoryview(buf), 0, packet, block, esi, payload)
+        return bytes(buf)
+
+    def seal_into(
+        self,
+        buf: memoryview,
+        off: int,
+        packet: int,
+        block: int,
+        esi: int,
+        payload: bytes | memoryview,
+    ) -> int:
+        """Write the datagram at ``buf[off:]`` (``self.size`` bytes); returns its end."""
         if len(payload) != self._t:
             raise ValueError(f"symbol payload is {len(payload)} bytes, the object's T is {self._t}")
-        head = b"".join(
-            (self._head, _U64.pack(packet), self._mid, _U32X2.pack(block, esi), self._tail)
-        )
-        aad = head + payload
-        return aad + self._aead.encrypt(aad[4:20], b"", aad)
+        h = len(self._template)
+        end = off + h + self._t
+        buf[off : off + h] = self._template
+        _U64.pack_into(buf, off + 12, packet)
+        _U32X2.pack_into(buf, off + 82, block, esi)
+        buf[off + h : end] = payload
+        buf[end : end + TAG_LEN] = self._aead.encrypt(buf[off + 4 : off + 20], b"", buf[off:end])
+        return end + TAG_LEN
 
 
 _U64 = struct.Struct(">Q")

@@ -24,6 +24,7 @@ import pytest
 from bridge.config import Config, config_from_dict
 from bridge.demo.udp_link import free_udp_port, stop_process
 from bridge.diode.link_status import read_gap_records, read_json
+from bridge.diode.udp_batch import DatagramBatcher
 from bridge.diode.udp_fec import block_count, block_plan, encode_block, repair_count
 from bridge.diode.udp_key import generate_key_file, load_key
 from bridge.diode.udp_receiver import ReceiveSummary, run_receiver
@@ -483,3 +484,29 @@ def test_a_full_spool_disk_makes_a_gap_and_the_receiver_goes_on(
     assert s.objects_completed == 1 and s.objects_expired == 1
     assert s.dropped.get("spool_error", 0) >= 5 + 1
     assert not (inbox / "u1.000000000001.big.dbundle").exists()
+
+
+@pytest.mark.parametrize("gro", ["auto", "off"])
+def test_coalesced_buffers_from_a_gso_sender_land_the_same_files(tmp_path: Path, gro: str) -> None:
+    """Datagrams leave in GSO batches; with UDP GRO the receiver takes them as coalesced
+    buffers (fewer receive calls than datagrams) and cuts them apart; with it off, one call
+    per datagram. Either way every file lands byte-identical."""
+    bodies = {f"u1.{i:012d}.gro.dbundle": os.urandom(40_000 + i) for i in range(1, 4)}
+    with receiving(tmp_path, gro=gro) as rx:
+        b = DatagramBatcher(
+            rx.sock, rx.addr, gso=True, max_bytes=65_507, pace=lambda n: 0.0, on_sent=lambda: None
+        )
+        for oid, (name, body) in enumerate(bodies.items(), start=1):
+            for d in datagrams(rx.codec, 13, oid, name, body):
+                b.add(d)
+            b.flush()
+            time.sleep(0.01)
+        rx.wait(lambda: all((rx.inbox / n).exists() for n in bodies), "the three files")
+        s = rx.finish()
+    assert b.gso_sends > 0, "the sender never batched"
+    assert {n: (rx.inbox / n).read_bytes() for n in bodies} == bodies
+    assert s.objects_completed == 3 and not s.dropped.get("tag")
+    if gro == "auto":
+        assert s.receive_calls < s.datagrams, "no buffer held more than one datagram"
+    else:
+        assert s.receive_calls == s.datagrams

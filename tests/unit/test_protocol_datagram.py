@@ -60,6 +60,20 @@ def test_symbol_round_trip(case: tuple[int, int, ObjectHeader, int, int, bytes])
     assert DatagramCodec(PSK).open(bytearray(data)) == got  # a fresh codec, no cached header
 
 
+@given(symbols(), st.integers(0, 3000), st.binary(min_size=1, max_size=1))
+def test_seal_into_writes_the_same_datagram_at_any_offset_and_nothing_else(
+    case: tuple[int, int, ObjectHeader, int, int, bytes], off: int, fill: bytes
+) -> None:
+    epoch, packet, obj, block, esi, payload = case
+    sealer = CODEC.symbol_sealer(epoch, obj)
+    whole = sealer.seal(packet, block, esi, payload)
+    buf = bytearray(fill * (off + sealer.size + 100))
+    end = sealer.seal_into(memoryview(buf), off, packet, block, esi, payload)
+    assert end == off + sealer.size == off + len(whole)
+    assert bytes(buf[off:end]) == whole
+    assert buf[:off] == fill * off and buf[end:] == fill * 100
+
+
 @given(symbols(), st.data())
 @settings(max_examples=200)
 def test_any_flipped_bit_is_refused(

@@ -1,0 +1,163 @@
+"""Diode, UDP (black): datagrams of one size leave in one sendmsg with UDP GSO, or one by one.
+
+UDP generic segmentation offload (Linux >= 4.18, ``UDP_SEGMENT``) hands the kernel up to 64
+datagrams of the same size as one buffer; it cuts them apart (in the NIC, or in software just
+before the device), so the wire carries exactly the datagrams a ``sendto`` per datagram would,
+for a fraction of the system calls. Where the kernel or the device refuses it, the batcher says
+so once and sends datagram by datagram from then on.
+"""
+
+from __future__ import annotations
+
+import errno
+import socket
+import struct
+import time
+from collections.abc import Callable
+
+from bridge.errors import TransportError
+from bridge.logs import get_logger, log_event
+from bridge.protocol.datagram import MAX_DATAGRAM, SymbolSealer
+
+__all__ = ["UDP_SEGMENT", "MAX_SEGMENTS", "DatagramBatcher"]
+
+log = get_logger("bridge.diode.udp_batch")
+
+UDP_SEGMENT = getattr(socket, "UDP_SEGMENT", 103)
+"""Linux's socket option (Python 3.11's socket module lacks the constant)."""
+MAX_SEGMENTS = 64
+"""Datagrams per GSO send: the kernel's UDP_MAX_SEGMENTS on every release that has GSO."""
+_RETRY = (errno.ENOBUFS, errno.EAGAIN, errno.ECONNREFUSED)
+"""The kernel's queue is full (or an ICMP error of an earlier datagram): wait, never drop."""
+_NO_GSO = (errno.EINVAL, errno.EIO, errno.EOPNOTSUPP, errno.ENOPROTOOPT, errno.EMSGSIZE)
+"""What a kernel or device without (usable) UDP GSO answers a segmented send."""
+
+
+class DatagramBatcher:
+    """Collects sealed datagrams into one buffer and sends them when the size changes, the
+    buffer is full, or the caller flushes.
+
+    ``pace(nbytes)`` is called before each send (the token bucket: it sleeps and returns the
+    seconds waited); ``on_sent()`` after each, so the caller can finish what the send carried.
+    """
+
+    __slots__ = (
+        "sock",
+        "dest",
+        "gso",
+        "max_bytes",
+        "pace",
+        "on_sent",
+        "_buf",
+        "_view",
+        "_off",
+        "_seg",
+        "_count",
+        "sends",
+        "gso_sends",
+    )
+
+    def __init__(
+        self,
+        sock: socket.socket,
+        dest: tuple[str, int],
+        *,
+        gso: bool,
+        max_bytes: int,
+        pace: Callable[[int], float],
+        on_sent: Callable[[], None],
+    ) -> None:
+        self.sock, self.dest, self.gso = sock, dest, gso
+        self.max_bytes = max(1, min(max_bytes, MAX_DATAGRAM))
+        self.pace, self.on_sent = pace, on_sent
+        self._buf = bytearray(MAX_DATAGRAM)
+        self._view = memoryview(self._buf)
+        self._off = 0
+        self._seg = 0
+        self._count = 0
+        self.sends = 0
+        """System calls that sent datagrams."""
+        self.gso_sends = 0
+        """Of those, segmented sends (more than one datagram each)."""
+
+    def _room(self, size: int) -> float:
+        """Flush first unless a datagram of ``size`` bytes joins the current batch."""
+        if self._count and (
+            size != self._seg
+            or self._count >= MAX_SEGMENTS
+            or self._off + size > self.max_bytes
+            or not self.gso
+        ):
+            return self.flush()
+        return 0.0
+
+    def add_symbol(
+        self, sealer: SymbolSealer, packet: int, block: int, esi: int, payload: bytes
+    ) -> float:
+        """Seal one symbol datagram into the batch; returns seconds paced (a flush ran)."""
+        waited = self._room(sealer.size)
+        self._off = sealer.seal_into(self._view, self._off, packet, block, esi, payload)
+        self._seg = sealer.size
+        self._count += 1
+        return waited
+
+    def add(self, datagram: bytes) -> float:
+        """Add a datagram sealed elsewhere (a link heartbeat)."""
+        n = len(datagram)
+        waited = self._room(n)
+        self._view[self._off : self._off + n] = datagram
+        self._off += n
+        self._seg = n
+        self._count += 1
+        return waited
+
+    def flush(self) -> float:
+        """Send what is collected (after the pace's wait, which is returned)."""
+        if not self._count:
+            return 0.0
+        n, seg, count = self._off, self._seg, self._count
+        waited = self.pace(n)
+        data = self._view[:n]
+        if count > 1 and self.gso and not self._send_gso(data, seg):
+            self.gso = False
+        if count == 1 or not self.gso:
+            for off in range(0, n, seg):
+                self._send_one(data[off : off + seg])
+        self._off = self._count = 0
+        self.on_sent()
+        return waited
+
+    def _send_gso(self, data: memoryview, seg: int) -> bool:
+        """One segmented send; False when GSO is refused (nothing of it was sent)."""
+        cmsg = [(socket.SOL_UDP, UDP_SEGMENT, struct.pack("=H", seg))]
+        while True:
+            try:
+                self.sock.sendmsg([data], cmsg, 0, self.dest)
+                self.sends += 1
+                self.gso_sends += 1
+                return True
+            except OSError as e:
+                if e.errno in _RETRY:
+                    time.sleep(0.001)
+                    continue
+                if e.errno in _NO_GSO:
+                    log_event(log, 30, "UDP GSO refused by the kernel or device: sending "
+                              "datagram by datagram from now on", destination=self._where(),
+                              error=str(e), fix='udp.send.gso = "off" skips the probe')  # fmt: skip
+                    return False
+                raise TransportError(f"sendmsg to {self._where()} failed: {e}") from None
+
+    def _send_one(self, data: memoryview) -> None:
+        while True:
+            try:
+                self.sock.sendto(data, self.dest)
+                self.sends += 1
+                return
+            except OSError as e:
+                if e.errno in _RETRY:
+                    time.sleep(0.001)
+                    continue
+                raise TransportError(f"sendto {self._where()} failed: {e}") from None
+
+    def _where(self) -> str:
+        return f"{self.dest[0]}:{self.dest[1]}"
