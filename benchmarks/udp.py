@@ -108,6 +108,10 @@ class Netns:
                 ["ip", "-n", ns, "addr", "add", f"{addr}/24", "dev", dev],
                 ["ip", "-n", ns, "link", "set", dev, "mtu", str(mtu), "up"],
             ]
+        # The sender's UDP GSO batches must reach nftables as the datagrams they carry: with
+        # one segment at most, the kernel cuts a batch apart before the veth (as a NIC would on
+        # the wire), so the loss rule drops datagrams, not whole batches.
+        cmds.append(["ip", "-n", self.s, "link", "set", f"v{tag}s", "gso_max_segs", "1"])
         try:
             for c in cmds:
                 subprocess.run(c, check=True, capture_output=True)
@@ -393,8 +397,12 @@ def run_transport(
         datagrams_received=recv.get("datagrams"),
         dropped=recv.get("dropped"),
         repair_symbols_used=recv.get("repair_symbols_used"),
+        send_calls=sent.get("send_calls"),
+        receive_calls=recv.get("receive_calls"),
         relay=last_json(root / "relay.log") if ns is None else {"nft_dropped": ns.dropped()},
     )
+    if ns is not None and sent.get("datagrams"):  # the loss nftables applied, per datagram
+        res["loss_measured_pct"] = round(100 * ns.dropped() / sent["datagrams"], 2)
     shutil.rmtree(root / "black", ignore_errors=True)
     shutil.rmtree(root / "red", ignore_errors=True)
     return res

@@ -47,6 +47,7 @@ _STATUS_EVERY = 1.0
 _FLUSH_EVERY = 0.2
 _BUF = 1 << 18
 """Receive buffer: more than a coalesced (GRO) buffer can hold (64 KiB)."""
+_TRUNC = int(socket.MSG_TRUNC)  # a plain int: the IntFlag's & costs ~0.8 µs a datagram
 UDP_GRO = getattr(socket, "UDP_GRO", 104)
 """Linux's socket option (Python 3.11's socket module lacks the constant)."""
 
@@ -300,7 +301,7 @@ class _Receiver:
                         if gro:
                             n, anc, flags, _ = recvmsg_into((buf,), anc_size)
                             seg = _segment_size(anc) or n
-                            if flags & socket.MSG_TRUNC:  # larger than any UDP datagram
+                            if n == _BUF and flags & _TRUNC:  # larger than any UDP datagram
                                 dropped["malformed"] = dropped.get("malformed", 0) + 1
                                 continue
                         else:
