@@ -496,7 +496,7 @@ class Landing:
             "signer_fpr": v.signer_fpr,
             "encrypted": v.encrypted,
             "plaintext_sha256": v.plaintext_sha256,
-            "chain_status": chain if status == "landed" else "n/a",
+            "chain_status": chain if status == "landed" else rs.CHAIN_NOT_LANDED,
             "received_at": received,
             "landed_at": datetime.now(UTC) if status == "landed" else None,
             "land_seq": n,

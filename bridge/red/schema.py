@@ -24,6 +24,7 @@ __all__ = [
     "AUDIT_PARTITIONS",
     "BUNDLE_STATUSES",
     "BUNDLES_PARTITIONS",
+    "CHAIN_NOT_LANDED",
     "CHAIN_STATUSES",
     "MESSAGES_PARTITIONS",
     "MESSAGES_ROW_SCHEMA_VERSION",
@@ -56,8 +57,9 @@ BUNDLE_STATUSES = ("landed", "duplicate", "conflict", "quarantined")
 CHAIN_STATUSES = ("first", "verified", "pending", "broken")
 """``bundles.chain_status`` of a landed bundle: ``first`` (bundle 1, no predecessor),
 ``verified`` (prev_sha256 matches the landed predecessor), ``pending`` (predecessor not landed
-yet), ``broken`` (mismatch). Rows that did not land carry another marker (the landing uses
-``n/a``)."""
+yet), ``broken`` (mismatch). Rows that did not land carry ``CHAIN_NOT_LANDED``."""
+CHAIN_NOT_LANDED = "n/a"
+"""``bundles.chain_status`` of a row whose status is not ``landed`` (no chain to check)."""
 
 AUDIT_EVENTS = (
     "received",  # a wire file was taken from the inbox (any kind, before any check)

@@ -257,3 +257,11 @@ def test_bundles_rows_property(parts: list[dict[str, Any]]) -> None:
         assert set(row) == set(rs.bundles_schema().names)
         for k, v in row.items():
             assert v == given_row.get(k)
+
+
+def test_chain_statuses_are_those_the_table_docs_list() -> None:
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "red-tables.md").read_text()
+    section = doc.split("### 2.2 Chain statuses", 1)[1].split("\n### ", 1)[0]
+    listed = re.findall(r"^\| `([^`]+)` \|", section, flags=re.M)[1:]  # after the header
+    assert listed == [*rs.CHAIN_STATUSES, rs.CHAIN_NOT_LANDED]
+    assert rs.CHAIN_NOT_LANDED not in rs.CHAIN_STATUSES  # never set on a landed row
