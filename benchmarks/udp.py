@@ -408,6 +408,46 @@ def run_transport(
     return res
 
 
+def sender_alone(
+    work: Path, mtu: int, rate: int, total_mb: int, file_mb: float, ns: Netns | None
+) -> dict[str, Any]:
+    """Our sender into the raw counting receiver: what the sender alone carries (on a real
+    diode the receiver has a host of its own; here the sink still takes a share of the CPU)."""
+    root = work / f"alone-{mtu}"
+    shutil.rmtree(root, ignore_errors=True)
+    root.mkdir(parents=True)
+    shutil.copy(work / "udp.key", root / "udp.key")
+    os.chmod(root / "udp.key", 0o600)
+    port = free_port()
+    host = "127.0.0.1" if ns is None else ns.r_addr
+    pre_s, pre_r = ([], []) if ns is None else (ns.prefix(ns.s), ns.prefix(ns.r))
+    if ns is not None:
+        ns.set_loss(0)
+    cfg = write_config(root, f"{host}:{port}", f"{host}:{port}", mtu, rate, 0.10)
+    make_files(root / "black/outbox", total_mb, file_mb)
+    recv = subprocess.Popen(
+        [*pre_r, sys.executable, "-c", _RAW_RECEIVER, host, str(port)],
+        stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    assert recv.stdout is not None
+    recv.stdout.readline()
+    send = subprocess.run(
+        [*pre_s, *CLI, "udp", "send", "--until-idle", "--timeout", "900", "--config", str(cfg)],
+        capture_output=True, text=True, cwd=REPO, check=False,
+    )  # fmt: skip
+    sent = json.loads(send.stdout.strip().splitlines()[-1]) if send.stdout else {}
+    got = json.loads(recv.communicate(timeout=60)[0].strip().splitlines()[-1])
+    shutil.rmtree(root, ignore_errors=True)
+    return {
+        "mtu": mtu,
+        "file_mb_per_s": sent.get("mb_per_s"),
+        "datagrams": sent.get("datagrams"),
+        "send_calls": sent.get("send_calls"),
+        "seconds": sent.get("seconds"),
+        "sink_received_fraction": round(got["datagrams"] / max(1, sent.get("datagrams") or 1), 4),
+    }
+
+
 def print_table(res: dict[str, Any]) -> None:
     print()
     print(f"{'path':6} {'mtu':>5} {'baseline raw sendto':>22}")
@@ -416,6 +456,12 @@ def print_table(res: dict[str, Any]) -> None:
             f"{b['path']:6} {b['mtu']:>5} {b.get('received_mb_per_s', '-'):>10} MB/s received "
             f"({b.get('received_per_s', '-')} dgram/s of {b.get('datagram_bytes', '-')} B, "
             f"{b.get('receive_fraction', '-')} of sent)"
+        )
+    for al in res["sender_alone"]:
+        print(
+            f"{al['path']:6} {al['mtu']:>5} sender alone into a raw sink: "
+            f"{al.get('file_mb_per_s')} MB/s of files, {al.get('datagrams')} datagrams in "
+            f"{al.get('send_calls')} system calls, {al.get('sink_received_fraction')} received"
         )
     print()
     head = (
@@ -451,7 +497,8 @@ def main() -> None:
     a.out.mkdir(parents=True, exist_ok=True)
     stamp = dt.datetime.now(dt.UTC).strftime("%Y%m%dT%H%M%SZ")
     res: dict[str, Any] = {"started": stamp, "args": {k: str(v) for k, v in vars(a).items()},
-                           "baselines": [], "runs": [], "skipped": []}  # fmt: skip
+                           "baselines": [], "sender_alone": [], "runs": [],
+                           "skipped": []}  # fmt: skip
     scenarios = [s for s in SCENARIOS if not a.only or any(o in s.name for o in a.only)]
     work = Path(tempfile.mkdtemp(prefix="dbr-udp-bench-"))
     generate_key_file(work / "udp.key")
@@ -475,6 +522,9 @@ def main() -> None:
                     base = raw_baseline(pre_s, pre_r, host, free_port(), size, 3.0)
                     res["baselines"].append({"path": path, "mtu": mtu, **base})
                     print(f"baseline {path} mtu {mtu}: {base}", flush=True)
+                    alone = sender_alone(work, mtu, rate, a.mb, a.file_mb, ns)
+                    res["sender_alone"].append({"path": path, **alone})
+                    print(f"sender alone {path} mtu {mtu}: {alone}", flush=True)
                     for sc in scenarios:
                         if ns is not None and sc.nft_loss_per_100k is None:
                             continue

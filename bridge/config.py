@@ -397,7 +397,8 @@ class UdpSendConfig(_Strict):
     """At least this many repair symbols per block (small files are one small block)."""
 
     block_symbols: int = Field(default=128, ge=1, le=4096)
-    """Source symbols per FEC block: larger blocks resist loss better and cost more memory."""
+    """Source symbols per FEC block: larger blocks resist loss better and cost more memory.
+    block_symbols x udp.mtu must stay within 8 MiB (RaptorQ keeps such a block whole)."""
 
     interleave_datagrams: int = Field(default=4096, ge=1, le=1_000_000)
     """Each block's symbols are spread over this many datagrams, so a burst of B lost
@@ -478,6 +479,20 @@ class UdpConfig(_Strict):
 
     receive: UdpReceiveConfig = Field(default_factory=UdpReceiveConfig)
     """Red: the receiver."""
+
+    @model_validator(mode="after")
+    def _check_block(self) -> UdpConfig:
+        from bridge.diode.udp_fec import MAX_BLOCK_BYTES
+
+        most = MAX_BLOCK_BYTES // self.mtu
+        if self.send.block_symbols > most:
+            raise ValueError(
+                f"udp.send.block_symbols = {self.send.block_symbols} at udp.mtu = {self.mtu} "
+                f"makes FEC blocks of up to {self.send.block_symbols * self.mtu} bytes; RaptorQ "
+                f"keeps a block whole only up to {MAX_BLOCK_BYTES} bytes: set block_symbols "
+                f"<= {most}"
+            )
+        return self
 
 
 class Config(_Strict):

@@ -19,6 +19,7 @@ import raptorq
 from bridge.errors import ProtocolError
 
 __all__ = [
+    "MAX_BLOCK_BYTES",
     "MAX_BLOCK_SYMBOLS",
     "BlockPlan",
     "FecError",
@@ -31,6 +32,10 @@ __all__ = [
 
 MAX_BLOCK_SYMBOLS = 4096
 """RaptorQ keeps one source block up to here (measured); larger K is refused."""
+MAX_BLOCK_BYTES = 8 << 20
+"""Largest block (K x T) encoded here. Above ~10 MiB (measured: K = 1170 at T = 8960) the
+raptorq encoder's defaults split a block into sub-blocks, and its source symbols stop being the
+block's consecutive slices, which both sides rely on (the receiver's all-source fast path)."""
 MAX_ESI = (1 << 24) - 1
 
 
@@ -79,8 +84,11 @@ def encode_block(
     if symbol_size % 8:
         raise ValueError(f"symbol size {symbol_size} is not a multiple of 8 (RaptorQ alignment)")
     k = math.ceil(len(data) / symbol_size)
-    if k > MAX_BLOCK_SYMBOLS:
-        raise ValueError(f"block of {k} symbols; at most {MAX_BLOCK_SYMBOLS}")
+    if k > MAX_BLOCK_SYMBOLS or k * symbol_size > MAX_BLOCK_BYTES:
+        raise ValueError(
+            f"block of {k} symbols of {symbol_size} bytes; at most {MAX_BLOCK_SYMBOLS} symbols "
+            f"and {MAX_BLOCK_BYTES} bytes"
+        )
     padded = bytes(data) + bytes(k * symbol_size - len(data))  # whole symbols, zero-padded
     packets = raptorq.Encoder.with_defaults(padded, symbol_size).get_encoded_packets(
         first_repair + n_repair

@@ -141,3 +141,13 @@ def test_udp_refuses_every_interface_and_bad_addresses(tmp_path: Path) -> None:
         load_config(_write(tmp_path, base + 'bind = "localhost"\n'), environ={})
     cfg = load_config(_write(tmp_path, base + 'bind = "[::1]:9"\n'), environ={})
     assert cfg.udp is not None and cfg.udp.receive.bind == "[::1]:9"
+
+
+def test_udp_blocks_larger_than_raptorq_keeps_whole_are_refused(tmp_path: Path) -> None:
+    base = '[[channels]]\nname = "a"\nencrypt = false\ntransport = "udp"\n[udp]\nmtu = 9000\n'
+    with pytest.raises(ConfigError, match=r"block_symbols\s*<= 932"):
+        load_config(_write(tmp_path, base + "[udp.send]\nblock_symbols = 2048\n"), environ={})
+    cfg = load_config(_write(tmp_path, base + "[udp.send]\nblock_symbols = 932\n"), environ={})
+    assert cfg.udp is not None and cfg.udp.send.block_symbols == 932
+    with pytest.raises(ConfigError, match="gso"):
+        load_config(_write(tmp_path, base + '[udp.send]\ngso = "on"\n'), environ={})

@@ -10,6 +10,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from bridge.diode.udp_fec import (
+    MAX_BLOCK_BYTES,
+    MAX_BLOCK_SYMBOLS,
     BlockDecoder,
     FecError,
     block_count,
@@ -70,6 +72,19 @@ def test_repair_only_and_fresh_repair_symbols() -> None:
         if dec.add(esi, sym):
             break
     assert dec.data() == data and dec.repairs_used == 10
+
+
+@pytest.mark.parametrize("t", [1360, 8960])
+def test_source_symbols_are_the_blocks_slices_up_to_the_largest_block(t: int) -> None:
+    """Both sides rely on it (the receiver's all-source fast path); RaptorQ's defaults keep it
+    up to ~10 MiB, so blocks are capped at MAX_BLOCK_BYTES and larger ones refused."""
+    k = min(MAX_BLOCK_SYMBOLS, MAX_BLOCK_BYTES // t)
+    data = os.urandom(k * t)
+    syms = encode_block(data, t, n_repair=1)
+    assert [e for e, _ in syms[:k]] == list(range(k))
+    assert b"".join(s for _, s in syms[:k]) == data
+    with pytest.raises(ValueError, match="at most"):
+        encode_block(os.urandom((k + 1) * t), t, n_repair=1)
 
 
 def test_bad_symbols_are_refused() -> None:
