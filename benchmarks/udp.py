@@ -200,15 +200,21 @@ print(json.dumps({"datagrams": n, "seconds": dt}), flush=True)
 """
 
 
-def raw_baseline(
-    prefix_s: list[str], prefix_r: list[str], host: str, port: int, size: int, seconds: float
-) -> dict[str, Any]:
+def raw_sink(prefix_r: list[str], host: str, port: int) -> subprocess.Popen[str]:
+    """The raw counting receiver, started and ready (prints its counts as JSON when idle)."""
     recv = subprocess.Popen(
         [*prefix_r, sys.executable, "-c", _RAW_RECEIVER, host, str(port)],
         stdout=subprocess.PIPE, text=True,
     )  # fmt: skip
     assert recv.stdout is not None
     recv.stdout.readline()
+    return recv
+
+
+def raw_baseline(
+    prefix_s: list[str], prefix_r: list[str], host: str, port: int, size: int, seconds: float
+) -> dict[str, Any]:
+    recv = raw_sink(prefix_r, host, port)
     out = subprocess.run(
         [*prefix_s, sys.executable, "-c", _RAW_SENDER, host, str(port), str(size), str(seconds)],
         capture_output=True, text=True, check=True,
@@ -425,12 +431,7 @@ def sender_alone(
         ns.set_loss(0)
     cfg = write_config(root, f"{host}:{port}", f"{host}:{port}", mtu, rate, 0.10)
     make_files(root / "black/outbox", total_mb, file_mb)
-    recv = subprocess.Popen(
-        [*pre_r, sys.executable, "-c", _RAW_RECEIVER, host, str(port)],
-        stdout=subprocess.PIPE, text=True,
-    )  # fmt: skip
-    assert recv.stdout is not None
-    recv.stdout.readline()
+    recv = raw_sink(pre_r, host, port)
     send = subprocess.run(
         [*pre_s, *CLI, "udp", "send", "--until-idle", "--timeout", "900", "--config", str(cfg)],
         capture_output=True, text=True, cwd=REPO, check=False,
