@@ -14,6 +14,7 @@ import socket
 import struct
 import time
 from collections.abc import Callable
+from typing import Any
 
 from bridge.errors import TransportError
 from bridge.logs import get_logger, log_event
@@ -130,34 +131,36 @@ class DatagramBatcher:
     def _send_gso(self, data: memoryview, seg: int) -> bool:
         """One segmented send; False when GSO is refused (nothing of it was sent)."""
         cmsg = [(socket.SOL_UDP, UDP_SEGMENT, struct.pack("=H", seg))]
-        while True:
-            try:
-                self.sock.sendmsg([data], cmsg, 0, self.dest)
-                self.sends += 1
-                self.gso_sends += 1
-                return True
-            except OSError as e:
-                if e.errno in _RETRY:
-                    time.sleep(0.001)
-                    continue
-                if e.errno in _NO_GSO:
-                    log_event(log, 30, "UDP GSO refused by the kernel or device: sending "
-                              "datagram by datagram from now on", destination=self._where(),
-                              error=str(e), fix='udp.send.gso = "off" skips the probe')  # fmt: skip
-                    return False
-                raise TransportError(f"sendmsg to {self._where()} failed: {e}") from None
+        try:
+            self._retrying(self.sock.sendmsg, [data], cmsg, 0, self.dest)
+        except OSError as e:
+            if e.errno in _NO_GSO:
+                log_event(log, 30, "UDP GSO refused by the kernel or device: sending "
+                          "datagram by datagram from now on", destination=self._where(),
+                          error=str(e), fix='udp.send.gso = "off" skips the probe')  # fmt: skip
+                return False
+            raise TransportError(f"sendmsg to {self._where()} failed: {e}") from None
+        self.gso_sends += 1
+        return True
 
     def _send_one(self, data: memoryview) -> None:
+        try:
+            self._retrying(self.sock.sendto, data, self.dest)
+        except OSError as e:
+            raise TransportError(f"sendto {self._where()} failed: {e}") from None
+
+    def _retrying(self, send: Callable[..., int], *args: Any) -> None:
+        """One send system call, repeated while the kernel's queue is full; other errors
+        propagate."""
         while True:
             try:
-                self.sock.sendto(data, self.dest)
+                send(*args)
                 self.sends += 1
                 return
             except OSError as e:
-                if e.errno in _RETRY:
-                    time.sleep(0.001)
-                    continue
-                raise TransportError(f"sendto {self._where()} failed: {e}") from None
+                if e.errno not in _RETRY:
+                    raise
+                time.sleep(0.001)
 
     def _where(self) -> str:
         return f"{self.dest[0]}:{self.dest[1]}"

@@ -437,8 +437,7 @@ class _Sender:
              "skipped": s.skipped},
         )  # fmt: skip
         data = self.codec.seal_heartbeat(hb)
-        self.batch.flush()
-        self.batch.add(data)
+        self.batch.add(data)  # joins or follows what is collected, and all of it goes now
         self.batch.flush()
         self.packet += 1
         self.summary.bytes += len(data)  # datagrams counts symbols: heartbeats are apart
