@@ -233,6 +233,25 @@ def raw_baseline(
 
 
 # ------------------------------------------------------------------------------ our transport
+def fresh_root(work: Path, name: str) -> Path:
+    """An empty run folder under ``work`` holding a copy of the link key (mode 0600)."""
+    root = work / name
+    shutil.rmtree(root, ignore_errors=True)
+    root.mkdir(parents=True)
+    shutil.copy(work / "udp.key", root / "udp.key")
+    os.chmod(root / "udp.key", 0o600)
+    return root
+
+
+def endpoints(ns: Netns | None) -> tuple[str, list[str], list[str]]:
+    """The receiver's address and the sender's and receiver's command prefixes of a lossless
+    run: loopback, or the two namespaces with the loss rule cleared."""
+    if ns is None:
+        return "127.0.0.1", [], []
+    ns.set_loss(0)
+    return ns.r_addr, ns.prefix(ns.s), ns.prefix(ns.r)
+
+
 def write_config(root: Path, dest: str, bind: str, mtu: int, rate: int, overhead: float) -> Path:
     text = f"""
 [[channels]]
@@ -305,11 +324,7 @@ def run_transport(
     path: str,
     ns: Netns | None,
 ) -> dict[str, Any]:
-    root = work / f"{path}-{mtu}-{sc.name.replace(' ', '_').replace('%', '')}"
-    shutil.rmtree(root, ignore_errors=True)
-    root.mkdir(parents=True)
-    shutil.copy(work / "udp.key", root / "udp.key")
-    os.chmod(root / "udp.key", 0o600)
+    root = fresh_root(work, f"{path}-{mtu}-{sc.name.replace(' ', '_').replace('%', '')}")
     port, relay_port = free_port(), free_port()
     if ns is None:
         bind, dest = f"127.0.0.1:{port}", f"127.0.0.1:{relay_port}"
@@ -419,16 +434,9 @@ def sender_alone(
 ) -> dict[str, Any]:
     """Our sender into the raw counting receiver: what the sender alone carries (on a real
     diode the receiver has a host of its own; here the sink still takes a share of the CPU)."""
-    root = work / f"alone-{mtu}"
-    shutil.rmtree(root, ignore_errors=True)
-    root.mkdir(parents=True)
-    shutil.copy(work / "udp.key", root / "udp.key")
-    os.chmod(root / "udp.key", 0o600)
+    root = fresh_root(work, f"alone-{mtu}")
     port = free_port()
-    host = "127.0.0.1" if ns is None else ns.r_addr
-    pre_s, pre_r = ([], []) if ns is None else (ns.prefix(ns.s), ns.prefix(ns.r))
-    if ns is not None:
-        ns.set_loss(0)
+    host, pre_s, pre_r = endpoints(ns)
     cfg = write_config(root, f"{host}:{port}", f"{host}:{port}", mtu, rate, 0.10)
     make_files(root / "black/outbox", total_mb, file_mb)
     recv = raw_sink(pre_r, host, port)
@@ -515,11 +523,7 @@ def main() -> None:
                 try:
                     size = symbol_size_for(mtu, CHANNEL) + SYMBOL_HEADER_LEN + len(CHANNEL)
                     size += TAG_LEN
-                    if ns is None:
-                        host, pre_s, pre_r = "127.0.0.1", [], []
-                    else:
-                        ns.set_loss(0)
-                        host, pre_s, pre_r = ns.r_addr, ns.prefix(ns.s), ns.prefix(ns.r)
+                    host, pre_s, pre_r = endpoints(ns)
                     base = raw_baseline(pre_s, pre_r, host, free_port(), size, 3.0)
                     res["baselines"].append({"path": path, "mtu": mtu, **base})
                     print(f"baseline {path} mtu {mtu}: {base}", flush=True)
