@@ -292,6 +292,13 @@ class ReplayConfig(_Strict):
     poll_seconds: float = Field(default=1.0, gt=0)
     """How often the publisher looks for newly landed rows."""
 
+    gap_hold_seconds: float = Field(default=30.0, ge=0, le=7 * 86400)
+    """Hold-back: when bundles of a channel are missing (a transit gap), an exchange's rows
+    above the gap wait up to this long after they landed for the gap to fill, so messages go
+    out in seq order; then the exchange goes past the gap (audit `replay_gap_passed`) and the
+    missing rows, if they come, are published when they land (`replayed_out_of_order`).
+    0: never wait."""
+
     id_header: str = Field(default="", pattern=r"^(|[A-Za-z0-9_.:-]{1,128})$")
     """If set, every replayed message gets this extra header holding "<channel>:<seq>" (a
     stable id for consumers that de-duplicate). Empty (default): properties are replayed

@@ -68,6 +68,9 @@ from bridge.protocol.headers import typed_json_to_headers
 from bridge.protocol.properties import decode_table, encode_table, scan_properties
 from bridge.protocol.rows import UNKNOWN_EXCHANGE_TYPE
 from bridge.red.approvals import Approvals
+from bridge.red.holdback import GapView, out_of_order, plan_release, publish_order
+from bridge.red.landing import STATE_FILE
+from bridge.red.sequence import SequenceState
 
 __all__ = [
     "APP_ID",
@@ -109,7 +112,9 @@ START: Key = (-1, "", -1)
 _COLUMNS = [
     "land_seq", "channel", "seq", "exchange_type", "exchange_durable", "exchange_auto_delete",
     "exchange_internal", "exchange_arguments", "routing_key", "properties_raw", "body",
+    "landed_at",
 ]  # fmt: skip
+_PUBLISHED = _COLUMNS[:-1]  # landed_at only serves the hold-back
 _ORDER = [("land_seq", "ascending"), ("channel", "ascending"), ("seq", "ascending")]
 _U32 = struct.Struct(">I")
 _HEADERS_FLAG = 0x2000
@@ -138,6 +143,24 @@ class _Metrics:
             ["exchange", "kind"],
             registry=REGISTRY,
         )
+        self.out_of_order = Counter(
+            "bridge_red_replay_out_of_order",
+            "Messages published below a seq of their channel already published to the exchange "
+            "(they landed after the hold-back went past their gap)",
+            ["exchange"],
+            registry=REGISTRY,
+        )
+        self.gaps_passed = Counter(
+            "bridge_red_replay_gaps_passed",
+            "Times an exchange went past an open gap after holding it gap_hold_seconds",
+            ["exchange"],
+            registry=REGISTRY,
+        )
+        self.held = Gauge(
+            "bridge_red_replay_held_exchanges",
+            "Approved exchanges waiting (hold-back) for an open gap below their next row",
+            registry=REGISTRY,
+        )
         self.lag = Gauge(
             "bridge_red_replay_lag_rows",
             "Rows landed in later landing commits than the exchange's replay progress (from the "
@@ -157,13 +180,18 @@ def _now_text() -> str:
 
 @dataclass
 class Progress:
-    """The confirmed prefix of one exchange: its last row and how many rows were confirmed."""
+    """The confirmed prefix of one exchange: its last row and how many rows were confirmed;
+    per channel, the highest seq confirmed and the highest hole the exchange went past."""
 
     land_seq: int = -1
     channel: str = ""
     seq: int = -1
     confirmed_rows: int = 0
     updated_at: str | None = None
+    high: dict[str, int] = field(default_factory=dict)
+    """Per channel, the highest seq confirmed (rows published below it are out of order)."""
+    passed: dict[str, int] = field(default_factory=dict)
+    """Per channel, the highest hole (its ``resume`` seq) the hold-back went past."""
 
     @property
     def key(self) -> Key:
@@ -176,6 +204,8 @@ class Progress:
             "seq": self.seq,
             "confirmed_rows": self.confirmed_rows,
             "updated_at": self.updated_at,
+            "high": dict(sorted(self.high.items())),
+            "passed": dict(sorted(self.passed.items())),
         }
 
     @classmethod
@@ -186,6 +216,8 @@ class Progress:
             seq=int(d["seq"]),
             confirmed_rows=int(d.get("confirmed_rows", 0)),
             updated_at=d.get("updated_at"),
+            high={str(k): int(v) for k, v in d.get("high", {}).items()},
+            passed={str(k): int(v) for k, v in d.get("passed", {}).items()},
         )
 
 
@@ -228,13 +260,15 @@ class ConfirmWindow:
     ``confirm`` applies a broker ack or nack (``multiple`` or not, in any order);
     ``pop_acked`` removes and returns the keys of the acknowledged prefix. A nacked publish
     stops the prefix: ``head_nacked`` tells the caller to rewind (``clear``) once ``pending``
-    (publishes not yet settled) is 0.
+    (publishes not yet settled) is 0. A publish may carry a *mark*, the progress key its
+    confirmation allows (rows published out of key order, see
+    :func:`bridge.red.holdback.publish_order`); without one the mark is its own key.
     """
 
     __slots__ = ("_q", "pending", "nacked")
 
     def __init__(self) -> None:
-        self._q: deque[list[Any]] = deque()  # [tag, key, state: None | True | False]
+        self._q: deque[list[Any]] = deque()  # [tag, key, state: None | True | False, mark]
         self.pending = 0
         self.nacked = False
 
@@ -245,15 +279,25 @@ class ConfirmWindow:
         q = self._q
         if q and tag != q[-1][0] + 1:
             raise ValueError(f"publish tag {tag} does not follow {q[-1][0]}")
-        q.append([tag, key, None])
+        q.append([tag, key, None, key])
         self.pending += 1
 
-    def sent_many(self, first_tag: int, keys: Sequence[Key]) -> None:
-        """``sent`` for consecutive tags from ``first_tag``."""
+    def sent_many(
+        self, first_tag: int, keys: Sequence[Key], marks: Sequence[Key] | None = None
+    ) -> None:
+        """``sent`` for consecutive tags from ``first_tag`` (``marks``: one per key)."""
         q = self._q
         if q and keys and first_tag != q[-1][0] + 1:
             raise ValueError(f"publish tag {first_tag} does not follow {q[-1][0]}")
-        q.extend([[first_tag + i, k, None] for i, k in enumerate(keys)])
+        if marks is None:
+            q.extend([[first_tag + i, k, None, k] for i, k in enumerate(keys)])
+        else:
+            q.extend(
+                [
+                    [first_tag + i, k, None, m]
+                    for i, (k, m) in enumerate(zip(keys, marks, strict=True))
+                ]
+            )
         self.pending += len(keys)
 
     def confirm(self, tag: int, multiple: bool, ack: bool) -> int:
@@ -281,11 +325,18 @@ class ConfirmWindow:
 
     def pop_acked(self) -> list[Key]:
         """Keys of the acknowledged prefix, removed from the window, in publish order."""
+        return self.pop_acked_marked()[0]
+
+    def pop_acked_marked(self) -> tuple[list[Key], Key | None]:
+        """``pop_acked``, and the mark of the last key popped (None when none was)."""
         q = self._q
         out = []
+        mark = None
         while q and q[0][2] is True:
-            out.append(q.popleft()[1])
-        return out
+            e = q.popleft()
+            out.append(e[1])
+            mark = e[3]
+        return out, mark
 
     @property
     def head_nacked(self) -> bool:
@@ -367,6 +418,8 @@ class StepResult:
     exchanges: dict[str, dict[str, int]] = field(default_factory=dict)
     events: list[dict[str, Any]] = field(default_factory=list)
     caught_up: bool = False
+    held: int = 0
+    """Exchanges waiting for an open gap (hold-back) at the end of the pass."""
     error: str | None = None
     seconds: float = 0.0
 
@@ -382,6 +435,7 @@ class StepResult:
             "exchanges": self.exchanges,
             "events": self.events,
             "caught_up": self.caught_up,
+            "held": self.held,
             "error": self.error,
             "seconds": round(self.seconds, 3),
         }
@@ -459,12 +513,17 @@ class _Lane:
     no_id_header: int = 0  # rows published without the id header (undecodable properties)
     replayed: dict[str, list[int]] = field(default_factory=dict)
     replayed_since: float = field(default_factory=time.monotonic)
+    high: dict[str, int] = field(default_factory=dict)  # per channel, highest seq published
+    early: set[Key] = field(default_factory=set)  # fillers published ahead of their key
+    held: dict[str, Any] | None = None  # the row the exchange waits at (hold-back), for status
 
     def rewind(self) -> int:
         """Back to the confirmed prefix; returns how many publishes were still pending."""
         self.cursor = self.progress.key
         self.read_through = -1
         self.caught_up = False
+        self.high = dict(self.progress.high)
+        self.early.clear()
         return self.window.clear()
 
 
@@ -505,6 +564,7 @@ class Replayer:
         self.batch_rows = int(r.batch_rows)
         self.poll_seconds = float(r.poll_seconds)
         self.id_header = r.id_header
+        self.hold_us = round(r.gap_hold_seconds * 1e6)
         self.retry_seconds = retry_seconds
         self.client_name = client_name
         self.sink = sink
@@ -526,6 +586,8 @@ class Replayer:
         self._result = StepResult()
         self._approved_error: str | None = None
         self._last: tuple[dict[str, list[FileStat]] | None, set[str]] = (None, set())
+        self._view: GapView | None = None  # the landing's holes, read every pass
+        self._view_error: str | None = None
 
     def __repr__(self) -> str:
         return f"Replayer({str(self.table_path)!r} -> {self.where})"
@@ -568,7 +630,7 @@ class Replayer:
                 if r.published == 0:
                     if self._pending:
                         summary.add(self._guarded_drain(deadline, stop, self.poll_seconds))
-                    elif r.caught_up or r.error:
+                    elif r.caught_up or r.error or r.held:
                         self._sleep(self.poll_seconds, deadline, stop)
                     else:  # a rewind or a retry is due: hardly a pause
                         self._sleep(min(self.poll_seconds, 0.01), deadline, stop)
@@ -599,6 +661,7 @@ class Replayer:
                 "lag_rows": self._lag(stats, name, p),
                 "in_flight": len(lane.window) if lane else 0,
                 "stopped": lane.blocked if lane else None,
+                "held": lane.held if lane else None,
             }
         return {
             "target": self.where,
@@ -627,6 +690,7 @@ class Replayer:
         self._sync_lanes(approved)
         self._update_lag(stats, approved)
         self._last = (stats, approved)
+        self._view = self._gap_view()
         if stats is not None and self._connect(res):
             try:
                 self._pass(stats, deadline, stop)
@@ -650,6 +714,8 @@ class Replayer:
                 or (lane.caught_up and not len(lane.window))
                 for lane in self._lanes.values()
             )
+        res.held = sum(1 for lane in self._lanes.values() if lane.held is not None)
+        METRICS.held.set(res.held)
         res.events = self._take_events()
         res.seconds = time.monotonic() - t0
         return res
@@ -687,18 +753,41 @@ class Replayer:
                 raise _TableError(self._result.error) from e
             if batch is None or hi is None:
                 lane.caught_up = True
+                lane.held = None
                 return
+            if lane.early:
+                batch = self._drop_early(lane, batch)
             if batch.num_rows:
                 break
             lane.read_through = hi  # every row up to hi was published already: look further
         lane.caught_up = False
-        cols = {name: batch.column(name).to_pylist() for name in _COLUMNS}
+        batch, whole = self._hold(lane, batch)
+        if not batch.num_rows:
+            return  # waiting at its first row for a gap to fill
+        keyed = batch.num_rows
+        try:
+            fill = self._fillers(lane, batch, hi)
+        except _TABLE_ERRORS as e:
+            self._table_failed(e)
+            raise _TableError(self._result.error) from e
+        if fill is not None:
+            batch = pa.concat_tables([batch, fill])
+        cols = {name: batch.column(name).to_pylist() for name in _PUBLISHED}
+        keys = list(zip(cols["land_seq"], cols["channel"], cols["seq"], strict=True))
+        order, marks = publish_order(cols["channel"], cols["seq"], keyed)
+        mark_keys: list[Key] | None = None
+        fill_keys: set[Key] = set(keys[keyed:])
+        if marks != list(range(1, len(keys) + 1)):
+            start = lane.cursor
+            mark_keys = [keys[m - 1] if m else start for m in marks]
+            cols = {name: [v[i] for i in order] for name, v in cols.items()}
+            keys = [keys[i] for i in order]
         decls = list(zip(
             cols["exchange_type"], cols["exchange_durable"], cols["exchange_auto_delete"],
             cols["exchange_internal"], cols["exchange_arguments"], strict=True,
         ))  # fmt: skip
-        keys = list(zip(cols["land_seq"], cols["channel"], cols["seq"], strict=True))
         rks, props, bodies = cols["routing_key"], cols["properties_raw"], cols["body"]
+        chans, seqs = cols["channel"], cols["seq"]
         if self.id_header:
             props = [
                 self._with_id(lane, p, f"{k[1]}:{k[2]}") for p, k in zip(props, keys, strict=True)
@@ -722,12 +811,17 @@ class Replayer:
                 j = same
                 chunk = list(zip(rks[i:j], props[i:j], bodies[i:j], strict=True))
                 last = ch.publish_many(name, chunk)
-                window.sent_many(last - (j - i) + 1, keys[i:j])
+                chunk_marks = None if mark_keys is None else mark_keys[i:j]
+                window.sent_many(last - (j - i) + 1, keys[i:j], chunk_marks)
                 self._pending += j - i
                 published += j - i
-                lane.cursor = keys[j - 1]
+                self._late(lane, out_of_order(chans[i:j], seqs[i:j], lane.high))
+                if fill_keys:
+                    lane.early.update(k for k in keys[i:j] if k in fill_keys)
+                lane.cursor = keys[j - 1] if chunk_marks is None else chunk_marks[-1]
                 i = j
-            lane.read_through = hi
+            if whole:
+                lane.read_through = hi
         except AmqpClosed as e:
             if not e.channel:
                 raise
@@ -737,6 +831,124 @@ class Replayer:
                 METRICS.published.labels(name).inc(published)
                 self._result._count(name, "published", published)
 
+    # -- hold-back (bridge.red.holdback) -------------------------------------------------------
+    def _gap_view(self) -> GapView | None:
+        """The landing's open holes and how far its state goes; None without a state file
+        (tables not written by a red job: nothing is held)."""
+        path = self.state_dir / STATE_FILE
+        try:
+            doc = json.loads(path.read_bytes())
+            view = GapView.from_state(
+                int(doc["land_seq"]), SequenceState.from_json(doc["sequence"])
+            )
+        except FileNotFoundError:
+            return None
+        except (OSError, ValueError, KeyError, TypeError, StateError) as e:
+            msg = f"red state {path} unreadable ({e}): replaying without the gap hold-back"
+            if msg != self._view_error:
+                log_event(log, 40, msg)
+            self._view_error = msg
+            return None
+        self._view_error = None
+        return view
+
+    def _drop_early(self, lane: _Lane, batch: pa.Table) -> pa.Table:
+        """Rows published ahead of their key as fillers are not published again (and, read
+        in key order now, no longer remembered)."""
+        keep = []
+        for k in self._keys_of(batch):
+            if k in lane.early:
+                lane.early.discard(k)
+                keep.append(False)
+            else:
+                keep.append(True)
+        return batch if all(keep) else batch.filter(pa.array(keep))
+
+    def _hold(self, lane: _Lane, batch: pa.Table) -> tuple[pa.Table, bool]:
+        """Cut ``batch`` at the first row above an open gap still within its hold; returns the
+        rows to publish now and whether that is all of them."""
+        view = self._view
+        if view is None or not view.holes:
+            lane.held = None
+            return batch, True
+        chans = batch.column("channel").to_pylist()
+        if not any(c in view.holes for c in set(chans)):
+            lane.held = None
+            return batch, True
+        seqs = batch.column("seq").to_pylist()
+        landed = pc.cast(batch.column("landed_at"), pa.int64()).to_pylist()
+        now_us = time.time_ns() // 1000
+        rel = plan_release(chans, seqs, landed, view, lane.progress.passed, now_us, self.hold_us)
+        for p in rel.passed:
+            self._dirty = True
+            METRICS.gaps_passed.labels(lane.name).inc()
+            detail = {
+                "first_bundle_seq": p.hole.first_bundle_seq,
+                "last_bundle_seq": p.hole.last_bundle_seq,
+                "held_seconds": round(p.held_us / 1e6, 3),
+            }
+            log_event(log, 30, "replay went past an open gap after its hold-back",
+                      exchange=lane.name, channel=p.channel, seq=p.seq, **detail)  # fmt: skip
+            self._event("replay_gap_passed", lane.name, channel=p.channel, seq_first=p.seq,
+                        seq_last=p.seq, reason="hold_expired", detail=detail)  # fmt: skip
+        if rel.held is None:
+            lane.held = None
+            return batch, True
+        _, ch, seq, hole, until = rel.held
+        held = {
+            "channel": ch,
+            "seq": seq,
+            "first_bundle_seq": hole.first_bundle_seq,
+            "last_bundle_seq": hole.last_bundle_seq,
+            "until": datetime.fromtimestamp(until / 1e6, UTC).isoformat().replace("+00:00", "Z"),
+        }
+        if lane.held is None or lane.held["first_bundle_seq"] != hole.first_bundle_seq:
+            log_event(log, 20, "replay holds an exchange for an open gap", exchange=lane.name,
+                      **held)  # fmt: skip
+        lane.held = held
+        return batch.slice(0, rel.count), False
+
+    def _fillers(self, lane: _Lane, batch: pa.Table, hi: int) -> pa.Table | None:
+        """Rows of this exchange landed after ``hi`` (but judged) with seqs below the batch's
+        highest of their channel: a late bundle that fills a gap, published in seq order."""
+        view = self._view
+        if view is None or hi >= view.land_seq:
+            return None
+        top = batch.group_by("channel").aggregate([("seq", "max")])
+        cond = None
+        for ch, mx in zip(top["channel"].to_pylist(), top["seq_max"].to_pylist(), strict=True):
+            c = (_f("channel") == ch) & (_f("seq") < mx)
+            cond = c if cond is None else cond | c
+        assert cond is not None
+        flt = (_f("exchange") == lane.name) & (_f("land_seq") > hi) & (
+            _f("land_seq") <= view.land_seq) & cond  # fmt: skip
+        ds = self._dataset()
+        if not ds.to_table(columns=["seq"], filter=flt).num_rows:
+            return None
+        table = ds.to_table(columns=_COLUMNS, filter=flt)
+        if lane.early:  # published as fillers by an earlier batch: not again
+            keep = [k not in lane.early for k in self._keys_of(table)]
+            if not all(keep):
+                table = table.filter(pa.array(keep))
+        order = pc.sort_indices(table.select(["land_seq", "channel", "seq"]), sort_keys=_ORDER)
+        return table.take(order) if table.num_rows else None
+
+    @staticmethod
+    def _keys_of(table: pa.Table) -> list[Key]:
+        return list(zip(table.column("land_seq").to_pylist(), table.column("channel").to_pylist(),
+                        table.column("seq").to_pylist(), strict=True))  # fmt: skip
+
+    def _late(self, lane: _Lane, found: dict[str, Any]) -> None:
+        """Audit rows published below a seq of their channel already published."""
+        for ch, o in found.items():
+            METRICS.out_of_order.labels(lane.name).inc(o.rows)
+            detail = {"rows": o.rows, "behind_seq": o.behind}
+            log_event(log, 30, "replayed messages out of order (they landed after the hold-back "
+                      "went past their gap)", exchange=lane.name, channel=ch, seq_first=o.first,
+                      seq_last=o.last, **detail)  # fmt: skip
+            self._event("replayed_out_of_order", lane.name, channel=ch, seq_first=o.first,
+                        seq_last=o.last, reason="late", detail=detail)  # fmt: skip
+
     def _read(self, lane: _Lane, files: list[FileStat], lo: int) -> tuple[Any, int | None]:
         """The next batch of ``lane`` (rows after its cursor, sorted) and its last land_seq."""
         ds = self._dataset()
@@ -744,7 +956,10 @@ class Replayer:
         if not files or any(f[0] < 0 for f in files):  # no statistics: count land_seq values
             files = self._counts(ds, base, lo)
         hi = plan_upper(files, lo, self.batch_rows)
-        if hi is None:
+        view = self._view
+        if view is not None and hi is not None and hi > view.land_seq:
+            hi = view.land_seq  # later landings are not in the state yet: their holes unknown
+        if hi is None or hi < lo:
             return None, None
         land, channel, seq = lane.cursor
         after = (_f("land_seq") > land) | (
@@ -872,13 +1087,12 @@ class Replayer:
             self._save()
 
     def _advance(self, lane: _Lane) -> None:
-        keys = lane.window.pop_acked()
-        if not keys:
+        keys, mark = lane.window.pop_acked_marked()
+        if not keys or mark is None:
             return
         n = len(keys)
-        last = keys[-1]
         p = lane.progress
-        p.land_seq, p.channel, p.seq = last
+        p.land_seq, p.channel, p.seq = mark
         p.confirmed_rows += n
         p.updated_at = None  # set when saved
         self._progress[lane.name] = p
@@ -886,7 +1100,10 @@ class Replayer:
         lane.rewinds = 0
         lane.reported = None  # a later failure is a new episode: reported again
         acc = lane.replayed
+        high = p.high
         for land_seq, channel, seq in keys:
+            if seq > high.get(channel, -1):
+                high[channel] = seq
             a = acc.get(channel)
             if a is None:
                 acc[channel] = [seq, seq, 1, land_seq, land_seq]
@@ -1088,7 +1305,7 @@ class Replayer:
             lane = self._lanes.get(name)
             if lane is None:
                 p = self._progress.get(name) or Progress()
-                self._lanes[name] = _Lane(name, p, cursor=p.key)
+                self._lanes[name] = _Lane(name, p, cursor=p.key, high=dict(p.high))
             elif lane.retired:
                 lane.retired = False
                 log_event(log, 20, "exchange approved again", exchange=name)

@@ -85,6 +85,8 @@ AUDIT_EVENTS = (
     "revoked",  # an operator revoked an approval
     "replayed",  # the replay publisher published a range of rows to the red broker
     "replay_failed",  # the replay publisher could not publish (broker refused, unroutable)
+    "replay_gap_passed",  # the replay went past an open gap after holding it gap_hold_seconds
+    "replayed_out_of_order",  # rows published below a seq of their channel already published
 )
 """Every ``audit.event`` the bridge writes; the comment says when."""
 

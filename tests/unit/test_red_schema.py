@@ -82,12 +82,13 @@ def test_audit_events_cover_the_brief_and_what_red_emits() -> None:
     ).split()
     assert set(brief) <= set(rs.AUDIT_EVENTS)
     assert len(set(rs.AUDIT_EVENTS)) == len(rs.AUDIT_EVENTS)
-    # every event name literal in the red package (Event("x"), emit("x"),
-    # replace(event, kind="x")) is listed
+    # every event name literal in the red package (Event("x"), emit("x"), the replay's
+    # self._event("x"), replace(event, kind="x")) is listed
     red_dir = Path(rs.__file__).parent
-    pat = re.compile(r'(?:\bEvent\(|\bemit\(|\breplace\(\w+, kind=)"([a-z_]+)"')
+    pat = re.compile(r'(?:\bEvent\(|\bemit\(|\b_event\(\s*|\breplace\(\w+, kind=)"([a-z_]+)"')
     used = {m for p in red_dir.glob("*.py") for m in pat.findall(p.read_text())}
     assert used, "the scan found no event names: the pattern is stale"
+    assert {"replayed", "replay_gap_passed", "replayed_out_of_order"} <= used
     assert used <= set(rs.AUDIT_EVENTS), sorted(used - set(rs.AUDIT_EVENTS))
 
 
