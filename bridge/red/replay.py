@@ -755,11 +755,15 @@ class Replayer:
                 lane.caught_up = True
                 lane.held = None
                 return
+            last_read = self._last_key(batch)
             if lane.early:
                 batch = self._drop_early(lane, batch)
             if batch.num_rows:
                 break
             lane.read_through = hi  # every row up to hi was published already: look further
+            if last_read is not None and last_read > lane.cursor:  # all published as fillers
+                lane.cursor = last_read
+                self._catch_up_progress(lane)
         lane.caught_up = False
         batch, whole = self._hold(lane, batch)
         if not batch.num_rows:
@@ -822,6 +826,9 @@ class Replayer:
                 i = j
             if whole:
                 lane.read_through = hi
+                if last_read is not None and last_read > lane.cursor:  # fillers at the end
+                    lane.cursor = last_read
+                self._catch_up_progress(lane)
         except AmqpClosed as e:
             if not e.channel:
                 raise
@@ -932,6 +939,24 @@ class Replayer:
                 table = table.filter(pa.array(keep))
         order = pc.sort_indices(table.select(["land_seq", "channel", "seq"]), sort_keys=_ORDER)
         return table.take(order) if table.num_rows else None
+
+    def _catch_up_progress(self, lane: _Lane) -> None:
+        """Every row up to the cursor was published (some ahead, as fillers); with nothing
+        left unconfirmed, the progress may move there even without a confirm."""
+        p = lane.progress
+        if len(lane.window) or lane.cursor <= p.key:
+            return
+        p.land_seq, p.channel, p.seq = lane.cursor
+        p.updated_at = None
+        self._progress[lane.name] = p
+        self._dirty = True
+
+    @staticmethod
+    def _last_key(table: pa.Table) -> Key | None:
+        if not table.num_rows:
+            return None
+        i = table.num_rows - 1
+        return (table["land_seq"][i].as_py(), table["channel"][i].as_py(), table["seq"][i].as_py())
 
     @staticmethod
     def _keys_of(table: pa.Table) -> list[Key]:
@@ -1116,6 +1141,7 @@ class Replayer:
                 a[4] = land_seq
         METRICS.confirmed.labels(lane.name).inc(n)
         self._result._count(lane.name, "confirmed", n)
+        self._catch_up_progress(lane)
 
     def _wait_window(self, cap: int, deadline: float | None, stop: Any) -> None:
         """Read confirms; while ``cap`` publishes are pending, wait for them."""

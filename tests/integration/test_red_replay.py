@@ -49,7 +49,9 @@ from bridge.protocol.properties import (
 )
 from bridge.protocol.rows import build_rows
 from bridge.red import replay as rp
+from bridge.red import sequence as sq
 from bridge.red.approvals import Approvals
+from bridge.red.landing import STATE_FILE
 from bridge.red.replay import ConfirmWindow, Replayer, plan_upper, with_id_header
 from bridge.red.tables import RedTables
 from tests.conftest import MGMT, Vhost
@@ -127,7 +129,9 @@ def rows(
     )  # fmt: skip
 
 
-def land(tables: RedTables, land_seq: int, *batches: pa.RecordBatch) -> None:
+def land(
+    tables: RedTables, land_seq: int, *batches: pa.RecordBatch, landed_at: datetime = NOW
+) -> None:
     """Append ``batches`` to ``messages`` as landing ``land_seq`` does."""
     parts = []
     for b in batches:
@@ -136,8 +140,8 @@ def land(tables: RedTables, land_seq: int, *batches: pa.RecordBatch) -> None:
         t = t.append_column("bundle_seq", pa.array([land_seq] * n, pa.int64()))
         t = t.append_column("bundle_id", pa.array([f"b{land_seq}"] * n))
         t = t.append_column("land_seq", pa.array([land_seq] * n, pa.int64()))
-        t = t.append_column("landed_at", pa.array([NOW] * n, pa.timestamp("us", tz="UTC")))
-        t = t.append_column("landed_date", pa.array([NOW.date()] * n, pa.date32()))
+        t = t.append_column("landed_at", pa.array([landed_at] * n, pa.timestamp("us", tz="UTC")))
+        t = t.append_column("landed_date", pa.array([landed_at.date()] * n, pa.date32()))
         parts.append(t)
     assert tables.append("messages", pa.concat_tables(parts), app_id="diode-red", version=land_seq)
 
@@ -765,3 +769,144 @@ def test_missing_empty_and_unreadable_tables_do_not_stop_the_publisher(
     s = Replayer(cfg).run(until_caught_up=True, timeout=1.0)
     assert not s.caught_up and s.confirmed == 0
     assert any("unreadable" in e for e in s.errors), s.errors
+
+
+# ---------------------------------------------------------------------------- hold-back
+def save_state(tmp: Path, land_seq: int, bundles: Sequence[tuple[int, int, int]]) -> None:
+    """The landing's state after ``land_seq``: bundles ``(bundle_seq, first, last)`` of c1."""
+    state = sq.SequenceState()
+    for n, a, b in bundles:
+        facts = sq.BundleFacts("c1", n, f"id{n}", f"{n:064x}", None, b - a + 1, a, b)
+        sq.admit(state, facts, NOW)
+    doc = {"land_seq": land_seq, "sequence": state.to_json(), "udp_gaps_offset": 0}
+    (tmp / "state").mkdir(exist_ok=True)
+    (tmp / "state" / STATE_FILE).write_text(json.dumps(doc))
+
+
+HOLD_X = ExchangeDecl("x.hold", "fanout", True, False, False, {})
+
+
+def hold_consumer(admin: Connection, url: str) -> Consumer:
+    admin.channel().exchange_declare(HOLD_X.name, "fanout", durable=True)
+    return Consumer(url, HOLD_X.name)
+
+
+def events_of(res: Any, kind: str) -> list[dict[str, Any]]:
+    return [e for e in res.events if e["event"] == kind]
+
+
+@pytestmark_broker
+def test_replay_holds_an_exchange_at_a_gap_until_the_missing_bundle_lands(
+    tmp_path: Path, tables: RedTables, red_vhost: Vhost, admin: Connection
+) -> None:
+    url = red_vhost.amqp_url
+    cfg = make_cfg(tmp_path, url, [HOLD_X.name], gap_hold_seconds=120)
+    now = datetime.now(UTC)
+    consumer = hold_consumer(admin, url)
+    land(tables, 1, rows("c1", range(0, 10), HOLD_X), landed_at=now)
+    land(tables, 2, rows("c1", range(20, 30), HOLD_X), landed_at=now)  # bundle 3: 2 is missing
+    save_state(tmp_path, 2, [(1, 0, 9), (3, 20, 29)])
+    try:
+        with Replayer(cfg) as r:
+            s1 = r.step()
+            assert (s1.confirmed, s1.held, s1.caught_up) == (10, 1, False), s1
+            held = r.status()["exchanges"][HOLD_X.name]["held"]
+            assert (held["channel"], held["seq"], held["first_bundle_seq"]) == ("c1", 20, 2)
+            assert metric("bridge_red_replay_held_exchanges") == 1
+            assert r.step().published == 0  # still waiting
+            land(tables, 3, rows("c1", range(10, 20), HOLD_X), landed_at=now)
+            assert r.step().published == 0  # landed, but the state does not know it yet
+            save_state(tmp_path, 3, [(1, 0, 9), (3, 20, 29), (2, 10, 19)])
+            s4 = r.step()
+            assert (s4.confirmed, s4.held) == (20, 0), s4
+            s5 = r.step()
+            assert (s5.published, s5.caught_up) == (0, True), s5
+            assert not events_of(s4, "replay_gap_passed")
+            assert not events_of(s4, "replayed_out_of_order")
+        got = consumer.collect(30)
+        assert [body_id(m)[1] for m in consumer.quiet(0.3)] == list(range(30)), got
+        progress = rp.load_progress(tmp_path / "state")[HOLD_X.name]
+        assert progress.key == (3, "c1", 19) and progress.high == {"c1": 29}
+        again = Replayer(cfg).run(until_caught_up=True, timeout=20)
+        assert again.caught_up and again.published == 0
+    finally:
+        consumer.close()
+
+
+@pytestmark_broker
+def test_replay_goes_past_a_gap_after_the_hold_and_audits_late_rows_out_of_order(
+    tmp_path: Path, tables: RedTables, red_vhost: Vhost, admin: Connection
+) -> None:
+    url = red_vhost.amqp_url
+    cfg = make_cfg(tmp_path, url, [HOLD_X.name], gap_hold_seconds=1.0)
+    now = datetime.now(UTC)
+    consumer = hold_consumer(admin, url)
+    land(tables, 1, rows("c1", range(0, 10), HOLD_X), landed_at=now)
+    land(tables, 2, rows("c1", range(20, 30), HOLD_X), landed_at=now)
+    save_state(tmp_path, 2, [(1, 0, 9), (3, 20, 29)])
+    passed_before = metric("bridge_red_replay_gaps_passed_total", exchange=HOLD_X.name)
+    late_before = metric("bridge_red_replay_out_of_order_total", exchange=HOLD_X.name)
+    try:
+        with Replayer(cfg) as r:
+            assert r.step().held == 1
+            time.sleep(max(0.0, (now - datetime.now(UTC)).total_seconds() + 1.05))
+            s2 = r.step()
+            assert (s2.confirmed, s2.held) == (10, 0), s2
+            (ev,) = events_of(s2, "replay_gap_passed")
+            assert (ev["channel"], ev["seq_first"], ev["reason"]) == ("c1", 20, "hold_expired")
+            detail = json.loads(ev["detail"])
+            assert (detail["first_bundle_seq"], detail["last_bundle_seq"]) == (2, 2)
+            assert detail["held_seconds"] >= 1.0
+            land(tables, 3, rows("c1", range(10, 20), HOLD_X), landed_at=datetime.now(UTC))
+            save_state(tmp_path, 3, [(1, 0, 9), (3, 20, 29), (2, 10, 19)])
+            s3 = r.step()
+            assert s3.confirmed == 10, s3
+            (late,) = events_of(s3, "replayed_out_of_order")
+            assert (late["channel"], late["seq_first"], late["seq_last"]) == ("c1", 10, 19)
+            assert json.loads(late["detail"]) == {"rows": 10, "behind_seq": 29}
+        got = [body_id(m)[1] for m in consumer.collect(30)]
+        assert got == [*range(10), *range(20, 30), *range(10, 20)]
+        assert metric("bridge_red_replay_gaps_passed_total", exchange=HOLD_X.name) == (
+            passed_before + 1)  # fmt: skip
+        assert metric("bridge_red_replay_out_of_order_total", exchange=HOLD_X.name) == (
+            late_before + 10)  # fmt: skip
+        saved = rp.load_progress(tmp_path / "state")[HOLD_X.name]
+        assert saved.passed == {"c1": 20} and saved.high == {"c1": 29}
+        again = Replayer(cfg).run(until_caught_up=True, timeout=20)
+        assert again.caught_up and again.published == 0 and not again.events
+    finally:
+        consumer.close()
+
+
+@pytestmark_broker
+@pytest.mark.parametrize("tail", [True, False], ids=["more-after", "filler-last"])
+def test_a_replay_behind_the_landing_publishes_a_late_bundle_in_seq_order(
+    tmp_path: Path, tables: RedTables, red_vhost: Vhost, admin: Connection, tail: bool
+) -> None:
+    """Bundle 2 landed after bundle 3 (a resend) before the replay read either: batches of one
+    landing each, so bundle 2's rows are read ahead as fillers, published once, in seq order.
+    With nothing landed after them, the progress still moves over them (no republish)."""
+    url = red_vhost.amqp_url
+    cfg = make_cfg(tmp_path, url, [HOLD_X.name], batch_rows=10)
+    consumer = hold_consumer(admin, url)
+    land(tables, 1, rows("c1", range(0, 10), HOLD_X))
+    land(tables, 2, rows("c1", range(20, 30), HOLD_X))
+    land(tables, 3, rows("c1", range(10, 20), HOLD_X))
+    bundles = [(1, 0, 9), (3, 20, 29), (2, 10, 19)]
+    n, last = 30, (3, "c1", 19)
+    if tail:
+        land(tables, 4, rows("c1", range(30, 35), HOLD_X))
+        bundles.append((4, 30, 34))
+        n, last = 35, (4, "c1", 34)
+    save_state(tmp_path, len(bundles), bundles)
+    try:
+        s = Replayer(cfg).run(until_caught_up=True, timeout=30)
+        assert s.caught_up and s.confirmed == n and not s.errors, s
+        assert not [e for e in s.events if e["event"] != "replayed"]
+        got = [body_id(m)[1] for m in consumer.collect(n)]
+        assert [body_id(m)[1] for m in consumer.quiet(0.3)] == list(range(n)), got
+        assert rp.load_progress(tmp_path / "state")[HOLD_X.name].key == last
+        again = Replayer(cfg).run(until_caught_up=True, timeout=20)
+        assert again.caught_up and again.published == 0
+    finally:
+        consumer.close()
