@@ -465,6 +465,20 @@ def red_gaps(config_path: Path | None) -> None:
     click.echo(json.dumps(report(_load(config_path)), indent=2, default=str))
 
 
+@red.command("write-off")
+@config_option
+@click.option("--channel", required=True, help="the channel whose bundles will never come")
+@click.option("--from", "first", type=int, required=True, help="first bundle seq")
+@click.option("--to", "last", type=int, required=True, help="last bundle seq")
+@click.option("--note", required=True, help="why (a ticket, who decided): kept in the audit")
+def red_write_off(config_path: Path | None, channel: str, first: int, last: int, note: str) -> None:
+    """Declare bundles of an open transit gap lost for good (black no longer has them)."""
+    from bridge.red.writeoff import write_off_gap
+
+    out = write_off_gap(_load(config_path), channel, first, last, note)
+    click.echo(json.dumps(out, default=str))
+
+
 @red.command("maintain")
 @config_option
 @click.option("--table", type=click.Choice(["messages", "bundles", "audit", "all"]), default="all")

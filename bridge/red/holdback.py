@@ -6,7 +6,8 @@ hole: publishing them first would put later messages before earlier ones on red.
 publisher therefore holds an exchange at the first such row until the hole fills or the row
 has been landed for ``red.replay.gap_hold_seconds``; then it goes past the hole (an audited
 ``replay_gap_passed``), and rows that fill the hole later are published when they land
-(audited ``replayed_out_of_order``). Runbook §15.1, docs/red-tables.md §3.
+(audited ``replayed_out_of_order``). A hole an operator wrote off (``diode red write-off``)
+holds nothing. Runbook §15.1, docs/red-tables.md §3.
 
 Nothing here reads a clock or a file: the replay passes ``now`` and the state in.
 """
@@ -57,8 +58,12 @@ class GapView:
             found: list[Hole] = []
             below = cs.contig
             for run in cs.runs:
-                if run.wait is not None:  # a run with rows (or declared gaps) above the hole
-                    found.append(Hole(below + 1, run.lo - 1, run.wait[1]))
+                first, last = below + 1, run.lo - 1
+                lost = sum(  # bundles of the hole an operator wrote off: nothing to wait for
+                    max(0, min(w.last, last) - max(w.first, first) + 1) for w in cs.written_off
+                )
+                if run.wait is not None and lost < last - first + 1:  # rows above the hole
+                    found.append(Hole(first, last, run.wait[1]))
                 below = run.hi
             if found:
                 holes[name] = tuple(sorted(found, key=lambda h: h.resume))

@@ -32,7 +32,7 @@ import pyarrow.parquet as pq
 
 from bridge.config import Config
 from bridge.diode.link_status import read_new_gap_records
-from bridge.errors import DiodeError
+from bridge.errors import DiodeError, StateError
 from bridge.faults import crash_point
 from bridge.fsutil import atomic_write_bytes, durable_mkdir, fsync_dir
 from bridge.logs import get_logger, log_event
@@ -50,6 +50,8 @@ log = get_logger("bridge.red.landing")
 
 APP_ID = "diode-red"
 STATE_FILE = "red-state.json"
+REQUESTS_DIR = "requests"
+"""``work_dir/requests/*.json``: operator requests the landing applies at its next tick."""
 INTENT_FILE = "intent.json"
 READ_BATCH_ROWS = 16_384
 
@@ -341,10 +343,15 @@ class Landing:
             events = sq.tick(state, now, self.cfg.red.link_silent_seconds, self.channels)
             res = LandingResult()
             pending, consumed = self._intake_quarantines()
+            requests, asked = self._requests()
+            for doc, path in zip(requests, asked, strict=True):
+                events += self._write_off(state, doc, path, now)
+            consumed += asked
             transport, udp_offset = self._transport_gaps(now)
             if (
                 not events
                 and not pending
+                and not asked
                 and not transport
                 and udp_offset == self.udp_gaps_offset
                 and state.to_json() == self.state.to_json()
@@ -434,6 +441,38 @@ class Landing:
                 }
             )
         return rows, offset
+
+    def _requests(self) -> tuple[list[dict[str, Any]], list[str]]:
+        """Operator requests (``diode red write-off``) queued in ``work_dir/requests/``."""
+        d = self.work_dir / REQUESTS_DIR
+        docs, paths = [], []
+        for p in sorted(d.glob("*.json")) if d.exists() else []:
+            try:
+                docs.append(json.loads(p.read_bytes()))
+            except (OSError, ValueError) as e:
+                log_event(log, 40, "operator request unreadable: ignored", path=str(p),
+                          error=str(e))  # fmt: skip
+                docs.append({})
+            paths.append(str(p))
+        return docs, paths
+
+    @staticmethod
+    def _write_off(
+        state: sq.SequenceState, doc: dict[str, Any], path: str, now: datetime
+    ) -> list[sq.Event]:
+        try:
+            if doc.get("kind") != "write_off":
+                raise StateError(f"unknown request kind {doc.get('kind')!r}")
+            first, last = int(doc["first_bundle_seq"]), int(doc["last_bundle_seq"])
+            note = str(doc.get("note", ""))
+            events = sq.write_off(state, str(doc["channel"]), first, last, note, now)
+        except (StateError, KeyError, TypeError, ValueError) as e:
+            log_event(log, 40, "operator request refused", path=path, error=str(e))
+            return []
+        log_event(log, 30, "transit gap written off by an operator", channel=doc["channel"],
+                  first_bundle_seq=doc["first_bundle_seq"],
+                  last_bundle_seq=doc["last_bundle_seq"], note=doc.get("note"))  # fmt: skip
+        return events
 
     def _intake_quarantines(self) -> tuple[list[dict[str, Any]], list[str]]:
         """Files the intake quarantined on its own (bad names, links, ...): to be audited."""

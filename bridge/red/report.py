@@ -94,6 +94,17 @@ def red_gaps(cfg: Config) -> dict[str, Any]:
     _, state, _ = load_sequence(cfg)
     out: dict[str, Any] = {
         "open_transit_gaps": sq.open_gaps(state),
+        "written_off": [
+            {
+                "channel": name,
+                "first_bundle_seq": w.first,
+                "last_bundle_seq": w.last,
+                "at": w.at,
+                "note": w.note,
+            }
+            for name, cs in sorted(state.channels.items())
+            for w in cs.written_off
+        ],
         "declared_by_black": _declared(cfg),
     }
     if cfg.udp is not None:  # why a bundle never reached the inbox: the UDP receiver's records

@@ -71,6 +71,7 @@ AUDIT_EVENTS = (
     "gap_opened",  # bundle or message seqs are missing: red waits for them
     "gap_closed",  # a missing range arrived (late bundle or resend)
     "gap_declared",  # black declared a range lost (manifest gaps): accounted, never coming
+    "gap_written_off",  # an operator declared missing bundles lost for good (diode red write-off)
     "chain_verified",  # prev_sha256 of a bundle matched its landed predecessor
     "chain_broken",  # prev_sha256 did not match: the bundle chain was forked or tampered with
     "coverage_mismatch",  # a manifest's coverage disagrees with its rows and declared gaps

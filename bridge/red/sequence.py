@@ -44,6 +44,7 @@ __all__ = [
     "Admission",
     "Run",
     "TransitGap",
+    "WrittenOff",
     "HeartbeatSeen",
     "ChannelState",
     "SequenceState",
@@ -53,6 +54,7 @@ __all__ = [
     "heartbeat",
     "tick",
     "open_gaps",
+    "write_off",
     "summary",
 ]
 
@@ -230,6 +232,17 @@ class TransitGap:
 
 
 @dataclass(frozen=True)
+class WrittenOff:
+    """Bundle seqs ``first..last`` an operator declared lost for good (``diode red write-off``):
+    no longer an open gap. Should one still arrive, it lands and closes its part of this."""
+
+    first: int
+    last: int
+    at: str
+    note: str
+
+
+@dataclass(frozen=True)
 class HeartbeatSeen:
     heartbeat_seq: int
     last_bundle_seq: int | None
@@ -250,6 +263,7 @@ class ChannelState:
     contig_end: int = -1
     runs: list[Run] = field(default_factory=list)
     gaps: list[TransitGap] = field(default_factory=list)
+    written_off: list[WrittenOff] = field(default_factory=list)
     landed: list[Interval] = field(default_factory=list)
     highest: int = 0
     """Highest bundle seq landed."""
@@ -279,6 +293,7 @@ class ChannelState:
                 for r in self.runs
             ],
             "gaps": [[g.first, g.last, g.since] for g in self.gaps],
+            "written_off": [[w.first, w.last, w.at, w.note] for w in self.written_off],
             "landed": [list(iv) for iv in self.landed],
             "highest": self.highest,
             "known": self.known,
@@ -318,6 +333,10 @@ class ChannelState:
             TransitGap(_int(g[0], where), _int(g[1], where), _opt_str(g[2], where))
             for g in _rows(_get(d, "gaps", list, where), 3, where)
         ]
+        written_off = [
+            WrittenOff(_int(w[0], where, lo=1), _int(w[1], where, lo=1), str(w[2]), str(w[3]))
+            for w in _rows(d.get("written_off", []), 4, where)  # absent before write-offs
+        ]
         landed = [
             (_int(a, where), _int(b, where))
             for a, b in _rows(_get(d, "landed", list, where), 2, where)
@@ -342,6 +361,7 @@ class ChannelState:
             contig_end=_int(_get(d, "contig_end", int, where), where, lo=-1),
             runs=runs,
             gaps=gaps,
+            written_off=written_off,
             landed=landed,
             highest=_int(_get(d, "highest", int, where), where),
             known=_int(_get(d, "known", int, where), where),
@@ -619,6 +639,19 @@ def _open_gap(
 
 
 def _close_gap(cs: ChannelState, channel: str, n: int, cov: Interval | None) -> list[Event]:
+    lo, hi = cov if cov is not None else (None, None)
+    for i, w in enumerate(cs.written_off):
+        if w.first <= n <= w.last:
+            left = [replace(w, first=a, last=b) for a, b in ((w.first, n - 1), (n + 1, w.last))]
+            cs.written_off[i : i + 1] = [y for y in left if y.first <= y.last]
+            detail = {
+                "first_bundle_seq": n,
+                "last_bundle_seq": n,
+                "gap_first_bundle_seq": w.first,
+                "gap_last_bundle_seq": w.last,
+                "written_off_at": w.at,
+            }
+            return [Event("gap_closed", channel, n, lo, hi, "written_off", detail)]
     for i, g in enumerate(cs.gaps):
         if g.first <= n <= g.last:
             rest = [TransitGap(a, b, g.since) for a, b in ((g.first, n - 1), (n + 1, g.last))]
@@ -630,7 +663,6 @@ def _close_gap(cs: ChannelState, channel: str, n: int, cov: Interval | None) -> 
                 "gap_last_bundle_seq": g.last,
                 "opened": g.since,
             }
-            lo, hi = cov if cov is not None else (None, None)
             return [Event("gap_closed", channel, n, lo, hi, "transit", detail)]
     return []
 
@@ -770,6 +802,46 @@ def tick(
     return events
 
 
+# ------------------------------------------------------------------------- write-off
+
+
+def write_off(
+    state: SequenceState, channel: str, first: int, last: int, note: str, now: datetime
+) -> list[Event]:
+    """Declare the open transit gap bundles ``first..last`` of ``channel`` lost for good (black
+    no longer has them): they leave the open gaps, one ``gap_written_off`` event per open gap
+    they cut. StateError, naming the open gaps, when the range is not entirely open."""
+    cs = state.channels.get(channel)
+    where = f"channel {channel!r} bundle seqs {first}..{last}"
+    if first < 1 or last < first:
+        raise StateError(f"{where}: not a range of bundle seqs (1 <= first <= last)")
+    gaps = cs.gaps if cs is not None else []
+    covered = sum(max(0, min(g.last, last) - max(g.first, first) + 1) for g in gaps)
+    if cs is None or covered != last - first + 1:
+        listed = ", ".join(f"{g.first}..{g.last}" for g in gaps) or "none"
+        raise StateError(
+            f"{where}: not all in an open transit gap (open gaps of {channel!r}: {listed}); "
+            "only bundles red is still waiting for can be written off"
+        )
+    at = format_utc(now)
+    events: list[Event] = []
+    kept: list[TransitGap] = []
+    for g in gaps:
+        a, b = max(g.first, first), min(g.last, last)
+        if a > b:
+            kept.append(g)
+            continue
+        kept += [
+            TransitGap(x, y, g.since) for x, y in ((g.first, a - 1), (b + 1, g.last)) if x <= y
+        ]
+        detail = {"first_bundle_seq": a, "last_bundle_seq": b, "opened": g.since, "note": note}
+        events.append(Event("gap_written_off", channel, None, None, None, "operator", detail))
+    cs.gaps = kept
+    cs.written_off.append(WrittenOff(first, last, at, note))
+    cs.written_off.sort(key=lambda w: w.first)
+    return events
+
+
 # ------------------------------------------------------------------------- reports
 
 
@@ -795,6 +867,10 @@ def summary(state: SequenceState) -> dict[str, dict[str, Any]]:
             "open_gaps": [
                 {"first_bundle_seq": g.first, "last_bundle_seq": g.last, "since": g.since}
                 for g in cs.gaps
+            ],
+            "written_off": [
+                {"first_bundle_seq": w.first, "last_bundle_seq": w.last, "at": w.at, "note": w.note}
+                for w in cs.written_off
             ],
             "accounted_seqs": sum(b - a + 1 for a, b in cs.landed),
             "seq_range": [cs.landed[0][0], cs.landed[-1][1]] if cs.landed else None,

@@ -1,0 +1,124 @@
+"""Integration: `diode red write-off` on a real red state and real Delta tables (the CLI in a
+subprocess): applied at once when no job runs, queued for a running job's tick otherwise;
+refused, naming the open gaps, for bundles red is not waiting for."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from deltalake import DeltaTable
+
+from bridge.config import Config, load_config
+from bridge.fsutil import exclusive_lock
+from bridge.red import sequence as sq
+from bridge.red.evidence import Evidence
+from bridge.red.job import open_tables
+from bridge.red.landing import REQUESTS_DIR, Landing
+from tests.red_factory import RED_DIRS_TOML
+
+DIODE = [sys.executable, "-m", "bridge.cli"]
+T0 = datetime(2026, 11, 23, 9, 0, tzinfo=UTC)
+
+
+def _config(root: Path) -> Config:
+    p = root / "diode.toml"
+    p.write_text(f"""
+[link]
+bridge_id = "write-off-test"
+
+[[channels]]
+name = "c1"
+encrypt = false
+
+[red]
+{RED_DIRS_TOML}""")
+    return load_config(p, environ={})
+
+
+def _landing(cfg: Config) -> Landing:
+    landing = Landing(
+        cfg, open_tables(cfg), Evidence(cfg.red.processed_dir, cfg.red.quarantine_dir)
+    )
+    landing.recover()
+    return landing
+
+
+def _with_gap(cfg: Config) -> Landing:
+    """A landing whose saved state has bundles 1 and 6 of c1: 2..5 open."""
+    landing = _landing(cfg)
+    for n, a, b in ((1, 0, 9), (6, 50, 59)):
+        facts = sq.BundleFacts("c1", n, f"id{n}", f"{n:064x}", None, b - a + 1, a, b)
+        sq.admit(landing.state, facts, T0)
+    landing._save_state(landing.land_seq, landing.state.to_json(), 0)
+    return landing
+
+
+def _cli(cfg: Config, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [*DIODE, "red", *args, "--config", str(cfg.source)],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+
+
+def _gaps(cfg: Config) -> dict[str, Any]:
+    p = _cli(cfg, "gaps")
+    assert p.returncode == 0, p.stderr
+    return json.loads(p.stdout)
+
+
+def _audit(cfg: Config, event: str) -> list[dict[str, Any]]:
+    rows = DeltaTable(str(Path(cfg.red.tables_dir) / "audit")).to_pyarrow_table().to_pylist()
+    return [r for r in rows if r["event"] == event]
+
+
+def test_write_off_applies_at_once_audits_and_closes_the_gap(tmp_path: Path) -> None:
+    cfg = _config(tmp_path)
+    _with_gap(cfg)
+    p = _cli(cfg, "write-off", "--channel", "c1", "--from", "2", "--to", "4",
+             "--note", "INC-7: pruned on black")  # fmt: skip
+    assert p.returncode == 0, p.stderr
+    out = json.loads(p.stdout.strip().splitlines()[-1])
+    assert out["applied"] is True and out["events"] == {"gap_written_off": 1}
+    gaps = _gaps(cfg)
+    assert [(g["first_bundle_seq"], g["last_bundle_seq"]) for g in gaps["open_transit_gaps"]] == [
+        (5, 5)]  # fmt: skip
+    (w,) = gaps["written_off"]
+    assert (w["channel"], w["first_bundle_seq"], w["last_bundle_seq"]) == ("c1", 2, 4)
+    assert w["note"].startswith("INC-7: pruned on black (by ")
+    (row,) = _audit(cfg, "gap_written_off")
+    assert (row["channel"], row["reason"], row["app_id"]) == ("c1", "operator", "diode-red")
+    assert json.loads(row["detail"])["first_bundle_seq"] == 2
+    assert not list((Path(cfg.red.work_dir) / REQUESTS_DIR).glob("*.json"))  # consumed
+
+
+def test_write_off_refuses_bundles_red_is_not_waiting_for(tmp_path: Path) -> None:
+    cfg = _config(tmp_path)
+    _with_gap(cfg)
+    p = _cli(cfg, "write-off", "--channel", "c1", "--from", "5", "--to", "7", "--note", "x")
+    assert p.returncode == 1
+    assert "not all in an open transit gap (open gaps of 'c1': 2..5)" in p.stderr
+    p = _cli(cfg, "write-off", "--channel", "c1", "--from", "2", "--to", "2", "--note", " ")
+    assert p.returncode == 2 and "--note is required" in p.stderr
+    assert not _audit(cfg, "gap_written_off")
+    assert [g["first_bundle_seq"] for g in _gaps(cfg)["open_transit_gaps"]] == [2]
+
+
+def test_write_off_beside_a_running_job_is_queued_for_its_next_tick(tmp_path: Path) -> None:
+    cfg = _config(tmp_path)
+    landing = _with_gap(cfg)
+    with exclusive_lock(Path(cfg.red.state_dir) / "red.lock", what="a red job (test)"):
+        p = _cli(cfg, "write-off", "--channel", "c1", "--from", "2", "--to", "5", "--note", "x")
+        assert p.returncode == 0, p.stderr
+        out = json.loads(p.stdout.strip().splitlines()[-1])
+        assert out["applied"] is False and Path(out["queued"]).exists()
+        assert [g["first_bundle_seq"] for g in _gaps(cfg)["open_transit_gaps"]] == [2]
+        res = landing.tick()  # what the running job does about every second
+    assert res.events.get("gap_written_off") == 1
+    assert _gaps(cfg)["open_transit_gaps"] == []
+    assert not Path(out["queued"]).exists()
+    assert len(_audit(cfg, "gap_written_off")) == 1
