@@ -25,7 +25,9 @@ from bridge.red.landing import Landing, LandingResult
 from bridge.red.source import InboxDataSource
 from bridge.red.tables import RedTables, resolve_engine
 
-__all__ = ["RedRun", "RedSummary", "run_red", "check_red_config", "Trigger", "open_tables"]
+__all__ = [
+    "RedRun", "RedSummary", "run_red", "check_red_config", "Trigger", "open_tables", "open_landing",
+]  # fmt: skip
 
 log = get_logger("bridge.red.job")
 Trigger = Literal["available-now", "continuous"]
@@ -77,6 +79,17 @@ def check_red_config(cfg: Config) -> None:
 def open_tables(cfg: Config, spark: Any | None = None) -> RedTables:
     engine = resolve_engine(cfg.red.delta_engine, spark)
     return RedTables(Path(cfg.red.tables_dir), engine, spark)
+
+
+def open_landing(cfg: Config) -> Landing:
+    """The landing of ``cfg`` outside a Spark job (operator commands, tests), with an
+    interrupted landing finished. Hold the red state lock while using it."""
+    r = cfg.red
+    landing = Landing(
+        cfg, open_tables(cfg), Evidence(Path(r.processed_dir), Path(r.quarantine_dir))
+    )
+    landing.recover()
+    return landing
 
 
 class RedRun:

@@ -28,7 +28,7 @@ import bisect
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
 from datetime import datetime
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 from bridge.errors import StateError
 from bridge.protocol.heartbeat import Heartbeat
@@ -638,33 +638,33 @@ def _open_gap(
     return Event("gap_opened", channel, None, lo, hi, "transit", detail)
 
 
+_R = TypeVar("_R", TransitGap, WrittenOff)
+
+
+def _take(ranges: list[_R], n: int) -> _R | None:
+    """Take bundle seq ``n`` out of the range of ``ranges`` holding it (split around ``n``);
+    returns that range as it was, or None."""
+    for i, r in enumerate(ranges):
+        if r.first <= n <= r.last:
+            parts = [replace(r, first=a, last=b) for a, b in ((r.first, n - 1), (n + 1, r.last))]
+            ranges[i : i + 1] = [x for x in parts if x.first <= x.last]
+            return r
+    return None
+
+
 def _close_gap(cs: ChannelState, channel: str, n: int, cov: Interval | None) -> list[Event]:
     lo, hi = cov if cov is not None else (None, None)
-    for i, w in enumerate(cs.written_off):
-        if w.first <= n <= w.last:
-            left = [replace(w, first=a, last=b) for a, b in ((w.first, n - 1), (n + 1, w.last))]
-            cs.written_off[i : i + 1] = [y for y in left if y.first <= y.last]
-            detail = {
-                "first_bundle_seq": n,
-                "last_bundle_seq": n,
-                "gap_first_bundle_seq": w.first,
-                "gap_last_bundle_seq": w.last,
-                "written_off_at": w.at,
-            }
-            return [Event("gap_closed", channel, n, lo, hi, "written_off", detail)]
-    for i, g in enumerate(cs.gaps):
-        if g.first <= n <= g.last:
-            rest = [TransitGap(a, b, g.since) for a, b in ((g.first, n - 1), (n + 1, g.last))]
-            cs.gaps[i : i + 1] = [x for x in rest if x.first <= x.last]
-            detail = {
-                "first_bundle_seq": n,
-                "last_bundle_seq": n,
-                "gap_first_bundle_seq": g.first,
-                "gap_last_bundle_seq": g.last,
-                "opened": g.since,
-            }
-            return [Event("gap_closed", channel, n, lo, hi, "transit", detail)]
-    return []
+    detail: dict[str, Any] = {"first_bundle_seq": n, "last_bundle_seq": n}
+    w = _take(cs.written_off, n)  # written off, yet it came
+    if w is not None:
+        detail |= {"gap_first_bundle_seq": w.first, "gap_last_bundle_seq": w.last,
+                   "written_off_at": w.at}  # fmt: skip
+        return [Event("gap_closed", channel, n, lo, hi, "written_off", detail)]
+    g = _take(cs.gaps, n)
+    if g is None:
+        return []
+    detail |= {"gap_first_bundle_seq": g.first, "gap_last_bundle_seq": g.last, "opened": g.since}
+    return [Event("gap_closed", channel, n, lo, hi, "transit", detail)]
 
 
 def _transit(cs: ChannelState, f: BundleFacts, since: str | None) -> list[Event]:

@@ -21,8 +21,7 @@ from bridge.config import Config
 from bridge.errors import ConfigError, StateError
 from bridge.fsutil import atomic_write_bytes, durable_mkdir, exclusive_lock
 from bridge.red import sequence as sq
-from bridge.red.evidence import Evidence
-from bridge.red.landing import REQUESTS_DIR, Landing
+from bridge.red.landing import REQUESTS_DIR
 from bridge.red.report import load_sequence
 
 __all__ = ["write_off_gap"]
@@ -68,13 +67,9 @@ def write_off_gap(cfg: Config, channel: str, first: int, last: int, note: str) -
             "second); check `diode red gaps`",
         }
     with stack:
-        from bridge.red.job import open_tables
+        from bridge.red.job import open_landing
 
-        r = cfg.red
-        landing = Landing(cfg, open_tables(cfg), Evidence(Path(r.processed_dir),
-                                                          Path(r.quarantine_dir)))  # fmt: skip
-        landing.recover()
-        res = landing.tick()
+        res = open_landing(cfg).tick()
     if not res.events.get("gap_written_off"):
         raise StateError(
             f"the write-off of {channel!r} {first}..{last} was refused when applied (the state "

@@ -795,17 +795,25 @@ def events_of(res: Any, kind: str) -> list[dict[str, Any]]:
     return [e for e in res.events if e["event"] == kind]
 
 
+def with_gap(
+    tmp: Path, tables: RedTables, admin: Connection, url: str, hold: float
+) -> tuple[Config, Consumer, datetime]:
+    """c1's bundles 1 (seqs 0-9) and 3 (20-29) landed just now, bundle 2 (10-19) missing; a
+    consumer bound to the exchange on red."""
+    cfg = make_cfg(tmp, url, [HOLD_X.name], gap_hold_seconds=hold)
+    now = datetime.now(UTC)
+    consumer = hold_consumer(admin, url)
+    land(tables, 1, rows("c1", range(0, 10), HOLD_X), landed_at=now)
+    land(tables, 2, rows("c1", range(20, 30), HOLD_X), landed_at=now)
+    save_state(tmp, 2, [(1, 0, 9), (3, 20, 29)])
+    return cfg, consumer, now
+
+
 @pytestmark_broker
 def test_replay_holds_an_exchange_at_a_gap_until_the_missing_bundle_lands(
     tmp_path: Path, tables: RedTables, red_vhost: Vhost, admin: Connection
 ) -> None:
-    url = red_vhost.amqp_url
-    cfg = make_cfg(tmp_path, url, [HOLD_X.name], gap_hold_seconds=120)
-    now = datetime.now(UTC)
-    consumer = hold_consumer(admin, url)
-    land(tables, 1, rows("c1", range(0, 10), HOLD_X), landed_at=now)
-    land(tables, 2, rows("c1", range(20, 30), HOLD_X), landed_at=now)  # bundle 3: 2 is missing
-    save_state(tmp_path, 2, [(1, 0, 9), (3, 20, 29)])
+    cfg, consumer, now = with_gap(tmp_path, tables, admin, red_vhost.amqp_url, hold=120)
     try:
         with Replayer(cfg) as r:
             s1 = r.step()
@@ -837,13 +845,7 @@ def test_replay_holds_an_exchange_at_a_gap_until_the_missing_bundle_lands(
 def test_replay_goes_past_a_gap_after_the_hold_and_audits_late_rows_out_of_order(
     tmp_path: Path, tables: RedTables, red_vhost: Vhost, admin: Connection
 ) -> None:
-    url = red_vhost.amqp_url
-    cfg = make_cfg(tmp_path, url, [HOLD_X.name], gap_hold_seconds=1.0)
-    now = datetime.now(UTC)
-    consumer = hold_consumer(admin, url)
-    land(tables, 1, rows("c1", range(0, 10), HOLD_X), landed_at=now)
-    land(tables, 2, rows("c1", range(20, 30), HOLD_X), landed_at=now)
-    save_state(tmp_path, 2, [(1, 0, 9), (3, 20, 29)])
+    cfg, consumer, now = with_gap(tmp_path, tables, admin, red_vhost.amqp_url, hold=1.0)
     passed_before = metric("bridge_red_replay_gaps_passed_total", exchange=HOLD_X.name)
     late_before = metric("bridge_red_replay_out_of_order_total", exchange=HOLD_X.name)
     try:

@@ -12,8 +12,7 @@ import pytest
 from deltalake import DeltaTable
 
 from bridge.config import Config, load_config
-from bridge.red.evidence import Evidence
-from bridge.red.job import open_tables
+from bridge.red.job import open_landing
 from bridge.red.landing import Landing
 from tests.red_factory import RED_DIRS_TOML
 
@@ -41,14 +40,6 @@ spool_dir = "red/udp-spool"
     return load_config(p, environ={})
 
 
-def _landing(cfg: Config) -> Landing:
-    landing = Landing(
-        cfg, open_tables(cfg), Evidence(cfg.red.processed_dir, cfg.red.quarantine_dir)
-    )
-    landing.recover()
-    return landing
-
-
 def _record(seq: int, reason: str = "timeout", channel: str = "u1") -> dict[str, Any]:
     return {
         "epoch": 1795416026359094799, "object_id": seq, "channel": channel, "kind": "bundle",
@@ -73,7 +64,7 @@ def _transport_rows(cfg: Config) -> list[dict[str, Any]]:
 
 def test_each_gap_record_is_audited_once(tmp_path: Path) -> None:
     cfg = _config(tmp_path)
-    landing = _landing(cfg)
+    landing = open_landing(cfg)
     landing.tick()  # the first tick starts watching the channel (a state change: a landing)
     seq = landing.land_seq
     assert landing.tick().events == {}  # no gaps.jsonl yet: nothing, no landing
@@ -108,7 +99,7 @@ def test_each_gap_record_is_audited_once(tmp_path: Path) -> None:
     assert [r["bundle_seq"] for r in _transport_rows(cfg)] == [5, 6, None, 8]
 
     # a restart reads from the saved position, not from the start
-    landing = _landing(cfg)
+    landing = open_landing(cfg)
     assert landing.tick().events == {}
     assert len(_transport_rows(cfg)) == 4
 
@@ -122,7 +113,7 @@ def test_a_crash_after_the_audit_append_neither_loses_nor_repeats(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     cfg = _config(tmp_path)
-    landing = _landing(cfg)
+    landing = open_landing(cfg)
     _append(cfg, json.dumps(_record(3)) + "\n")
 
     fired: list[int] = []
@@ -139,7 +130,7 @@ def test_a_crash_after_the_audit_append_neither_loses_nor_repeats(
     assert len(_transport_rows(cfg)) == 1
     assert (Path(cfg.red.state_dir) / "landing" / "intent.json").exists()
 
-    restarted = _landing(cfg)  # finishes the interrupted landing from its intent
+    restarted = open_landing(cfg)  # finishes the interrupted landing from its intent
     assert restarted.land_seq == 1
     assert restarted.udp_gaps_offset > 0
     assert restarted.tick().events == {}

@@ -16,8 +16,7 @@ from deltalake import DeltaTable
 from bridge.config import Config, load_config
 from bridge.fsutil import exclusive_lock
 from bridge.red import sequence as sq
-from bridge.red.evidence import Evidence
-from bridge.red.job import open_tables
+from bridge.red.job import open_landing
 from bridge.red.landing import REQUESTS_DIR, Landing
 from tests.red_factory import RED_DIRS_TOML
 
@@ -40,17 +39,9 @@ encrypt = false
     return load_config(p, environ={})
 
 
-def _landing(cfg: Config) -> Landing:
-    landing = Landing(
-        cfg, open_tables(cfg), Evidence(cfg.red.processed_dir, cfg.red.quarantine_dir)
-    )
-    landing.recover()
-    return landing
-
-
 def _with_gap(cfg: Config) -> Landing:
     """A landing whose saved state has bundles 1 and 6 of c1: 2..5 open."""
-    landing = _landing(cfg)
+    landing = open_landing(cfg)
     for n, a, b in ((1, 0, 9), (6, 50, 59)):
         facts = sq.BundleFacts("c1", n, f"id{n}", f"{n:064x}", None, b - a + 1, a, b)
         sq.admit(landing.state, facts, T0)
