@@ -205,3 +205,44 @@ def test_hostile_files_are_quarantined_and_good_ones_land(
     ledger = table(cfg, "bundles", ["bundle_seq", "status"])
     assert sorted(r["bundle_seq"] for r in ledger if r["status"] == "landed") == [1, 2]
     assert (Path(cfg.red.inbox) / "..orders.dbundle").exists(), "hidden names are left alone"
+
+
+@pytest.mark.broker
+def test_replay_holds_for_a_missing_bundle_landed_by_the_red_job(
+    spark: Any, keys: RedKeys, tmp_path: Path, red_vhost: Any
+) -> None:
+    """The replay's hold-back on what the real landing saved: bundle 2 missing, bundle 3's rows
+    wait; once the job lands bundle 2, its rows go out before bundle 3's, in seq order."""
+    from bridge.amqp.client import Connection
+    from bridge.red.replay import Replayer
+
+    url = red_vhost.amqp_url
+    extra = 'approved = ["orders"]\npoll_seconds = 0.05\ngap_hold_seconds = 300\n'
+    cfg = load_config(write_red_toml(tmp_path, keys, replay_url=url, replay_extra=extra))
+    made = tmp_path / "made"
+    made.mkdir()
+    chain = make_chain(made, keys, "orders", 3, 30)
+    drop(cfg, chain[0].path, chain[2].path)
+    assert run(cfg, spark)["bundles_landed"] == 2
+    with Connection.open(url) as conn, Replayer(cfg) as replayer:
+        first = replayer.step()
+        assert (first.confirmed, first.held) == (30, 1), first  # bundle 1 only: 3 waits
+        ch = conn.channel()
+        q = ch.queue_declare("", exclusive=True).queue
+        ch.queue_bind(q, "orders", "#")
+        ch.basic_consume(q, no_ack=True)
+        assert replayer.step().published == 0
+        drop(cfg, chain[1].path)
+        assert run(cfg, spark)["bundles_landed"] == 1
+        for _ in range(50):
+            if replayer.step().caught_up:
+                break
+        got: list[int] = []
+        for _ in range(100):
+            got += [json.loads(d.body)["seq"] for d in conn.poll(0.1).deliveries]
+            if len(got) >= 60:
+                break
+    want = [s for b in chain[1:] for s in b.rows.column("seq").to_pylist()]
+    assert got == want  # bundle 2's rows, then bundle 3's: seq order kept across the gap
+    events = {a["event"] for a in table(cfg, "audit", ["event"])}
+    assert "gap_opened" in events and "gap_closed" in events
