@@ -18,7 +18,7 @@ import bisect
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from bridge.red.sequence import SequenceState
+from bridge.red.sequence import SequenceState, seqs_within
 
 __all__ = [
     "Hole",
@@ -59,9 +59,8 @@ class GapView:
             below = cs.contig
             for run in cs.runs:
                 first, last = below + 1, run.lo - 1
-                lost = sum(  # bundles of the hole an operator wrote off: nothing to wait for
-                    max(0, min(w.last, last) - max(w.first, first) + 1) for w in cs.written_off
-                )
+                # a hole an operator wrote off entirely has nothing to wait for
+                lost = seqs_within(cs.written_off, first, last)
                 if run.wait is not None and lost < last - first + 1:  # rows above the hole
                     found.append(Hole(first, last, run.wait[1]))
                 below = run.hi

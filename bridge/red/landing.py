@@ -44,7 +44,7 @@ from bridge.red.evidence import Evidence
 from bridge.red.tables import RedTables
 from bridge.red.verify import Verdict, sweep_plain_dir
 
-__all__ = ["Landing", "LandingResult", "APP_ID", "LandingError"]
+__all__ = ["Landing", "LandingResult", "APP_ID", "LandingError", "SavedState", "read_saved_state"]
 
 log = get_logger("bridge.red.landing")
 
@@ -111,6 +111,49 @@ def _event_row(ev: sq.Event, at: datetime) -> dict[str, Any]:
     }
 
 
+def _json_files(d: Path) -> list[tuple[Path, Any, str | None]]:
+    """``(path, parsed document, None)`` of each ``d/*.json`` by name, or ``(path, None, why)``
+    for one that cannot be read or parsed."""
+    out: list[tuple[Path, Any, str | None]] = []
+    for p in sorted(d.glob("*.json")) if d.exists() else []:
+        try:
+            out.append((p, json.loads(p.read_bytes()), None))
+        except (OSError, ValueError) as e:
+            out.append((p, None, str(e)))
+    return out
+
+
+@dataclass(frozen=True)
+class SavedState:
+    """``state_dir/red-state.json``: what the last landing left."""
+
+    land_seq: int
+    sequence: sq.SequenceState
+    udp_gaps_offset: int
+    saved_at: str | None
+
+
+def read_saved_state(state_dir: Path) -> SavedState | None:
+    """The red state saved after the last landing (None before the first); LandingError when
+    the file is not JSON (StateError when its sequence state is malformed)."""
+    p = Path(state_dir) / STATE_FILE
+    try:
+        doc = json.loads(p.read_bytes())
+    except FileNotFoundError:
+        return None
+    except ValueError as e:
+        raise LandingError(
+            f"red state {p} is unreadable ({e}); restore it from backup — red cannot "
+            "check sequences without it"
+        ) from None
+    return SavedState(
+        int(doc["land_seq"]),
+        sq.SequenceState.from_json(doc["sequence"]),
+        int(doc.get("udp_gaps_offset", 0)),
+        doc.get("saved_at"),
+    )
+
+
 class Landing:
     """The driver-side sink of the red job: owns the sequence state and the journal."""
 
@@ -134,19 +177,12 @@ class Landing:
 
     # -- state ---------------------------------------------------------------------------------
     def _load_state(self) -> tuple[int, sq.SequenceState]:
-        p = self.state_dir / STATE_FILE
-        try:
-            doc = json.loads(p.read_bytes())
-        except FileNotFoundError:
+        saved = read_saved_state(self.state_dir)
+        if saved is None:
             self.udp_gaps_offset = 0
             return 0, sq.SequenceState()
-        except ValueError as e:
-            raise LandingError(
-                f"red state {p} is unreadable ({e}); restore it from backup — red cannot "
-                "check sequences without it"
-            ) from None
-        self.udp_gaps_offset = int(doc.get("udp_gaps_offset", 0))
-        return int(doc["land_seq"]), sq.SequenceState.from_json(doc["sequence"])
+        self.udp_gaps_offset = saved.udp_gaps_offset
+        return saved.land_seq, saved.sequence
 
     def _save_state(self, land_seq: int, state_json: dict[str, Any], udp_gaps_offset: int) -> None:
         doc = {
@@ -443,16 +479,14 @@ class Landing:
         return rows, offset
 
     def _requests(self) -> tuple[list[dict[str, Any]], list[str]]:
-        """Operator requests (``diode red write-off``) queued in ``work_dir/requests/``."""
-        d = self.work_dir / REQUESTS_DIR
+        """Operator requests (``diode red write-off``) queued in ``work_dir/requests/``; an
+        unreadable one is logged and consumed as refused."""
         docs, paths = [], []
-        for p in sorted(d.glob("*.json")) if d.exists() else []:
-            try:
-                docs.append(json.loads(p.read_bytes()))
-            except (OSError, ValueError) as e:
+        for p, doc, error in _json_files(self.work_dir / REQUESTS_DIR):
+            if error is not None:
                 log_event(log, 40, "operator request unreadable: ignored", path=str(p),
-                          error=str(e))  # fmt: skip
-                docs.append({})
+                          error=error)  # fmt: skip
+            docs.append({} if doc is None else doc)
             paths.append(str(p))
         return docs, paths
 
@@ -476,15 +510,9 @@ class Landing:
 
     def _intake_quarantines(self) -> tuple[list[dict[str, Any]], list[str]]:
         """Files the intake quarantined on its own (bad names, links, ...): to be audited."""
-        d = self.work_dir / "audit-pending"
-        docs, paths = [], []
-        for p in sorted(d.glob("*.json")) if d.exists() else []:
-            try:
-                docs.append(json.loads(p.read_bytes()))
-            except (OSError, ValueError):
-                continue
-            paths.append(str(p))
-        return docs, paths
+        found = [(p, doc) for p, doc, error in _json_files(self.work_dir / "audit-pending")
+                 if error is None]  # fmt: skip
+        return [doc for _, doc in found], [str(p) for p, _ in found]
 
     @staticmethod
     def _received_at(src: Path, now: datetime) -> datetime:

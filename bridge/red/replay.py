@@ -65,12 +65,12 @@ from bridge.fsutil import atomic_write_bytes, durable_mkdir, exclusive_lock
 from bridge.logs import get_logger, log_event
 from bridge.metrics import REGISTRY
 from bridge.protocol.headers import typed_json_to_headers
+from bridge.protocol.manifest import format_utc
 from bridge.protocol.properties import decode_table, encode_table, scan_properties
 from bridge.protocol.rows import UNKNOWN_EXCHANGE_TYPE
 from bridge.red.approvals import Approvals
 from bridge.red.holdback import GapView, out_of_order, plan_release, publish_order
-from bridge.red.landing import STATE_FILE
-from bridge.red.sequence import SequenceState
+from bridge.red.landing import STATE_FILE, read_saved_state
 
 __all__ = [
     "APP_ID",
@@ -757,7 +757,7 @@ class Replayer:
                 return
             last_read = self._last_key(batch)
             if lane.early:
-                batch = self._drop_early(lane, batch)
+                batch = self._without_early(lane, batch, forget=True)
             if batch.num_rows:
                 break
             lane.read_through = hi  # every row up to hi was published already: look further
@@ -842,34 +842,28 @@ class Replayer:
     def _gap_view(self) -> GapView | None:
         """The landing's open holes and how far its state goes; None without a state file
         (tables not written by a red job: nothing is held)."""
-        path = self.state_dir / STATE_FILE
         try:
-            doc = json.loads(path.read_bytes())
-            view = GapView.from_state(
-                int(doc["land_seq"]), SequenceState.from_json(doc["sequence"])
-            )
-        except FileNotFoundError:
-            return None
-        except (OSError, ValueError, KeyError, TypeError, StateError) as e:
+            saved = read_saved_state(self.state_dir)
+        except (OSError, KeyError, TypeError, ValueError, DiodeError) as e:
+            path = self.state_dir / STATE_FILE
             msg = f"red state {path} unreadable ({e}): replaying without the gap hold-back"
             if msg != self._view_error:
                 log_event(log, 40, msg)
             self._view_error = msg
             return None
         self._view_error = None
-        return view
+        return None if saved is None else GapView.from_state(saved.land_seq, saved.sequence)
 
-    def _drop_early(self, lane: _Lane, batch: pa.Table) -> pa.Table:
-        """Rows published ahead of their key as fillers are not published again (and, read
-        in key order now, no longer remembered)."""
+    def _without_early(self, lane: _Lane, table: pa.Table, *, forget: bool) -> pa.Table:
+        """``table`` without the rows published ahead of their key as fillers; ``forget``
+        them when they are now read in key order (they will not be read again)."""
         keep = []
-        for k in self._keys_of(batch):
-            if k in lane.early:
+        for k in self._keys_of(table):
+            early = k in lane.early
+            if early and forget:
                 lane.early.discard(k)
-                keep.append(False)
-            else:
-                keep.append(True)
-        return batch if all(keep) else batch.filter(pa.array(keep))
+            keep.append(not early)
+        return table if all(keep) else table.filter(pa.array(keep))
 
     def _hold(self, lane: _Lane, batch: pa.Table) -> tuple[pa.Table, bool]:
         """Cut ``batch`` at the first row above an open gap still within its hold; returns the
@@ -907,7 +901,7 @@ class Replayer:
             "seq": seq,
             "first_bundle_seq": hole.first_bundle_seq,
             "last_bundle_seq": hole.last_bundle_seq,
-            "until": datetime.fromtimestamp(until / 1e6, UTC).isoformat().replace("+00:00", "Z"),
+            "until": format_utc(datetime.fromtimestamp(until / 1e6, UTC)),
         }
         if lane.held is None or lane.held["first_bundle_seq"] != hole.first_bundle_seq:
             log_event(log, 20, "replay holds an exchange for an open gap", exchange=lane.name,
@@ -934,9 +928,7 @@ class Replayer:
             return None
         table = ds.to_table(columns=_COLUMNS, filter=flt)
         if lane.early:  # published as fillers by an earlier batch: not again
-            keep = [k not in lane.early for k in self._keys_of(table)]
-            if not all(keep):
-                table = table.filter(pa.array(keep))
+            table = self._without_early(lane, table, forget=False)
         order = pc.sort_indices(table.select(["land_seq", "channel", "seq"]), sort_keys=_ORDER)
         return table.take(order) if table.num_rows else None
 
@@ -953,10 +945,8 @@ class Replayer:
 
     @staticmethod
     def _last_key(table: pa.Table) -> Key | None:
-        if not table.num_rows:
-            return None
-        i = table.num_rows - 1
-        return (table["land_seq"][i].as_py(), table["channel"][i].as_py(), table["seq"][i].as_py())
+        n = table.num_rows
+        return Replayer._keys_of(table.slice(n - 1))[0] if n else None
 
     @staticmethod
     def _keys_of(table: pa.Table) -> list[Key]:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -10,19 +9,17 @@ from typing import Any
 from bridge.config import Config
 from bridge.diode.link_status import read_gap_records
 from bridge.red import sequence as sq
-from bridge.red.landing import STATE_FILE
+from bridge.red.landing import read_saved_state
 
 __all__ = ["red_status", "red_gaps", "load_sequence"]
 
 
 def load_sequence(cfg: Config) -> tuple[int, sq.SequenceState, str | None]:
     """(land_seq, sequence state, saved_at) of the red state dir; empty before the first run."""
-    p = Path(cfg.red.state_dir) / STATE_FILE
-    try:
-        doc = json.loads(p.read_bytes())
-    except FileNotFoundError:
+    saved = read_saved_state(Path(cfg.red.state_dir))
+    if saved is None:
         return 0, sq.SequenceState(), None
-    return int(doc["land_seq"]), sq.SequenceState.from_json(doc["sequence"]), doc.get("saved_at")
+    return saved.land_seq, saved.sequence, saved.saved_at
 
 
 def _count(d: Path, pattern: str = "*") -> int:

@@ -55,6 +55,7 @@ __all__ = [
     "tick",
     "open_gaps",
     "write_off",
+    "seqs_within",
     "summary",
 ]
 
@@ -805,6 +806,11 @@ def tick(
 # ------------------------------------------------------------------------- write-off
 
 
+def seqs_within(ranges: Iterable[TransitGap | WrittenOff], first: int, last: int) -> int:
+    """How many bundle seqs of ``first..last`` the (disjoint) ``ranges`` hold."""
+    return sum(max(0, min(r.last, last) - max(r.first, first) + 1) for r in ranges)
+
+
 def write_off(
     state: SequenceState, channel: str, first: int, last: int, note: str, now: datetime
 ) -> list[Event]:
@@ -816,8 +822,7 @@ def write_off(
     if first < 1 or last < first:
         raise StateError(f"{where}: not a range of bundle seqs (1 <= first <= last)")
     gaps = cs.gaps if cs is not None else []
-    covered = sum(max(0, min(g.last, last) - max(g.first, first) + 1) for g in gaps)
-    if cs is None or covered != last - first + 1:
+    if cs is None or seqs_within(gaps, first, last) != last - first + 1:
         listed = ", ".join(f"{g.first}..{g.last}" for g in gaps) or "none"
         raise StateError(
             f"{where}: not all in an open transit gap (open gaps of {channel!r}: {listed}); "
