@@ -252,7 +252,20 @@ def endpoints(ns: Netns | None) -> tuple[str, list[str], list[str]]:
     return ns.r_addr, ns.prefix(ns.s), ns.prefix(ns.r)
 
 
-def write_config(root: Path, dest: str, bind: str, mtu: int, rate: int, overhead: float) -> Path:
+ENCODE_WORKERS = 1
+"""udp.send.encode_workers of the transport runs (``--encode-workers``' last value)."""
+
+
+def write_config(
+    root: Path,
+    dest: str,
+    bind: str,
+    mtu: int,
+    rate: int,
+    overhead: float,
+    encode_workers: int | None = None,
+) -> Path:
+    workers = ENCODE_WORKERS if encode_workers is None else encode_workers
     text = f"""
 [[channels]]
 name = "{CHANNEL}"
@@ -274,6 +287,7 @@ destination = "{dest}"
 rate_bytes_per_second = {rate}
 repair_overhead = {overhead}
 min_repair_symbols = 4
+encode_workers = {workers}
 scan_seconds = 0.1
 heartbeat_seconds = 1.0
 state_dir = "black/udp-send"
@@ -430,14 +444,20 @@ def run_transport(
 
 
 def sender_alone(
-    work: Path, mtu: int, rate: int, total_mb: int, file_mb: float, ns: Netns | None
+    work: Path,
+    mtu: int,
+    rate: int,
+    total_mb: int,
+    file_mb: float,
+    ns: Netns | None,
+    encode_workers: int,
 ) -> dict[str, Any]:
     """Our sender into the raw counting receiver: what the sender alone carries (on a real
     diode the receiver has a host of its own; here the sink still takes a share of the CPU)."""
     root = fresh_root(work, f"alone-{mtu}")
     port = free_port()
     host, pre_s, pre_r = endpoints(ns)
-    cfg = write_config(root, f"{host}:{port}", f"{host}:{port}", mtu, rate, 0.10)
+    cfg = write_config(root, f"{host}:{port}", f"{host}:{port}", mtu, rate, 0.10, encode_workers)
     make_files(root / "black/outbox", total_mb, file_mb)
     recv = raw_sink(pre_r, host, port)
     send = subprocess.run(
@@ -449,6 +469,7 @@ def sender_alone(
     shutil.rmtree(root, ignore_errors=True)
     return {
         "mtu": mtu,
+        "encode_workers": encode_workers,
         "file_mb_per_s": sent.get("mb_per_s"),
         "datagrams": sent.get("datagrams"),
         "send_calls": sent.get("send_calls"),
@@ -468,7 +489,8 @@ def print_table(res: dict[str, Any]) -> None:
         )
     for al in res["sender_alone"]:
         print(
-            f"{al['path']:6} {al['mtu']:>5} sender alone into a raw sink: "
+            f"{al['path']:6} {al['mtu']:>5} sender alone into a raw sink, "
+            f"{al.get('encode_workers')} encode workers: "
             f"{al.get('file_mb_per_s')} MB/s of files, {al.get('datagrams')} datagrams in "
             f"{al.get('send_calls')} system calls, {al.get('sink_received_fraction')} received"
         )
@@ -500,9 +522,14 @@ def main() -> None:
     ap.add_argument("--rate-mb", type=float, nargs="+", default=[150.0, 400.0],
                     help="sender pace per MTU, MB/s of datagrams")  # fmt: skip
     ap.add_argument("--paths", nargs="+", default=["relay", "netns"], choices=["relay", "netns"])
+    ap.add_argument("--encode-workers", type=int, nargs="+", default=[0, 1],
+                    help="udp.send.encode_workers of the sender-alone runs (one run each); "
+                    "the transport runs use the last")  # fmt: skip
     ap.add_argument("--only", nargs="*", default=None, help="scenario names (substring)")
     ap.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results")
     a = ap.parse_args()
+    global ENCODE_WORKERS
+    ENCODE_WORKERS = a.encode_workers[-1]
     a.out.mkdir(parents=True, exist_ok=True)
     stamp = dt.datetime.now(dt.UTC).strftime("%Y%m%dT%H%M%SZ")
     res: dict[str, Any] = {"started": stamp, "args": {k: str(v) for k, v in vars(a).items()},
@@ -527,9 +554,10 @@ def main() -> None:
                     base = raw_baseline(pre_s, pre_r, host, free_port(), size, 3.0)
                     res["baselines"].append({"path": path, "mtu": mtu, **base})
                     print(f"baseline {path} mtu {mtu}: {base}", flush=True)
-                    alone = sender_alone(work, mtu, rate, a.mb, a.file_mb, ns)
-                    res["sender_alone"].append({"path": path, **alone})
-                    print(f"sender alone {path} mtu {mtu}: {alone}", flush=True)
+                    for workers in a.encode_workers:
+                        alone = sender_alone(work, mtu, rate, a.mb, a.file_mb, ns, workers)
+                        res["sender_alone"].append({"path": path, **alone})
+                        print(f"sender alone {path} mtu {mtu}: {alone}", flush=True)
                     for sc in scenarios:
                         if ns is not None and sc.nft_loss_per_100k is None:
                             continue

@@ -416,6 +416,11 @@ class UdpSendConfig(_Strict):
     call per datagram, with a warning, where the kernel or the device refuses it; "off": one
     call per datagram. The wire carries the same datagrams either way."""
 
+    encode_workers: int = Field(default=1, ge=0, le=16)
+    """Processes that make the RaptorQ repair symbols while the sender seals and sends (the
+    encoder holds Python's lock: in the sender's process it takes about half of its time per
+    datagram). 0: encode in the sender's process. The datagrams are the same either way."""
+
     copies: int = Field(default=1, ge=1, le=16)
     """Send every file this many times (later copies carry fresh repair symbols)."""
 

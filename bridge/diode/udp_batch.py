@@ -93,7 +93,12 @@ class DatagramBatcher:
         return 0.0
 
     def add_symbol(
-        self, sealer: SymbolSealer, packet: int, block: int, esi: int, payload: bytes
+        self,
+        sealer: SymbolSealer,
+        packet: int,
+        block: int,
+        esi: int,
+        payload: bytes | memoryview,
     ) -> float:
         """Seal one symbol datagram into the batch; returns seconds paced (a flush ran)."""
         waited = self._room(sealer.size)

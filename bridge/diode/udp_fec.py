@@ -27,6 +27,8 @@ __all__ = [
     "block_count",
     "block_plan",
     "encode_block",
+    "padded_block",
+    "repair_symbols",
     "repair_count",
 ]
 
@@ -74,12 +76,10 @@ def repair_count(k: int, overhead: float, min_repair: int) -> int:
     return max(min_repair, math.ceil(k * overhead - 1e-9))
 
 
-def encode_block(
-    data: bytes, symbol_size: int, n_repair: int, first_repair: int = 0
-) -> list[tuple[int, bytes]]:
-    """``[(esi, symbol)]``: every source symbol of the block, then ``n_repair`` repair symbols
-    with ids ``k + first_repair ..`` (a later copy asks for fresh ones with ``first_repair``)."""
-    if not data:
+def padded_block(data: bytes | memoryview, symbol_size: int) -> bytes:
+    """A block's bytes zero-padded to whole symbols; ValueError for a block RaptorQ cannot
+    keep whole (empty, misaligned symbol size, too many symbols or bytes)."""
+    if not len(data):
         raise ValueError("an empty block cannot be encoded (an envelope is never empty)")
     if symbol_size % 8:
         raise ValueError(f"symbol size {symbol_size} is not a multiple of 8 (RaptorQ alignment)")
@@ -89,15 +89,40 @@ def encode_block(
             f"block of {k} symbols of {symbol_size} bytes; at most {MAX_BLOCK_SYMBOLS} symbols "
             f"and {MAX_BLOCK_BYTES} bytes"
         )
-    padded = bytes(data) + bytes(k * symbol_size - len(data))  # whole symbols, zero-padded
+    return bytes(data) + bytes(k * symbol_size - len(data))
+
+
+def repair_symbols(
+    padded: bytes, symbol_size: int, n_repair: int, first_repair: int = 0
+) -> list[bytes]:
+    """Repair symbols ``k + first_repair .. k + first_repair + n_repair - 1`` of a padded block
+    (``padded_block``), in id order; FecError if the encoder numbers them otherwise."""
+    k = len(padded) // symbol_size
     packets = raptorq.Encoder.with_defaults(padded, symbol_size).get_encoded_packets(
         first_repair + n_repair
     )
-    out: list[tuple[int, bytes]] = []
-    for i, pkt in enumerate(packets):
-        if k <= i < k + first_repair:
-            continue
-        out.append((int.from_bytes(pkt[1:4], "big"), bytes(pkt[4:])))
+    out: list[bytes] = []
+    for j, pkt in enumerate(packets[k + first_repair :]):
+        esi = int.from_bytes(pkt[1:4], "big")
+        if esi != k + first_repair + j or len(pkt) != symbol_size + 4:
+            raise FecError(
+                f"RaptorQ gave symbol {esi} of {len(pkt) - 4} bytes where repair symbol "
+                f"{k + first_repair + j} of {symbol_size} bytes was due (k = {k})"
+            )
+        out.append(pkt[4:])
+    return out
+
+
+def encode_block(
+    data: bytes, symbol_size: int, n_repair: int, first_repair: int = 0
+) -> list[tuple[int, bytes]]:
+    """``[(esi, symbol)]``: every source symbol of the block, then ``n_repair`` repair symbols
+    with ids ``k + first_repair ..`` (a later copy asks for fresh ones with ``first_repair``)."""
+    padded = padded_block(data, symbol_size)
+    k, t = len(padded) // symbol_size, symbol_size
+    out = [(i, padded[i * t : (i + 1) * t]) for i in range(k)]
+    repairs = repair_symbols(padded, t, n_repair, first_repair)
+    out.extend((k + first_repair + j, sym) for j, sym in enumerate(repairs))
     return out
 
 

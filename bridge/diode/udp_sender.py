@@ -26,7 +26,8 @@ from typing import Any
 
 from bridge.config import Config
 from bridge.diode.udp_batch import DatagramBatcher
-from bridge.diode.udp_fec import block_count, block_plan, encode_block, repair_count
+from bridge.diode.udp_encode import EncoderPool, slot_bytes_for
+from bridge.diode.udp_fec import block_count, block_plan, padded_block, repair_count
 from bridge.diode.udp_interleave import Interleaver
 from bridge.diode.udp_key import load_key
 from bridge.diode.udp_pacing import TokenBucket
@@ -75,6 +76,10 @@ class SendSummary:
     heartbeats: int = 0
     send_calls: int = 0
     """System calls that sent datagrams (fewer than datagrams with UDP GSO)."""
+    encode_workers_lost: int = 0
+    """Encoder worker processes that exited under the sender (their blocks were re-encoded)."""
+    blocks_encoded_here: int = 0
+    """Blocks encoded in the sender's own process (encode_workers = 0, or workers lost)."""
     seconds: float = 0.0
 
     def to_json(self) -> dict[str, Any]:
@@ -159,7 +164,7 @@ class _Object:
 class _Block:
     obj: _Object
     index: int
-    symbols: list[tuple[int, bytes]]
+    symbols: list[tuple[int, bytes | memoryview]]
     k: int
     left: int
 
@@ -211,6 +216,7 @@ class _Sender:
             self.u.rate_bytes_per_second, self.u.burst_bytes, time.monotonic()
         )
         self.finished: list[_Block] = []  # blocks whose last symbol waits in the batch
+        self.pool: EncoderPool[tuple[_Object, int, int]] = EncoderPool(0, 0)  # run() starts it
         self.batch = DatagramBatcher(
             self.sock,
             self.dest,
@@ -341,34 +347,62 @@ class _Sender:
             raise TransportError(f"{obj.name} changed while it was sent (short read)")
         return data
 
-    def _feed_one_block(self) -> bool:
-        """Add the next block (of this object, or the next file) to the interleaver."""
-        if self.feeding is None:
-            self.feeding = self._open_next()
+    def _next_block(self) -> tuple[_Object, int, bytes, int, int] | None:
+        """Read the next block to send (of this object, or the next file): ``(object, block
+        index, padded block, repair count, first repair index)``; None when nothing is left."""
+        while True:
             if self.feeding is None:
-                return False
-        obj = self.feeding
-        h = obj.header
-        try:
-            data = self._block_bytes(obj, obj.next_block)
-        except (OSError, TransportError) as e:
-            log_event(log, 40, "outbox file could not be read: skipped", file_name=obj.name,
-                      error=str(e))  # fmt: skip
-            self._abandon(obj)
-            self.feeding = None
-            return True
-        k = -(-len(data) // h.symbol_size)
-        n_rep = repair_count(k, self.u.repair_overhead, self.u.min_repair_symbols)
-        syms = encode_block(data, h.symbol_size, n_rep, first_repair=n_rep * obj.copy)
-        self.il.add(_Block(obj, obj.next_block, syms, k, len(syms)), len(syms))
-        obj.blocks_open += 1
-        obj.next_block += 1
-        if obj.next_block >= block_count(h.length, h.symbol_size, h.block_symbols):
-            obj.copy += 1
-            if obj.copy < self.u.copies:
-                obj.next_block = 0
-            else:
+                self.feeding = self._open_next()
+                if self.feeding is None:
+                    return None
+            obj = self.feeding
+            h = obj.header
+            try:
+                padded = padded_block(self._block_bytes(obj, obj.next_block), h.symbol_size)
+            except (OSError, TransportError) as e:
+                log_event(log, 40, "outbox file could not be read: skipped", file_name=obj.name,
+                          error=str(e))  # fmt: skip
+                self._abandon(obj)
                 self.feeding = None
+                continue
+            k = len(padded) // h.symbol_size
+            n_rep = repair_count(k, self.u.repair_overhead, self.u.min_repair_symbols)
+            index, first = obj.next_block, n_rep * obj.copy  # a later copy: fresh repairs
+            obj.blocks_open += 1
+            obj.next_block += 1
+            if obj.next_block >= block_count(h.length, h.symbol_size, h.block_symbols):
+                obj.copy += 1
+                if obj.copy < self.u.copies:
+                    obj.next_block = 0
+                else:
+                    self.feeding = None
+            return obj, index, padded, n_rep, first
+
+    def _more_to_feed(self) -> bool:
+        return self.feeding is not None or bool(self.queue) or bool(self.pool.pending())
+
+    def _feed_one_block(self, wait: float) -> bool:
+        """Add one encoded block to the interleaver (the workers encode ahead); False when
+        none is ready within ``wait`` seconds or nothing is left to send."""
+        pool = self.pool
+        while pool.room():
+            nxt = self._next_block()
+            if nxt is None:
+                break
+            obj, index, padded, n_rep, first = nxt
+            pool.submit((obj, index, first), padded, obj.header.symbol_size, n_rep, first)
+        done = pool.next_done(wait)
+        if done is None:
+            return False
+        (obj, index, first), padded, repairs = done
+        t = obj.header.symbol_size
+        k = len(padded) // t
+        view = memoryview(padded)
+        syms: list[tuple[int, bytes | memoryview]] = [
+            (i, view[i * t : (i + 1) * t]) for i in range(k)
+        ]
+        syms.extend((k + first + j, r) for j, r in enumerate(repairs))
+        self.il.add(_Block(obj, index, syms, k, len(syms)), len(syms))
         return True
 
     def _abandon(self, obj: _Object) -> None:
@@ -473,11 +507,31 @@ class _Sender:
             hint="another `diode udp send` uses this udp.send.state_dir; stop it first",
         ):  # fmt: skip
             self.journal = Journal(self.state_dir)
+            u = self.u
+            self.pool = EncoderPool(
+                u.encode_workers,
+                slot_bytes_for(
+                    u.block_symbols,
+                    repair_count(u.block_symbols, u.repair_overhead, u.min_repair_symbols),
+                    self.mtu,
+                ),
+                slots=3,
+                on_lost=self._encoder_lost,
+            )
             try:
                 return self._run(until_idle, timeout)
             finally:
+                self.summary.encode_workers_lost = self.pool.lost_workers
+                self.summary.blocks_encoded_here = self.pool.inline_blocks
+                self.pool.close()
                 self.journal.close()
                 self.sock.close()
+
+    def _encoder_lost(self, pid: int, code: int | None, why: str, held: int, left: int) -> None:
+        log_event(
+            log, 40, "udp encoder worker lost: its blocks are encoded in the sender",
+            pid=pid, exit_code=code, why=why, blocks_held=held, workers_left=left,
+        )  # fmt: skip
 
     def _run(self, until_idle: bool, timeout: float | None) -> SendSummary:
         self.epoch = _new_epoch(self.state_dir)
@@ -505,8 +559,9 @@ class _Sender:
                 if now - self.last_status >= 1.0:
                     self._status(now)
                 for _ in range(256):  # the hot loop: a batch between clock checks
-                    while il.wants_more() and (self.feeding is not None or self.queue):
-                        if not self._feed_one_block():
+                    while il.wants_more() and self._more_to_feed():
+                        # wait for an encoder only when there is nothing else to send
+                        if not self._feed_one_block(0.05 if not il.pending() else 0.0):
                             break
                     nxt = il.pop()
                     if nxt is None:
@@ -525,7 +580,7 @@ class _Sender:
                         self.finished.append(blk)
                     if waited and time.monotonic() - now >= 0.05:
                         break  # a slow pace: look at the clock (heartbeats) often enough
-                if il.pending() or self.feeding is not None or self.queue:
+                if il.pending() or self._more_to_feed():
                     continue
                 batch.flush()  # nothing more to send now: what is collected goes out
                 if now - last_scan >= self.u.scan_seconds or watcher.wait(0):

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import psutil
 import pytest
 
 from bridge.config import Config, config_from_dict
@@ -179,7 +180,10 @@ def env(tmp_path: Path) -> Iterator[Env]:
         listener.close()
 
 
-def test_every_file_is_rebuilt_byte_identical_and_only_udp_files_are_taken(env: Env) -> None:
+@pytest.mark.parametrize("workers", [0, 2])
+def test_every_file_is_rebuilt_byte_identical_and_only_udp_files_are_taken(
+    env: Env, workers: int
+) -> None:
     t = symbol_size_for(1500, "u1")
     assert t == symbol_size_for(1500, "u2")
     pre = len(envelope_prefix(bundle("u1", 1)))
@@ -205,8 +209,12 @@ def test_every_file_is_rebuilt_byte_identical_and_only_udp_files_are_taken(env: 
         os.utime(env.outbox / name, (1000 + i, 1000 + i))  # oldest first = this order
     (env.outbox / bundle("u1", 7)).mkdir()  # a directory with a bundle's name: left alone
 
-    summary = run_sender(env.cfg(), until_idle=True, timeout=60)
+    summary = run_sender(env.cfg(encode_workers=workers), until_idle=True, timeout=60)
     heard = env.listener.quiet()
+    blocks = sum(block_count(len(envelope_prefix(n)) + len(b), t, K) for n, b in files.items())
+    # with workers, every block's repair symbols came from them; without, from the sender
+    assert summary.blocks_encoded_here == (0 if workers else blocks)
+    assert summary.encode_workers_lost == 0
 
     sending = [r["name"] for r in env.journal() if r["state"] == "sending"]
     assert sending == list(files)  # oldest first, every udp file once
@@ -288,6 +296,40 @@ def test_heartbeats_keep_coming_during_a_long_file(env: Env) -> None:
     assert end.channels["u2"] == {"last_seq": 5, "objects": 1}
     assert end.counters["datagrams"] == summary.datagrams  # heartbeats counted apart
     assert len(syms) == summary.datagrams
+
+
+def encoder_workers(pid: int) -> list[psutil.Process]:
+    """The encoder worker processes of the sender running as (or in) process ``pid``."""
+    return [
+        c
+        for c in psutil.Process(pid).children()
+        if "bridge.diode.udp_encode" in " ".join(c.cmdline())
+    ]
+
+
+def test_an_encoder_worker_killed_mid_file_is_replaced_by_the_sender_itself(
+    env: Env, caplog: pytest.LogCaptureFixture
+) -> None:
+    name = bundle("u1", 1)
+    body = os.urandom(1_500_000)
+    (env.outbox / name).write_bytes(body)
+    cfg = env.cfg(rate_bytes_per_second=1_000_000, interleave_datagrams=64, encode_workers=1)
+    with caplog.at_level("ERROR", logger="bridge.diode.udp_sender"):
+        th, result = send_in_background(env, cfg)
+        deadline = time.monotonic() + 10
+        while not (workers := encoder_workers(os.getpid())):
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        time.sleep(0.2)  # mid-file: 1.5 MB at 1 MB/s
+        workers[0].kill()
+        th.join(timeout=30)
+    assert not th.is_alive() and result, "the sender died or hung"
+    summary = result[0]
+    assert summary.encode_workers_lost == 1  # the fault fired, under the sender
+    assert summary.blocks_encoded_here > 0  # ... and the sender encoded what was left
+    assert summary.files == [name]
+    assert any("udp encoder worker lost" in r.getMessage() for r in caplog.records)
+    assert env.listener.quiet().files() == {name: body}
 
 
 def send_in_background(env: Env, cfg: Config) -> tuple[threading.Thread, list[Any]]:
@@ -420,10 +462,16 @@ def test_kill_9_mid_file_then_restart_sends_it_again_whole_under_a_new_epoch(env
         while sum(isinstance(x, bytes) for _, x in env.listener.raw) < 200:
             assert proc.poll() is None and time.monotonic() < deadline
             time.sleep(0.05)
+        workers = encoder_workers(proc.pid)
+        assert len(workers) == 1  # the default udp.send.encode_workers
     finally:
         proc.send_signal(signal.SIGKILL)
         proc.wait(timeout=10)
     assert [r["state"] for r in env.journal()] == ["sending"]  # killed mid-file
+    gone = time.monotonic() + 10  # the sender's kill -9 closed their pipe: they exit too
+    while any(w.is_running() and w.status() != psutil.STATUS_ZOMBIE for w in workers):
+        assert time.monotonic() < gone, "an encoder worker outlived its sender"
+        time.sleep(0.05)
     old_epoch = int((env.state / EPOCH).read_text())
     before = len(env.listener.quiet().symbols())
 
