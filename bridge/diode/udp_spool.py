@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from bridge.diode.udp_fec import BlockDecoder, block_plan
+from bridge.diode.udp_fec import MAX_BLOCK_BYTES, MAX_BLOCK_SYMBOLS, BlockDecoder, block_plan
 from bridge.fsutil import durable_mkdir, fsync_dir
 from bridge.logs import get_logger, log_event
 from bridge.metrics import UDP
@@ -71,6 +71,13 @@ def _header_record(epoch: int, h: ObjectHeader) -> dict[str, Any]:
         "blocks_done": 0,
         "symbols_received": 0,
     }
+
+
+def _decodable(h: ObjectHeader) -> bool:
+    """Whether this receiver's RaptorQ can rebuild the object's largest block whole (an
+    authenticated sender never announces more: its config is checked against the same)."""
+    largest = min(h.length, h.block_symbols * h.symbol_size)
+    return largest <= MAX_BLOCK_BYTES and -(-largest // h.symbol_size) <= MAX_BLOCK_SYMBOLS
 
 
 def _os_error(e: OSError) -> str:
@@ -262,7 +269,7 @@ class Reassembler:
             if key in self._failed:
                 self._drop("spool_error")
                 return
-            if h.length > self.max_object_bytes:
+            if h.length > self.max_object_bytes or not _decodable(h):
                 self._drop("too_large")
                 if key not in self._refused:
                     self._refused.add(key)

@@ -68,6 +68,10 @@ KEY_LEN = 32
 _COMMON = struct.Struct(">2sBBQQ")  # magic, version, type, epoch, packet: 20 bytes
 _OBJECT = struct.Struct(">QBBHQQ32sHII")  # from byte 20 to byte 90
 SYMBOL_HEADER_LEN = _COMMON.size + _OBJECT.size  # 90, then the channel
+_PACKET_AT = 12
+"""Offset of the packet number (after magic 2, version 1, type 1, epoch 8)."""
+_BLOCK_ESI_AT = _COMMON.size + _OBJECT.size - 8
+"""Offset of the block index and symbol id: the object header's last two u32 (82)."""
 HEARTBEAT_HEADER_LEN = _COMMON.size
 MAX_DATAGRAM = 65507
 """The largest UDP payload over IPv4."""
@@ -280,7 +284,7 @@ class DatagramCodec:
     def _symbol(self, view: memoryview, end: int, epoch: int, packet: int) -> Symbol:
         clen = view[29] if end > 29 else 0
         start = SYMBOL_HEADER_LEN + clen
-        key = bytes(view[20:82]) + bytes(view[SYMBOL_HEADER_LEN:start])
+        key = bytes(view[_COMMON.size : _BLOCK_ESI_AT]) + bytes(view[SYMBOL_HEADER_LEN:start])
         cached = self._objects.get(key)
         if cached is None:
             obj = _parse_object(view, end, epoch, packet)
@@ -290,7 +294,7 @@ class DatagramCodec:
         obj, blocks = cached
         if end - start != obj.symbol_size:
             raise _malformed(epoch, packet, f"object {obj.object_id}: payload is not T bytes")
-        block, esi = _U32X2.unpack_from(view, 82)
+        block, esi = _U32X2.unpack_from(view, _BLOCK_ESI_AT)
         if block >= blocks or esi > MAX_ESI:
             raise _malformed(
                 epoch,
@@ -350,8 +354,8 @@ class SymbolSealer:
         h = len(self._template)
         end = off + h + self._t
         buf[off : off + h] = self._template
-        _U64.pack_into(buf, off + 12, packet)
-        _U32X2.pack_into(buf, off + 82, block, esi)
+        _U64.pack_into(buf, off + _PACKET_AT, packet)
+        _U32X2.pack_into(buf, off + _BLOCK_ESI_AT, block, esi)
         buf[off + h : end] = payload
         buf[end : end + TAG_LEN] = self._aead.encrypt(buf[off + 4 : off + 20], b"", buf[off:end])
         return end + TAG_LEN

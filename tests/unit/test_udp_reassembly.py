@@ -194,6 +194,26 @@ def test_an_object_announcing_too_many_bytes_is_refused_once_and_never_spooled(
     assert list((tmp_path / "objects").iterdir()) == [] and not ra.open
 
 
+def test_an_object_whose_blocks_this_receiver_cannot_decode_whole_is_refused(
+    tmp_path: Path,
+) -> None:
+    """An authenticated header may announce K x T beyond what RaptorQ keeps as one block (a
+    misconfigured sender): refused as too_large before anything is spooled, not left to the
+    digest check; a large K on an object smaller than one block is fine."""
+    t = 8192
+    big = ObjectHeader(3, ObjectKind.BUNDLE, "u1", 4, 20 << 20, bytes(32), t, 2048)
+    ra = reassembler(tmp_path)
+    ra.add(Symbol(1, 0, big, 0, 0, bytes(t)), 1.0)
+    assert ra.dropped == {"too_large": 1} and not ra.open
+    assert [(g["object_id"], g["reason"]) for g in read_gap_records(tmp_path)] == [(3, "too_large")]
+    env = envelope(os.urandom(5000))
+    small = ObjectHeader(
+        7, ObjectKind.BUNDLE, "u1", 8, len(env), hashlib.sha256(env).digest(), T, 60000
+    )
+    feed(ra, symbols(1, small, env))
+    assert len(ra.ready) == 1 and ra.dropped == {"too_large": 1, "late": 2}  # its 2 repairs
+
+
 def test_a_gap_record_after_a_torn_one_starts_its_own_line(tmp_path: Path) -> None:
     """A receiver killed mid-write leaves a torn last line; the next record must not be glued
     to it (red reads gaps.jsonl line by line and skips what is not JSON)."""
