@@ -42,6 +42,7 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import os
 import struct
 import threading
 import time
@@ -74,6 +75,7 @@ from bridge.red.landing import STATE_FILE, read_saved_state
 
 __all__ = [
     "APP_ID",
+    "LIVE_FILE",
     "PROGRESS_FILE",
     "ConfirmWindow",
     "Progress",
@@ -91,6 +93,10 @@ log = get_logger("bridge.red.replay")
 APP_ID = "diode-replay"
 """Delta application id of the replay publisher's audit rows."""
 PROGRESS_FILE = "replay-progress.json"
+LIVE_FILE = "replay-live.json"
+"""What the running replay is doing per exchange (held, stopped, in flight), for `diode red
+status` in another process: rewritten when it changes and every LIVE_EVERY seconds."""
+LIVE_EVERY = 5.0
 LOCK_FILE = "replay.lock"
 FORMAT = 1
 MAX_NACK_RETRIES = 3
@@ -242,6 +248,25 @@ def load_progress(state_dir: Path) -> dict[str, Progress]:
             f"replay progress {path} is malformed ({e}); restore it from backup, or delete it "
             "to replay every approved exchange from the start (consumers then see duplicates)"
         ) from None
+
+
+def read_live(state_dir: Path) -> dict[str, Any]:
+    """The running replay's LIVE_FILE, with ``age_seconds``; ``{"running": False}`` when no
+    replay ever wrote one, ``{"error": ...}`` when it cannot be read."""
+    path = Path(state_dir) / LIVE_FILE
+    try:
+        doc = json.loads(path.read_bytes())
+        if not isinstance(doc, dict):
+            raise ValueError("not a JSON object")
+    except FileNotFoundError:
+        return {"running": False}
+    except (OSError, ValueError) as e:
+        return {"error": f"{path}: {e}"}
+    try:
+        doc["age_seconds"] = round(time.time() - os.stat(path).st_mtime, 1)
+    except OSError:
+        pass
+    return doc
 
 
 def _save_progress(state_dir: Path, progress: dict[str, Progress]) -> None:
@@ -574,6 +599,7 @@ class Replayer:
         self._lanes: dict[str, _Lane] = {}
         self._by_channel: dict[int, _Lane] = {}
         self._progress: dict[str, Progress] = {}
+        self._live_key, self._live_at = "", 0.0
         self._pending = 0  # publishes not yet settled, all exchanges
         self._lock: contextlib.ExitStack | None = None
         self._dt: Any = None
@@ -648,23 +674,28 @@ class Replayer:
         """Per exchange: approved, progress, lag (rows in later landing commits), in flight,
         stopped (why); rows waiting per exchange not approved. Reads the Delta log only."""
         approved = self._approved()
-        progress = dict(self._progress) if self._lock is not None else self._load_progress_safe()
+        ours = self._lock is not None  # this is the running replay, or another process asks
+        progress = dict(self._progress) if ours else self._load_progress_safe()
+        live = self._live_doc() if ours else read_live(self.state_dir)
         stats = self._stats()
-        names = set(approved) | set(progress) | set(stats or {})
+        lanes = live.get("exchanges", {}) if isinstance(live.get("exchanges"), dict) else {}
+        names = set(approved) | set(progress) | set(stats or {}) | set(lanes)
         out: dict[str, Any] = {}
         for name in sorted(names):
             lane = self._lanes.get(name)
             p = lane.progress if lane else progress.get(name)
+            now = lanes.get(name) or {}
             out[name] = {
                 "approved": name in approved,
                 "progress": p.to_json() if p else None,
                 "lag_rows": self._lag(stats, name, p),
-                "in_flight": len(lane.window) if lane else 0,
-                "stopped": lane.blocked if lane else None,
-                "held": lane.held if lane else None,
+                "in_flight": now.get("in_flight", 0),
+                "stopped": now.get("stopped"),
+                "held": now.get("held"),
             }
         return {
             "target": self.where,
+            "live": {k: v for k, v in live.items() if k != "exchanges"},
             "connected": self._conn is not None and self._conn.is_open,
             "approved": sorted(approved),
             "approvals_error": self._approved_error,
@@ -673,6 +704,35 @@ class Replayer:
                 n: d["lag_rows"] for n, d in out.items() if not d["approved"] and d["lag_rows"]
             },
         }
+
+    # -- what the running replay shows other processes ----------------------------------------
+    def _live_doc(self, *, closed: bool = False) -> dict[str, Any]:
+        return {
+            "format": FORMAT,
+            "written_at": _now_text(),
+            "pid": os.getpid(),
+            "running": not closed,
+            "connected": self._conn is not None and self._conn.is_open,
+            "exchanges": {
+                name: {"held": lane.held, "stopped": lane.blocked, "in_flight": len(lane.window)}
+                for name, lane in sorted(self._lanes.items())
+            },
+        }
+
+    def _write_live(self, *, closed: bool = False) -> None:
+        """Rewrite LIVE_FILE when what it says changed, or every LIVE_EVERY seconds (its
+        ``written_at`` then tells a reader the replay is alive); never fails a pass."""
+        doc = self._live_doc(closed=closed)
+        key = json.dumps({k: v for k, v in doc.items() if k != "written_at"}, sort_keys=True)
+        now = time.monotonic()
+        if not closed and key == self._live_key and now - self._live_at < LIVE_EVERY:
+            return
+        try:
+            atomic_write_bytes(self.state_dir / LIVE_FILE, json.dumps(doc, indent=1).encode())
+        except OSError as e:
+            log_event(log, 30, "replay status file not written", error=str(e))
+            return
+        self._live_key, self._live_at = key, now
 
     # -- the pass ------------------------------------------------------------------------------
     def _step(self, deadline: float | None, stop: threading.Event | None, wait: bool) -> StepResult:
@@ -716,6 +776,7 @@ class Replayer:
             )
         res.held = sum(1 for lane in self._lanes.values() if lane.held is not None)
         METRICS.held.set(res.held)
+        self._write_live()
         res.events = self._take_events()
         res.seconds = time.monotonic() - t0
         return res
@@ -1512,6 +1573,7 @@ class Replayer:
         finally:
             self._drop_connection()
             self._lanes.clear()
+            self._write_live(closed=True)
             lock, self._lock = self._lock, None
             lock.close()
         res.events = self._take_events()

@@ -29,7 +29,7 @@ def _count(d: Path, pattern: str = "*") -> int:
         return 0
 
 
-def _replay_status(cfg: Config) -> Any:
+def replay_status(cfg: Config) -> Any:
     """Progress, lag and rows waiting per exchange (the Delta log only; no broker needed)."""
     from bridge.red.replay import Replayer
 
@@ -60,7 +60,7 @@ def red_status(cfg: Config) -> dict[str, Any]:
             "quarantine": _count(Path(r.quarantine_dir)),
         },
         "interrupted_landing": (Path(r.state_dir) / "landing" / "intent.json").exists(),
-        "replay": _replay_status(cfg),
+        "replay": replay_status(cfg),
     }
 
 

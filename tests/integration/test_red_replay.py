@@ -53,6 +53,7 @@ from bridge.red import sequence as sq
 from bridge.red.approvals import Approvals
 from bridge.red.landing import STATE_FILE
 from bridge.red.replay import ConfirmWindow, Replayer, plan_upper, with_id_header
+from bridge.red.report import replay_status as report_replay_status
 from bridge.red.tables import RedTables
 from tests.conftest import MGMT, Vhost
 from tests.unit.test_protocol_properties import canon, properties
@@ -821,6 +822,11 @@ def test_replay_holds_an_exchange_at_a_gap_until_the_missing_bundle_lands(
             held = r.status()["exchanges"][HOLD_X.name]["held"]
             assert (held["channel"], held["seq"], held["first_bundle_seq"]) == ("c1", 20, 2)
             assert metric("bridge_red_replay_held_exchanges") == 1
+            # `diode red status` runs in another process: it reads what the replay wrote
+            outside = report_replay_status(cfg)
+            assert outside["exchanges"][HOLD_X.name]["held"] == held
+            assert outside["live"]["running"] and outside["live"]["pid"] == os.getpid()
+            assert outside["live"]["age_seconds"] < 60
             assert r.step().published == 0  # still waiting
             land(tables, 3, rows("c1", range(10, 20), HOLD_X), landed_at=now)
             assert r.step().published == 0  # landed, but the state does not know it yet
@@ -835,6 +841,8 @@ def test_replay_holds_an_exchange_at_a_gap_until_the_missing_bundle_lands(
         assert [body_id(m)[1] for m in consumer.quiet(0.3)] == list(range(30)), got
         progress = rp.load_progress(tmp_path / "state")[HOLD_X.name]
         assert progress.key == (3, "c1", 19) and progress.high == {"c1": 29}
+        after = report_replay_status(cfg)  # closed: no longer running, nothing held
+        assert not after["live"]["running"] and after["exchanges"][HOLD_X.name]["held"] is None
         again = Replayer(cfg).run(until_caught_up=True, timeout=20)
         assert again.caught_up and again.published == 0
     finally:
