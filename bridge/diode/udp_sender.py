@@ -508,16 +508,24 @@ class _Sender:
         ):  # fmt: skip
             self.journal = Journal(self.state_dir)
             u = self.u
-            self.pool = EncoderPool(
-                u.encode_workers,
-                slot_bytes_for(
-                    u.block_symbols,
-                    repair_count(u.block_symbols, u.repair_overhead, u.min_repair_symbols),
-                    self.mtu,
-                ),
-                slots=3,
-                on_lost=self._encoder_lost,
-            )
+            try:
+                self.pool = EncoderPool(
+                    u.encode_workers,
+                    slot_bytes_for(
+                        u.block_symbols,
+                        repair_count(u.block_symbols, u.repair_overhead, u.min_repair_symbols),
+                        self.mtu,
+                    ),
+                    slots=3,
+                    on_lost=self._encoder_lost,
+                )
+            except OSError as e:
+                self.journal.close()
+                self.sock.close()
+                raise ConfigError(
+                    f"udp.send.encode_workers = {u.encode_workers}: an encoder worker could not "
+                    f"start ({e}); set encode_workers = 0 to encode in the sender's process"
+                ) from None
             try:
                 return self._run(until_idle, timeout)
             finally:

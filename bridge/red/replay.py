@@ -720,10 +720,15 @@ class Replayer:
         }
 
     def _write_live(self, *, closed: bool = False) -> None:
-        """Rewrite LIVE_FILE when what it says changed, or every LIVE_EVERY seconds (its
-        ``written_at`` then tells a reader the replay is alive); never fails a pass."""
+        """Rewrite LIVE_FILE when a hold, a stop or the connection changed, or every LIVE_EVERY
+        seconds (its ``written_at`` then tells a reader the replay is alive); never fails a
+        pass."""
         doc = self._live_doc(closed=closed)
-        key = json.dumps({k: v for k, v in doc.items() if k != "written_at"}, sort_keys=True)
+        key = json.dumps(  # in_flight moves every pass: it only refreshes with the period
+            [doc["running"], doc["connected"],
+             [(n, x["held"], x["stopped"]) for n, x in doc["exchanges"].items()]],
+            default=str,
+        )  # fmt: skip
         now = time.monotonic()
         if not closed and key == self._live_key and now - self._live_at < LIVE_EVERY:
             return
