@@ -12,13 +12,17 @@ Blocks come out in the order they went in. A worker that exits (killed, crashed)
 the blocks it held are encoded in the sender's process and so is everything after that if no
 worker is left: the datagrams on the wire are the same either way. Workers ignore SIGINT and
 SIGTERM and exit when the sender closes their pipe, or dies (kill -9 included): nothing of
-them outlives it, and the memfd has no name to leak.
+them outlives it, and the memfd has no name to leak. A worker that does not answer within
+``answer_seconds`` (stopped, hung) is killed and handled as lost. Workers run in a session of
+their own (a terminal's Ctrl-C is the sender's) with ``-P``: nothing is imported from the
+working directory.
 
     python -m bridge.diode.udp_encode MEMFD REQUEST_FD REPLY_FD SLOT_BYTES SLOTS   (a worker)
 """
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import os
 import select
@@ -61,6 +65,7 @@ class _Job(Generic[T]):
     worker: int = -1
     slot: int = -1
     repairs: list[bytes] | None = None
+    submitted: float = field(default_factory=time.monotonic)
 
 
 @dataclass
@@ -88,9 +93,12 @@ class EncoderPool(Generic[T]):
         slot_bytes: int,
         slots: int = 2,
         on_lost: Callable[[int, int | None, str, int, int], None] | None = None,
+        answer_seconds: float = 30.0,
     ) -> None:
-        """``on_lost(pid, exit code, why, blocks it held, workers left)`` when one exits."""
+        """``on_lost(pid, exit code, why, blocks it held, workers left)`` when one exits or is
+        killed for not answering within ``answer_seconds``."""
         self.slot_bytes = slot_bytes
+        self.answer_seconds = answer_seconds
         self.slots = max(1, slots)
         self._workers: list[_Worker | None] = []
         self._fifo: deque[_Job[T]] = deque()
@@ -114,11 +122,12 @@ class EncoderPool(Generic[T]):
             os.ftruncate(memfd, size)
             mem = mmap.mmap(memfd, size)
             proc = subprocess.Popen(  # noqa: S603 - our own module, by the running interpreter
-                [sys.executable, "-m", "bridge.diode.udp_encode",
+                [sys.executable, "-P", "-m", "bridge.diode.udp_encode",
                  str(memfd), str(req_r), str(rep_w), str(self.slot_bytes), str(self.slots)],
                 pass_fds=(memfd, req_r, rep_w),
                 stdin=subprocess.DEVNULL,
                 stdout=subprocess.DEVNULL,
+                start_new_session=True,  # a terminal's Ctrl-C is the sender's to handle
             )  # fmt: skip
         except BaseException:
             for fd in (req_w, rep_r):
@@ -175,8 +184,18 @@ class EncoderPool(Generic[T]):
             return None
         deadline = time.monotonic() + timeout
         while self._fifo[0].repairs is None:
-            left = deadline - time.monotonic()
-            if not self._poll(max(0.0, left)) and left <= 0:
+            head, now = self._fifo[0], time.monotonic()
+            overdue = head.submitted + self.answer_seconds
+            if now > overdue and head.worker >= 0:
+                w = self._workers[head.worker]
+                if w is not None:  # alive but silent (stopped, hung): never waited on for ever
+                    w.proc.kill()
+                    self._lose(head.worker, f"no answer for {self.answer_seconds:g} s")
+                else:
+                    self._inline(head)
+                continue
+            left = deadline - now
+            if not self._poll(max(0.0, min(left, overdue - now + 0.01))) and left <= 0:
                 return None
         job = self._fifo.popleft()
         assert job.repairs is not None
@@ -246,16 +265,17 @@ class EncoderPool(Generic[T]):
             self._on_lost(w.proc.pid, w.proc.returncode, why, held, self.workers)
 
     def _release(self, w: _Worker) -> None:
-        for fd in (w.req, w.rep):
-            try:
-                os.close(fd)
-            except OSError:
-                pass
+        """Close its request pipe (it exits at the end of what it encodes), reap it, then close
+        the reply pipe, so its last answer never meets a closed pipe."""
+        with contextlib.suppress(OSError):
+            os.close(w.req)
         try:
             w.proc.wait(timeout=2)
         except subprocess.TimeoutExpired:
             w.proc.kill()
             w.proc.wait()
+        with contextlib.suppress(OSError):
+            os.close(w.rep)
         w.mem.close()
 
     def pids(self) -> list[int]:
@@ -291,18 +311,30 @@ def worker_main(memfd: int, req: int, rep: int, slot_bytes: int, slots: int) -> 
         slot, length, t, n_repair, first = _REQ.unpack(msg)
         off = slot * slot_bytes
         if slot >= slots or not t or length % t or length + n_repair * t > slot_bytes:
-            os.write(rep, _REP.pack(slot, 1))  # the sender encodes it and says what is wrong
+            if not _answer(rep, slot, 1):  # the sender encodes it and says what is wrong
+                return 0
             continue
         try:
             repairs = repair_symbols(bytes(mem[off : off + length]), t, n_repair, first)
         except Exception:  # noqa: BLE001 - the sender encodes it itself and reports why
-            os.write(rep, _REP.pack(slot, 1))
+            if not _answer(rep, slot, 1):
+                return 0
             continue
         out = off + length
         for j, sym in enumerate(repairs):
             mem[out + j * t : out + (j + 1) * t] = sym
-        os.write(rep, _REP.pack(slot, 0))
+        if not _answer(rep, slot, 0):
+            return 0
     return 0
+
+
+def _answer(rep: int, slot: int, status: int) -> bool:
+    """Send one answer; False when the sender is gone (its end of the pipe is closed)."""
+    try:
+        os.write(rep, _REP.pack(slot, status))
+    except OSError:
+        return False
+    return True
 
 
 if __name__ == "__main__":

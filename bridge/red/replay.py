@@ -252,7 +252,8 @@ def load_progress(state_dir: Path) -> dict[str, Progress]:
 
 def read_live(state_dir: Path) -> dict[str, Any]:
     """The running replay's LIVE_FILE, with ``age_seconds``; ``{"running": False}`` when no
-    replay ever wrote one, ``{"error": ...}`` when it cannot be read."""
+    replay ever wrote one, ``{"error": ...}`` when it cannot be read. A file that says running
+    but was not rewritten for 3 x LIVE_EVERY is marked ``stale`` and its exchanges dropped."""
     path = Path(state_dir) / LIVE_FILE
     try:
         doc = json.loads(path.read_bytes())
@@ -263,9 +264,12 @@ def read_live(state_dir: Path) -> dict[str, Any]:
     except (OSError, ValueError) as e:
         return {"error": f"{path}: {e}"}
     try:
-        doc["age_seconds"] = round(time.time() - os.stat(path).st_mtime, 1)
+        doc["age_seconds"] = age = round(time.time() - os.stat(path).st_mtime, 1)
     except OSError:
-        pass
+        return doc
+    if doc.get("running") and age > 3 * LIVE_EVERY:  # its writer died (kill -9) or hangs
+        doc["stale"] = True
+        doc["exchanges"] = {}  # what it said is no longer known to be true
     return doc
 
 
@@ -684,7 +688,8 @@ class Replayer:
         for name in sorted(names):
             lane = self._lanes.get(name)
             p = lane.progress if lane else progress.get(name)
-            now = lanes.get(name) or {}
+            now = lanes.get(name)
+            now = now if isinstance(now, dict) else {}  # the file is read, not trusted
             out[name] = {
                 "approved": name in approved,
                 "progress": p.to_json() if p else None,

@@ -843,6 +843,15 @@ def test_replay_holds_an_exchange_at_a_gap_until_the_missing_bundle_lands(
         assert progress.key == (3, "c1", 19) and progress.high == {"c1": 29}
         after = report_replay_status(cfg)  # closed: no longer running, nothing held
         assert not after["live"]["running"] and after["exchanges"][HOLD_X.name]["held"] is None
+        # what another process reads is not trusted: odd entries, or a writer gone silent
+        live = tmp_path / "state" / rp.LIVE_FILE
+        live.write_text(json.dumps({"running": True, "exchanges": {HOLD_X.name: 1, "y": []}}))
+        odd = report_replay_status(cfg)["exchanges"]
+        assert odd[HOLD_X.name]["held"] is None and odd["y"]["in_flight"] == 0
+        live.write_text(json.dumps({"running": True, "exchanges": {HOLD_X.name: {"held": 1}}}))
+        os.utime(live, (time.time() - 60, time.time() - 60))  # a replay killed -9 a minute ago
+        stale = report_replay_status(cfg)
+        assert stale["live"]["stale"] and stale["exchanges"][HOLD_X.name]["held"] is None
         again = Replayer(cfg).run(until_caught_up=True, timeout=20)
         assert again.caught_up and again.published == 0
     finally:

@@ -110,6 +110,27 @@ def test_a_worker_killed_mid_stream_loses_no_block_and_is_reported() -> None:
         pool.close()
 
 
+def test_a_worker_that_stops_answering_is_killed_and_its_blocks_encoded_here() -> None:
+    lost: list[tuple[int, int | None, str, int, int]] = []
+    pool: EncoderPool[int] = EncoderPool(
+        1, slot_bytes_for(64, 20, 1360), slots=2, on_lost=lambda *a: lost.append(a),
+        answer_seconds=0.5,
+    )  # fmt: skip
+    try:
+        victim = pool.pids()[0]
+        os.kill(victim, signal.SIGSTOP)  # alive, holding its pipe open, never answering
+        padded, t, n, first = shapes(1, seed=3)[0]
+        pool.submit(5, padded, t, n, first)
+        t0 = time.monotonic()
+        assert drain(pool) == [(5, repair_symbols(padded, t, n, first))]
+        assert 0.5 <= time.monotonic() - t0 < 5
+        assert len(lost) == 1 and lost[0][0] == victim and "no answer" in lost[0][2]
+        assert lost[0][1] == -signal.SIGKILL and pool.workers == 0
+        assert not psutil.pid_exists(victim) or psutil.Process(victim).status() == "zombie"
+    finally:
+        pool.close()
+
+
 _OWNER = """
 import sys, time
 from bridge.diode.udp_encode import EncoderPool, slot_bytes_for
