@@ -42,23 +42,33 @@ def drain(pool: EncoderPool[int]) -> list[tuple[int, list[bytes]]]:
     return got
 
 
+def pump(
+    pool: EncoderPool[int], blocks: list[tuple[bytes, int, int, int]], kill_at: int = -1
+) -> None:
+    """Submit every block as the sender does (waiting for room), killing the first worker
+    with SIGKILL before block ``kill_at``; every block must come back, in order, exact."""
+    victim = pool.pids()[0]
+    got: list[tuple[int, list[bytes]]] = []
+    for i, (padded, t, n, first) in enumerate(blocks):
+        if i == kill_at:
+            os.kill(victim, signal.SIGKILL)
+        while not pool.room():
+            done = pool.next_done(5.0)
+            assert done is not None
+            got.append((done[0], done[2]))
+        pool.submit(i, padded, t, n, first)
+    got += drain(pool)
+    assert [i for i, _ in got] == list(range(len(blocks)))
+    for i, reps in got:
+        padded, t, n, first = blocks[i]
+        assert reps == repair_symbols(padded, t, n, first), f"block {i}"
+
+
 def test_workers_give_the_sender_s_own_repair_symbols_in_submission_order() -> None:
-    blocks = shapes(60, seed=1)
     pool: EncoderPool[int] = EncoderPool(2, slot_bytes_for(64, 20, 8960), slots=2)
     try:
         assert pool.workers == 2
-        got: list[tuple[int, list[bytes]]] = []
-        for i, (padded, t, n, first) in enumerate(blocks):
-            while not pool.room():
-                done = pool.next_done(5.0)
-                assert done is not None
-                got.append((done[0], done[2]))
-            pool.submit(i, padded, t, n, first)
-        got += drain(pool)
-        assert [i for i, _ in got] == list(range(len(blocks)))
-        for i, reps in got:
-            padded, t, n, first = blocks[i]
-            assert reps == repair_symbols(padded, t, n, first), f"block {i}"
+        pump(pool, shapes(60, seed=1))
         assert pool.inline_blocks == 0 and pool.lost_workers == 0
     finally:
         pool.close()
@@ -83,22 +93,9 @@ def test_a_worker_killed_mid_stream_loses_no_block_and_is_reported() -> None:
     )
     try:
         victim = pool.pids()[0]
-        got: list[tuple[int, list[bytes]]] = []
-        for i, (padded, t, n, first) in enumerate(blocks):
-            if i == 10:
-                os.kill(victim, signal.SIGKILL)
-            while not pool.room():
-                done = pool.next_done(5.0)
-                assert done is not None
-                got.append((done[0], done[2]))
-            pool.submit(i, padded, t, n, first)
-        got += drain(pool)
+        pump(pool, blocks, kill_at=10)
         assert len(lost) == 1 and lost[0][0] == victim and lost[0][1] == -signal.SIGKILL
         assert lost[0][4] == 1 and pool.workers == 1 and pool.lost_workers == 1
-        assert [i for i, _ in got] == list(range(len(blocks)))
-        for i, reps in got:
-            padded, t, n, first = blocks[i]
-            assert reps == repair_symbols(padded, t, n, first), f"block {i}"
         # the last worker gone too: the sender's process encodes from then on
         os.kill(pool.pids()[0], signal.SIGKILL)
         padded, t, n, first = blocks[0]
