@@ -252,10 +252,6 @@ def endpoints(ns: Netns | None) -> tuple[str, list[str], list[str]]:
     return ns.r_addr, ns.prefix(ns.s), ns.prefix(ns.r)
 
 
-ENCODE_WORKERS = 1
-"""udp.send.encode_workers of the transport runs (``--encode-workers``' last value)."""
-
-
 def write_config(
     root: Path,
     dest: str,
@@ -263,9 +259,8 @@ def write_config(
     mtu: int,
     rate: int,
     overhead: float,
-    encode_workers: int | None = None,
+    encode_workers: int,
 ) -> Path:
-    workers = ENCODE_WORKERS if encode_workers is None else encode_workers
     text = f"""
 [[channels]]
 name = "{CHANNEL}"
@@ -287,7 +282,7 @@ destination = "{dest}"
 rate_bytes_per_second = {rate}
 repair_overhead = {overhead}
 min_repair_symbols = 4
-encode_workers = {workers}
+encode_workers = {encode_workers}
 scan_seconds = 0.1
 heartbeat_seconds = 1.0
 state_dir = "black/udp-send"
@@ -337,6 +332,7 @@ def run_transport(
     file_mb: float,
     path: str,
     ns: Netns | None,
+    encode_workers: int,
 ) -> dict[str, Any]:
     root = fresh_root(work, f"{path}-{mtu}-{sc.name.replace(' ', '_').replace('%', '')}")
     port, relay_port = free_port(), free_port()
@@ -348,7 +344,7 @@ def run_transport(
         bind = dest = f"{ns.r_addr}:{port}"
         pre_s, pre_r = ns.prefix(ns.s), ns.prefix(ns.r)
         ns.set_loss(sc.nft_loss_per_100k or 0)
-    cfg = write_config(root, dest, bind, mtu, rate, sc.overhead)
+    cfg = write_config(root, dest, bind, mtu, rate, sc.overhead, encode_workers)
     files = make_files(root / "black/outbox", total_mb, file_mb)
     inbox = root / "red/inbox"
     status = root / "red/udp-spool/status.json"
@@ -528,8 +524,6 @@ def main() -> None:
     ap.add_argument("--only", nargs="*", default=None, help="scenario names (substring)")
     ap.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results")
     a = ap.parse_args()
-    global ENCODE_WORKERS
-    ENCODE_WORKERS = a.encode_workers[-1]
     a.out.mkdir(parents=True, exist_ok=True)
     stamp = dt.datetime.now(dt.UTC).strftime("%Y%m%dT%H%M%SZ")
     res: dict[str, Any] = {"started": stamp, "args": {k: str(v) for k, v in vars(a).items()},
@@ -561,7 +555,9 @@ def main() -> None:
                     for sc in scenarios:
                         if ns is not None and sc.nft_loss_per_100k is None:
                             continue
-                        r = run_transport(work, sc, mtu, rate, a.mb, a.file_mb, path, ns)
+                        r = run_transport(
+                            work, sc, mtu, rate, a.mb, a.file_mb, path, ns, a.encode_workers[-1]
+                        )
                         res["runs"].append(r)
                         print(json.dumps(r), flush=True)
                 finally:

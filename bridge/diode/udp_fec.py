@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import TypeVar
 
 import raptorq
 
@@ -25,8 +26,10 @@ __all__ = [
     "FecError",
     "BlockDecoder",
     "block_count",
+    "block_symbols",
     "block_plan",
     "encode_block",
+    "fits_one_block",
     "padded_block",
     "repair_symbols",
     "repair_count",
@@ -39,6 +42,8 @@ MAX_BLOCK_BYTES = 8 << 20
 raptorq encoder's defaults split a block into sub-blocks, and its source symbols stop being the
 block's consecutive slices, which both sides rely on (the receiver's all-source fast path)."""
 MAX_ESI = (1 << 24) - 1
+
+B = TypeVar("B", bytes, memoryview)
 
 
 class FecError(ProtocolError):
@@ -76,6 +81,13 @@ def repair_count(k: int, overhead: float, min_repair: int) -> int:
     return max(min_repair, math.ceil(k * overhead - 1e-9))
 
 
+def fits_one_block(nbytes: int, symbol_size: int) -> bool:
+    """Whether a block of ``nbytes`` (padded to whole symbols of ``symbol_size``) is one
+    RaptorQ keeps whole: at most MAX_BLOCK_SYMBOLS symbols and MAX_BLOCK_BYTES bytes."""
+    k = -(-nbytes // symbol_size)
+    return k <= MAX_BLOCK_SYMBOLS and k * symbol_size <= MAX_BLOCK_BYTES
+
+
 def padded_block(data: bytes | memoryview, symbol_size: int) -> bytes:
     """A block's bytes zero-padded to whole symbols; ValueError for a block RaptorQ cannot
     keep whole (empty, misaligned symbol size, too many symbols or bytes)."""
@@ -84,7 +96,7 @@ def padded_block(data: bytes | memoryview, symbol_size: int) -> bytes:
     if symbol_size % 8:
         raise ValueError(f"symbol size {symbol_size} is not a multiple of 8 (RaptorQ alignment)")
     k = math.ceil(len(data) / symbol_size)
-    if k > MAX_BLOCK_SYMBOLS or k * symbol_size > MAX_BLOCK_BYTES:
+    if not fits_one_block(len(data), symbol_size):
         raise ValueError(
             f"block of {k} symbols of {symbol_size} bytes; at most {MAX_BLOCK_SYMBOLS} symbols "
             f"and {MAX_BLOCK_BYTES} bytes"
@@ -119,9 +131,17 @@ def encode_block(
     """``[(esi, symbol)]``: every source symbol of the block, then ``n_repair`` repair symbols
     with ids ``k + first_repair ..`` (a later copy asks for fresh ones with ``first_repair``)."""
     padded = padded_block(data, symbol_size)
+    repairs = repair_symbols(padded, symbol_size, n_repair, first_repair)
+    return block_symbols(padded, symbol_size, first_repair, repairs)
+
+
+def block_symbols(
+    padded: B, symbol_size: int, first_repair: int, repairs: list[bytes]
+) -> list[tuple[int, B | bytes]]:
+    """``[(esi, symbol)]`` of a padded block: its source symbols (slices of ``padded``: a
+    memoryview gives views, bytes gives copies), then ``repairs`` as ids ``k + first_repair ..``."""
     k, t = len(padded) // symbol_size, symbol_size
-    out = [(i, padded[i * t : (i + 1) * t]) for i in range(k)]
-    repairs = repair_symbols(padded, t, n_repair, first_repair)
+    out: list[tuple[int, B | bytes]] = [(i, padded[i * t : (i + 1) * t]) for i in range(k)]
     out.extend((k + first_repair + j, sym) for j, sym in enumerate(repairs))
     return out
 

@@ -27,7 +27,13 @@ from typing import Any
 from bridge.config import Config
 from bridge.diode.udp_batch import DatagramBatcher
 from bridge.diode.udp_encode import EncoderPool, slot_bytes_for
-from bridge.diode.udp_fec import block_count, block_plan, padded_block, repair_count
+from bridge.diode.udp_fec import (
+    block_count,
+    block_plan,
+    block_symbols,
+    padded_block,
+    repair_count,
+)
 from bridge.diode.udp_interleave import Interleaver
 from bridge.diode.udp_key import load_key
 from bridge.diode.udp_pacing import TokenBucket
@@ -396,13 +402,8 @@ class _Sender:
             return False
         (obj, index, first), padded, repairs = done
         t = obj.header.symbol_size
-        k = len(padded) // t
-        view = memoryview(padded)
-        syms: list[tuple[int, bytes | memoryview]] = [
-            (i, view[i * t : (i + 1) * t]) for i in range(k)
-        ]
-        syms.extend((k + first + j, r) for j, r in enumerate(repairs))
-        self.il.add(_Block(obj, index, syms, k, len(syms)), len(syms))
+        syms = block_symbols(memoryview(padded), t, first, repairs)  # no copy of the source
+        self.il.add(_Block(obj, index, syms, len(padded) // t, len(syms)), len(syms))
         return True
 
     def _abandon(self, obj: _Object) -> None:

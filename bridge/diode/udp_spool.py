@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from bridge.diode.udp_fec import MAX_BLOCK_BYTES, MAX_BLOCK_SYMBOLS, BlockDecoder, block_plan
+from bridge.diode.udp_fec import BlockDecoder, block_plan, fits_one_block
 from bridge.fsutil import durable_mkdir, fsync_dir
 from bridge.logs import get_logger, log_event
 from bridge.metrics import UDP
@@ -76,8 +76,7 @@ def _header_record(epoch: int, h: ObjectHeader) -> dict[str, Any]:
 def _decodable(h: ObjectHeader) -> bool:
     """Whether this receiver's RaptorQ can rebuild the object's largest block whole (an
     authenticated sender never announces more: its config is checked against the same)."""
-    largest = min(h.length, h.block_symbols * h.symbol_size)
-    return largest <= MAX_BLOCK_BYTES and -(-largest // h.symbol_size) <= MAX_BLOCK_SYMBOLS
+    return fits_one_block(min(h.length, h.block_symbols * h.symbol_size), h.symbol_size)
 
 
 def _os_error(e: OSError) -> str:
