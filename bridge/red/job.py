@@ -21,7 +21,7 @@ from bridge.errors import ConfigError, DiodeError
 from bridge.fsutil import durable_mkdir, exclusive_lock
 from bridge.logs import get_logger, log_event
 from bridge.red.evidence import Evidence
-from bridge.red.landing import Landing, LandingResult
+from bridge.red.landing import LOCK_FILE, Landing, LandingResult
 from bridge.red.source import InboxDataSource
 from bridge.red.tables import RedTables, resolve_engine
 
@@ -143,7 +143,7 @@ class RedRun:
             "another red job is landing from this state dir (two landers would fork the "
             "ledger); stop it first"
         )
-        with exclusive_lock(state_dir / "red.lock", what="red run", hint=hint):
+        with exclusive_lock(state_dir / LOCK_FILE, what="red run", hint=hint):
             return self._run(spark, trigger, timeout, stop)
 
     def _run(

@@ -44,12 +44,23 @@ from bridge.red.evidence import Evidence
 from bridge.red.tables import RedTables
 from bridge.red.verify import Verdict, sweep_plain_dir
 
-__all__ = ["Landing", "LandingResult", "APP_ID", "LandingError", "SavedState", "read_saved_state"]
+__all__ = [
+    "APP_ID",
+    "LOCK_FILE",
+    "Landing",
+    "LandingError",
+    "LandingResult",
+    "SavedState",
+    "read_saved_state",
+]
 
 log = get_logger("bridge.red.landing")
 
 APP_ID = "diode-red"
 STATE_FILE = "red-state.json"
+LOCK_FILE = "red.lock"
+"""``state_dir/red.lock``: held by the one process that lands (a red job, or an operator
+command applying a request while no job runs)."""
 REQUESTS_DIR = "requests"
 """``work_dir/requests/*.json``: operator requests the landing applies at its next tick."""
 INTENT_FILE = "intent.json"

@@ -21,7 +21,7 @@ from bridge.config import Config
 from bridge.errors import ConfigError, StateError
 from bridge.fsutil import atomic_write_bytes, durable_mkdir, exclusive_lock
 from bridge.red import sequence as sq
-from bridge.red.landing import REQUESTS_DIR
+from bridge.red.landing import LOCK_FILE, REQUESTS_DIR
 from bridge.red.report import load_sequence
 
 __all__ = ["write_off_gap"]
@@ -55,7 +55,7 @@ def write_off_gap(cfg: Config, channel: str, first: int, last: int, note: str) -
         "requested_at": now.isoformat(),
     }
     path = _queue(cfg, doc)
-    lock = Path(cfg.red.state_dir) / "red.lock"
+    lock = Path(cfg.red.state_dir) / LOCK_FILE
     stack = contextlib.ExitStack()
     try:
         stack.enter_context(exclusive_lock(lock, what="red write-off"))
