@@ -479,6 +479,18 @@ def red_write_off(config_path: Path | None, channel: str, first: int, last: int,
     click.echo(json.dumps(out, default=str))
 
 
+@red.command("retire")
+@config_option
+@click.option("--channel", required=True, help="a channel already removed from red's config")
+@click.option("--note", required=True, help="why (a ticket, who decided): kept in the audit")
+def red_retire(config_path: Path | None, channel: str, note: str) -> None:
+    """Retire a channel removed from red's config: write off its open gaps, stop watching it
+    for silence. Configuring it again reinstates it."""
+    from bridge.red.writeoff import retire_channel
+
+    click.echo(json.dumps(retire_channel(_load(config_path), channel, note), default=str))
+
+
 @red.command("maintain")
 @config_option
 @click.option("--table", type=click.Choice(["messages", "bundles", "audit", "all"]), default="all")

@@ -387,12 +387,13 @@ class Landing:
         with self.lock:
             now = now or datetime.now(UTC)
             state = sq.SequenceState.from_json(self.state.to_json())
-            events = sq.tick(state, now, self.cfg.red.link_silent_seconds, self.channels)
+            events: list[sq.Event] = []
+            requests, asked = self._requests()
+            for doc, path in zip(requests, asked, strict=True):  # first: a retired channel
+                events += self._request(state, doc, path, now)  # is no longer watched
+            events += sq.tick(state, now, self.cfg.red.link_silent_seconds, self.channels)
             res = LandingResult()
             pending, consumed = self._intake_quarantines()
-            requests, asked = self._requests()
-            for doc, path in zip(requests, asked, strict=True):
-                events += self._write_off(state, doc, path, now)
             consumed += asked
             transport, udp_offset = self._transport_gaps(now)
             if (
@@ -490,8 +491,8 @@ class Landing:
         return rows, offset
 
     def _requests(self) -> tuple[list[dict[str, Any]], list[str]]:
-        """Operator requests (``diode red write-off``) queued in ``work_dir/requests/``; an
-        unreadable one is logged and consumed as refused."""
+        """Operator requests (``diode red write-off``, ``diode red retire``) queued in
+        ``work_dir/requests/``; an unreadable one is logged and consumed as refused."""
         docs, paths = [], []
         for p, doc, error in _json_files(self.work_dir / REQUESTS_DIR):
             if error is not None:
@@ -501,22 +502,31 @@ class Landing:
             paths.append(str(p))
         return docs, paths
 
-    @staticmethod
-    def _write_off(
-        state: sq.SequenceState, doc: dict[str, Any], path: str, now: datetime
+    def _request(
+        self, state: sq.SequenceState, doc: dict[str, Any], path: str, now: datetime
     ) -> list[sq.Event]:
+        """Apply one operator request to ``state``; a refused one is logged and yields nothing."""
+        kind = doc.get("kind")
         try:
-            if doc.get("kind") != "write_off":
-                raise StateError(f"unknown request kind {doc.get('kind')!r}")
-            first, last = int(doc["first_bundle_seq"]), int(doc["last_bundle_seq"])
             note = str(doc.get("note", ""))
-            events = sq.write_off(state, str(doc["channel"]), first, last, note, now)
+            if kind == "write_off":
+                first, last = int(doc["first_bundle_seq"]), int(doc["last_bundle_seq"])
+                events = sq.write_off(state, str(doc["channel"]), first, last, note, now)
+            elif kind == "retire":
+                events = sq.retire(state, str(doc["channel"]), note, now, self.channels)
+            else:
+                raise StateError(f"unknown request kind {kind!r} (known: write_off, retire)")
         except (StateError, KeyError, TypeError, ValueError) as e:
             log_event(log, 40, "operator request refused", path=path, error=str(e))
             return []
-        log_event(log, 30, "transit gap written off by an operator", channel=doc["channel"],
-                  first_bundle_seq=doc["first_bundle_seq"],
-                  last_bundle_seq=doc["last_bundle_seq"], note=doc.get("note"))  # fmt: skip
+        if kind == "write_off":
+            log_event(log, 30, "transit gap written off by an operator", channel=doc["channel"],
+                      first_bundle_seq=doc["first_bundle_seq"],
+                      last_bundle_seq=doc["last_bundle_seq"], note=note)  # fmt: skip
+        else:
+            log_event(log, 30, "channel retired by an operator", channel=doc["channel"],
+                      gaps_written_off=sum(e.kind == "gap_written_off" for e in events),
+                      note=note)  # fmt: skip
         return events
 
     def _intake_quarantines(self) -> tuple[list[dict[str, Any]], list[str]]:

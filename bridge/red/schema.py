@@ -72,6 +72,8 @@ AUDIT_EVENTS = (
     "gap_closed",  # a missing range arrived (late bundle or resend)
     "gap_declared",  # black declared a range lost (manifest gaps): accounted, never coming
     "gap_written_off",  # an operator declared missing bundles lost for good (diode red write-off)
+    "channel_retired",  # an operator retired a channel removed from red's config (diode red retire)
+    "channel_reinstated",  # a retired channel is configured again: watched from now on
     "chain_verified",  # prev_sha256 of a bundle matched its landed predecessor
     "chain_broken",  # prev_sha256 did not match: the bundle chain was forked or tampered with
     "coverage_mismatch",  # a manifest's coverage disagrees with its rows and declared gaps

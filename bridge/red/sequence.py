@@ -45,6 +45,7 @@ __all__ = [
     "Run",
     "TransitGap",
     "WrittenOff",
+    "Retirement",
     "HeartbeatSeen",
     "ChannelState",
     "SequenceState",
@@ -55,6 +56,7 @@ __all__ = [
     "tick",
     "open_gaps",
     "write_off",
+    "retire",
     "seqs_within",
     "summary",
 ]
@@ -244,6 +246,15 @@ class WrittenOff:
 
 
 @dataclass(frozen=True)
+class Retirement:
+    """An operator retired the channel (``diode red retire``): removed from red's config, not
+    watched for silence; its open gaps were written off. Configuring it again reinstates it."""
+
+    at: str
+    note: str
+
+
+@dataclass(frozen=True)
 class HeartbeatSeen:
     heartbeat_seq: int
     last_bundle_seq: int | None
@@ -275,6 +286,7 @@ class ChannelState:
     watch_since: str | None = None
     """Silence is measured from here while no heartbeat has been seen."""
     counters: dict[str, int] = field(default_factory=_zero_counters)
+    retired: Retirement | None = None
 
     def to_json(self) -> dict[str, Any]:
         hb = self.heartbeat
@@ -311,6 +323,9 @@ class ChannelState:
             "silent": self.silent,
             "watch_since": self.watch_since,
             "counters": dict(self.counters),
+            "retired": None
+            if self.retired is None
+            else {"at": self.retired.at, "note": self.retired.note},
         }
 
     @classmethod
@@ -356,6 +371,11 @@ class ChannelState:
                 interval_seconds=float(interval),
             )
         counters = {str(k): _int(v, where) for k, v in _get(d, "counters", dict, where).items()}
+        ret = d.get("retired")  # absent before retirements existed
+        retired = None
+        if ret is not None:
+            w = f"{where} retired"
+            retired = Retirement(_get(ret, "at", str, w), _get(ret, "note", str, w))
         return cls(
             contig=_int(_get(d, "contig", int, where), where),
             contig_sha256=_get(d, "contig_sha256", str, where, optional=True),
@@ -370,6 +390,7 @@ class ChannelState:
             silent=_get(d, "silent", bool, where),
             watch_since=_get(d, "watch_since", str, where, optional=True),
             counters=counters,
+            retired=retired,
         )
 
 
@@ -785,10 +806,20 @@ def tick(
     """``link_silent`` (once per silence) for every channel not heard from for too long.
 
     Channels named in ``channels`` are watched from the first tick even before any heartbeat.
+    A retired channel is not watched; named in ``channels`` again (configured again), it is
+    reinstated (``channel_reinstated``) and watched from ``now``.
     """
     events: list[Event] = []
-    for name in sorted(set(state.channels) | set(channels)):
+    configured = set(channels)
+    for name in sorted(set(state.channels) | configured):
         cs = state.channel(name)
+        if cs.retired is not None:
+            if name not in configured:
+                continue
+            was = {"retired_at": cs.retired.at, "retired_note": cs.retired.note}
+            events.append(Event("channel_reinstated", name, reason="configured", detail=was))
+            cs.retired, cs.silent, cs.watch_since = None, False, format_utc(now)
+            continue
         ref = cs.heartbeat.received_at if cs.heartbeat is not None else cs.watch_since
         if ref is None:
             cs.watch_since = format_utc(now)
@@ -847,6 +878,41 @@ def write_off(
     return events
 
 
+def retire(
+    state: SequenceState, channel: str, note: str, now: datetime, configured: Iterable[str]
+) -> list[Event]:
+    """Retire ``channel`` (no longer configured on red): its open gaps are written off with
+    ``note`` (``gap_written_off`` each), then ``channel_retired``; silence is no longer
+    watched. StateError when red never saw the channel, it is still in ``configured`` (red's
+    channels) or it is retired already."""
+    cs = state.channels.get(channel)
+    if cs is None:
+        known = sorted(state.channels) or "none"
+        raise StateError(f"channel {channel!r} is unknown to red's state (channels: {known})")
+    if channel in set(configured):
+        raise StateError(
+            f"channel {channel!r} is still in red's [[channels]]: remove it from the config "
+            "first (its files are then quarantined as unknown_channel), then retire it"
+        )
+    if cs.retired is not None:
+        raise StateError(f"channel {channel!r} was retired already at {cs.retired.at}")
+    events: list[Event] = []
+    gaps = [(g.first, g.last) for g in cs.gaps]
+    for first, last in gaps:
+        events += write_off(state, channel, first, last, note, now)
+    detail = {
+        "note": note,
+        "gaps_written_off": [list(g) for g in gaps],
+        "contig": cs.contig,
+        "highest": cs.highest,
+        "known": cs.known,
+        "was_silent": cs.silent,
+    }
+    events.append(Event("channel_retired", channel, None, None, None, "operator", detail))
+    cs.retired, cs.silent = Retirement(format_utc(now), note), False
+    return events
+
+
 # ------------------------------------------------------------------------- reports
 
 
@@ -890,6 +956,9 @@ def summary(state: SequenceState) -> dict[str, dict[str, Any]]:
                 "received_at": hb.received_at,
             },
             "silent": cs.silent,
+            "retired": None
+            if cs.retired is None
+            else {"at": cs.retired.at, "note": cs.retired.note},
             "counters": dict(cs.counters),
         }
     return out

@@ -1,9 +1,10 @@
-"""Red, operator: write off transit gaps whose bundles will never come (black pruned them).
+"""Red, operator: write off gaps whose bundles will never come, retire a removed channel.
 
-``diode red write-off`` checks the range against the saved state, queues a request in
-``work_dir/requests/`` and, when no red job holds the state lock, applies it at once through
-the landing's tick; a running job applies it at its next tick (about a second). The landing
-audits ``gap_written_off``; the replay hold-back stops waiting for those bundles.
+``diode red write-off`` and ``diode red retire`` check the request against the saved state,
+queue it in ``work_dir/requests/`` and, when no red job holds the state lock, apply it at once
+through the landing's tick; a running job applies it at its next tick (about a second). The
+landing audits ``gap_written_off`` / ``channel_retired``; the replay hold-back stops waiting for
+the bundles written off, and a retired channel is no longer watched for silence.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from bridge.red import sequence as sq
 from bridge.red.landing import LOCK_FILE, REQUESTS_DIR
 from bridge.red.report import load_sequence
 
-__all__ = ["write_off_gap"]
+__all__ = ["retire_channel", "write_off_gap"]
 
 
 def _queue(cfg: Config, doc: dict[str, Any]) -> Path:
@@ -34,45 +35,83 @@ def _queue(cfg: Config, doc: dict[str, Any]) -> Path:
     return path
 
 
-def write_off_gap(cfg: Config, channel: str, first: int, last: int, note: str) -> dict[str, Any]:
-    """Write off bundles ``first..last`` of ``channel`` (all in open transit gaps)."""
+def _user() -> str:
+    try:
+        return getpass.getuser()
+    except (KeyError, OSError):
+        return "unknown"
+
+
+def _checked_note(note: str) -> str:
     if not note.strip():
         raise ConfigError("--note is required: say why (a ticket, who decided); the audit keeps it")
-    _, state, _ = load_sequence(cfg)
-    now = datetime.now(UTC)
-    trial = sq.SequenceState.from_json(state.to_json())
-    sq.write_off(trial, channel, first, last, note, now)  # StateError names the open gaps
-    try:
-        user = getpass.getuser()
-    except (KeyError, OSError):
-        user = "unknown"
-    doc = {
-        "kind": "write_off",
-        "channel": channel,
-        "first_bundle_seq": first,
-        "last_bundle_seq": last,
-        "note": f"{note} (by {user})",
-        "requested_at": now.isoformat(),
-    }
+    return f"{note} (by {_user()})"
+
+
+def _submit(cfg: Config, doc: dict[str, Any], event: str, what: str) -> dict[str, Any]:
+    """Queue ``doc`` and apply it now unless a red job holds the state lock (it applies it at
+    its next tick); StateError when applying it did not yield ``event``."""
     path = _queue(cfg, doc)
     lock = Path(cfg.red.state_dir) / LOCK_FILE
     stack = contextlib.ExitStack()
     try:
-        stack.enter_context(exclusive_lock(lock, what="red write-off"))
+        stack.enter_context(exclusive_lock(lock, what=f"red {doc['kind'].replace('_', '-')}"))
     except StateError:
         return {
             "queued": str(path),
             "applied": False,
-            "note": "a red job is running: it applies the write-off at its next tick (about a "
-            "second); check `diode red gaps`",
+            "note": f"a red job is running: it applies the {what} at its next tick (about a "
+            "second); check `diode red status` and `diode red gaps`",
         }
     with stack:
         from bridge.red.job import open_landing
 
         res = open_landing(cfg).tick()
-    if not res.events.get("gap_written_off"):
+    if not res.events.get(event):
         raise StateError(
-            f"the write-off of {channel!r} {first}..{last} was refused when applied (the state "
-            "changed meanwhile?): see the log and `diode red gaps`"
+            f"the {what} was refused when applied (the state changed meanwhile?): see the log "
+            "and `diode red status`"
         )
     return {"applied": True, "land_seq": res.land_seq, "events": res.events}
+
+
+def write_off_gap(cfg: Config, channel: str, first: int, last: int, note: str) -> dict[str, Any]:
+    """Write off bundles ``first..last`` of ``channel`` (all in open transit gaps)."""
+    signed = _checked_note(note)
+    _, state, _ = load_sequence(cfg)
+    now = datetime.now(UTC)
+    trial = sq.SequenceState.from_json(state.to_json())
+    sq.write_off(trial, channel, first, last, note, now)  # StateError names the open gaps
+    doc = {
+        "kind": "write_off",
+        "channel": channel,
+        "first_bundle_seq": first,
+        "last_bundle_seq": last,
+        "note": signed,
+        "requested_at": now.isoformat(),
+    }
+    return _submit(cfg, doc, "gap_written_off", f"write-off of {channel!r} {first}..{last}")
+
+
+def retire_channel(cfg: Config, channel: str, note: str) -> dict[str, Any]:
+    """Retire ``channel``, already removed from red's config: its open gaps are written off and
+    it is no longer watched for silence (configuring it again reinstates it)."""
+    signed = _checked_note(note)
+    _, state, _ = load_sequence(cfg)
+    now = datetime.now(UTC)
+    trial = sq.SequenceState.from_json(state.to_json())
+    configured = [c.name for c in cfg.channels]
+    events = sq.retire(trial, channel, note, now, configured)  # StateError says why not
+    doc = {
+        "kind": "retire",
+        "channel": channel,
+        "note": signed,
+        "requested_at": now.isoformat(),
+    }
+    out = _submit(cfg, doc, "channel_retired", f"retirement of {channel!r}")
+    out["gaps_written_off"] = [
+        [e.detail["first_bundle_seq"], e.detail["last_bundle_seq"]]
+        for e in events
+        if e.kind == "gap_written_off"
+    ]
+    return out
