@@ -15,7 +15,9 @@ SIGTERM and exit when the sender closes their pipe, or dies (kill -9 included): 
 them outlives it, and the memfd has no name to leak. A worker that does not answer within
 ``answer_seconds`` (stopped, hung) is killed and handled as lost. Workers run in a session of
 their own (a terminal's Ctrl-C is the sender's) with ``-P``: nothing is imported from the
-working directory.
+working directory. Each worker says it is ready once its imports are done; one that exits or
+stays silent for ``start_seconds`` before that fails the pool's start (OSError naming it), so
+a broken install is found at start, not at the first block.
 
     python -m bridge.diode.udp_encode MEMFD REQUEST_FD REPLY_FD SLOT_BYTES SLOTS   (a worker)
 """
@@ -46,6 +48,8 @@ _REQ = struct.Struct("<IIIII")
 """slot, block length (whole symbols), symbol size, repair count, first repair index."""
 _REP = struct.Struct("<Ii")
 """slot, status: 0 done, 1 the encoder refused the block."""
+_READY = 0xFFFF_FFFF
+"""The slot of a worker's first answer: its imports are done, it takes requests."""
 _PAGE = mmap.PAGESIZE
 
 
@@ -94,9 +98,11 @@ class EncoderPool(Generic[T]):
         slots: int = 2,
         on_lost: Callable[[int, int | None, str, int, int], None] | None = None,
         answer_seconds: float = 30.0,
+        start_seconds: float = 30.0,
     ) -> None:
         """``on_lost(pid, exit code, why, blocks it held, workers left)`` when one exits or is
-        killed for not answering within ``answer_seconds``."""
+        killed for not answering within ``answer_seconds``. OSError when a worker cannot start
+        or is not ready within ``start_seconds``."""
         self.slot_bytes = slot_bytes
         self.answer_seconds = answer_seconds
         self.slots = max(1, slots)
@@ -108,6 +114,7 @@ class EncoderPool(Generic[T]):
         try:
             for _ in range(workers):
                 self._workers.append(self._spawn())
+            self._await_ready(start_seconds)
         except BaseException:
             self.close()
             raise
@@ -138,6 +145,34 @@ class EncoderPool(Generic[T]):
                 os.close(fd)
         os.set_blocking(rep_r, False)
         return _Worker(proc, mem, req_w, rep_r, list(range(self.slots)))
+
+    def _await_ready(self, seconds: float) -> None:
+        """Wait for every worker's ready answer; OSError naming the first that exits or stays
+        silent (killed) — its stderr, e.g. an import's traceback, is the sender's."""
+        deadline = time.monotonic() + seconds
+        waiting = {w.rep: w for w in self._workers if w is not None}
+        while waiting:
+            left = deadline - time.monotonic()
+            ready = select.select(list(waiting), [], [], max(0.0, left))[0] if left > 0 else []
+            if not ready:
+                w = next(iter(waiting.values()))
+                w.proc.kill()
+                raise OSError(f"encoder worker pid {w.proc.pid} was not ready within {seconds:g} s")
+            for fd in ready:
+                w = waiting[fd]
+                try:
+                    got = os.read(fd, _REP.size)
+                except BlockingIOError:
+                    continue
+                if len(got) != _REP.size or _REP.unpack(got)[0] != _READY:
+                    with contextlib.suppress(subprocess.TimeoutExpired):
+                        w.proc.wait(timeout=5)
+                    what = f"exited (code {w.proc.returncode})" if not got else "answered oddly"
+                    raise OSError(
+                        f"encoder worker pid {w.proc.pid} {what} while starting (its error "
+                        "output, e.g. an import's traceback, is above)"
+                    )
+                del waiting[fd]
 
     @property
     def workers(self) -> int:
@@ -307,6 +342,8 @@ def worker_main(memfd: int, req: int, rep: int, slot_bytes: int, slots: int) -> 
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     mem = mmap.mmap(memfd, slot_bytes * slots)
+    if not _answer(rep, _READY, 0):
+        return 0
     while msg := _read_exact(req, _REQ.size):
         slot, length, t, n_repair, first = _REQ.unpack(msg)
         off = slot * slot_bytes

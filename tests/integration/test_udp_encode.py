@@ -128,6 +128,38 @@ def test_a_worker_that_stops_answering_is_killed_and_its_blocks_encoded_here() -
         pool.close()
 
 
+def shadow_bridge(root: Path, body: str) -> str:
+    """A PYTHONPATH under which ``import bridge`` runs ``body`` (a broken or hung install)."""
+    (root / "bridge").mkdir()
+    (root / "bridge" / "__init__.py").write_text(body)
+    return str(root)
+
+
+def own_workers() -> list[psutil.Process]:
+    return [c for c in psutil.Process().children() if "udp_encode" in " ".join(c.cmdline())]
+
+
+@pytest.mark.parametrize(
+    ("body", "match"),
+    [
+        ("raise ImportError('a broken install')", r"exited \(code 1\) while starting"),
+        ("import time; time.sleep(60)", r"was not ready within 1 s"),
+    ],
+)
+def test_a_worker_that_cannot_start_fails_the_pool_at_once_and_leaves_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, body: str, match: str
+) -> None:
+    monkeypatch.setenv("PYTHONPATH", shadow_bridge(tmp_path, body))
+    t0 = time.monotonic()
+    with pytest.raises(OSError, match=r"encoder worker pid \d+ " + match):
+        EncoderPool(2, slot_bytes_for(16, 4, 1360), start_seconds=1)
+    assert time.monotonic() - t0 < 10
+    deadline = time.monotonic() + 5
+    while any(p.status() != psutil.STATUS_ZOMBIE for p in own_workers()):
+        assert time.monotonic() < deadline, "a worker outlived the failed start"
+        time.sleep(0.05)
+
+
 _OWNER = """
 import sys, time
 from bridge.diode.udp_encode import EncoderPool, slot_bytes_for

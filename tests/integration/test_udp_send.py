@@ -425,6 +425,22 @@ def test_two_senders_cannot_share_a_state_dir_and_config_errors_fail_fast(env: E
         run_sender(no_udp, until_idle=True)
 
 
+def test_an_encoder_worker_that_cannot_start_fails_the_sender_with_the_fix(
+    env: Env, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    (env.outbox / bundle("u1", 1)).write_bytes(b"x" * 1000)
+    broken = env.tmp / "broken"
+    (broken / "bridge").mkdir(parents=True)
+    (broken / "bridge" / "__init__.py").write_text("raise ImportError('a broken install')")
+    monkeypatch.setenv("PYTHONPATH", str(broken))
+    with pytest.raises(ConfigError, match=r"encode_workers = 1: .* set encode_workers = 0"):
+        run_sender(env.cfg(encode_workers=1), until_idle=True, timeout=30)
+    assert not (env.state / JOURNAL).exists() or env.journal() == []  # nothing was sent
+    monkeypatch.delenv("PYTHONPATH")
+    assert run_sender(env.cfg(encode_workers=1), until_idle=True, timeout=30).files == [
+        bundle("u1", 1)]  # fmt: skip
+
+
 _CHILD = """
 import json, sys
 from bridge.config import config_from_dict
