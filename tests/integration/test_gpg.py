@@ -127,6 +127,27 @@ def test_plain_gpg_cli_reads_our_bundles(world: World, encrypt: bool) -> None:
     assert f"VALIDSIG {world.b}".encode() in r.stderr
 
 
+@pytest.mark.parametrize("memfd", [True, False])
+def test_bytes_reach_gpg_by_memfd_or_by_a_pipe_where_there_is_none(
+    world: World, monkeypatch: pytest.MonkeyPatch, memfd: bool
+) -> None:
+    data = os.urandom(3_000_000)  # far above a pipe's buffer: gpg must drain it as it is fed
+    made: list[str] = []
+    if memfd:
+        real = os.memfd_create
+        monkeypatch.setattr(
+            os, "memfd_create", lambda name, flags=0: made.append(name) or real(name, flags)
+        )
+    else:
+        monkeypatch.delattr(os, "memfd_create")  # a system without it: the pipe path, or nothing
+    sealed = world.root / "x.dbundle"
+    world.black.seal(memoryview(data), sealed, signer=world.b, recipients=[world.r1])
+    assert made == (["diode-plaintext"] if memfd else [])
+    dst = world.root / "plain"
+    world.red1.open(sealed, dst, pinned_signers=[world.b])
+    assert dst.read_bytes() == data
+
+
 @settings(
     max_examples=15,
     deadline=None,
