@@ -336,7 +336,7 @@ def resend(config_path: Path | None, channel: str, first: int, last: int, wait: 
 
     cfg = _load(config_path)
     cfg.channel(channel)
-    rep = Outbox.from_config(cfg.black, lock_wait=wait).resend(channel, first, last)
+    rep = Outbox.from_config(cfg, lock_wait=wait).resend(channel, first, last)
     click.echo(json.dumps({"resent": rep.resent, "missing": rep.missing}))
     if rep.missing:
         click.echo(

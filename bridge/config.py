@@ -224,6 +224,12 @@ class BlackConfig(_Strict):
     outbox: Path = Path("black/outbox")
     """Where finished bundles appear (atomically) for the file diode's mover."""
 
+    udp_outbox: Path | None = None
+    """Where the files of "udp" channels appear for `diode udp send`. Unset: `outbox` (fine
+    when every channel is "udp", or the mover takes only the "file" channels' names). Set it
+    when channels of both transports share this black and the vendor's mover takes every
+    file of `outbox`. On the outbox's file system (one staging dir serves both)."""
+
     archive: Path = Path("black/archive")
     """Copies of sent bundles, kept for `diode resend`."""
 
@@ -542,11 +548,34 @@ class Config(_Strict):
                 f'channels {udp} have transport = "udp" but there is no [udp] section: add one '
                 '(see conf/diode.example.toml), or set transport = "file"'
             )
+        b = self.black
+        if b.udp_outbox is not None:
+            if not udp:
+                raise ValueError(
+                    'black.udp_outbox is set but no channel has transport = "udp": remove it'
+                )
+            for key in ("outbox", "archive", "staging_dir"):
+                other = getattr(b, key)
+                if other is not None and _nested(Path(b.udp_outbox), Path(other)):
+                    raise ValueError(
+                        f"black.udp_outbox {b.udp_outbox} and black.{key} {other} overlap: "
+                        "give the UDP channels' files a directory of their own beside the outbox"
+                    )
         return self
 
     def udp_channels(self) -> list[str]:
         """Names of the channels whose files the UDP sender carries."""
         return [c.name for c in self.channels if c.transport == "udp"]
+
+    def udp_outbox(self) -> Path:
+        """Where the UDP sender takes its files (``black.udp_outbox``, else the outbox)."""
+        return Path(self.black.udp_outbox or self.black.outbox)
+
+    def outbox_dirs(self) -> dict[str, Path]:
+        """The channels whose files go to ``black.udp_outbox`` rather than the outbox."""
+        if self.black.udp_outbox is None:
+            return {}
+        return dict.fromkeys(self.udp_channels(), Path(self.black.udp_outbox))
 
     def channel(self, name: str) -> ChannelConfig:
         for ch in self.channels:
@@ -561,6 +590,7 @@ _PATH_KEYS = {
     "black": (
         "gnupg_home",
         "outbox",
+        "udp_outbox",
         "archive",
         "state_dir",
         "checkpoint_dir",
@@ -601,6 +631,12 @@ def _apply_env(data: dict[str, Any], environ: dict[str, str]) -> None:
             if not isinstance(node, dict):
                 raise ConfigError(f"env {key}: {'.'.join(path)} is not a table")
         node[path[-1]] = _parse_env_value(raw)
+
+
+def _nested(a: Path, b: Path) -> bool:
+    """Whether ``a`` and ``b`` are the same directory or one holds the other."""
+    a, b = a.resolve(), b.resolve()
+    return a == b or a in b.parents or b in a.parents
 
 
 def _resolve_paths(data: dict[str, Any], base: Path) -> None:

@@ -94,7 +94,7 @@ class HeartbeatWriter:
                 raise
             # from the rename on, the seq is never given back (the mover may take the file at
             # once, so its absence proves nothing); a failed rename only skips a seq
-            self.outbox.publish(staged, name)
+            self.outbox.publish(staged, name, channel=channel.name)
         BLACK.heartbeats_sent.labels(channel.name).inc()
         log_event(
             log,

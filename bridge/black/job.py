@@ -98,7 +98,7 @@ class BlackRun:
         self.cfg = cfg
         self.gpg = check_black_config(cfg)
         self.store = StateStore(Path(cfg.black.state_dir))
-        self.outbox = Outbox.from_config(cfg.black)
+        self.outbox = Outbox.from_config(cfg)
         self.sealer = BundleSealer(cfg, store=self.store, gpg=self.gpg, outbox=self.outbox)
         self.sink = BatchSink(cfg, self.sealer)
         self.mirror = Mirror(cfg, catalog_path=Path(cfg.black.state_dir) / "exchanges.json")

@@ -18,18 +18,26 @@ from bridge.protocol.naming import parse_bundle_name, parse_heartbeat_name
 __all__ = ["channel_status", "files_table", "gap_ranges"]
 
 
+def _waiting(outbox: Path) -> list[str]:
+    """Names of the files in an outbox (not yet taken by the mover or the UDP sender)."""
+    if not outbox.is_dir():
+        return []
+    return [p.name for p in outbox.iterdir() if not p.name.startswith(".")]
+
+
 def channel_status(cfg: Config) -> dict[str, Any]:
     """Per channel: journal position, counters (incl. losses), outbox backlog."""
     store = StateStore(Path(cfg.black.state_dir))
-    outbox = Path(cfg.black.outbox)
-    waiting = (
-        [p.name for p in outbox.iterdir() if not p.name.startswith(".")] if outbox.is_dir() else []
-    )
+    waiting = _waiting(Path(cfg.black.outbox))
     out: dict[str, Any] = {
         "bridge_id": cfg.link.bridge_id,
         "outbox_files": len(waiting),
         "channels": {},
     }
+    if cfg.black.udp_outbox is not None:
+        udp_waiting = _waiting(Path(cfg.black.udp_outbox))
+        out["udp_outbox_files"] = len(udp_waiting)
+        waiting += udp_waiting
     for ch in cfg.channels:
         st = store.load(ch.name)
         out["channels"][ch.name] = {
@@ -89,8 +97,15 @@ def _bundle_channel(name: str) -> str | None:
 
 def files_table(cfg: Config, *, where: str = "archive") -> pa.Table:
     """One row per bundle or heartbeat file in the archive or the outbox (names parsed strictly)."""
-    root = Path(cfg.black.archive if where == "archive" else cfg.black.outbox)
-    paths = [p for p in root.rglob("*") if p.is_file() and not p.name.startswith(".")]
+    if where == "archive":
+        roots = [Path(cfg.black.archive)]
+    else:
+        roots = [Path(cfg.black.outbox)]
+        if cfg.black.udp_outbox is not None:
+            roots.append(Path(cfg.black.udp_outbox))
+    paths = [
+        p for root in roots for p in root.rglob("*") if p.is_file() and not p.name.startswith(".")
+    ]
     rows: dict[str, list[Any]] = {
         k: [] for k in ("name", "kind", "channel", "seq", "bytes", "mtime")
     }

@@ -7,10 +7,11 @@
                                        file system, and no mover looks there)
 
 The staging dir (``black.staging_dir``, default ``.<outbox name>.staging`` beside the outbox)
-must be on the outbox's file system, for the rename to be atomic; that is checked here. A mover
-may take or delete any file of the outbox, dot-files included, at any moment: black never
-writes, reads or stats a file once it is in the outbox, so a file gone right after its rename
-is a success, and ``resend`` re-drops from the archive through the staging dir again.
+must be on the outbox's file system, for the rename to be atomic; that is checked here (also
+for ``black.udp_outbox``, where the UDP channels' files go when it is set). A mover may take
+or delete any file of the outbox, dot-files included, at any moment: black never writes, reads
+or stats a file once it is in the outbox, so a file gone right after its rename is a success,
+and ``resend`` re-drops from the archive through the staging dir again.
 
 Coordination (``<staging>/.drop.lock``): only the black job removes temp files, at start-up
 (:meth:`Outbox.sweep_stale_temps`, exclusive lock), and each re-drop (``diode resend``, crash
@@ -26,10 +27,11 @@ import errno
 import os
 import re
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from bridge.config import BlackConfig
+from bridge.config import Config
 from bridge.errors import BundleNameError, ConfigError, StateError, TransportError
 from bridge.fsutil import (
     DIR_MODE,
@@ -119,7 +121,11 @@ def _copy_to_new(src: int, dst: Path) -> int:
 
 
 class Outbox:
-    """The black outbox of a file diode, with its staging dir and its archive."""
+    """The black outbox of a file diode, with its staging dir and its archive.
+
+    ``channel_dirs`` sends some channels' files to another directory instead of the outbox
+    (``black.udp_outbox``: the UDP channels'), on the same file system and staging dir.
+    """
 
     def __init__(
         self,
@@ -129,30 +135,43 @@ class Outbox:
         retention_days: float,
         staging: Path | None = None,
         lock_wait: float = LOCK_WAIT_SECONDS,
+        channel_dirs: Mapping[str, Path] | None = None,
     ) -> None:
         self.outbox = Path(outbox)
         self.archive = Path(archive)
         self.staging = Path(staging) if staging is not None else default_staging(self.outbox)
+        self.channel_dirs = {c: Path(d) for c, d in (channel_dirs or {}).items()}
         self.retention_seconds = retention_days * 86400.0
         self.lock_wait = lock_wait
         self.lock_path = self.staging / DROP_LOCK
         for key, d in (("outbox", self.outbox), ("archive", self.archive)):
             self._mkdir(key, d)
+        for d in self._extra_dirs():
+            self._mkdir("udp_outbox", d)
         self._check_staging_place()
         self._mkdir("staging_dir", self.staging)
         self._check_staging_device()
         self._archive_dirs: set[str] = set()
 
     @classmethod
-    def from_config(cls, black: BlackConfig, *, lock_wait: float = LOCK_WAIT_SECONDS) -> Outbox:
-        """The outbox of a black configuration (outbox, archive, staging dir, retention)."""
+    def from_config(cls, cfg: Config, *, lock_wait: float = LOCK_WAIT_SECONDS) -> Outbox:
+        """The outbox of a configuration (outbox, udp_outbox, archive, staging, retention)."""
+        black = cfg.black
         return cls(
             Path(black.outbox),
             Path(black.archive),
             retention_days=black.archive_retention_days,
             staging=black.staging_dir,
             lock_wait=lock_wait,
+            channel_dirs=cfg.outbox_dirs(),
         )
+
+    def dir_for(self, channel: str) -> Path:
+        """Where ``channel``'s files appear: the outbox, or its own directory."""
+        return self.channel_dirs.get(channel, self.outbox)
+
+    def _extra_dirs(self) -> list[Path]:
+        return sorted({d for d in self.channel_dirs.values() if d != self.outbox})
 
     @staticmethod
     def _mkdir(key: str, d: Path) -> None:
@@ -168,7 +187,9 @@ class Outbox:
 
     def _check_staging_place(self) -> None:
         staging = self.staging.resolve()
-        for key, d in (("outbox", self.outbox.resolve()), ("archive", self.archive.resolve())):
+        places = [("outbox", self.outbox), ("archive", self.archive)]
+        places += [("udp_outbox", d) for d in self._extra_dirs()]
+        for key, d in ((k, p.resolve()) for k, p in places):
             if staging == d or d in staging.parents:
                 raise ConfigError(
                     f"black.staging_dir {self.staging} is inside black.{key} {d}: the mover (or "
@@ -177,15 +198,18 @@ class Outbox:
                 )
 
     def _check_staging_device(self) -> None:
-        dev_s, dev_o = os.stat(self.staging).st_dev, os.stat(self.outbox).st_dev
-        if dev_s != dev_o:
+        dev_s = os.stat(self.staging).st_dev
+        for key, d in [("outbox", self.outbox)] + [("udp_outbox", d) for d in self._extra_dirs()]:
+            dev_o = os.stat(d).st_dev
+            if dev_s == dev_o:
+                continue
             raise ConfigError(
                 f"black.staging_dir {self.staging} (device {dev_s}) is not on the file system of "
-                f"black.outbox {self.outbox} (device {dev_o}): a rename into the outbox is atomic "
+                f"black.{key} {d} (device {dev_o}): a rename into the outbox is atomic "
                 "only within one file system, else a mover could see partial files. Set "
                 "black.staging_dir to a directory on the outbox's file system outside the outbox "
-                f"(default: {default_staging(self.outbox)}); if the outbox is itself a mount "
-                "point, mount the folder above it instead"
+                f"(default: {default_staging(self.outbox)}) and keep black.udp_outbox on it too; "
+                "if the outbox is itself a mount point, mount the folder above it instead"
             )
 
     # ---------------------------------------------------------------- temps
@@ -208,7 +232,7 @@ class Outbox:
             timeout=self.lock_wait,
             hint=_SWEEP_HINT,
         ):
-            dirs = [self.staging, self.outbox]
+            dirs = [self.staging, self.outbox, *self._extra_dirs()]
             if self.archive.is_dir():
                 dirs += [p for p in self.archive.iterdir() if p.is_dir()]
             for d in dirs:
@@ -248,7 +272,8 @@ class Outbox:
         ``synced``: the caller already fsynced ``sealed`` (``Gpg.seal`` does), saving one fsync
         (~1 ms even on a clean file).
         """
-        final = self.outbox / name
+        outbox = self.dir_for(channel)
+        final = outbox / name
         try:
             fd = os.open(sealed, os.O_RDONLY | os.O_CLOEXEC)
             try:
@@ -270,10 +295,10 @@ class Outbox:
             finally:
                 os.close(fd)
             os.replace(sealed, final)
-            fsync_dir(self.outbox)
+            fsync_dir(outbox)
         except OSError as e:
             raise TransportError(
-                f"cannot deliver {name} (channel {channel!r}) into {self.outbox}: {e}"
+                f"cannot deliver {name} (channel {channel!r}) into {outbox}: {e}"
             ) from e
         return final
 
@@ -289,23 +314,25 @@ class Outbox:
             raise
         return tmp
 
-    def publish(self, staged: Path, name: str) -> Path:
-        """Rename a :meth:`stage_bytes` file into the outbox as ``name`` and fsync the outbox.
+    def publish(self, staged: Path, name: str, *, channel: str) -> Path:
+        """Rename a :meth:`stage_bytes` file of ``channel`` into its outbox as ``name`` and
+        fsync that directory.
 
         If the rename fails the temp file is removed; if only the fsync fails, the file is
         already visible (and maybe taken): the TransportError says so.
         """
-        final = self.outbox / name
+        outbox = self.dir_for(channel)
+        final = outbox / name
         try:
             os.replace(staged, final)
         except OSError as e:
             staged.unlink(missing_ok=True)
-            raise TransportError(f"cannot move {name} into {self.outbox}: {e}") from e
+            raise TransportError(f"cannot move {name} into {outbox}: {e}") from e
         try:
-            fsync_dir(self.outbox)
+            fsync_dir(outbox)
         except OSError as e:
             raise TransportError(
-                f"{name} is in {self.outbox} but the folder could not be fsynced: {e}"
+                f"{name} is in {outbox} but the folder could not be fsynced: {e}"
             ) from e
         return final
 
@@ -315,9 +342,11 @@ class Outbox:
         """True when the sealed bundle ``name`` is (whole) in the archive."""
         return (self.archive / channel / name).is_file()
 
-    def _redrop(self, src: Path, name: str) -> int | None:
-        """Copy ``src`` through the staging dir into the outbox as ``name``; its size, or None
-        if ``src`` is gone (pruned). Holds the drop lock shared while its temp file exists."""
+    def _redrop(self, src: Path, name: str, channel: str) -> int | None:
+        """Copy ``src`` through the staging dir into ``channel``'s outbox as ``name``; its size,
+        or None if ``src`` is gone (pruned). Holds the drop lock shared while its temp file
+        exists."""
+        outbox = self.dir_for(channel)
         with shared_lock(
             self.lock_path,
             what=f"re-drop of {name}",
@@ -334,17 +363,17 @@ class Outbox:
                     size = _copy_to_new(sfd, tmp)
                 finally:
                     os.close(sfd)
-                os.replace(tmp, self.outbox / name)
+                os.replace(tmp, outbox / name)
             except BaseException:
                 tmp.unlink(missing_ok=True)
                 raise
-            fsync_dir(self.outbox)
+            fsync_dir(outbox)
         return size
 
     def redrop(self, channel: str, name: str) -> int:
         """Copy the archived bundle ``name`` into the outbox again, atomically; returns its size."""
         try:
-            size = self._redrop(self.archive / channel / name, name)
+            size = self._redrop(self.archive / channel / name, name, channel)
         except OSError as e:
             raise TransportError(f"cannot re-drop {name} of channel {channel!r}: {e}") from e
         if size is None:
@@ -389,7 +418,7 @@ class Outbox:
                 missing.append(seq)
                 continue
             try:
-                size = self._redrop(src, src.name)
+                size = self._redrop(src, src.name, channel)
             except (OSError, StateError) as e:
                 stop = (
                     f"resend of channel {channel!r} stopped at bundle seq {seq} ({src.name}): "

@@ -188,7 +188,7 @@ class _Sender:
             )
         self.cfg, self.u, self.stop = cfg, cfg.udp.send, stop
         self.mtu = cfg.udp.mtu
-        self.outbox = Path(cfg.black.outbox)
+        self.outbox = cfg.udp_outbox()  # black.udp_outbox, else the outbox
         self.codec = DatagramCodec(load_key(cfg.udp.key_file))
         host, _, port = self.u.destination.rpartition(":")
         self.dest = (host.strip("[]"), int(port))

@@ -30,6 +30,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from bridge.black.heartbeat import HeartbeatWriter
+from bridge.black.report import channel_status
 from bridge.black.state import StateStore
 from bridge.config import Config, config_from_dict
 from bridge.crypto.gpg import Gpg
@@ -107,14 +108,14 @@ class Rig:
         return Gpg(self.keys.red_home)
 
 
-def make_rig(work: Path, keys: KeyInventory) -> Rig:
+def make_rig(work: Path, keys: KeyInventory, *, udp_outbox: str | None = None) -> Rig:
+    """Channels "ops" (encrypted) and "plain"; with ``udp_outbox``, "plain" is a UDP channel
+    whose files go there."""
     red = next(iter(keys.red_fprs.values()))
+    plain: dict[str, object] = {"name": "plain", "encrypt": False}
     data: dict[str, object] = {
         "link": {"bridge_id": "mover-test", "black_signers": [keys.black_fpr]},
-        "channels": [
-            {"name": "ops", "recipients": [red]},
-            {"name": "plain", "encrypt": False},
-        ],
+        "channels": [{"name": "ops", "recipients": [red]}, plain],
         "black": {
             "gnupg_home": str(keys.black_home),
             "signing_key": keys.black_fpr,
@@ -123,10 +124,14 @@ def make_rig(work: Path, keys: KeyInventory) -> Rig:
             "state_dir": "black/state",
         },
     }
+    if udp_outbox is not None:
+        plain["transport"] = "udp"
+        data["black"]["udp_outbox"] = udp_outbox  # type: ignore[index]
+        data["udp"] = {"key_file": "udp.key"}
     cfg_path = work / "diode.toml"
     cfg_path.write_text(_toml(data))
     cfg = config_from_dict(data, base=work, environ={})
-    outbox = Outbox.from_config(cfg.black)
+    outbox = Outbox.from_config(cfg)
     gpg = Gpg(keys.black_home)
     store = StateStore(Path(cfg.black.state_dir))
     hb = HeartbeatWriter(cfg, store=store, gpg=gpg, outbox=outbox)
@@ -142,7 +147,9 @@ def _toml(data: dict[str, object]) -> str:
             return "true" if v else "false"
         return json.dumps(v)
 
-    for section in ("link", "black"):
+    for section in ("link", "black", "udp"):
+        if section not in data:
+            continue
         lines.append(f"[{section}]")
         for k, v in data[section].items():  # type: ignore[attr-defined]
             lines.append(f"{k} = {value(v)}")
@@ -177,6 +184,41 @@ def rig(short_tmp: Path, keys: KeyInventory) -> Rig:
 
 
 # ---------------------------------------------------------------------- the greedy mover
+
+
+@pytest.mark.gpg
+def test_udp_channels_files_go_to_black_udp_outbox_never_past_the_mover(
+    short_tmp: Path, keys: KeyInventory
+) -> None:
+    rig = make_rig(short_tmp, keys, udp_outbox="black/udp-outbox")
+    outbox, udp = Path(rig.cfg.black.outbox), Path(rig.cfg.black.udp_outbox or "")
+    assert udp == short_tmp / "black" / "udp-outbox" and rig.cfg.udp_outbox() == udp
+    ops = [rig.bundle("ops"), rig.heartbeats.beat(rig.cfg.channel("ops"))]
+    plain = [rig.bundle("plain"), rig.heartbeats.beat(rig.cfg.channel("plain"))]
+    assert listing(outbox) == sorted(ops)  # all a mover of the outbox can ever take
+    assert listing(udp) == sorted(plain)
+    for p in plain:
+        (udp / p).unlink()  # the UDP sender took them
+    r = diode("resend", "--config", str(rig.cfg_path), "--channel", "plain", "--from", "1",
+              "--to", "1")  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    assert listing(udp) == [plain[0]] and listing(outbox) == sorted(ops)
+    st = channel_status(rig.cfg)
+    assert (st["outbox_files"], st["udp_outbox_files"]) == (2, 1)
+    assert st["channels"]["plain"]["outbox_bundles"] == 1
+
+
+def test_udp_outbox_that_overlaps_or_serves_no_udp_channel_is_refused(tmp_path: Path) -> None:
+    base: dict[str, object] = {
+        "channels": [{"name": "u", "encrypt": False, "transport": "udp"}],
+        "udp": {"key_file": "udp.key"},
+    }
+    for where in ("black/outbox", "black/outbox/udp", "black/archive"):
+        with pytest.raises(ConfigError, match=r"black.udp_outbox .* overlap"):
+            config_from_dict({**base, "black": {"udp_outbox": where}}, base=tmp_path, environ={})
+    only_file = {"channels": [{"name": "f", "encrypt": False}], "black": {"udp_outbox": "u"}}
+    with pytest.raises(ConfigError, match='no channel has transport = "udp": remove it'):
+        config_from_dict(only_file, base=tmp_path, environ={})
 
 
 @pytest.mark.gpg
@@ -473,7 +515,7 @@ def test_staging_dir_defaults_beside_the_outbox_and_resolves_relative(tmp_path: 
         base, base=tmp_path, environ={"DIODE__BLACK__STAGING_DIR": str(tmp_path / "env")}
     )
     assert cfg.black.staging_dir == tmp_path / "env"
-    ob = Outbox.from_config(cfg.black)
+    ob = Outbox.from_config(cfg)
     assert ob.staging == tmp_path / "env" and ob.lock_path == tmp_path / "env" / DROP_LOCK
 
 

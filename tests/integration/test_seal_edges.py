@@ -55,7 +55,7 @@ from bridge.diode.file_drop import Outbox
 cfg = load_config(sys.argv[1], environ={})
 rows = read_rows(cfg.black.spool_dir, "c", 0, int(sys.argv[2]), {})
 table = pa.Table.from_batches(list(rows), schema=source_schema())
-outbox = Outbox.from_config(cfg.black)
+outbox = Outbox.from_config(cfg)
 sealer = BundleSealer(
     cfg, store=StateStore(cfg.black.state_dir), gpg=Gpg(cfg.black.gnupg_home), outbox=outbox
 )
@@ -82,7 +82,7 @@ def _sealer(cfg: Config) -> BundleSealer:
         cfg,
         store=StateStore(cfg.black.state_dir),
         gpg=Gpg(cfg.black.gnupg_home),
-        outbox=Outbox.from_config(cfg.black),
+        outbox=Outbox.from_config(cfg),
     )
 
 

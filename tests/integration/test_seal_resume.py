@@ -121,7 +121,7 @@ class Rig:
             self.cfg,
             store=StateStore(self.state_dir),
             gpg=gpg or Gpg(self.keys.black_home),
-            outbox=outbox or Outbox.from_config(self.cfg.black),
+            outbox=outbox or Outbox.from_config(self.cfg),
         )
 
     def state(self) -> dict[str, Any]:
@@ -398,7 +398,7 @@ def test_seal_rows_ships_gapless_chained_bundles(rig: Rig) -> None:
     # nothing left behind: no temporary file in the outbox or the staging dir, and no
     # plaintext on disk (it is piped to gpg): the state dir holds the journal only
     assert [p.name for p in rig.outbox_dir.iterdir() if p.name.startswith(".")] == []
-    staging = Outbox.from_config(rig.cfg.black).staging
+    staging = Outbox.from_config(rig.cfg).staging
     assert [p.name for p in staging.iterdir() if p.name != DROP_LOCK] == []
     assert sorted(p.name for p in rig.state_dir.rglob("*")) == [f"channel-{CHANNEL}.json"]
     # every bundle is archived for `diode resend`
@@ -485,7 +485,7 @@ def test_crash_while_gpg_seals_leaves_no_intent_and_the_replay_seals_afresh(rig:
     assert [p.name for p in rig.outbox_dir.glob("*.dbundle")] == [
         p.name for p in open_outbox(rig)[:1]
     ]
-    outbox = Outbox.from_config(rig.cfg.black)
+    outbox = Outbox.from_config(rig.cfg)
     assert any(p.name != DROP_LOCK for p in outbox.staging.iterdir()), "gpg's output is left"
     outbox.sweep_stale_temps()  # what the job does at start
 

@@ -133,8 +133,8 @@ class Env:
     tmp: Path
     listener: Listener
 
-    def cfg(self, **send: Any) -> Config:
-        data = {
+    def cfg(self, *, udp_outbox: str | None = None, **send: Any) -> Config:
+        data: dict[str, Any] = {
             "channels": [
                 {"name": "u1", "encrypt": False, "transport": "udp"},
                 {"name": "u2", "encrypt": False, "transport": "udp"},
@@ -153,6 +153,8 @@ class Env:
                 },
             },
         }
+        if udp_outbox is not None:
+            data["black"]["udp_outbox"] = udp_outbox
         return config_from_dict(data, base=self.tmp, environ={})
 
     @property
@@ -423,6 +425,19 @@ def test_two_senders_cannot_share_a_state_dir_and_config_errors_fail_fast(env: E
     )
     with pytest.raises(ConfigError, match=r"\[udp\]"):
         run_sender(no_udp, until_idle=True)
+
+
+def test_with_black_udp_outbox_the_sender_takes_its_files_there_only(env: Env) -> None:
+    udp = env.tmp / "black" / "udp-outbox"
+    udp.mkdir(parents=True)
+    mine, stray = bundle("u1", 1), bundle("u2", 1)
+    (udp / mine).write_bytes(b"m" * 5000)
+    (env.outbox / stray).write_bytes(b"s" * 5000)  # dropped before udp_outbox was set
+    (env.outbox / bundle("f1", 1)).write_bytes(b"f" * 5000)
+    summary = run_sender(env.cfg(udp_outbox="black/udp-outbox"), until_idle=True, timeout=30)
+    assert summary.files == [mine] and not (udp / mine).exists()
+    assert sorted(os.listdir(env.outbox)) == sorted([stray, bundle("f1", 1)])  # left alone
+    assert env.listener.quiet().files() == {mine: b"m" * 5000}
 
 
 def test_an_encoder_worker_that_cannot_start_fails_the_sender_with_the_fix(
