@@ -492,7 +492,7 @@ class Landing:
 
     def _requests(self) -> tuple[list[dict[str, Any]], list[str]]:
         """Operator requests (``diode red write-off``, ``diode red retire``) queued in
-        ``work_dir/requests/``; an unreadable one is logged and consumed as refused."""
+        ``work_dir/requests/``; an unreadable one is logged and audited as refused."""
         docs, paths = [], []
         for p, doc, error in _json_files(self.work_dir / REQUESTS_DIR):
             if error is not None:
@@ -505,7 +505,8 @@ class Landing:
     def _request(
         self, state: sq.SequenceState, doc: dict[str, Any], path: str, now: datetime
     ) -> list[sq.Event]:
-        """Apply one operator request to ``state``; a refused one is logged and yields nothing."""
+        """Apply one operator request to ``state``; a refused one is logged and audited
+        (``request_refused``, with the reason), and changes nothing."""
         kind = doc.get("kind")
         try:
             note = str(doc.get("note", ""))
@@ -518,7 +519,10 @@ class Landing:
                 raise StateError(f"unknown request kind {kind!r} (known: write_off, retire)")
         except (StateError, KeyError, TypeError, ValueError) as e:
             log_event(log, 40, "operator request refused", path=path, error=str(e))
-            return []
+            ch = doc.get("channel")
+            detail = {"request": Path(path).name, "kind": kind, "error": str(e), "doc": doc}
+            return [sq.Event("request_refused", ch if isinstance(ch, str) else "",
+                             reason=str(kind)[:64], detail=detail)]  # fmt: skip
         if kind == "write_off":
             log_event(log, 30, "transit gap written off by an operator", channel=doc["channel"],
                       first_bundle_seq=doc["first_bundle_seq"],

@@ -74,6 +74,7 @@ AUDIT_EVENTS = (
     "gap_written_off",  # an operator declared missing bundles lost for good (diode red write-off)
     "channel_retired",  # an operator retired a channel removed from red's config (diode red retire)
     "channel_reinstated",  # a retired channel is configured again: watched from now on
+    "request_refused",  # an operator request (write-off, retire) was refused when applied
     "chain_verified",  # prev_sha256 of a bundle matched its landed predecessor
     "chain_broken",  # prev_sha256 did not match: the bundle chain was forked or tampered with
     "coverage_mismatch",  # a manifest's coverage disagrees with its rows and declared gaps

@@ -284,7 +284,8 @@ class ChannelState:
     heartbeat: HeartbeatSeen | None = None
     silent: bool = False
     watch_since: str | None = None
-    """Silence is measured from here while no heartbeat has been seen."""
+    """Silence is measured from here, or from the last heartbeat if that came later (set at
+    the first watch and at reinstatement)."""
     counters: dict[str, int] = field(default_factory=_zero_counters)
     retired: Retirement | None = None
 
@@ -820,7 +821,10 @@ def tick(
             events.append(Event("channel_reinstated", name, reason="configured", detail=was))
             cs.retired, cs.silent, cs.watch_since = None, False, format_utc(now)
             continue
-        ref = cs.heartbeat.received_at if cs.heartbeat is not None else cs.watch_since
+        heard = cs.heartbeat.received_at if cs.heartbeat is not None else None
+        ref = max(
+            (t for t in (heard, cs.watch_since) if t is not None), key=parse_utc, default=None
+        )
         if ref is None:
             cs.watch_since = format_utc(now)
             continue

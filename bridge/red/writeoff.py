@@ -14,6 +14,7 @@ import getpass
 import json
 import time
 import uuid
+from collections.abc import Callable
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -48,9 +49,11 @@ def _checked_note(note: str) -> str:
     return f"{note} (by {_user()})"
 
 
-def _submit(cfg: Config, doc: dict[str, Any], event: str, what: str) -> dict[str, Any]:
+def _submit(
+    cfg: Config, doc: dict[str, Any], what: str, done: Callable[[sq.SequenceState], bool]
+) -> dict[str, Any]:
     """Queue ``doc`` and apply it now unless a red job holds the state lock (it applies it at
-    its next tick); StateError when applying it did not yield ``event``."""
+    its next tick); StateError when the state after applying it is not ``done``."""
     path = _queue(cfg, doc)
     lock = Path(cfg.red.state_dir) / LOCK_FILE
     stack = contextlib.ExitStack()
@@ -61,16 +64,19 @@ def _submit(cfg: Config, doc: dict[str, Any], event: str, what: str) -> dict[str
             "queued": str(path),
             "applied": False,
             "note": f"a red job is running: it applies the {what} at its next tick (about a "
-            "second); check `diode red status` and `diode red gaps`",
+            "second), checked against the config it was started with (restart it after "
+            "editing the config); a refusal is audited as request_refused. Check `diode red "
+            "status` and `diode red gaps`",
         }
     with stack:
         from bridge.red.job import open_landing
 
-        res = open_landing(cfg).tick()
-    if not res.events.get(event):
+        landing = open_landing(cfg)
+        res = landing.tick()
+    if not done(landing.state):
         raise StateError(
-            f"the {what} was refused when applied (the state changed meanwhile?): see the log "
-            "and `diode red status`"
+            f"the {what} was refused when applied (audited as request_refused; the state "
+            "changed meanwhile?): see the log and `diode red status`"
         )
     return {"applied": True, "land_seq": res.land_seq, "events": res.events}
 
@@ -90,7 +96,12 @@ def write_off_gap(cfg: Config, channel: str, first: int, last: int, note: str) -
         "note": signed,
         "requested_at": now.isoformat(),
     }
-    return _submit(cfg, doc, "gap_written_off", f"write-off of {channel!r} {first}..{last}")
+
+    def done(st: sq.SequenceState) -> bool:
+        cs = st.channels.get(channel)
+        return cs is not None and sq.seqs_within(cs.written_off, first, last) == last - first + 1
+
+    return _submit(cfg, doc, f"write-off of {channel!r} {first}..{last}", done)
 
 
 def retire_channel(cfg: Config, channel: str, note: str) -> dict[str, Any]:
@@ -108,7 +119,12 @@ def retire_channel(cfg: Config, channel: str, note: str) -> dict[str, Any]:
         "note": signed,
         "requested_at": now.isoformat(),
     }
-    out = _submit(cfg, doc, "channel_retired", f"retirement of {channel!r}")
+
+    def done(st: sq.SequenceState) -> bool:
+        cs = st.channels.get(channel)
+        return cs is not None and cs.retired is not None
+
+    out = _submit(cfg, doc, f"retirement of {channel!r}", done)
     out["gaps_written_off"] = [
         [e.detail["first_bundle_seq"], e.detail["last_bundle_seq"]]
         for e in events

@@ -109,3 +109,24 @@ def test_retire_beside_a_running_job_is_queued_for_its_next_tick(tmp_path: Path)
     assert res.events == {"gap_written_off": 1, "channel_retired": 1}
     assert not Path(out["queued"]).exists()
     assert landing.state.channels["old"].retired is not None
+
+
+def test_a_retire_refused_by_a_job_still_configured_with_the_channel_is_audited(
+    tmp_path: Path,
+) -> None:
+    _seed(tmp_path)
+    job = open_landing(_config(tmp_path, ["old", "new"]))  # started before the config edit
+    cfg = _config(tmp_path, ["new"])
+    with exclusive_lock(Path(cfg.red.state_dir) / LOCK_FILE, what="a red job (test)"):
+        p = _cli(cfg, "retire", "--channel", "old", "--note", "CHG-44")
+        assert p.returncode == 0, p.stderr
+        out = json.loads(p.stdout.strip().splitlines()[-1])
+        assert out["applied"] is False and "config it was started with" in out["note"]
+        res = job.tick()
+    assert res.events == {"request_refused": 1}  # the fault fired: refused, and said so
+    (row,) = _audit(cfg, "request_refused")
+    detail = json.loads(row["detail"])
+    assert (row["channel"], row["reason"], detail["kind"]) == ("old", "retire", "retire")
+    assert "still in red's [[channels]]" in detail["error"]
+    assert detail["doc"]["note"].startswith("CHG-44")
+    assert not Path(out["queued"]).exists() and job.state.channels["old"].retired is None

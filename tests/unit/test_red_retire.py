@@ -72,6 +72,18 @@ def test_retirement_is_refused_with_the_reason(
     assert s.to_json() == before
 
 
+def test_a_reinstated_channel_that_had_heartbeats_is_watched_from_reinstatement() -> None:
+    s = _state()
+    hb = sq.HeartbeatFacts("old", 1, 6, 59, "2026-11-23T09:00:00.000000Z", 30.0)
+    sq.heartbeat(s, hb, T0)  # heard on the morning of day 0
+    sq.retire(s, "old", "x", T1, configured=["new"])
+    t10 = T0 + timedelta(days=10)
+    assert [e.kind for e in sq.tick(s, t10, 60, ["old", "new"])] == ["channel_reinstated"]
+    assert sq.tick(s, t10 + timedelta(seconds=1), 60, ["old", "new"]) == []  # not 10 days quiet
+    (late,) = sq.tick(s, t10 + timedelta(seconds=61), 60, ["old", "new"])
+    assert (late.kind, late.detail["quiet_seconds"]) == ("link_silent", 61.0)
+
+
 def test_retiring_twice_is_refused_and_old_states_load() -> None:
     s = _state()
     sq.retire(s, "old", "x", T1, configured=[])
