@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import os
 import time
@@ -90,11 +91,14 @@ def durable_rename(src: Path, dst: Path) -> None:
     fsync_dir(dst.parent)
 
 
-def write_all(fd: int, data: bytes | memoryview) -> None:
+def write_all(fd: int, data: bytes | bytearray | memoryview) -> None:
     """Write all of ``data`` to ``fd`` (``os.write`` may write less than it is given)."""
     view = memoryview(data)
     while view:
-        view = view[os.write(fd, view) :]
+        n = os.write(fd, view)
+        if n <= 0:  # never loop on a descriptor that takes nothing
+            raise OSError(errno.ENOSPC, f"write of {len(view)} bytes took none")
+        view = view[n:]
 
 
 def write_new_file(path: Path, data: bytes, *, mode: int = FILE_MODE) -> None:

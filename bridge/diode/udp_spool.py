@@ -30,8 +30,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from bridge.diode.udp_fec import BlockDecoder, block_plan, fits_one_block
-from bridge.fsutil import durable_mkdir, fsync_dir
+from bridge.diode.udp_fec import BlockDecoder, FecError, block_plan, fits_one_block
+from bridge.fsutil import durable_mkdir, fsync_dir, write_all
 from bridge.logs import get_logger, log_event
 from bridge.metrics import UDP
 from bridge.protocol.datagram import ObjectHeader, ObjectKind, Symbol
@@ -155,6 +155,9 @@ class Reassembler:
         self._refused: set[tuple[int, int]] = set()
         self._failed: dict[tuple[int, int], None] = {}
         """Objects given up because the spool could not be written: their symbols are dropped."""
+        self._gone: dict[tuple[int, int], None] = {}
+        """Objects given up (timeout, eviction) or superseded: their later symbols are dropped
+        as ``expired`` instead of opening them again (one gap record each, not one a retry)."""
         self._unwritten_gaps: list[dict[str, Any]] = []
         """Gap records the disk refused (full, I/O error): written first at the next chance."""
         self._load_done()
@@ -176,11 +179,20 @@ class Reassembler:
 
     def _remember(self, key: tuple[int, int], digest: str) -> None:
         self.done[key] = digest
+        self.done_digests.pop(digest, None)  # re-inserted last: the dict stays oldest first
         self.done_digests[digest] = time.time()
         self._done_order.append(key)
         while len(self._done_order) > _DONE_REMEMBERED:
             old = self._done_order.popleft()
             self.done.pop(old, None)
+        while len(self.done_digests) > _DONE_REMEMBERED:
+            del self.done_digests[next(iter(self.done_digests))]
+
+    def _forget_later(self, key: tuple[int, int]) -> None:
+        """Drop the later symbols of an object given up or superseded (bounded memory)."""
+        self._gone[key] = None
+        while len(self._gone) > _FAILED_REMEMBERED:
+            del self._gone[next(iter(self._gone))]
 
     def mark_delivered(self, d: Delivery, name: str) -> None:
         """Called by the delivery worker once the file is in the inbox (or was already)."""
@@ -268,6 +280,9 @@ class Reassembler:
             if key in self._failed:
                 self._drop("spool_error")
                 return
+            if key in self._gone:
+                self._drop("expired")
+                return
             if h.length > self.max_object_bytes or not _decodable(h):
                 self._drop("too_large")
                 if key not in self._refused:
@@ -309,8 +324,11 @@ class Reassembler:
 
     def _block_done(self, obj: _Open, b: int, dec: BlockDecoder) -> None:
         h = obj.h
-        os.pwrite(obj.data_fd, dec.data(), dec.plan.offset)
-        os.write(obj.done_fd, _U32.pack(b))
+        data, at = memoryview(dec.data()), dec.plan.offset
+        while data:  # pwrite may write less than it is given (a full disk): OSError then
+            n = os.pwrite(obj.data_fd, data, at)
+            data, at = data[n:], at + n
+        write_all(obj.done_fd, _U32.pack(b))
         obj.done.add(b)
         obj.repairs_used += dec.repairs_used
         del obj.decoders[b]
@@ -350,21 +368,30 @@ class Reassembler:
 
     def _open_files(self, epoch: int, h: ObjectHeader, path: Path, now: float) -> _Open:
         flags = os.O_WRONLY | os.O_CREAT | os.O_APPEND
+        fds: list[int] = []
+        try:  # all three or none (a failure, e.g. EMFILE, must not leak the first ones)
+            for name, how in (("data", os.O_RDWR | os.O_CREAT), ("blocks.done", flags),
+                              ("symbols.log", flags)):  # fmt: skip
+                fds.append(os.open(path / name, how | os.O_CLOEXEC, 0o600))
+        except BaseException:
+            for fd in fds:
+                os.close(fd)
+            raise
         return _Open(
             epoch=epoch,
             h=h,
             path=path,
             n_blocks=h.block_count,
-            data_fd=os.open(path / "data", os.O_RDWR | os.O_CREAT, 0o600),
-            done_fd=os.open(path / "blocks.done", flags, 0o600),
-            log_fd=os.open(path / "symbols.log", flags, 0o600),
+            data_fd=fds[0],
+            done_fd=fds[1],
+            log_fd=fds[2],
             first_seen=now,
             last_seen=now,
         )
 
     def _flush(self, obj: _Open) -> None:
         if obj.pending:
-            os.write(obj.log_fd, obj.pending)
+            write_all(obj.log_fd, obj.pending)  # a full disk raises: the object is given up
             obj.pending = bytearray()
 
     def flush_all(self) -> None:
@@ -398,6 +425,7 @@ class Reassembler:
     def _expire(self, key: tuple[int, int], reason: str) -> None:
         obj = self.open.pop(key)
         self._close(obj)
+        self._forget_later(key)
         rec = obj.record()
         if rec["digest"] in self.done_digests:
             reason = "superseded"  # the same bytes were delivered under another object id
@@ -410,6 +438,7 @@ class Reassembler:
     def _supersede(self, key: tuple[int, int], epoch: int) -> None:
         obj = self.open.pop(key)
         self._close(obj)
+        self._forget_later(key)
         log_event(log, 20, "udp object superseded: the sender resent it under a new epoch",
                   new_epoch=epoch, **obj.record())  # fmt: skip
         shutil.rmtree(obj.path, ignore_errors=True)
@@ -454,18 +483,18 @@ class Reassembler:
             if key in self.done:
                 shutil.rmtree(path, ignore_errors=True)
                 continue
-            obj = self._open_files(epoch, h, path, now)
-            raw = (path / "blocks.done").read_bytes()
-            obj.done = {_U32.unpack_from(raw, i)[0] for i in range(0, len(raw) - 3, 4)}
-            self.open[key] = obj
-            rec_len = _REC.size + h.symbol_size
-            with open(path / "symbols.log", "rb") as f:
-                while len(chunk := f.read(rec_len)) == rec_len:
-                    b, esi = _REC.unpack_from(chunk)
-                    if b >= obj.n_blocks or b in obj.done:
-                        continue
-                    sym = Symbol(epoch, 0, h, b, esi, chunk[_REC.size :])
-                    self._replay(obj, sym)
+            try:
+                obj = self._reopen(epoch, h, path, now)
+            except (OSError, ValueError) as e:  # the spool's disk, or damage beyond a record
+                half = self.open.pop(key, None)
+                if half is not None:
+                    self._close(half)
+                rec = _header_record(epoch, h)
+                self.expired += 1
+                self._forget_later(key)
+                shutil.rmtree(path, ignore_errors=True)
+                self.gap({**rec, "error": str(e)}, "spool_error")
+                continue
             if len(obj.done) == obj.n_blocks and key in self.open:
                 self._close(obj)
                 del self.open[key]
@@ -473,6 +502,37 @@ class Reassembler:
                 self.ready.append(Delivery(epoch, h, path, obj.repairs_used))
             n += 1
         return n
+
+    def _reopen(self, epoch: int, h: ObjectHeader, path: Path, now: float) -> _Open:
+        """One spooled object, its decoders rebuilt. A record torn by a crash (or a full disk)
+        at the end of ``symbols.log`` or ``blocks.done`` is cut off, so what is appended next
+        stays aligned; a record that cannot belong to the object is skipped."""
+        rec_len = _REC.size + h.symbol_size
+        for name, size in (("blocks.done", _U32.size), ("symbols.log", rec_len)):
+            p = path / name
+            if p.exists() and (torn := p.stat().st_size % size):
+                log_event(log, 30, "torn record cut off a spooled object", path=str(p),
+                          bytes=torn)  # fmt: skip
+                os.truncate(p, p.stat().st_size - torn)
+        obj = self._open_files(epoch, h, path, now)
+        self.open[(epoch, h.object_id)] = obj
+        raw = (path / "blocks.done").read_bytes()
+        done = (_U32.unpack_from(raw, i)[0] for i in range(0, len(raw), _U32.size))
+        obj.done = {b for b in done if b < obj.n_blocks}
+        skipped = 0
+        with open(path / "symbols.log", "rb") as f:
+            while len(chunk := f.read(rec_len)) == rec_len:
+                b, esi = _REC.unpack_from(chunk)
+                if b >= obj.n_blocks or b in obj.done:
+                    continue
+                try:
+                    self._replay(obj, Symbol(epoch, 0, h, b, esi, chunk[_REC.size :]))
+                except FecError:
+                    skipped += 1
+        if skipped:
+            log_event(log, 30, "spooled symbols that cannot belong to their object skipped",
+                      path=str(path), records=skipped)  # fmt: skip
+        return obj
 
     def _replay(self, obj: _Open, sym: Symbol) -> None:
         h = obj.h
@@ -578,9 +638,11 @@ def _copy_range(fi: int, fo: int, offset: int, length: int, src: Path) -> None:
         chunk = os.pread(fi, min(left, 1 << 20), pos)
         if not chunk:
             raise OSError(f"short read of {src} at {pos}")
-        os.write(fo, chunk)
+        write_all(fo, chunk)  # a short write (a full disk) never passes unnoticed
         pos += len(chunk)
         left -= len(chunk)
+    if os.fstat(fo).st_size != length:  # what is linked into the inbox is whole or nothing
+        raise OSError(f"copy of {src} is {os.fstat(fo).st_size} bytes, not {length}")
 
 
 def delivery_tmp_dir(spool: Path, inbox: Path) -> Path:

@@ -522,3 +522,134 @@ def test_bytes_held_in_decoders_are_capped_by_evicting_the_oldest(tmp_path: Path
     reasons = {g["reason"] for g in read_gap_records(tmp_path)}
     assert reasons == {"evicted"} and len(ra.open) <= 4
     assert max(o.h.object_id for o in ra.open.values()) == 29  # the newest kept
+
+
+# -- spool damage, full disks, given-up objects (review findings) ---------------------------
+
+
+def _close_files(ra: Reassembler) -> None:
+    """What a kill -9 does to the open files (the page cache keeps what was written)."""
+    for o in ra.open.values():
+        for fd in (o.data_fd, o.done_fd, o.log_fd):
+            os.close(fd)
+
+
+def test_a_record_torn_by_a_crash_is_cut_off_so_later_symbols_stay_aligned(
+    tmp_path: Path,
+) -> None:
+    env = envelope(os.urandom(T * K * 3))
+    h = header(1, env)
+    syms = symbols(7, h, env, repair=4)
+    first = [s for s in syms if s.block == 0][:4] + [s for s in syms if s.block == 1][:4]
+    ra = reassembler(tmp_path)
+    feed(ra, first)
+    ra.flush_all()
+    (obj_dir,) = (tmp_path / "objects").iterdir()
+    log = obj_dir / "symbols.log"
+    os.truncate(log, log.stat().st_size - 10)  # the crash tore the last record (block 1)
+    _close_files(ra)
+    ra = reassembler(tmp_path)
+    ra.recover(1.0)
+    assert log.stat().st_size % (8 + T) == 0  # the fault fired, and was cut off
+    second = [s for s in syms if s.block == 1][4:6] + [s for s in syms if s.block == 2][:4]
+    feed(ra, second)
+    ra.flush_all()
+    _close_files(ra)
+    ra = reassembler(tmp_path)
+    ra.recover(1.0)
+    (obj,) = ra.open.values()
+    assert {b: d.received for b, d in obj.decoders.items()} == {0: 4, 1: 5, 2: 4}
+    feed(ra, [s for s in syms if s not in first and s not in second])
+    assert delivered(ra) == [env] and isinstance(verify_and_read_name(ra.ready[0]), tuple)
+
+
+def test_a_spooled_record_that_cannot_belong_to_its_object_is_skipped_not_fatal(
+    tmp_path: Path,
+) -> None:
+    env = envelope(os.urandom(T * K))
+    h = header(1, env)
+    syms = symbols(7, h, env, repair=2)
+    ra = reassembler(tmp_path)
+    feed(ra, syms[:3])
+    ra.flush_all()
+    _close_files(ra)
+    (obj_dir,) = (tmp_path / "objects").iterdir()
+    with open(obj_dir / "symbols.log", "ab") as f:  # damage: symbol id 2^32 - 1 of block 0
+        f.write((0).to_bytes(4, "big") + (2**32 - 1).to_bytes(4, "big") + bytes(T))
+    ra = reassembler(tmp_path)
+    assert ra.recover(1.0) == 1
+    feed(ra, syms[3:])
+    assert delivered(ra) == [env]
+
+
+def test_an_object_whose_files_cannot_all_be_opened_leaks_no_descriptor(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    real_open, opened = os.open, []
+
+    def third_fails(path: object, flags: int, mode: int = 0o777) -> int:
+        if str(path).endswith("symbols.log"):
+            raise OSError(24, "Too many open files")  # EMFILE, after data and blocks.done
+        fd = real_open(path, flags, mode)  # type: ignore[arg-type]
+        opened.append(fd)
+        return fd
+
+    env = envelope(os.urandom(T * K))
+    ra = reassembler(tmp_path)
+    monkeypatch.setattr(os, "open", third_fails)
+    with pytest.raises(OSError, match="Too many open files"):
+        ra.add(symbols(7, header(1, env), env)[0], 1.0)
+    monkeypatch.undo()
+    assert len(opened) == 2  # the fault fired after two opens...
+    for fd in opened:  # ...and both were closed again
+        with pytest.raises(OSError):
+            os.fstat(fd)
+
+
+def test_an_object_given_up_is_not_reopened_by_its_later_symbols(tmp_path: Path) -> None:
+    env = envelope(os.urandom(T * K * 4))
+    h = header(1, env)
+    syms = symbols(7, h, env, repair=2)
+    ra = reassembler(tmp_path)
+    feed(ra, syms[:20], now=1.0)
+    assert ra.expire_idle(200.0, 120.0) == 1  # the sender paused too long: one gap
+    feed(ra, syms[20:], now=201.0)  # ...then went on
+    assert not ra.open and ra.dropped["expired"] == len(syms) - 20
+    assert ra.expire_idle(400.0, 120.0) == 0
+    assert [g["reason"] for g in read_gap_records(tmp_path)] == ["timeout"]
+
+
+def test_a_short_copy_into_the_inbox_fails_the_delivery_and_leaves_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import errno
+
+    from bridge.diode import udp_spool
+
+    env = envelope(os.urandom(5000))
+    ra = reassembler(tmp_path / "spool")
+    feed(ra, symbols(7, header(1, env), env))
+    d = ra.ready[0]
+    name, offset = checked(d)
+    inbox, tmp = tmp_path / "inbox", tmp_path / "tmp"
+    inbox.mkdir()
+    tmp.mkdir()
+
+    def cross_device(*a: object) -> int:
+        raise OSError(errno.EXDEV, "Invalid cross-device link")
+
+    real_write, writes = os.write, []
+
+    def full_disk(fd: int, data: bytes) -> int:  # takes 100 bytes, then the disk is full
+        writes.append(fd)
+        if len(writes) > 1:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_write(fd, memoryview(data)[:100])
+
+    monkeypatch.setattr(os, "copy_file_range", cross_device)
+    monkeypatch.setattr(udp_spool.os, "write", full_disk)
+    with pytest.raises(OSError, match="No space left"):
+        deliver(d, name, offset, tmp, inbox)
+    monkeypatch.undo()
+    assert len(writes) == 2  # the fault fired mid-copy
+    assert not list(inbox.iterdir()) and not list(tmp.iterdir())  # nothing delivered, no temp
