@@ -10,6 +10,7 @@ import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 from bridge.errors import StateError
 
@@ -21,11 +22,15 @@ __all__ = [
     "durable_rename",
     "exclusive_lock",
     "fsync_dir",
+    "pwritev_all",
     "shared_lock",
     "tmp_path_for",
     "write_all",
     "write_new_file",
 ]
+
+_IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024
+"""Buffers one pwritev call takes at most."""
 
 DIR_MODE = 0o750
 """Directories the bridge creates: the owner writes, its group (e.g. the mover's) reads."""
@@ -99,6 +104,28 @@ def write_all(fd: int, data: bytes | bytearray | memoryview) -> None:
         if n <= 0:  # never loop on a descriptor that takes nothing
             raise OSError(errno.ENOSPC, f"write of {len(view)} bytes took none")
         view = view[n:]
+
+
+def pwritev_all(fd: int, chunks: list[Any], offset: int) -> int:
+    """Write every chunk at ``offset`` (looping over short writes); returns the end offset.
+    OSError, never a loop, when the descriptor takes nothing."""
+    i = 0
+    while i < len(chunks):
+        n = os.pwritev(fd, chunks[i : i + _IOV_MAX], offset)
+        if n <= 0:
+            raise OSError(errno.EIO, "pwritev wrote nothing")
+        offset += n
+        while n:
+            size = len(chunks[i])
+            if n >= size:
+                n -= size
+                i += 1
+            else:
+                chunks[i] = chunks[i][n:]
+                n = 0
+        while i < len(chunks) and len(chunks[i]) == 0:
+            i += 1
+    return offset
 
 
 def write_new_file(path: Path, data: bytes, *, mode: int = FILE_MODE) -> None:

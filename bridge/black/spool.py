@@ -56,7 +56,7 @@ from bridge.errors import (
     StateError,
 )
 from bridge.faults import crash_point
-from bridge.fsutil import fsync_dir
+from bridge.fsutil import fsync_dir, pwritev_all
 from bridge.logs import get_logger, log_event
 
 __all__ = [
@@ -106,7 +106,6 @@ _SEGMENT_RE = re.compile(r"seg-(\d{16})\.arrow")
 _SCHEMA_MESSAGE_LEN = SPOOL_SCHEMA.serialize().size
 _RECORD_OVERHEAD = 32  # fixed bytes per record besides its strings and binaries
 _BATCH_OVERHEAD = 1024  # IPC framing and metadata of one batch, rounded up
-_IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024
 _MiB = 1024 * 1024
 
 
@@ -353,27 +352,6 @@ class _Collect:
     def take(self) -> list[Any]:
         out, self.chunks = self.chunks, []
         return out
-
-
-def _pwritev(fd: int, chunks: list[Any], offset: int) -> int:
-    """Write every chunk at ``offset`` (looping over short writes); returns the end offset."""
-    i = 0
-    while i < len(chunks):
-        n = os.pwritev(fd, chunks[i : i + _IOV_MAX], offset)
-        if n <= 0:
-            raise OSError(errno.EIO, "pwritev wrote nothing")
-        offset += n
-        while n:
-            size = len(chunks[i])
-            if n >= size:
-                n -= size
-                i += 1
-            else:
-                chunks[i] = chunks[i][n:]
-                n = 0
-        while i < len(chunks) and len(chunks[i]) == 0:
-            i += 1
-    return offset
 
 
 def _make_dir(path: Path) -> None:
@@ -762,7 +740,7 @@ class SpoolWriter:
         fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
         try:
             try:
-                size = _pwritev(fd, [memoryview(header)], 0)
+                size = pwritev_all(fd, [memoryview(header)], 0)
                 os.fsync(fd)
                 os.replace(tmp, final)
             except BaseException:
@@ -794,9 +772,9 @@ class SpoolWriter:
             end = start
             for chunks in self._encode(acked, n):
                 half = len(chunks) // 2
-                end = _pwritev(self._fd, chunks[:half], end)
+                end = pwritev_all(self._fd, chunks[:half], end)
                 crash_point("spool.mid_write")  # a partial batch on disk
-                end = _pwritev(self._fd, chunks[half:], end)
+                end = pwritev_all(self._fd, chunks[half:], end)
             crash_point("spool.before_fsync")
             os.fsync(self._fd)
             crash_point("spool.before_tail")  # durable, but TAIL still says less

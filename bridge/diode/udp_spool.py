@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from bridge.diode.udp_fec import BlockDecoder, FecError, block_plan, fits_one_block
-from bridge.fsutil import durable_mkdir, fsync_dir, write_all
+from bridge.fsutil import durable_mkdir, fsync_dir, pwritev_all, write_all
 from bridge.logs import get_logger, log_event
 from bridge.metrics import UDP
 from bridge.protocol.datagram import ObjectHeader, ObjectKind, Symbol
@@ -324,10 +324,7 @@ class Reassembler:
 
     def _block_done(self, obj: _Open, b: int, dec: BlockDecoder) -> None:
         h = obj.h
-        data, at = memoryview(dec.data()), dec.plan.offset
-        while data:  # pwrite may write less than it is given (a full disk): OSError then
-            n = os.pwrite(obj.data_fd, data, at)
-            data, at = data[n:], at + n
+        pwritev_all(obj.data_fd, [memoryview(dec.data())], dec.plan.offset)  # full disk: OSError
         write_all(obj.done_fd, _U32.pack(b))
         obj.done.add(b)
         obj.repairs_used += dec.repairs_used
@@ -641,8 +638,8 @@ def _copy_range(fi: int, fo: int, offset: int, length: int, src: Path) -> None:
         write_all(fo, chunk)  # a short write (a full disk) never passes unnoticed
         pos += len(chunk)
         left -= len(chunk)
-    if os.fstat(fo).st_size != length:  # what is linked into the inbox is whole or nothing
-        raise OSError(f"copy of {src} is {os.fstat(fo).st_size} bytes, not {length}")
+    if (got := os.fstat(fo).st_size) != length:  # what is linked into the inbox is whole
+        raise OSError(f"copy of {src} is {got} bytes, not {length}")
 
 
 def delivery_tmp_dir(spool: Path, inbox: Path) -> Path:
