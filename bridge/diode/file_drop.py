@@ -144,10 +144,8 @@ class Outbox:
         self.retention_seconds = retention_days * 86400.0
         self.lock_wait = lock_wait
         self.lock_path = self.staging / DROP_LOCK
-        for key, d in (("outbox", self.outbox), ("archive", self.archive)):
+        for key, d in [*self._drop_dirs(), ("archive", self.archive)]:
             self._mkdir(key, d)
-        for d in self._extra_dirs():
-            self._mkdir("udp_outbox", d)
         self._check_staging_place()
         self._mkdir("staging_dir", self.staging)
         self._check_staging_device()
@@ -170,8 +168,10 @@ class Outbox:
         """Where ``channel``'s files appear: the outbox, or its own directory."""
         return self.channel_dirs.get(channel, self.outbox)
 
-    def _extra_dirs(self) -> list[Path]:
-        return sorted({d for d in self.channel_dirs.values() if d != self.outbox})
+    def _drop_dirs(self) -> list[tuple[str, Path]]:
+        """``(config key, directory)`` of every place files appear for a mover or the sender."""
+        extra = sorted({d for d in self.channel_dirs.values() if d != self.outbox})
+        return [("outbox", self.outbox)] + [("udp_outbox", d) for d in extra]
 
     @staticmethod
     def _mkdir(key: str, d: Path) -> None:
@@ -187,9 +187,8 @@ class Outbox:
 
     def _check_staging_place(self) -> None:
         staging = self.staging.resolve()
-        places = [("outbox", self.outbox), ("archive", self.archive)]
-        places += [("udp_outbox", d) for d in self._extra_dirs()]
-        for key, d in ((k, p.resolve()) for k, p in places):
+        for key, place in [*self._drop_dirs(), ("archive", self.archive)]:
+            d = place.resolve()
             if staging == d or d in staging.parents:
                 raise ConfigError(
                     f"black.staging_dir {self.staging} is inside black.{key} {d}: the mover (or "
@@ -199,7 +198,7 @@ class Outbox:
 
     def _check_staging_device(self) -> None:
         dev_s = os.stat(self.staging).st_dev
-        for key, d in [("outbox", self.outbox)] + [("udp_outbox", d) for d in self._extra_dirs()]:
+        for key, d in self._drop_dirs():
             dev_o = os.stat(d).st_dev
             if dev_s == dev_o:
                 continue
@@ -232,7 +231,7 @@ class Outbox:
             timeout=self.lock_wait,
             hint=_SWEEP_HINT,
         ):
-            dirs = [self.staging, self.outbox, *self._extra_dirs()]
+            dirs = [self.staging, *(d for _, d in self._drop_dirs())]
             if self.archive.is_dir():
                 dirs += [p for p in self.archive.iterdir() if p.is_dir()]
             for d in dirs:
