@@ -49,6 +49,12 @@ def _checked_note(note: str) -> str:
     return f"{note} (by {_user()})"
 
 
+def _trial(cfg: Config) -> tuple[sq.SequenceState, datetime]:
+    """A copy of the saved sequence state to check a request on, and the request's time."""
+    _, state, _ = load_sequence(cfg)
+    return sq.SequenceState.from_json(state.to_json()), datetime.now(UTC)
+
+
 def _submit(
     cfg: Config, doc: dict[str, Any], what: str, done: Callable[[sq.SequenceState], bool]
 ) -> dict[str, Any]:
@@ -84,9 +90,7 @@ def _submit(
 def write_off_gap(cfg: Config, channel: str, first: int, last: int, note: str) -> dict[str, Any]:
     """Write off bundles ``first..last`` of ``channel`` (all in open transit gaps)."""
     signed = _checked_note(note)
-    _, state, _ = load_sequence(cfg)
-    now = datetime.now(UTC)
-    trial = sq.SequenceState.from_json(state.to_json())
+    trial, now = _trial(cfg)
     sq.write_off(trial, channel, first, last, note, now)  # StateError names the open gaps
     doc = {
         "kind": "write_off",
@@ -108,9 +112,7 @@ def retire_channel(cfg: Config, channel: str, note: str) -> dict[str, Any]:
     """Retire ``channel``, already removed from red's config: its open gaps are written off and
     it is no longer watched for silence (configuring it again reinstates it)."""
     signed = _checked_note(note)
-    _, state, _ = load_sequence(cfg)
-    now = datetime.now(UTC)
-    trial = sq.SequenceState.from_json(state.to_json())
+    trial, now = _trial(cfg)
     configured = [c.name for c in cfg.channels]
     events = sq.retire(trial, channel, note, now, configured)  # StateError says why not
     doc = {
