@@ -30,6 +30,7 @@ from bridge.diode.udp_spool import (
     Reassembler,
     deliver,
     delivery_tmp_dir,
+    discard_spooled,
     verify_and_read_name,
 )
 from bridge.errors import ConfigError
@@ -169,11 +170,15 @@ class _Receiver:
         if isinstance(checked, str):
             with self.lock:
                 ra.fail(d, checked)
+            discard_spooled(d)
             return
         name, offset = checked
         final, outcome = deliver(d, name, offset, tmp, self.inbox)
+        # disk work (fsync, rmtree of a data file of up to max_object_bytes) outside the lock
+        # the receive loop takes for every datagram: it would stall the loop into losses
+        ra.journal_delivered(d, final)
         with self.lock:
-            ra.mark_delivered(d, final)
+            ra.remember_delivered(d)
             s = self.summary
             if outcome == "duplicate":
                 s.duplicate_objects += 1
@@ -181,6 +186,7 @@ class _Receiver:
                 s.objects_completed += 1
                 s.goodput_bytes += h.length - offset
                 s.repair_symbols_used += d.repairs_used
+        discard_spooled(d)
         if outcome != "duplicate":
             UDP.objects_completed.labels(h.channel).inc()
             UDP.goodput_bytes.inc(h.length - offset)

@@ -43,6 +43,7 @@ __all__ = [
     "DONE",
     "deliver",
     "delivery_tmp_dir",
+    "discard_spooled",
     "verify_and_read_name",
 ]
 
@@ -195,8 +196,15 @@ class Reassembler:
             del self._gone[next(iter(self._gone))]
 
     def mark_delivered(self, d: Delivery, name: str) -> None:
-        """Called by the delivery worker once the file is in the inbox (or was already)."""
-        key = (d.epoch, d.header.object_id)
+        """Journal, remember and remove a delivered object (one thread: tests, recovery)."""
+        self.journal_delivered(d, name)
+        self.remember_delivered(d)
+        discard_spooled(d)
+
+    def journal_delivered(self, d: Delivery, name: str) -> None:
+        """Append the delivery to ``done.jsonl``, fsynced. Disk work only, no shared state:
+        the delivery thread calls it without the receive loop's lock (an fsync under that
+        lock would stall every datagram behind it)."""
         rec = {
             "epoch": d.epoch,
             "object_id": d.header.object_id,
@@ -208,8 +216,10 @@ class Reassembler:
             f.write(json.dumps(rec, sort_keys=True) + "\n")
             f.flush()
             os.fsync(f.fileno())
-        self._remember(key, d.header.digest.hex())
-        shutil.rmtree(d.path, ignore_errors=True)
+
+    def remember_delivered(self, d: Delivery) -> None:
+        """In memory: the object's digest is delivered (under the receive loop's lock)."""
+        self._remember((d.epoch, d.header.object_id), d.header.digest.hex())
 
     def gap(self, rec: dict[str, Any], reason: str) -> None:
         """Append a gap record (fsynced) and log it. A disk that refuses the write (full, I/O
@@ -449,11 +459,12 @@ class Reassembler:
         return self.expired - gaps
 
     def fail(self, d: Delivery, reason: str) -> None:
-        """A rebuilt object that must not be delivered (digest mismatch, bad name)."""
+        """A rebuilt object that must not be delivered (digest mismatch, bad name): a gap.
+        Its spooled files stay until :func:`discard_spooled`, which the caller runs outside
+        the receive loop's lock."""
         n = d.header.block_count
         self.gap({**_header_record(d.epoch, d.header), "blocks_done": n}, reason)
         self.expired += 1
-        shutil.rmtree(d.path, ignore_errors=True)
 
     # -- restart ------------------------------------------------------------------------
     def recover(self, now: float, tmp_dir: Path | None = None) -> int:
@@ -545,6 +556,14 @@ class Reassembler:
         else:
             self.held += h.symbol_size
         obj.symbols += 1
+
+
+def discard_spooled(d: Delivery) -> None:
+    """Remove a delivered or failed object's spool directory (its ``data`` may be 100s of MB:
+    the delivery thread does it outside the receive loop's lock). A crash before it leaves
+    the directory behind: recovery removes a delivered one (it is in ``done.jsonl``) and
+    checks a failed one again, which fails again (a second gap record, never a delivery)."""
+    shutil.rmtree(d.path, ignore_errors=True)
 
 
 def verify_and_read_name(d: Delivery) -> tuple[str, int] | str:

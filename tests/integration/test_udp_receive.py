@@ -510,3 +510,55 @@ def test_coalesced_buffers_from_a_gso_sender_land_the_same_files(tmp_path: Path,
         assert s.receive_calls < s.datagrams, "no buffer held more than one datagram"
     else:
         assert s.receive_calls == s.datagrams
+
+
+@pytest.mark.parametrize("stage", ["journal", "discard"])
+def test_the_receive_loop_goes_on_while_a_delivery_does_its_disk_work(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, stage: str
+) -> None:
+    """The delivery thread's fsync of done.jsonl and its removal of the object's spool (a
+    data file of up to max_object_bytes) run outside the lock the receive loop takes for
+    every datagram: while either is held up (a slow disk), the loop still places symbols."""
+    import bridge.diode.udp_receiver as receiver_module
+
+    entered, release = threading.Event(), threading.Event()
+    held: list[str] = []
+
+    def slow(real: Any) -> Any:
+        def wrapper(*args: Any) -> Any:
+            held.append(stage)
+            entered.set()
+            assert release.wait(30), "never released"
+            return real(*args)
+
+        return wrapper
+
+    if stage == "journal":
+        monkeypatch.setattr(Reassembler, "journal_delivered", slow(Reassembler.journal_delivered))
+    else:
+        monkeypatch.setattr(
+            receiver_module, "discard_spooled", slow(receiver_module.discard_spooled)
+        )
+    with receiving(tmp_path, max_object_bytes=1 << 20, expire_seconds=60) as rx:
+        first = "u1.000000000001.first.dbundle"
+        sent = datagrams(rx.codec, 31, 1, first, os.urandom(50_000))
+        rx.send(sent)
+        assert entered.wait(20), "the delivery never reached its disk work"
+        second = datagrams(rx.codec, 31, 2, "u1.000000000002.second.dbundle",
+                           os.urandom(50_000), repair=0)  # fmt: skip
+        part = second[: len(second) // 2]  # half an object: it stays open
+        rx.send(part)
+
+        def placed() -> bool:
+            st = read_json(rx.spool / "status.json") or {}
+            return st.get("open_objects") == 1 and st.get("datagrams", 0) >= len(sent) + len(part)
+
+        rx.wait(placed, "the loop placing symbols while the delivery is held", timeout=10)
+        assert held == [stage] and not release.is_set()  # the slow disk work really was under way
+        release.set()
+        rx.wait(lambda: (rx.inbox / first).exists(), "the first file")
+        rx.send(second[len(part) :])
+        rx.wait(lambda: (rx.inbox / "u1.000000000002.second.dbundle").exists(), "the second")
+        s = rx.finish()
+    assert s.objects_completed == 2
+    assert not list((rx.spool / "objects").iterdir())

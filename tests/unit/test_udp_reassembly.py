@@ -16,7 +16,14 @@ from hypothesis import strategies as st
 from bridge.diode.link_status import read_gap_records, read_new_gap_records
 from bridge.diode.udp_fec import block_count, block_plan, encode_block
 from bridge.diode.udp_sender import envelope_prefix
-from bridge.diode.udp_spool import DONE, Delivery, Reassembler, deliver, verify_and_read_name
+from bridge.diode.udp_spool import (
+    DONE,
+    Delivery,
+    Reassembler,
+    deliver,
+    discard_spooled,
+    verify_and_read_name,
+)
 from bridge.protocol.datagram import ObjectHeader, ObjectKind, Symbol
 
 T = 64
@@ -323,6 +330,8 @@ def test_a_digest_that_does_not_match_is_refused_and_recorded_as_a_gap(tmp_path:
     ra.fail(d, "digest_mismatch")
     (gap,) = read_gap_records(tmp_path / "spool")
     assert (gap["reason"], gap["object_id"], gap["epoch"]) == ("digest_mismatch", 3, 6)
+    assert d.path.exists()  # removed by the delivery thread, outside the loop's lock
+    discard_spooled(d)
     assert not d.path.exists()
 
 
