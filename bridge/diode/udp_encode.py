@@ -125,6 +125,7 @@ class EncoderPool(Generic[T]):
         memfd = os.memfd_create("diode-udp-encode", os.MFD_CLOEXEC)
         req_r, req_w = os.pipe()
         rep_r, rep_w = os.pipe()
+        mem: mmap.mmap | None = None
         try:
             os.ftruncate(memfd, size)
             mem = mmap.mmap(memfd, size)
@@ -136,7 +137,9 @@ class EncoderPool(Generic[T]):
                 stdout=subprocess.DEVNULL,
                 start_new_session=True,  # a terminal's Ctrl-C is the sender's to handle
             )  # fmt: skip
-        except BaseException:
+        except BaseException:  # no worker: nothing of its pipes and slots may outlive it
+            if mem is not None:
+                mem.close()
             for fd in (req_w, rep_r):
                 os.close(fd)
             raise

@@ -188,3 +188,24 @@ def test_no_worker_outlives_its_sender(how: str) -> None:
     while any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in procs):
         assert time.monotonic() < deadline, f"encoder workers outlived their owner ({how})"
         time.sleep(0.05)
+
+
+def _own_fds_and_slots() -> tuple[int, int]:
+    """Open descriptors of this process, and its mappings of encoder slot memfds."""
+    maps = Path("/proc/self/maps").read_text().count("memfd:diode-udp-encode")
+    return len(os.listdir("/proc/self/fd")), maps
+
+
+def test_a_worker_that_cannot_be_spawned_leaves_no_pipe_or_slot_behind(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import bridge.diode.udp_encode as encode_module
+
+    missing = str(tmp_path / "no-such-python")
+    monkeypatch.setattr(encode_module.sys, "executable", missing)
+    before = _own_fds_and_slots()
+    for _ in range(3):
+        with pytest.raises(OSError) as err:
+            EncoderPool(1, slot_bytes_for(16, 4, 1360))
+        assert missing in str(err.value)  # the spawn itself failed (the fault fired)
+    assert _own_fds_and_slots() == before
