@@ -648,14 +648,16 @@ def demo(
     """Set up and run the whole chain on this machine: black broker -> bundles -> diode ->
     red Delta -> red broker, then print a summary."""
     from bridge.demo.run import run_demo
+    from bridge.demo.summary import summary_table
 
     if loss and transport != "udp":
         raise click.UsageError("--loss needs --transport udp")
     summary = run_demo(
         workdir, messages, vhost=vhost, big_every=big_every, transport=transport, loss_percent=loss
     )
+    click.echo(summary_table(summary))
     if as_json:
-        click.echo(json.dumps(summary))
+        click.echo(json.dumps(summary))  # the last line, for scripts
     else:
         for k, v in summary.items():
             click.echo(f"{k:>18}: {v}")

@@ -16,6 +16,7 @@ from bridge.crypto.keys import init_keys
 from bridge.crypto.perms import write_file
 from bridge.demo.counter import ReplayCounter
 from bridge.demo.diode import move_outbox
+from bridge.demo.summary import red_account
 from bridge.demo.traffic import DEMO_DIRECT_KEYS, DEMO_EXCHANGES, declare_exchanges, publish_mix
 from bridge.demo.udp_link import UdpLink, free_udp_port, udp_config_toml
 from bridge.diode.udp_key import generate_key_file
@@ -196,16 +197,22 @@ def run_demo(
     counter.close()
     t_end = time.monotonic()
     rs = red.to_json()
+    held = red_account(cfg)
     out = {
         "published": pub.count,
         "published_bytes": pub.body_bytes,
         "by_exchange": pub.by_exchange,
         "sealed": black.messages,
-        "lost": black.lost,
+        "lost": max(pub.count - held.unique, 0),
+        "black_gaps": black.lost,
+        "duplicates": held.duplicates,
+        "duplicate_bundles": rs["duplicates"],
+        "quarantined": held.quarantined,
         "bundles": black.bundles,
         "transport": transport,
         "files_crossed": files_crossed,
         "landed": rs["messages_landed"],
+        "landed_unique": held.unique,
         "bundles_landed": rs["bundles_landed"],
         "rejected": rs["rejected"],
         "replayed": replay.to_json().get("confirmed"),
@@ -228,6 +235,8 @@ def run_demo(
         black.messages == pub.count
         and black.lost == 0
         and rs["messages_landed"] == pub.count
+        and held.unique == held.rows == pub.count
+        and held.quarantined == 0
         and rs["rejected"] == 0
         and received == pub.count
         and (link is None or udp["missing"] == 0)

@@ -37,8 +37,16 @@ def test_demo_runs_from_scratch(short_tmp: Path, transport: str) -> None:
         mc.delete_vhost(vhost)
         mc.delete_vhost(f"{vhost}-red")
     assert r.returncode == 0, r.stderr.decode(errors="replace")[-3000:]
-    summary = json.loads(r.stdout.decode().strip().splitlines()[-1])
+    out = r.stdout.decode().strip().splitlines()
+    summary = json.loads(out[-1])
     assert summary["ok"] is True and summary["lost"] == 0
+    # every message accounted for from red's evidence: the Delta table and the quarantine
+    assert summary["landed_unique"] == summary["published"]
+    assert summary["duplicates"] == 0 and summary["quarantined"] == 0
+    assert summary["black_gaps"] == 0 and summary["duplicate_bundles"] == 0
+    table = "\n".join(out[:-1])  # the human summary table comes before the JSON line
+    assert f"received on red {summary['received_on_red']:,}" in " ".join(table.split())
+    assert "lost 0 · duplicates 0 · quarantined 0" in table and "· ok" in table
     assert summary["sealed"] == summary["published"] > 2000 and summary["bundles"] >= 1
     assert summary["files_crossed"] >= summary["bundles"]
     assert summary["landed"] == summary["published"] and summary["rejected"] == 0
