@@ -510,6 +510,54 @@ def red_maintain(config_path: Path | None, table: str, vacuum_hours: float | Non
     click.echo(json.dumps(out, indent=2, default=str))
 
 
+@cli.group()
+def quarantine() -> None:
+    """What red refused: quarantine_dir/<day>/<name> with a reason file each (runbook §12)."""
+
+
+@quarantine.command("list")
+@config_option
+@click.option("--reason", default=None, help="only this reason (runbook §12.1)")
+@click.option(
+    "--since",
+    type=click.DateTime(formats=["%Y-%m-%d"]),
+    default=None,
+    help="only from this UTC day on (YYYY-MM-DD)",
+)
+@click.option("--json", "as_json", is_flag=True, help="one JSON document: summary and entries")
+def quarantine_list(
+    config_path: Path | None, reason: str | None, since: Any, as_json: bool
+) -> None:
+    """Every quarantined file with its reason, oldest first, and a count per reason."""
+    from bridge.red.quarantine import list_quarantined, quarantine_summary
+
+    entries = list_quarantined(
+        _load(config_path), reason=reason, since=since.date() if since else None
+    )
+    summary = quarantine_summary(entries)
+    if as_json:
+        click.echo(json.dumps({"summary": summary, "entries": entries}, indent=2, default=str))
+        return
+    for e in entries:
+        why = e.get("why") or e.get("error") or ""
+        click.echo(f"{e['day']}/{e['stored_as']}  {e['reason']}  {why}"[:240])
+    by = ", ".join(f"{k} {v}" for k, v in summary["by_reason"].items())
+    click.echo(f"{summary['total']} quarantined" + (f": {by}" if by else ""))
+
+
+@quarantine.command("show")
+@config_option
+@click.argument("name")
+@click.option("--no-audit", is_flag=True, help="skip the audit table (reason file only)")
+def quarantine_show(config_path: Path | None, name: str, no_audit: bool) -> None:
+    """One quarantined file (NAME or DAY/NAME as listed): its reason record, whether it is
+    still the file quarantined (SHA-256), and its audit rows."""
+    from bridge.red.quarantine import show_quarantined
+
+    out = show_quarantined(_load(config_path), name, audit=not no_audit)
+    click.echo(json.dumps(out, indent=2, default=str))
+
+
 @cli.command("approve")
 @config_option
 @click.argument("exchanges", nargs=-1, required=True)
@@ -521,6 +569,19 @@ def approve(config_path: Path | None, exchanges: tuple[str, ...], revoke: bool, 
 
     cfg = _load(config_path)
     out = approve_exchanges(cfg, list(exchanges), revoke=revoke, note=note)
+    click.echo(json.dumps(out, default=str))
+
+
+@cli.command("revoke")
+@config_option
+@click.argument("exchanges", nargs=-1, required=True)
+@click.option("--note", default="", help="why (kept in the approvals file and the audit table)")
+def revoke(config_path: Path | None, exchanges: tuple[str, ...], note: str) -> None:
+    """Stop replaying red exchanges (the same as `diode approve --revoke`); their rows stay
+    landed, and approving them again replays their history."""
+    from bridge.red.approvals import approve_exchanges
+
+    out = approve_exchanges(_load(config_path), list(exchanges), revoke=True, note=note)
     click.echo(json.dumps(out, default=str))
 
 

@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +19,7 @@ from bridge.config import Config, load_config
 from bridge.red.evidence import Evidence
 from bridge.red.job import RedRun, open_tables
 from bridge.red.landing import Landing, LandingError
+from bridge.red.quarantine import list_quarantined, quarantine_summary, show_quarantined
 from bridge.red.report import red_gaps, red_status
 from tests.red_factory import (
     RedKeys,
@@ -28,6 +32,7 @@ from tests.red_factory import (
 )
 
 pytestmark = [pytest.mark.gpg, pytest.mark.spark, pytest.mark.slow]
+REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
@@ -205,6 +210,43 @@ def test_hostile_files_are_quarantined_and_good_ones_land(
     ledger = table(cfg, "bundles", ["bundle_seq", "status"])
     assert sorted(r["bundle_seq"] for r in ledger if r["status"] == "landed") == [1, 2]
     assert (Path(cfg.red.inbox) / "..orders.dbundle").exists(), "hidden names are left alone"
+    quarantine_commands_show_the_same_evidence(cfg, reasons, conflict.name, junk.name)
+
+
+def quarantine_commands_show_the_same_evidence(
+    cfg: Config, reasons: dict[str, str], conflict: str, junk: str
+) -> None:
+    """`diode quarantine list / show` over what the red job quarantined above."""
+    entries = list_quarantined(cfg)
+    assert {e["original_name"]: e["reason"] for e in entries} == reasons
+    assert quarantine_summary(entries)["by_reason"] == dict(
+        sorted(Counter(reasons.values()).items())
+    )
+    shown = show_quarantined(cfg, conflict)
+    assert shown["reason"] == "conflict" and shown["unchanged"] is True
+    assert shown["record"]["original_name"] == conflict
+    assert "conflict" in {a["event"] for a in shown["audit"]}  # its trail in the audit table
+    stored = Path(shown["path"])
+    stored.write_bytes(stored.read_bytes()[:-1] + b"?")  # evidence changed after the fact
+    assert show_quarantined(cfg, conflict, audit=False)["unchanged"] is False
+    lost = next(e for e in entries if e["original_name"] == junk)
+    Path(lost["path"] + ".reason.json").unlink()  # a reason file gone: still listed
+    assert {e["reason"] for e in list_quarantined(cfg) if e["stored_as"] == junk} == {
+        "no_reason_file"
+    }
+    cli = [sys.executable, "-m", "bridge.cli", "--log-level", "WARNING", "quarantine"]
+    r = subprocess.run(
+        [*cli, "list", "--config", str(cfg.source), "--json", "--reason", "downgrade"],
+        capture_output=True, timeout=120, check=False, cwd=REPO,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr.decode(errors="replace")[-2000:]
+    doc = json.loads(r.stdout)
+    assert doc["summary"] == {"total": 1, "by_reason": {"downgrade": 1}}
+    r = subprocess.run(
+        [*cli, "show", "--config", str(cfg.source), "no-such-file.dbundle"],
+        capture_output=True, timeout=120, check=False, cwd=REPO,
+    )  # fmt: skip
+    assert r.returncode == 1 and b"is not in the quarantine" in r.stderr
 
 
 @pytest.mark.broker

@@ -1,0 +1,152 @@
+"""Red, operator: what red quarantined — `diode quarantine list` and `show`, from the evidence.
+
+    quarantine_dir/<YYYY-MM-DD>/<stored name>  +  <stored name>.reason.json
+
+Read-only and without Spark: the reason files say why; ``show`` also checks that the file is
+still the one quarantined (its SHA-256 against the recorded one) and gathers its ``audit`` rows.
+A quarantined file without a readable reason file (a crash between the move and the reason's
+write, or a damaged reason file) is listed with the reason ``no_reason_file`` or
+``unreadable_reason_file``: never left out.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from collections import Counter
+from datetime import date
+from pathlib import Path
+from typing import Any
+
+import pyarrow.dataset as pads
+
+from bridge.config import Config
+from bridge.errors import DiodeError
+from bridge.red.evidence import REASON_SUFFIX
+
+__all__ = ["QuarantineError", "list_quarantined", "quarantine_summary", "show_quarantined"]
+
+_DAY = re.compile(r"\d{4}-\d{2}-\d{2}")
+_CHUNK = 1 << 20
+
+
+class QuarantineError(DiodeError):
+    """The file asked for is not in the quarantine, or the name is ambiguous."""
+
+
+def _entry(day: Path, stored: Path) -> dict[str, Any]:
+    reason_file = stored.with_name(stored.name + REASON_SUFFIX)
+    entry: dict[str, Any] = {"day": day.name, "stored_as": stored.name, "path": str(stored)}
+    try:
+        rec = json.loads(reason_file.read_text())
+        if not isinstance(rec, dict):
+            raise ValueError("not a JSON object")
+    except FileNotFoundError:
+        return {**entry, "reason": "no_reason_file"}
+    except (OSError, ValueError) as e:
+        return {**entry, "reason": "unreadable_reason_file", "error": str(e)}
+    detail = rec.get("detail")
+    why = detail.get("why") if isinstance(detail, dict) else None
+    return {
+        **entry,
+        "reason": str(rec.get("reason", "")),
+        "original_name": rec.get("original_name"),
+        "at": rec.get("at"),
+        "file_type": rec.get("file_type"),
+        "size": rec.get("size"),
+        "sha256": rec.get("sha256"),
+        "why": why,
+    }
+
+
+def _days(root: Path, since: date | None) -> list[Path]:
+    if not root.is_dir():
+        return []
+    days = [d for d in root.iterdir() if d.is_dir() and _DAY.fullmatch(d.name)]
+    if since is not None:
+        days = [d for d in days if d.name >= since.isoformat()]
+    return sorted(days)
+
+
+def list_quarantined(
+    cfg: Config, *, reason: str | None = None, since: date | None = None
+) -> list[dict[str, Any]]:
+    """Every quarantined file (oldest day first, then by time), optionally of one reason and
+    from one day on; the reason files themselves are not entries."""
+    out: list[dict[str, Any]] = []
+    for day in _days(Path(cfg.red.quarantine_dir), since):
+        entries = [
+            _entry(day, p)
+            for p in day.iterdir()
+            if not p.name.endswith(REASON_SUFFIX) and not p.name.startswith(".")
+        ]
+        entries.sort(key=lambda e: (str(e.get("at") or ""), e["stored_as"]))
+        out.extend(e for e in entries if reason is None or e["reason"] == reason)
+    return out
+
+
+def quarantine_summary(entries: list[dict[str, Any]]) -> dict[str, Any]:
+    """Total and count per reason of :func:`list_quarantined`'s entries."""
+    by = Counter(str(e["reason"]) for e in entries)
+    return {"total": len(entries), "by_reason": dict(sorted(by.items()))}
+
+
+def _sha256(path: Path) -> str | None:
+    if not path.is_file() or path.is_symlink():
+        return None  # a quarantined link, fifo or device is never opened
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(_CHUNK):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _audit_rows(cfg: Config, names: list[str]) -> list[dict[str, Any]] | dict[str, str]:
+    from bridge.red.job import open_tables
+
+    try:
+        rows = open_tables(cfg).read(
+            "audit",
+            columns=["at", "event", "channel", "bundle_seq", "file_name", "reason", "detail"],
+            filter=pads.field("file_name").isin(names),
+        )
+    except Exception as e:  # noqa: BLE001 - the reason file is the evidence; audit is extra
+        return {"error": f"audit table not readable: {type(e).__name__}: {e}"}
+    found = sorted(rows.to_pylist(), key=lambda r: (r["at"], r["event"]))
+    for r in found:
+        r["at"] = r["at"].isoformat() if r["at"] is not None else None
+    return found
+
+
+def show_quarantined(cfg: Config, name: str, *, audit: bool = True) -> dict[str, Any]:
+    """One quarantined file by its stored name (``NAME`` or ``DAY/NAME``): its reason record
+    in full, whether it is still the file quarantined, and its ``audit`` rows."""
+    day_part, _, stored = name.rpartition("/")
+    if not stored or "/" in day_part or stored.endswith(REASON_SUFFIX):
+        raise QuarantineError(f"{name!r}: give a stored name, or DAY/NAME as listed")
+    root = Path(cfg.red.quarantine_dir)
+    days = [d for d in _days(root, None) if not day_part or d.name == day_part]
+    hits = [d for d in days if (d / stored).exists() or (d / stored).is_symlink()]
+    if not hits:
+        raise QuarantineError(
+            f"{name!r} is not in the quarantine {root}: `diode quarantine list` shows the names"
+        )
+    if len(hits) > 1:
+        raise QuarantineError(
+            f"{name!r} is in the quarantine on {len(hits)} days "
+            f"({', '.join(d.name for d in hits)}): give DAY/NAME"
+        )
+    path = hits[0] / stored
+    out: dict[str, Any] = {**_entry(hits[0], path)}
+    try:
+        out["record"] = json.loads(path.with_name(path.name + REASON_SUFFIX).read_text())
+    except (OSError, ValueError):
+        out["record"] = None
+    now = _sha256(path)
+    out["sha256_now"] = now
+    out["unchanged"] = None if now is None or not out.get("sha256") else now == out["sha256"]
+    if audit:
+        names = sorted({n for n in (stored, out.get("original_name")) if isinstance(n, str)})
+        out["audit"] = _audit_rows(cfg, names)
+    return out

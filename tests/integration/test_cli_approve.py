@@ -1,0 +1,55 @@
+"""Integration: `diode approve` and `diode revoke` as an operator runs them (the CLI in a
+subprocess, the real approvals file and the real audit Delta table; no broker, no Spark)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+from deltalake import DeltaTable
+
+from bridge.config import load_config
+from bridge.red.job import open_tables
+
+REPO = Path(__file__).resolve().parents[2]
+CONFIG = """[[channels]]
+name = "orders"
+encrypt = false
+
+[red]
+state_dir = "red/state"
+tables_dir = "red/tables"
+delta_engine = "delta-rs"
+"""
+
+
+def diode(cfg: Path, *args: str) -> dict[str, Any]:
+    r = subprocess.run(
+        [sys.executable, "-m", "bridge.cli", "--log-level", "WARNING", *args, "--config",
+         str(cfg)],
+        capture_output=True, timeout=120, check=False, cwd=REPO,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr.decode(errors="replace")[-2000:]
+    out: dict[str, Any] = json.loads(r.stdout)
+    return out
+
+
+def test_revoke_is_approve_revoke_and_both_are_audited(tmp_path: Path) -> None:
+    cfg = tmp_path / "diode.toml"
+    cfg.write_text(CONFIG)
+    open_tables(load_config(cfg)).ensure()  # what the first red run does
+    first = diode(cfg, "approve", "orders", "sensors", "--note", "first light")
+    assert first["approved"] == ["orders", "sensors"] and first["action"] == "approve"
+    gone = diode(cfg, "revoke", "sensors", "--note", "not needed on red")
+    assert gone["action"] == "revoke" and gone["approved"] == ["orders"]
+    assert [c["exchange"] for c in gone["changed"]] == ["sensors"]
+    again = diode(cfg, "revoke", "sensors")
+    assert again["changed"] == [] and again["unchanged"] == ["sensors"]
+    audit = DeltaTable(str(tmp_path / "red" / "tables" / "audit")).to_pyarrow_table(
+        columns=["event", "exchange"]
+    )
+    events = sorted(zip(audit["event"].to_pylist(), audit["exchange"].to_pylist(), strict=True))
+    assert events == [("approved", "orders"), ("approved", "sensors"), ("revoked", "sensors")]
