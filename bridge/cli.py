@@ -447,6 +447,9 @@ def red_replay(
     click.echo(json.dumps(summary.to_json()))
 
 
+red.add_command(red_replay, "publish")  # the replay publisher's other name (DESIGN §3.8)
+
+
 @red.command("status")
 @config_option
 def red_status(config_path: Path | None) -> None:

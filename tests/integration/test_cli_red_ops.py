@@ -1,5 +1,6 @@
-"""Integration: `diode approve` and `diode revoke` as an operator runs them (the CLI in a
-subprocess, the real approvals file and the real audit Delta table; no broker, no Spark)."""
+"""Integration: red operator commands as an operator runs them — `diode approve` / `diode
+revoke` (the CLI in a subprocess, the real approvals file and the real audit Delta table; no
+broker, no Spark), and `diode red publish`, the replay publisher's other name."""
 
 from __future__ import annotations
 
@@ -53,3 +54,14 @@ def test_revoke_is_approve_revoke_and_both_are_audited(tmp_path: Path) -> None:
     )
     events = sorted(zip(audit["event"].to_pylist(), audit["exchange"].to_pylist(), strict=True))
     assert events == [("approved", "orders"), ("approved", "sensors"), ("revoked", "sensors")]
+
+
+def test_red_publish_is_the_replay_publisher() -> None:
+    from bridge.cli import red
+
+    assert red.get_command(None, "publish") is red.get_command(None, "replay")  # type: ignore[arg-type]
+    r = subprocess.run(
+        [sys.executable, "-m", "bridge.cli", "red", "publish", "--help"],
+        capture_output=True, timeout=60, check=False, cwd=REPO,
+    )  # fmt: skip
+    assert r.returncode == 0 and b"--until-caught-up" in r.stdout
