@@ -5,7 +5,12 @@ RabbitMQ exchanges --mirror--> mirror queues --tap (one process per channel)--> 
   (+ heartbeats every N s)
 
 ``available-now`` runs one ``--until-empty`` tap per channel (each drains the backlog it finds)
-and meanwhile repeats availableNow queries over the spool, the last one after the taps ended;
+and meanwhile one *drain* query seals the spool as it grows (a processing-time trigger of at
+most ``DRAIN_TRIGGER_SECONDS``, no bundle held back for age); it stops once the taps have ended
+and black's journal covers every channel's spool to its durable end. A new query costs ~1.5 s
+of start-up and a Python source process of its own, so one query replaces the availableNow
+query per round this job used to start. Should the journal not reach the spool's end while the
+query idles, a last availableNow query seals what is left (the earlier behaviour).
 ``continuous`` keeps the taps running beside one query.
 """
 
@@ -22,6 +27,7 @@ from bridge.black.recovery import recover_committed
 from bridge.black.seal import BundleSealer
 from bridge.black.sink import BatchSink
 from bridge.black.source import SpoolDataSource
+from bridge.black.spool import SpoolReader
 from bridge.black.state import StateStore
 from bridge.black.taps import TapSupervisor, UntilEmptyTaps
 from bridge.config import Config
@@ -36,6 +42,11 @@ __all__ = ["BlackRun", "BlackSummary", "run_black", "check_black_config", "Trigg
 
 log = get_logger("bridge.black.job")
 Trigger = Literal["available-now", "continuous"]
+DRAIN_TRIGGER_SECONDS = 1.0
+"""Scheduled runs: the drain query's trigger (at most; black.trigger_seconds if shorter)."""
+DRAIN_IDLE_TRIGGERS = 5
+"""Scheduled runs: triggers without a sealed batch, taps ended and the journal short of the
+spool's end, before a last availableNow query seals the rest."""
 
 
 @dataclass
@@ -105,19 +116,71 @@ class BlackRun:
         self.heartbeats = HeartbeatWriter(cfg, store=self.store, gpg=self.gpg, outbox=self.outbox)
         self.taps: TapSupervisor | None = None
 
-    def start_query(self, spark: Any, trigger: Trigger, *, query_name: str = "diode_black") -> Any:
+    def start_query(
+        self,
+        spark: Any,
+        trigger: Trigger | Literal["drain"],
+        *,
+        query_name: str = "diode_black",
+    ) -> Any:
+        """``drain``: a processing-time query for scheduled runs that holds no bundle back."""
         spark.dataSource.register(SpoolDataSource)
-        df = spark.readStream.format("diode_spool").option("config", str(self.cfg.source)).load()
+        reader = spark.readStream.format("diode_spool").option("config", str(self.cfg.source))
+        if trigger == "drain":
+            reader = reader.option("hold", "false")
         w = (
-            df.writeStream.foreachBatch(self.sink)
+            reader.load()
+            .writeStream.foreachBatch(self.sink)
             .option("checkpointLocation", str(self.cfg.black.checkpoint_dir))
             .queryName(query_name)
         )
         if trigger == "available-now":
             w = w.trigger(availableNow=True)
+        elif trigger == "drain":
+            every = min(DRAIN_TRIGGER_SECONDS, self.cfg.black.trigger_seconds)
+            w = w.trigger(processingTime=f"{int(every * 1000)} milliseconds")
         else:
             w = w.trigger(processingTime=f"{self.cfg.black.trigger_seconds} seconds")
         return w.start()
+
+    def _caught_up(self) -> bool:
+        """Black's journal covers every channel's spool up to its durable end."""
+        spool = Path(self.cfg.black.spool_dir)
+        return all(
+            self.store.load(ch.name).last_seq + 1 >= SpoolReader(spool, ch.name).durable_end()
+            for ch in self.cfg.channels
+        )
+
+    def _drain(self, spark: Any, taps: UntilEmptyTaps, t0: float, timeout: float | None) -> bool:
+        """Scheduled runs: one drain query while the taps drain; True once the taps have
+        ended and the journal covers every spool, False to leave the rest to an availableNow
+        query (the drain query idled ``DRAIN_IDLE_TRIGGERS`` triggers short of the end)."""
+        query = self.start_query(spark, "drain")
+        every = min(DRAIN_TRIGGER_SECONDS, self.cfg.black.trigger_seconds)
+        seen, progressed = -1, time.monotonic()
+        try:
+            while not query.awaitTermination(min(every, 0.2)):  # the end is seen within 0.2 s
+                now = time.monotonic()
+                if timeout is not None and now - t0 >= timeout:
+                    return True  # as an availableNow run stopped by its timeout
+                if not taps.done():
+                    continue
+                if self._caught_up():
+                    return True
+                if self.sink.totals.batches != seen:
+                    seen, progressed = self.sink.totals.batches, now
+                elif now - progressed >= DRAIN_IDLE_TRIGGERS * every:
+                    log_event(log, 30, "drain query idle short of the spool's end: sealing "
+                              "the rest with an availableNow query",
+                              idle_seconds=round(now - progressed, 1))  # fmt: skip
+                    return False
+            return True  # the query stopped (a sealing failure): drain() below raises it
+        finally:
+            try:
+                if query.isActive:
+                    query.stop()
+            finally:
+                self.sink.drain()
 
     def _query(self, spark: Any, trigger: Trigger, timeout: float | None) -> None:
         query = self.start_query(spark, trigger)
@@ -163,18 +226,11 @@ class BlackRun:
             scheduled = UntilEmptyTaps(self.cfg, timeout=timeout)
         hb_loop.start()
         try:
-            while True:
-                # scheduled runs seal while the taps drain: each availableNow query seals what
-                # the spool holds when it starts; the one started after the taps ended seals
-                # the rest
-                last = scheduled is None or scheduled.done()
-                before = self.sink.totals.messages
+            if scheduled is None:
                 self._query(spark, trigger, timeout)
-                if last:
-                    break
-                if self.sink.totals.messages == before and scheduled is not None:
-                    scheduled.wait(1.0)  # nothing new yet: leave the cores to the taps
-            if scheduled is not None:
+            else:
+                if not self._drain(spark, scheduled, t0, timeout):
+                    self._query(spark, "available-now", timeout)  # seals what is left
                 scheduled.finish()  # raises if a tap failed (what it spooled is sealed)
         finally:
             if trigger == "continuous":

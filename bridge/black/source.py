@@ -16,7 +16,9 @@ divided by the average row size black measured on earlier batches (``read-hint.j
 state dir), so memory stays flat under any backlog.
 
 Options: ``config`` (path of the diode TOML, read on the driver), ``channels``
-(comma-separated, default: all configured).
+(comma-separated, default: all configured), ``hold`` (``false``: a processing-time query cuts
+whatever is pending at each trigger instead of collecting until a bundle is worth cutting;
+scheduled runs drain that way).
 """
 
 from __future__ import annotations
@@ -95,6 +97,7 @@ class SpoolStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         for n in self.channels:
             self.cfg.channel(n)  # ConfigError for unknown names
         self.target: dict[str, int] | None = None
+        self.hold = options.get("hold", "true").strip().lower() != "false"
         self._planned = False  # partitions() not called yet in this run
         self._lagging: set[str] = set()
         self._empty_at: dict[str, float] = {}
@@ -165,7 +168,13 @@ class SpoolStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
                 cap = self._cap(ch, hint, s, end)
                 capped = end > s + cap
                 end = min(end, s + cap)
-            if self.target is None and end > s and not capped and self._hold(ch, s, end, hint):
+            if (
+                self.target is None
+                and self.hold
+                and end > s
+                and not capped
+                and self._hold(ch, s, end, hint)
+            ):
                 end = s
             elif end == tail:
                 self._empty_at[ch] = planned_at  # what arrives next is younger than that

@@ -16,8 +16,10 @@ import pika
 import pyarrow.parquet as pq
 import pytest
 
+import bridge.black.job as job_module
 from bridge.amqp.client import Connection
 from bridge.black.job import BlackRun
+from bridge.black.state import StateStore
 from bridge.config import load_config
 from bridge.crypto.gpg import Gpg
 from bridge.crypto.keys import init_keys
@@ -151,6 +153,19 @@ def read_bundles(folder: Path, red_home: Path, black_fpr: str) -> list[tuple[dic
     return out
 
 
+def record_queries(run: BlackRun) -> list[str]:
+    """The trigger of every query ``run`` starts, in order."""
+    started: list[str] = []
+    start = run.start_query
+
+    def recording(spark: Any, trigger: Any, **kw: Any) -> Any:
+        started.append(trigger)
+        return start(spark, trigger, **kw)
+
+    run.start_query = recording  # type: ignore[method-assign]
+    return started
+
+
 def test_every_message_once_and_identical(  # type: ignore[no-untyped-def]
     black_vhost,
     short_tmp: Path,
@@ -180,8 +195,10 @@ def test_every_message_once_and_identical(  # type: ignore[no-untyped-def]
     conn.close()
 
     mover = greedy_mover(cfg.black.outbox)
+    queries = record_queries(run)
     summary = run.run(spark, "available-now", timeout=300)
     assert summary.messages == n + 2 and summary.lost == 0
+    assert queries == ["drain"], "a scheduled run seals with one query while the taps drain"
     mover.stop()
     taken = mover.validate(Gpg(inv.red_home), [inv.black_fpr])
     assert taken.bundles and taken.heartbeats, "the mover only ever saw whole, valid files"
@@ -228,3 +245,28 @@ def test_every_message_once_and_identical(  # type: ignore[no-untyped-def]
     assert sorted(p.name for p in (cfg.black.archive / "main").iterdir()) == sorted(
         p.name for p in mover.dst.glob("*.dbundle")
     )
+
+
+def test_a_drain_query_idle_short_of_the_spool_end_leaves_the_rest_to_an_available_now_query(
+    black_vhost: Any, short_tmp: Path, spark: Any, monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:  # fmt: skip
+    """The drain query never sees the journal reach the spool's end (forced): after
+    DRAIN_IDLE_TRIGGERS idle triggers an availableNow query seals the rest, once."""
+    inv = init_keys(short_tmp / "keys", red_names=("red",))
+    cfg = load_config(
+        write_config(short_tmp, black_vhost.amqp_url, inv.black_fpr, list(inv.red_fprs.values()))
+    )
+    declare(black_vhost.amqp_url)
+    run = BlackRun(cfg)
+    run.mirror.sync()
+    publish(black_vhost.amqp_url, 300)
+    monkeypatch.setattr(job_module, "DRAIN_TRIGGER_SECONDS", 0.2)
+    monkeypatch.setattr(BlackRun, "_caught_up", lambda self: False)  # the forced fault
+    queries = record_queries(run)
+    with caplog.at_level("WARNING", logger="bridge.black.job"):
+        summary = run.run(spark, "available-now", timeout=300)
+    assert queries == ["drain", "available-now"]
+    assert any("drain query idle" in r.getMessage() for r in caplog.records), "fault fired"
+    assert summary.messages == 300 and summary.lost == 0
+    assert StateStore(cfg.black.state_dir).load("main").last_seq == 299
