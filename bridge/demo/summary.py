@@ -1,24 +1,22 @@
 """Demo, summary: account for every message from what red holds, and render the run as a table.
 
 The figures come from the evidence, not from the jobs' own counters: unique ``(channel, seq)``
-keys in the red ``messages`` Delta table, rows beyond one per key, and the reason files in red's
-quarantine.
+keys in the red ``messages`` Delta table, rows beyond one per key, and the files in red's
+quarantine (``bridge.red.quarantine``).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
 
 from bridge.config import Config
 from bridge.red.job import open_tables
+from bridge.red.quarantine import list_quarantined
 
-__all__ = ["RedAccount", "red_account", "key_counts", "quarantined_files", "summary_table"]
-
-REASON_SUFFIX = ".reason.json"
+__all__ = ["RedAccount", "red_account", "key_counts", "summary_table"]
 
 
 @dataclass(frozen=True)
@@ -30,7 +28,7 @@ class RedAccount:
     unique: int
     """Distinct ``(channel, seq)`` among them."""
     quarantined: int
-    """Files in red's quarantine (each has its reason file)."""
+    """Files in red's quarantine (as `diode quarantine list` lists them)."""
 
     @property
     def duplicates(self) -> int:
@@ -45,17 +43,10 @@ def key_counts(keys: pa.Table) -> tuple[int, int]:
     return keys.num_rows, keys.group_by(["channel", "seq"]).aggregate([]).num_rows
 
 
-def quarantined_files(quarantine: Path) -> int:
-    """Files red quarantined: one reason file beside each, under ``quarantine/<date>/``."""
-    if not quarantine.is_dir():
-        return 0
-    return sum(1 for p in quarantine.rglob(f"*{REASON_SUFFIX}") if p.is_file())
-
-
 def red_account(cfg: Config) -> RedAccount:
     """Count the ``messages`` table's rows and unique keys, and red's quarantined files."""
     rows, unique = key_counts(open_tables(cfg).read("messages", columns=["channel", "seq"]))
-    return RedAccount(rows, unique, quarantined_files(Path(cfg.red.quarantine_dir)))
+    return RedAccount(rows, unique, len(list_quarantined(cfg)))
 
 
 def _n(v: Any) -> str:

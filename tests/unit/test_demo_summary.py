@@ -1,27 +1,16 @@
-"""Unit: the demo's account of what red holds (duplicates, quarantine) and its summary table."""
+"""Unit: the demo's count of duplicate keys and its summary table."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pyarrow as pa
 
-from bridge.demo.summary import key_counts, quarantined_files, summary_table
+from bridge.demo.summary import key_counts, summary_table
 
 
-def test_the_account_counts_rows_beyond_one_per_key_and_every_quarantined_file(
-    tmp_path: Path,
-) -> None:
+def test_duplicates_are_rows_beyond_one_per_key() -> None:
     keys = pa.table({"channel": ["a", "a", "b", "a"], "seq": [1, 2, 1, 2]})
     assert key_counts(keys) == (4, 3)
     assert key_counts(keys.slice(0, 0)) == (0, 0)
-    day = tmp_path / "q" / "2026-11-24"
-    day.mkdir(parents=True)
-    for name in ("x.dbundle", "y.dbundle"):
-        (day / name).write_bytes(b"junk")
-        (day / f"{name}.reason.json").write_text("{}")
-    assert quarantined_files(tmp_path / "q") == 2
-    assert quarantined_files(tmp_path / "none") == 0
 
 
 def test_the_table_shows_each_stage_and_the_account() -> None:
