@@ -45,8 +45,8 @@ Trigger = Literal["available-now", "continuous"]
 DRAIN_TRIGGER_SECONDS = 1.0
 """Scheduled runs: the drain query's trigger (at most; black.trigger_seconds if shorter)."""
 DRAIN_IDLE_TRIGGERS = 5
-"""Scheduled runs: triggers without a sealed batch, taps ended and the journal short of the
-spool's end, before a last availableNow query seals the rest."""
+"""Scheduled runs: triggers with no batch planned, collected or sealed, the taps ended and the
+journal short of the spool's end, before a last availableNow query seals the rest."""
 
 
 @dataclass
@@ -167,8 +167,13 @@ class BlackRun:
                     continue
                 if self._caught_up():
                     return True
-                if self.sink.totals.batches != seen:
-                    seen, progressed = self.sink.totals.batches, now
+                # idle: the query waits for a trigger or data and no batch is collected or
+                # sealed (a query still starting, or a slow batch on a loaded host, is not)
+                st = query.status
+                waiting = str(st.get("message", "")).startswith("Waiting")
+                working = self.sink.busy() or st.get("isTriggerActive") or not waiting
+                if working or self.sink.handed != seen:
+                    seen, progressed = self.sink.handed, now
                 elif now - progressed >= DRAIN_IDLE_TRIGGERS * every:
                     log_event(log, 30, "drain query idle short of the spool's end: sealing "
                               "the rest with an availableNow query",

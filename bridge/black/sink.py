@@ -90,6 +90,12 @@ class BatchSink:
         self._queue: queue.Queue[tuple[pa.Table, int, float, float] | None] = queue.Queue(maxsize=1)
         self._error: BaseException | None = None
         self._thread: threading.Thread | None = None
+        self.handed = 0
+        """Batches Spark has handed over (each is collected, then sealed: ``totals.batches``)."""
+
+    def busy(self) -> bool:
+        """A batch handed over is still being collected or sealed."""
+        return self.handed > self.totals.batches
 
     # -- Spark side ---------------------------------------------------------------------------
     def __call__(self, df: Any, batch_id: int) -> None:
@@ -98,6 +104,7 @@ class BatchSink:
             err = check()
             if err is not None:
                 raise SealingFailed(f"stopping the black job: {err}") from err
+        self.handed += 1
         t0 = time.monotonic()
         table: pa.Table = df.toArrow()
         collect = time.monotonic() - t0

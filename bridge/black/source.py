@@ -87,6 +87,9 @@ def read_hint(state_dir: Path) -> dict[str, float]:
 class SpoolStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
     """Plans position ranges per channel; the sink reads them from the spool."""
 
+    hold = True
+    """Processing-time queries collect until a bundle is worth cutting (option ``hold``)."""
+
     def __init__(self, options: dict[str, str]) -> None:
         if not logging.getLogger("bridge").handlers:  # Spark's source runner process
             setup_logging()
