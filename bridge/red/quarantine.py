@@ -123,7 +123,11 @@ def show_quarantined(cfg: Config, name: str, *, audit: bool = True) -> dict[str,
     """One quarantined file by its stored name (``NAME`` or ``DAY/NAME``): its reason record
     in full, whether it is still the file quarantined, and its ``audit`` rows."""
     day_part, _, stored = name.rpartition("/")
-    if not stored or "/" in day_part or stored.endswith(REASON_SUFFIX):
+    if (
+        stored in ("", ".", "..")
+        or stored.endswith(REASON_SUFFIX)
+        or (day_part and not _DAY.fullmatch(day_part))
+    ):
         raise QuarantineError(f"{name!r}: give a stored name, or DAY/NAME as listed")
     root = Path(cfg.red.quarantine_dir)
     days = [d for d in _days(root, None) if not day_part or d.name == day_part]

@@ -1,0 +1,75 @@
+"""Unit: `diode quarantine list / show` over quarantine folders laid out as bridge.red.evidence
+lays them out (real files in a temp dir; the red job's own quarantine is covered in
+tests/integration/test_red_pipeline.py)."""
+
+from __future__ import annotations
+
+import json
+from datetime import date
+from pathlib import Path
+
+import pytest
+
+from bridge.config import Config, config_from_dict
+from bridge.red.quarantine import (
+    QuarantineError,
+    list_quarantined,
+    quarantine_summary,
+    show_quarantined,
+)
+
+
+def _cfg(tmp: Path) -> Config:
+    return config_from_dict(
+        {"channels": [{"name": "c", "encrypt": False}], "red": {"quarantine_dir": "q"}},
+        base=tmp,
+        environ={},
+    )
+
+
+def _put(tmp: Path, day: str, name: str, reason: str | None, at: str = "") -> Path:
+    d = tmp / "q" / day
+    d.mkdir(parents=True, exist_ok=True)
+    (d / name).write_bytes(b"evidence " + name.encode())
+    if reason is not None:
+        rec = {"reason": reason, "original_name": name, "at": at, "detail": {"why": "because"}}
+        (d / f"{name}.reason.json").write_text(json.dumps(rec))
+    return d / name
+
+
+def test_list_orders_by_day_then_time_and_never_leaves_a_file_out(tmp_path: Path) -> None:
+    cfg = _cfg(tmp_path)
+    _put(tmp_path, "2026-11-23", "b.dbundle", "crypto", at="2026-11-23T10:00:00+00:00")
+    _put(tmp_path, "2026-11-23", "a.dbundle", "signature", at="2026-11-23T11:00:00+00:00")
+    _put(tmp_path, "2026-11-24", "c.dbundle", None)  # crash before its reason file
+    bad = _put(tmp_path, "2026-11-24", "d.dbundle", "x")
+    (bad.parent / "d.dbundle.reason.json").write_text("[1, 2")  # damaged
+    (tmp_path / "q" / "2026-11-24" / ".x.reason.json.tmp").write_text("{}")  # a temp: not listed
+    (tmp_path / "q" / "not-a-day").mkdir()
+    entries = list_quarantined(cfg)
+    assert [(e["day"], e["stored_as"], e["reason"]) for e in entries] == [
+        ("2026-11-23", "b.dbundle", "crypto"),
+        ("2026-11-23", "a.dbundle", "signature"),
+        ("2026-11-24", "c.dbundle", "no_reason_file"),
+        ("2026-11-24", "d.dbundle", "unreadable_reason_file"),
+    ]
+    assert quarantine_summary(entries)["total"] == 4
+    assert [e["stored_as"] for e in list_quarantined(cfg, reason="crypto")] == ["b.dbundle"]
+    assert len(list_quarantined(cfg, since=date(2026, 11, 24))) == 2
+    assert list_quarantined(_cfg(tmp_path / "empty")) == []
+
+
+def test_show_finds_one_file_and_refuses_names_that_are_not_stored_names(tmp_path: Path) -> None:
+    cfg = _cfg(tmp_path)
+    _put(tmp_path, "2026-11-23", "a.dbundle", "crypto")
+    _put(tmp_path, "2026-11-24", "a.dbundle", "signature")
+    with pytest.raises(QuarantineError, match="on 2 days"):
+        show_quarantined(cfg, "a.dbundle", audit=False)
+    shown = show_quarantined(cfg, "2026-11-24/a.dbundle", audit=False)
+    assert shown["reason"] == "signature" and shown["record"]["detail"] == {"why": "because"}
+    for name in ("..", ".", "", "2026-11-24/..", "../q/2026-11-24/a.dbundle",
+                 "a.dbundle.reason.json", "x/y/a.dbundle"):  # fmt: skip
+        with pytest.raises(QuarantineError):
+            show_quarantined(cfg, name, audit=False)
+    with pytest.raises(QuarantineError, match="not in the quarantine"):
+        show_quarantined(cfg, "nope.dbundle", audit=False)
