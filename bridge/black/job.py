@@ -137,11 +137,14 @@ class BlackRun:
         if trigger == "available-now":
             w = w.trigger(availableNow=True)
         elif trigger == "drain":
-            every = min(DRAIN_TRIGGER_SECONDS, self.cfg.black.trigger_seconds)
-            w = w.trigger(processingTime=f"{int(every * 1000)} milliseconds")
+            w = w.trigger(processingTime=f"{int(self._drain_every() * 1000)} milliseconds")
         else:
             w = w.trigger(processingTime=f"{self.cfg.black.trigger_seconds} seconds")
         return w.start()
+
+    def _drain_every(self) -> float:
+        """The drain query's trigger: the configured one, at most ``DRAIN_TRIGGER_SECONDS``."""
+        return min(DRAIN_TRIGGER_SECONDS, self.cfg.black.trigger_seconds)
 
     def _caught_up(self) -> bool:
         """Black's journal covers every channel's spool up to its durable end."""
@@ -156,7 +159,7 @@ class BlackRun:
         ended and the journal covers every spool, False to leave the rest to an availableNow
         query (the drain query idled ``DRAIN_IDLE_TRIGGERS`` triggers short of the end)."""
         query = self.start_query(spark, "drain")
-        every = min(DRAIN_TRIGGER_SECONDS, self.cfg.black.trigger_seconds)
+        every = self._drain_every()
         seen, progressed = -1, time.monotonic()
         try:
             while not query.awaitTermination(min(every, 0.2)):  # the end is seen within 0.2 s

@@ -36,6 +36,7 @@ __all__ = [
     "REASON_SUFFIX",
     "rename_noreplace",
     "file_kind",
+    "sha256_regular",
 ]
 
 log = get_logger("bridge.red.evidence")
@@ -137,18 +138,34 @@ def _open_regular(path: Path) -> int | None:
     return fd
 
 
+def _hash_fd(fd: int) -> str:
+    h = hashlib.sha256()
+    while chunk := os.read(fd, _CHUNK):
+        h.update(chunk)
+    return h.hexdigest()
+
+
+def sha256_regular(path: Path) -> str | None:
+    """The SHA-256 of ``path`` if it is a regular file, read without following a symlink or
+    blocking on a fifo; None for anything else (a link, fifo or device is never read)."""
+    fd = _open_regular(path)
+    if fd is None:
+        return None
+    try:
+        return _hash_fd(fd)
+    finally:
+        os.close(fd)
+
+
 def _fsync_and_hash(path: Path, *, want_hash: bool) -> str | None:
     """fsync a regular file (and its sha256 if asked); None for anything else."""
     fd = _open_regular(path)
     if fd is None:
         return None
     try:
-        h = hashlib.sha256()
-        if want_hash:
-            while chunk := os.read(fd, _CHUNK):
-                h.update(chunk)
+        digest = _hash_fd(fd) if want_hash else None
         os.fsync(fd)
-        return h.hexdigest() if want_hash else None
+        return digest
     finally:
         os.close(fd)
 

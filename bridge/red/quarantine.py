@@ -11,7 +11,6 @@ write, or a damaged reason file) is listed with the reason ``no_reason_file`` or
 
 from __future__ import annotations
 
-import hashlib
 import json
 import re
 from collections import Counter
@@ -23,12 +22,11 @@ import pyarrow.dataset as pads
 
 from bridge.config import Config
 from bridge.errors import DiodeError
-from bridge.red.evidence import REASON_SUFFIX
+from bridge.red.evidence import REASON_SUFFIX, sha256_regular
 
 __all__ = ["QuarantineError", "list_quarantined", "quarantine_summary", "show_quarantined"]
 
 _DAY = re.compile(r"\d{4}-\d{2}-\d{2}")
-_CHUNK = 1 << 20
 
 
 class QuarantineError(DiodeError):
@@ -36,6 +34,11 @@ class QuarantineError(DiodeError):
 
 
 def _entry(day: Path, stored: Path) -> dict[str, Any]:
+    return _read_entry(day, stored)[0]
+
+
+def _read_entry(day: Path, stored: Path) -> tuple[dict[str, Any], dict[str, Any] | None]:
+    """The listing entry of one quarantined file, and its reason record (None if unreadable)."""
     reason_file = stored.with_name(stored.name + REASON_SUFFIX)
     entry: dict[str, Any] = {"day": day.name, "stored_as": stored.name, "path": str(stored)}
     try:
@@ -43,9 +46,9 @@ def _entry(day: Path, stored: Path) -> dict[str, Any]:
         if not isinstance(rec, dict):
             raise ValueError("not a JSON object")
     except FileNotFoundError:
-        return {**entry, "reason": "no_reason_file"}
+        return {**entry, "reason": "no_reason_file"}, None
     except (OSError, ValueError) as e:
-        return {**entry, "reason": "unreadable_reason_file", "error": str(e)}
+        return {**entry, "reason": "unreadable_reason_file", "error": str(e)}, None
     detail = rec.get("detail")
     why = detail.get("why") if isinstance(detail, dict) else None
     return {
@@ -57,7 +60,7 @@ def _entry(day: Path, stored: Path) -> dict[str, Any]:
         "size": rec.get("size"),
         "sha256": rec.get("sha256"),
         "why": why,
-    }
+    }, rec
 
 
 def _days(root: Path, since: date | None) -> list[Path]:
@@ -90,16 +93,6 @@ def quarantine_summary(entries: list[dict[str, Any]]) -> dict[str, Any]:
     """Total and count per reason of :func:`list_quarantined`'s entries."""
     by = Counter(str(e["reason"]) for e in entries)
     return {"total": len(entries), "by_reason": dict(sorted(by.items()))}
-
-
-def _sha256(path: Path) -> str | None:
-    if not path.is_file() or path.is_symlink():
-        return None  # a quarantined link, fifo or device is never opened
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(_CHUNK):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def _audit_rows(cfg: Config, names: list[str]) -> list[dict[str, Any]] | dict[str, str]:
@@ -142,12 +135,9 @@ def show_quarantined(cfg: Config, name: str, *, audit: bool = True) -> dict[str,
             f"({', '.join(d.name for d in hits)}): give DAY/NAME"
         )
     path = hits[0] / stored
-    out: dict[str, Any] = {**_entry(hits[0], path)}
-    try:
-        out["record"] = json.loads(path.with_name(path.name + REASON_SUFFIX).read_text())
-    except (OSError, ValueError):
-        out["record"] = None
-    now = _sha256(path)
+    entry, record = _read_entry(hits[0], path)
+    out: dict[str, Any] = {**entry, "record": record}
+    now = sha256_regular(path)
     out["sha256_now"] = now
     out["unchanged"] = None if now is None or not out.get("sha256") else now == out["sha256"]
     if audit:
