@@ -233,6 +233,14 @@ class BlackConfig(_Strict):
     archive: Path = Path("black/archive")
     """Copies of sent bundles, kept for `diode resend`."""
 
+    archive_mode: Literal["copy", "link"] = "copy"
+    """How a bundle enters the archive. "copy": a copy of its own (an in-kernel copy, a
+    reflink where the file system has them), so nothing done to the outbox file can touch
+    it. "link": a hard link to the outbox file, which saves writing and fsyncing every
+    bundle a second time; only for movers that take files whole (read, then delete or
+    rename) and never rewrite one in place, and `archive` must be on the outbox's file
+    system (checked at start)."""
+
     staging_dir: Path | None = None
     """Where files are written before one rename makes them appear in `outbox` (a mover never
     sees a partial file). Must be on the outbox's file system, outside the outbox. Default:

@@ -4,7 +4,9 @@
         --rename(2)--> <outbox>/<name>  whole or not at all: a vendor's mover never sees a part
     <archive>/<channel>/<name>         a copy of every bundle, made before the rename (its
                                        temp is hidden beside it: the archive may be on another
-                                       file system, and no mover looks there)
+                                       file system, and no mover looks there); with
+                                       ``black.archive_mode = "link"`` a hard link instead
+                                       (same inode as the outbox file: one write, one fsync)
 
 The staging dir (``black.staging_dir``, default ``.<outbox name>.staging`` beside the outbox)
 must be on the outbox's file system, for the rename to be atomic; that is checked here (also
@@ -136,6 +138,7 @@ class Outbox:
         staging: Path | None = None,
         lock_wait: float = LOCK_WAIT_SECONDS,
         channel_dirs: Mapping[str, Path] | None = None,
+        archive_link: bool = False,
     ) -> None:
         self.outbox = Path(outbox)
         self.archive = Path(archive)
@@ -149,6 +152,9 @@ class Outbox:
         self._check_staging_place()
         self._mkdir("staging_dir", self.staging)
         self._check_staging_device()
+        self.archive_link = archive_link
+        if archive_link:
+            self._check_archive_device()
         self._archive_dirs: set[str] = set()
 
     @classmethod
@@ -162,6 +168,7 @@ class Outbox:
             staging=black.staging_dir,
             lock_wait=lock_wait,
             channel_dirs=cfg.outbox_dirs(),
+            archive_link=black.archive_mode == "link",
         )
 
     def dir_for(self, channel: str) -> Path:
@@ -209,6 +216,16 @@ class Outbox:
                 "black.staging_dir to a directory on the outbox's file system outside the outbox "
                 f"(default: {default_staging(self.outbox)}) and keep black.udp_outbox on it too; "
                 "if the outbox is itself a mount point, mount the folder above it instead"
+            )
+
+    def _check_archive_device(self) -> None:
+        dev_s, dev_a = os.stat(self.staging).st_dev, os.stat(self.archive).st_dev
+        if dev_s != dev_a:
+            raise ConfigError(
+                f'black.archive_mode = "link" needs black.archive {self.archive} (device '
+                f"{dev_a}) on the file system of the outbox and black.staging_dir "
+                f"{self.staging} (device {dev_s}): a hard link cannot cross file systems. Put "
+                'the archive beside the outbox, or set black.archive_mode = "copy"'
             )
 
     # ---------------------------------------------------------------- temps
@@ -280,12 +297,15 @@ class Outbox:
                 if not synced:
                     os.fsync(fd)
                 if archive:
-                    # a copy, not a hard link: a mover that rewrote the outbox file in place
-                    # would otherwise change the archived evidence too
+                    # a copy by default: with a hard link, a mover that rewrote the outbox
+                    # file in place would change the archived evidence too (archive_mode)
                     adir = self._archive_dir(channel)
                     tmp = tmp_path_for(adir / name)
                     try:
-                        _copy_to_new(fd, tmp)
+                        if self.archive_link:
+                            os.link(sealed, tmp)  # the data is durable: only names are new
+                        else:
+                            _copy_to_new(fd, tmp)
                         os.replace(tmp, adir / name)
                     except BaseException:
                         tmp.unlink(missing_ok=True)

@@ -39,7 +39,7 @@ from bridge.diode import file_drop
 from bridge.diode.file_drop import DROP_LOCK, OUTBOX_DIR_MODE, Outbox, default_staging
 from bridge.errors import ConfigError, StateError, TransportError
 from bridge.fsutil import DIR_MODE, FILE_MODE, exclusive_lock, shared_lock
-from bridge.protocol.bundle import manifest_for, pack_bundle, sha256_hex
+from bridge.protocol.bundle import manifest_for, pack_bundle, sha256_hex, unpack_bundle
 from bridge.protocol.manifest import format_utc, new_bundle_id
 from bridge.protocol.naming import bundle_name
 from bridge.protocol.schema import row_schema
@@ -108,7 +108,14 @@ class Rig:
         return Gpg(self.keys.red_home)
 
 
-def make_rig(work: Path, keys: KeyInventory, *, udp_outbox: str | None = None) -> Rig:
+def make_rig(
+    work: Path,
+    keys: KeyInventory,
+    *,
+    udp_outbox: str | None = None,
+    archive_mode: str = "copy",
+    archive: str = "black/archive",
+) -> Rig:
     """Channels "ops" (encrypted) and "plain"; with ``udp_outbox``, "plain" is a UDP channel
     whose files go there."""
     red = next(iter(keys.red_fprs.values()))
@@ -120,7 +127,8 @@ def make_rig(work: Path, keys: KeyInventory, *, udp_outbox: str | None = None) -
             "gnupg_home": str(keys.black_home),
             "signing_key": keys.black_fpr,
             "outbox": "black/outbox",
-            "archive": "black/archive",
+            "archive": archive,
+            "archive_mode": archive_mode,
             "state_dir": "black/state",
         },
     }
@@ -384,6 +392,56 @@ def test_deleting_mover_in_the_window_never_fails_a_resend(
     rep = rig.outbox.resend("plain", 1, 3)
     assert rep.resent == names and rep.missing == []
     assert race.taken == names
+
+
+@pytest.mark.gpg
+def test_archive_mode_link_archives_the_outbox_file_itself_and_survives_the_mover(
+    short_tmp: Path, keys: KeyInventory
+) -> None:
+    rig = make_rig(short_tmp, keys, archive_mode="link")
+    outbox = Path(rig.cfg.black.outbox)
+    names = [rig.bundle("ops") for _ in range(3)]
+    archived = rig.outbox.archived("ops")
+    for seq, name in enumerate(names, 1):  # one inode, two names: written and fsynced once
+        o, a = (outbox / name).stat(), archived[seq].stat()
+        assert (o.st_ino, o.st_dev) == (a.st_ino, a.st_dev) and a.st_nlink == 2
+        assert stat.S_IMODE(a.st_mode) == FILE_MODE
+    sealed = {n: (outbox / n).read_bytes() for n in names}
+    for n in names:  # the mover takes every file (reads it, then deletes it)
+        (outbox / n).unlink()
+    assert all(p.stat().st_nlink == 1 for p in archived.values())
+    rep = rig.outbox.resend("ops", 1, 3)
+    assert rep.resent == names and rep.missing == []
+    for seq, n in enumerate(names, 1):  # a re-drop is a copy: the archive keeps its own name
+        assert (outbox / n).read_bytes() == sealed[n] == archived[seq].read_bytes()
+        assert (outbox / n).stat().st_ino != archived[seq].stat().st_ino
+        plain, _ = rig.red().open_bytes(
+            archived[seq].read_bytes(), pinned_signers=[rig.keys.black_fpr]
+        )
+        assert unpack_bundle(plain)[0].bundle_seq == seq
+    assert listing(rig.outbox.staging) == [DROP_LOCK]
+    # the default keeps a copy of its own
+    (short_tmp / "copy").mkdir()
+    copy = make_rig(short_tmp / "copy", keys)
+    name = copy.bundle("ops")
+    assert (Path(copy.cfg.black.outbox) / name).stat().st_nlink == 1
+    assert copy.outbox.archived("ops")[1].stat().st_nlink == 1
+
+
+def test_archive_mode_link_across_file_systems_is_refused_at_start(
+    short_tmp: Path, keys: KeyInventory
+) -> None:
+    shm = Path("/dev/shm")
+    if not shm.is_dir() or os.stat(shm).st_dev == os.stat(short_tmp).st_dev:
+        pytest.skip("needs /dev/shm on a file system of its own")
+    other = Path(tempfile.mkdtemp(prefix="diode-archive-", dir=shm))
+    try:
+        with pytest.raises(ConfigError, match=r'archive_mode = "link" needs black.archive .*'
+                           r'set black.archive_mode = "copy"'):  # fmt: skip
+            make_rig(short_tmp, keys, archive_mode="link", archive=str(other))
+        make_rig(short_tmp, keys, archive=str(other))  # a copy may cross file systems
+    finally:
+        shutil.rmtree(other, ignore_errors=True)
 
 
 @pytest.mark.gpg
