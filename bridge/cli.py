@@ -347,43 +347,108 @@ def resend(config_path: Path | None, channel: str, first: int, last: int, wait: 
         sys.exit(1)
 
 
-@cli.command("status")
-@config_option
-def status(config_path: Path | None) -> None:
-    """Per channel: last bundle and message seq, counters, pending work, outbox backlog; and
-    the UDP link (sender epoch and counters) when one is configured."""
+side_option = click.option(
+    "--side",
+    type=click.Choice(["auto", "black", "red"]),
+    default="auto",
+    show_default=True,
+    help="auto: the side(s) that ran on this host (whose state_dir exists; black if neither)",
+)
+json_option = click.option(
+    "--json",
+    "as_json",
+    is_flag=True,
+    help="print the report as JSON (for scripts) instead of tables",
+)
+
+
+def _sides(cfg: Any, side: str) -> list[str]:
+    if side != "auto":
+        return [side]
+    ran = [s for s in ("black", "red") if Path(getattr(cfg, s).state_dir).is_dir()]
+    return ran or ["black"]
+
+
+def _black_status(cfg: Any) -> dict[str, Any]:
     from bridge.black.report import channel_status
     from bridge.diode.link_status import link_status
 
-    cfg = _load(config_path)
     out = channel_status(cfg)
     if cfg.udp is not None:
         out["link"] = link_status(cfg)
-    click.echo(json.dumps(out, indent=2))
+    return out
+
+
+def _red_status(cfg: Any) -> dict[str, Any]:
+    from bridge.diode.link_status import link_status
+    from bridge.red.report import red_status as report
+
+    out = report(cfg)
+    if cfg.udp is not None:
+        out["link"] = link_status(cfg)
+    return out
+
+
+def _black_gaps(cfg: Any) -> dict[str, Any]:
+    from bridge.black.report import channel_status, gap_ranges
+
+    st = channel_status(cfg)
+    ranges = gap_ranges(cfg)
+    return {
+        name: {"lost": c["lost"], "inexact": c["inexact"], "ranges": ranges.get(name, [])}
+        for name, c in st["channels"].items()
+    }
+
+
+def _red_gaps(cfg: Any) -> dict[str, Any]:
+    from bridge.red.report import red_gaps as report
+
+    return report(cfg)
+
+
+def _show(cfg: Any, sides: list[str], what: str, as_json: bool) -> None:
+    """Print the ``what`` report ("status" or "gaps") of each side: JSON (one side: its report;
+    both: {"black": ..., "red": ...}) or tables."""
+    from bridge import views
+
+    build = {
+        ("black", "status"): (_black_status, views.black_status_view),
+        ("red", "status"): (_red_status, views.red_status_view),
+        ("black", "gaps"): (_black_gaps, views.black_gaps_view),
+        ("red", "gaps"): (_red_gaps, views.red_gaps_view),
+    }
+    reports = {side: build[side, what][0](cfg) for side in sides}
+    if as_json:
+        doc = reports[sides[0]] if len(sides) == 1 else reports
+        click.echo(json.dumps(doc, indent=2, default=str))
+        return
+    views.print_views(
+        [build[side, what][1](r) for side, r in reports.items()]  # type: ignore[operator]
+    )
+
+
+@cli.command("status")
+@config_option
+@side_option
+@json_option
+def status(config_path: Path | None, side: str, as_json: bool) -> None:
+    """Black: per channel last bundle and message seq, spool and tap, pending work, losses,
+    outbox backlog. Red: per channel last bundle, lag behind black's heartbeat, open gaps,
+    chain, heartbeat age, silence; files; quarantined by reason; replay position per exchange.
+    And the UDP link when one is configured."""
+    cfg = _load(config_path)
+    _show(cfg, _sides(cfg, side), "status", as_json)
 
 
 @cli.command("gaps")
 @config_option
-def gaps(config_path: Path | None) -> None:
-    """Messages known lost on black, per channel: seq ranges with reason, and totals."""
-    from bridge.black.report import channel_status, gap_ranges
-
+@side_option
+@json_option
+def gaps(config_path: Path | None, side: str, as_json: bool) -> None:
+    """Black: messages lost (and carried inexactly) as seq ranges with reason. Red: bundles
+    missing in transit, written off, declared lost by black, UDP gap records."""
     cfg = _load(config_path)
-    st = channel_status(cfg)
-    ranges = gap_ranges(cfg)
-    click.echo(
-        json.dumps(
-            {
-                name: {
-                    "lost": c["lost"],
-                    "inexact": c["inexact"],
-                    "ranges": ranges.get(name, []),
-                }
-                for name, c in st["channels"].items()
-            },
-            indent=2,
-        )
-    )
+    _show(cfg, _sides(cfg, side), "gaps", as_json)
 
 
 # -- red -------------------------------------------------------------------------------
@@ -452,20 +517,18 @@ red.add_command(red_replay, "publish")  # the replay publisher's other name (DES
 
 @red.command("status")
 @config_option
-def red_status(config_path: Path | None) -> None:
-    """Per channel: landed bundles, open gaps, last heartbeat, link state; replay progress."""
-    from bridge.red.report import red_status as report
-
-    click.echo(json.dumps(report(_load(config_path)), indent=2, default=str))
+@json_option
+def red_status(config_path: Path | None, as_json: bool) -> None:
+    """= diode status --side red."""
+    _show(_load(config_path), ["red"], "status", as_json)
 
 
 @red.command("gaps")
 @config_option
-def red_gaps(config_path: Path | None) -> None:
-    """Bundles missing in transit (open gaps) and messages black declared lost (from audit)."""
-    from bridge.red.report import red_gaps as report
-
-    click.echo(json.dumps(report(_load(config_path)), indent=2, default=str))
+@json_option
+def red_gaps(config_path: Path | None, as_json: bool) -> None:
+    """= diode gaps --side red."""
+    _show(_load(config_path), ["red"], "gaps", as_json)
 
 
 @red.command("write-off")

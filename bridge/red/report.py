@@ -39,11 +39,42 @@ def replay_status(cfg: Config) -> Any:
         return {"error": f"{type(e).__name__}: {e}"}
 
 
+def _age_s(at: str | None, now: datetime) -> float | None:
+    if not at:
+        return None
+    try:
+        then = datetime.fromisoformat(at.replace("Z", "+00:00"))
+    except ValueError:
+        return None
+    return round(max(0.0, (now - then).total_seconds()), 1)
+
+
+def _operator_view(c: dict[str, Any], now: datetime) -> dict[str, Any]:
+    """What an operator looks at first, derived from a channel's sequence summary: last bundle
+    landed in order, how far black's last heartbeat is ahead of it, chain, heartbeat age."""
+    hb = c.get("last_heartbeat") or {}
+    black_last = hb.get("last_bundle_seq")
+    counters = c.get("counters") or {}
+    broken = int(counters.get("chain_broken", 0))
+    return {
+        "last_bundle_seq": c["contig"],
+        "lag_bundles": None if black_last is None else max(0, black_last - c["contig"]),
+        "chain": f"broken ({broken})" if broken else "intact",
+        "heartbeat_age_s": _age_s(hb.get("received_at"), now),
+    }
+
+
 def red_status(cfg: Config) -> dict[str, Any]:
+    """Per channel (last bundle, lag behind black's heartbeat, open gaps, chain, heartbeat
+    age, silence), files by folder, what was quarantined by reason, and replay progress."""
+    from bridge.red.quarantine import list_quarantined, quarantine_summary
+
     r = cfg.red
     land_seq, state, saved_at = load_sequence(cfg)
     now = datetime.now(UTC)
     channels = sq.summary(state)
+    for c in channels.values():
+        c.update(_operator_view(c, now))
     for name in (c.name for c in cfg.channels):
         channels.setdefault(name, {"note": "nothing received yet"})
     inbox = Path(r.inbox)
@@ -59,6 +90,7 @@ def red_status(cfg: Config) -> dict[str, Any]:
             "processed": _count(Path(r.processed_dir)),
             "quarantine": _count(Path(r.quarantine_dir)),
         },
+        "quarantine": quarantine_summary(list_quarantined(cfg)),
         "interrupted_landing": (Path(r.state_dir) / "landing" / "intent.json").exists(),
         "replay": replay_status(cfg),
     }

@@ -78,7 +78,7 @@ def test_retire_is_refused_while_configured_then_audits_and_stops_the_watch(
     (wo,) = _audit(cfg, "gap_written_off")
     assert json.loads(wo["detail"])["first_bundle_seq"] == 2
 
-    st = _cli(cfg, "status")
+    st = _cli(cfg, "status", "--json")
     assert st.returncode == 0, st.stderr
     old = json.loads(st.stdout)["channels"]["old"]
     assert old["retired"]["note"].startswith("CHG-42") and old["silent"] is False

@@ -57,7 +57,7 @@ def _cli(cfg: Config, *args: str) -> subprocess.CompletedProcess[str]:
 
 
 def _gaps(cfg: Config) -> dict[str, Any]:
-    p = _cli(cfg, "gaps")
+    p = _cli(cfg, "gaps", "--json")
     assert p.returncode == 0, p.stderr
     return json.loads(p.stdout)
 

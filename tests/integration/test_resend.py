@@ -170,7 +170,7 @@ def test_resend_status_gaps_after_a_black_run(black_vhost: Any, short_tmp: Path,
     assert r.returncode != 0 and "empty" in r.stderr, (r.returncode, r.stderr)
 
     # ---- status and gaps
-    r = diode("status", "--config", str(cfg_path))
+    r = diode("status", "--config", str(cfg_path), "--json")
     assert r.returncode == 0, r.stderr
     st = json.loads(r.stdout)
     assert st["bridge_id"] == "resend-black"
@@ -178,7 +178,7 @@ def test_resend_status_gaps_after_a_black_run(black_vhost: Any, short_tmp: Path,
     assert c["last_bundle_seq"] == top and c["last_seq"] == N - 1
     assert c["lost"] == {} and c["pending"] is False
     assert c["outbox_bundles"] == top
-    r = diode("gaps", "--config", str(cfg_path))
+    r = diode("gaps", "--config", str(cfg_path), "--json")
     assert r.returncode == 0, r.stderr
     assert json.loads(r.stdout) == {CHANNEL: {"lost": {}, "inexact": {}, "ranges": []}}
 

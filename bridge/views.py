@@ -1,0 +1,236 @@
+"""Both sides, operator: `diode status` and `diode gaps` reports rendered as terminal tables.
+
+The reports themselves are plain dicts (``bridge.black.report``, ``bridge.red.report``), which
+``--json`` prints unchanged; this module only lays them out for a person at a terminal.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+from rich.console import Console, Group, RenderableType
+from rich.table import Table
+from rich.text import Text
+
+__all__ = [
+    "black_gaps_view",
+    "black_status_view",
+    "print_views",
+    "red_gaps_view",
+    "red_status_view",
+]
+
+_NONE = "-"
+
+
+def _v(x: Any) -> str:
+    return _NONE if x is None or x == "" else str(x)
+
+
+def _counts(d: Mapping[str, Any] | None) -> str:
+    """``{"maxlen": 3, "expired": 1}`` -> ``"maxlen 3, expired 1"``; nothing -> ``-``."""
+    return ", ".join(f"{k} {v}" for k, v in sorted((d or {}).items()) if v) or _NONE
+
+
+def _ranges(items: Iterable[Mapping[str, Any]], lo: str, hi: str) -> str:
+    parts = [
+        str(g[lo]) if g[lo] == g[hi] else f"{g[lo]}-{g[hi]}" for g in items if g.get(lo) is not None
+    ]
+    return ", ".join(parts) or _NONE
+
+
+def _table(title: str, *columns: str) -> Table:
+    t = Table(title=title, title_justify="left", header_style="bold")
+    for c in columns:
+        t.add_column(c, overflow="fold")
+    return t
+
+
+def _warn(text: str) -> Text:
+    return Text(text, style="bold red")
+
+
+# ---------------------------------------------------------------------------- black
+
+
+def black_status_view(st: Mapping[str, Any]) -> RenderableType:
+    """``bridge.black.report.channel_status`` (+ ``link``) as tables."""
+    head = f"black bridge {st.get('bridge_id')}: {st.get('outbox_files', 0)} file(s) in the outbox"
+    if "udp_outbox_files" in st:
+        head += f", {st['udp_outbox_files']} in the UDP outbox"
+    t = _table(head, "channel", "bundles", "last seq", "spool end", "acked", "tap", "pending",
+               "heartbeat", "lost", "inexact", "waiting")  # fmt: skip
+    for name, c in st.get("channels", {}).items():
+        sp = c.get("spool") or {}
+        if "tap" in sp:
+            tap = sp["tap"]
+        else:
+            tap = "paused" if sp.get("paused") else f"pid {sp.get('tap_pid')}"
+            tap += f", {sp.get('status_age_s')} s ago"
+        t.add_row(
+            name,
+            _v(c.get("last_bundle_seq")),
+            _v(c.get("last_seq")),
+            _v(sp.get("durable_end")),
+            _v(sp.get("acked_through")),
+            tap,
+            _warn("yes") if c.get("pending") else "no",
+            _v(c.get("heartbeat_seq")),
+            _warn(_counts(c.get("lost"))) if c.get("lost") else _NONE,
+            _counts(c.get("inexact")),
+            _v(c.get("outbox_bundles")),
+        )
+    parts: list[RenderableType] = [t]
+    link = st.get("link")
+    if isinstance(link, Mapping) and link.get("transport") == "udp":
+        parts.append(_link_view(link))
+    return Group(*parts)
+
+
+def _link_view(link: Mapping[str, Any]) -> RenderableType:
+    t = _table(f"UDP link ({link.get('gaps_total', 0)} gap record(s))", "end", "state",
+               "age s", "counters")  # fmt: skip
+    for end in ("sender", "receiver"):
+        doc = link.get(end)
+        if not isinstance(doc, Mapping):
+            t.add_row(end, "no status file", _NONE, _NONE)
+            continue
+        counters = {k: v for k, v in doc.items() if isinstance(v, int) and not isinstance(v, bool)}
+        t.add_row(end, _v(doc.get("state") or doc.get("epoch")), _v(doc.get("age_seconds")),
+                  _counts(counters))  # fmt: skip
+    return t
+
+
+def black_gaps_view(gaps: Mapping[str, Any]) -> RenderableType:
+    """``diode gaps`` on black: totals per channel, then every lost or inexact seq range."""
+    totals = _table("messages black lost or carried inexactly, per channel", "channel", "lost",
+                    "inexact")  # fmt: skip
+    ranges = _table("seq ranges", "channel", "seqs", "count", "kind", "reason", "bundle")
+    for name, c in gaps.items():
+        totals.add_row(name, _counts(c.get("lost")), _counts(c.get("inexact")))
+        for r in c.get("ranges", []):
+            first, last = r.get("first_seq"), r.get("last_seq")
+            n = last - first + 1 if isinstance(first, int) and isinstance(last, int) else None
+            seqs = _ranges([r], "first_seq", "last_seq")
+            why = (_v(r.get("kind")), _v(r.get("reason")), _v(r.get("bundle_seq")))
+            ranges.add_row(name, seqs, _v(n), *why)
+    return Group(totals, ranges) if ranges.row_count else totals
+
+
+# ---------------------------------------------------------------------------- red
+
+
+def red_status_view(st: Mapping[str, Any]) -> RenderableType:
+    """``bridge.red.report.red_status`` as tables: channels, files, quarantine, replay."""
+    silent_after = st.get("link_silent_seconds")
+    t = _table(f"red: landing {st.get('land_seq')} saved {_v(st.get('state_saved_at'))}",
+               "channel", "last bundle", "lag", "highest", "open gaps", "chain", "heartbeat",
+               "link", "rows", "declared lost")  # fmt: skip
+    for name, c in st.get("channels", {}).items():
+        if "contig" not in c:
+            t.add_row(name, _v(c.get("note")), *[_NONE] * 8)
+            continue
+        counters = c.get("counters") or {}
+        if c.get("retired"):
+            link: Text | str = "retired"
+        elif c.get("silent"):
+            link = _warn(f"SILENT (> {silent_after} s)")
+        else:
+            link = "ok"
+        age = c.get("heartbeat_age_s")
+        chain: str = _v(c.get("chain"))
+        gaps = _ranges(c.get("open_gaps", []), "first_bundle_seq", "last_bundle_seq")
+        t.add_row(
+            name,
+            _v(c.get("last_bundle_seq")),
+            _v(c.get("lag_bundles")),
+            _v(c.get("highest")),
+            _warn(gaps) if gaps != _NONE else gaps,
+            _warn(chain) if chain.startswith("broken") else chain,
+            _NONE if age is None else f"{age} s ago",
+            link,
+            _v(counters.get("rows")),
+            _v(counters.get("declared_lost")),
+        )
+    files = st.get("files", {})
+    q = st.get("quarantine") or {}
+    f = _table("files", "inbox", "intake", "processed", "quarantine", "quarantined by reason")
+    f.add_row(*(_v(files.get(k)) for k in ("inbox", "intake", "processed", "quarantine")),
+              _counts(q.get("by_reason")))  # fmt: skip
+    parts: list[RenderableType] = [t, f]
+    if st.get("interrupted_landing"):
+        parts.append(_warn("an interrupted landing waits: the next red run applies it first"))
+    parts.append(_replay_view(st.get("replay")))
+    return Group(*parts)
+
+
+def _replay_view(rp: Any) -> RenderableType:
+    if not isinstance(rp, Mapping):
+        return Text("replay: -")
+    if "error" in rp and "exchanges" not in rp:
+        return _warn(f"replay: {rp['error']}")
+    live = rp.get("live") or {}
+    state = "running" if live.get("running") else "not running"
+    if live.get("stale"):
+        state = "stale status file (killed?)"
+    cols = ("exchange", "approved", "position (channel:seq)", "confirmed", "lag rows",
+            "in flight", "held / stopped")  # fmt: skip
+    t = _table(f"replay to {_v(rp.get('target'))}: {state}", *cols)
+    for name, e in rp.get("exchanges", {}).items():
+        p = e.get("progress") or {}
+        pos = f"{p['channel']}:{p['seq']}" if p.get("channel") is not None else _NONE
+        why = e.get("held") or e.get("stopped")
+        t.add_row(
+            name or "(default)",
+            "yes" if e.get("approved") else "no",
+            pos,
+            _v(p.get("confirmed_rows")),
+            _v(e.get("lag_rows")),
+            _v(e.get("in_flight")),
+            _warn(str(why)) if why else _NONE,
+        )
+    return t if t.row_count else Text(f"{t.title}: no exchange landed yet")
+
+
+def red_gaps_view(gaps: Mapping[str, Any]) -> RenderableType:
+    """``diode gaps`` on red: bundles missing in transit, written off, declared lost by black,
+    and the UDP receiver's gap records."""
+    t = _table("bundles missing in transit (open gaps)", "channel", "bundle seqs", "since")
+    for g in gaps.get("open_transit_gaps", []):
+        t.add_row(g["channel"], _ranges([g], "first_bundle_seq", "last_bundle_seq"), _v(g["since"]))
+    parts: list[RenderableType] = [t]
+    if gaps.get("written_off"):
+        w = _table("written off by an operator", "channel", "bundle seqs", "at", "note")
+        for g in gaps["written_off"]:
+            w.add_row(g["channel"], _ranges([g], "first_bundle_seq", "last_bundle_seq"),
+                      _v(g.get("at")), _v(g.get("note")))  # fmt: skip
+        parts.append(w)
+    d = _table("messages black declared lost", "channel", "seqs", "count", "reason", "bundle")
+    for g in gaps.get("declared_by_black", []):
+        d.add_row(g["channel"], _ranges([g], "seq_first", "seq_last"), _v(g.get("messages")),
+                  _v(g.get("reason")), _v(g.get("bundle_seq")))  # fmt: skip
+    parts.append(d)
+    udp = gaps.get("udp_transport_gaps")
+    if udp:
+        u = _table(f"UDP receiver gap records (last 50 of {len(udp)})", "channel", "kind",
+                   "seq", "reason", "blocks done")  # fmt: skip
+        for r in udp[-50:]:
+            done = f"{r.get('blocks_done')}/{r.get('blocks_total')}"
+            u.add_row(_v(r.get("channel")), _v(r.get("kind")), _v(r.get("seq")),
+                      _v(r.get("reason")), done)  # fmt: skip
+        parts.append(u)
+    return Group(*parts)
+
+
+def print_views(views: Iterable[RenderableType], *, console: Console | None = None) -> None:
+    """Print the views one after the other (wide enough for the tables when piped)."""
+    out = console or Console(width=None if _is_tty() else 160)
+    for v in views:
+        out.print(v)
+
+
+def _is_tty() -> bool:
+    import sys
+
+    return sys.stdout.isatty()

@@ -1,0 +1,102 @@
+"""Unit: the operator tables of `diode status` / `diode gaps` (bridge.views) show what the
+reports hold — losses, pending bundles, ranges, silence, held replay — and survive the
+partial reports of a host where little has run yet."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rich.console import Console
+
+from bridge import views
+
+
+def _text(view: Any) -> str:
+    c = Console(record=True, width=220)
+    views.print_views([view], console=c)
+    return c.export_text()
+
+
+def test_black_status_and_gaps_show_losses_pending_and_the_udp_link() -> None:
+    st = {
+        "bridge_id": "b1",
+        "outbox_files": 3,
+        "udp_outbox_files": 1,
+        "channels": {
+            "ops": {
+                "last_bundle_seq": 12, "last_seq": 4999, "pending": True, "heartbeat_seq": 7,
+                "lost": {"maxlen": 3}, "inexact": {}, "outbox_bundles": 2,
+                "spool": {"durable_end": 5000, "acked_through": 4999, "paused": False,
+                          "tap_pid": 4242, "status_age_s": 0.4},
+            },
+            "idle": {"last_bundle_seq": 0, "last_seq": -1, "pending": False, "lost": {},
+                     "inexact": {}, "spool": {"tap": "never ran"}},
+        },
+        "link": {"transport": "udp", "gaps_total": 2, "sender": {"epoch": 9, "age_seconds": 1.5,
+                 "datagrams_sent": 100}, "receiver": None},
+    }  # fmt: skip
+    out = _text(views.black_status_view(st))
+    want = ("black bridge b1", "3 file(s)", "1 in the UDP outbox", "4242", "maxlen 3", "yes",
+            "never ran", "UDP link (2 gap", "datagrams_sent 100", "no status file")  # fmt: skip
+    for text in want:
+        assert text in out, (text, out)
+
+    gaps = {
+        "ops": {"lost": {"maxlen": 3}, "inexact": {"reordered-headers": 1}, "ranges": [
+            {"first_seq": 10, "last_seq": 12, "kind": "lost", "reason": "maxlen", "bundle_seq": 4},
+            {"first_seq": 20, "last_seq": 20, "kind": "inexact", "reason": "reordered-headers",
+             "bundle_seq": 5},
+        ]},
+        "idle": {"lost": {}, "inexact": {}, "ranges": []},
+    }  # fmt: skip
+    out = _text(views.black_gaps_view(gaps))
+    assert "10-12" in out and "maxlen" in out and "reordered-headers 1" in out
+    assert "│ 20 " in out.replace("┃", "│")  # one seq is not a range
+    assert "seq ranges" not in _text(views.black_gaps_view({"idle": gaps["idle"]}))
+
+
+def test_red_status_shows_silence_held_replay_and_channels_not_heard_yet() -> None:
+    st: dict[str, Any] = {
+        "land_seq": 7,
+        "state_saved_at": "2026-11-25T00:00:00Z",
+        "link_silent_seconds": 60,
+        "channels": {
+            "ops": {"contig": 4, "highest": 9, "last_bundle_seq": 4, "lag_bundles": 5,
+                    "open_gaps": [{"first_bundle_seq": 5, "last_bundle_seq": 8}],
+                    "chain": "intact", "heartbeat_age_s": 75.0, "silent": True, "retired": None,
+                    "counters": {"rows": 900, "declared_lost": 2}},
+            "later": {"note": "nothing received yet"},
+        },
+        "files": {"inbox": 0, "intake": 1, "processed": 9, "quarantine": 0},
+        "quarantine": {"total": 0, "by_reason": {}},
+        "interrupted_landing": True,
+        "replay": {"target": "amqp://red", "live": {"running": True}, "exchanges": {
+            "orders": {"approved": True, "progress": {"channel": "ops", "seq": 41,
+                       "confirmed_rows": 42}, "lag_rows": 3, "in_flight": 1,
+                       "held": {"until": "soon"}, "stopped": None},
+            "": {"approved": False, "progress": None, "lag_rows": 5, "in_flight": 0}}},
+    }  # fmt: skip
+    out = _text(views.red_status_view(st))
+    for text in ("landing 7", "5-8", "SILENT (> 60 s)", "75.0 s ago", "nothing received yet",
+                 "interrupted landing", "running", "ops:41", "until", "(default)"):  # fmt: skip
+        assert text in out, (text, out)
+    st["replay"] = {"error": "OSError: no tables"}
+    assert "replay: OSError: no tables" in _text(views.red_status_view(st))
+
+
+def test_red_gaps_lists_each_kind_of_gap() -> None:
+    gaps = {
+        "open_transit_gaps": [{"channel": "ops", "first_bundle_seq": 5, "last_bundle_seq": 8,
+                               "since": "t0"}],
+        "written_off": [{"channel": "ops", "first_bundle_seq": 2, "last_bundle_seq": 2,
+                         "at": "t1", "note": "CHG-1"}],
+        "declared_by_black": [{"channel": "ops", "seq_first": 100, "seq_last": 109,
+                               "messages": 10, "reason": "maxlen", "bundle_seq": 3}],
+        "udp_transport_gaps": [{"channel": "ops", "kind": "bundle", "seq": 6,
+                                "reason": "timeout", "blocks_done": 1, "blocks_total": 4}],
+    }  # fmt: skip
+    out = _text(views.red_gaps_view(gaps))
+    for text in ("5-8", "CHG-1", "100-109", "maxlen", "timeout", "1/4"):
+        assert text in out, (text, out)
+    bare = _text(views.red_gaps_view({"open_transit_gaps": [], "declared_by_black": []}))
+    assert "written off" not in bare and "UDP" not in bare
