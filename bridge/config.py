@@ -238,8 +238,9 @@ class BlackConfig(_Strict):
     reflink where the file system has them), so nothing done to the outbox file can touch
     it. "link": a hard link to the outbox file, which saves writing and fsyncing every
     bundle a second time; only for movers that take files whole (read, then delete or
-    rename) and never rewrite one in place, and `archive` must be on the outbox's file
-    system (checked at start)."""
+    rename) and never change one in place — contents, mode, owner or mtime are shared with
+    the archived bundle, and outbox files show 2 links — and `archive` must be on the
+    outbox's file system (a hard link is tried at start)."""
 
     staging_dir: Path | None = None
     """Where files are written before one rename makes them appear in `outbox` (a mover never

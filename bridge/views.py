@@ -16,6 +16,7 @@ from rich.text import Text
 __all__ = [
     "black_gaps_view",
     "black_status_view",
+    "make_console",
     "print_views",
     "red_gaps_view",
     "red_status_view",
@@ -125,7 +126,7 @@ def red_status_view(st: Mapping[str, Any]) -> RenderableType:
     """``bridge.red.report.red_status`` as tables: channels, files, quarantine, replay."""
     silent_after = st.get("link_silent_seconds")
     t = _table(f"red: landing {st.get('land_seq')} saved {_v(st.get('state_saved_at'))}",
-               "channel", "last bundle", "lag", "highest", "open gaps", "chain", "heartbeat",
+               "channel", "in order to", "missing", "highest", "open gaps", "chain", "heartbeat",
                "link", "rows", "declared lost")  # fmt: skip
     for name, c in st.get("channels", {}).items():
         if "contig" not in c:
@@ -143,7 +144,7 @@ def red_status_view(st: Mapping[str, Any]) -> RenderableType:
         gaps = _ranges(c.get("open_gaps", []), "first_bundle_seq", "last_bundle_seq")
         t.add_row(
             name,
-            _v(c.get("last_bundle_seq")),
+            _v(c.get("contig")),
             _v(c.get("lag_bundles")),
             _v(c.get("highest")),
             _warn(gaps) if gaps != _NONE else gaps,
@@ -225,9 +226,15 @@ def red_gaps_view(gaps: Mapping[str, Any]) -> RenderableType:
 
 def print_views(views: Iterable[RenderableType], *, console: Console | None = None) -> None:
     """Print the views one after the other (wide enough for the tables when piped)."""
-    out = console or Console(width=None if _is_tty() else 160)
+    out = console or make_console(width=None if _is_tty() else 160)
     for v in views:
         out.print(v)
+
+
+def make_console(**kwargs: Any) -> Console:
+    """A console that prints text as it is: names and notes come from the wire and from
+    operators, so ``[x]`` is data, never rich markup."""
+    return Console(markup=False, highlight=False, **kwargs)
 
 
 def _is_tty() -> bool:

@@ -27,7 +27,7 @@ def _waiting(outbox: Path) -> list[str]:
 
 def channel_status(cfg: Config) -> dict[str, Any]:
     """Per channel: journal position, counters (incl. losses), outbox backlog."""
-    store = StateStore(Path(cfg.black.state_dir))
+    store = StateStore(Path(cfg.black.state_dir), create=False)
     waiting = _waiting(Path(cfg.black.outbox))
     out: dict[str, Any] = {
         "bridge_id": cfg.link.bridge_id,

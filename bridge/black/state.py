@@ -63,9 +63,10 @@ class ChannelState:
 class StateStore:
     """Loads and atomically saves ChannelState files under ``state_dir``; one lock per channel."""
 
-    def __init__(self, state_dir: Path) -> None:
+    def __init__(self, state_dir: Path, *, create: bool = True) -> None:
         self.dir = Path(state_dir)
-        self.dir.mkdir(parents=True, exist_ok=True)
+        if create:  # readers (reports) leave a missing state dir missing
+            self.dir.mkdir(parents=True, exist_ok=True)
         self._locks: dict[str, threading.RLock] = {}
         self._guard = threading.Lock()
 

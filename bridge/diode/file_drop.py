@@ -219,14 +219,24 @@ class Outbox:
             )
 
     def _check_archive_device(self) -> None:
-        dev_s, dev_a = os.stat(self.staging).st_dev, os.stat(self.archive).st_dev
-        if dev_s != dev_a:
+        """Link a probe file from the staging dir into the archive: a device check alone
+        misses bind mounts (EXDEV) and shares without hard links (EPERM, EOPNOTSUPP)."""
+        probe = self.temp_for("archive-link-probe")  # a temp name: a crash leaves it to the sweep
+        linked = tmp_path_for(self.archive / "archive-link-probe")
+        try:
+            write_new_file(probe, b"", mode=FILE_MODE)
+            os.link(probe, linked)
+        except OSError as e:
             raise ConfigError(
-                f'black.archive_mode = "link" needs black.archive {self.archive} (device '
-                f"{dev_a}) on the file system of the outbox and black.staging_dir "
-                f"{self.staging} (device {dev_s}): a hard link cannot cross file systems. Put "
-                'the archive beside the outbox, or set black.archive_mode = "copy"'
-            )
+                f'black.archive_mode = "link" needs hard links from black.staging_dir '
+                f"{self.staging} into black.archive {self.archive}, and the file system refused "
+                f"one ({e.strerror or e}): a hard link cannot cross file systems or bind mounts. "
+                "Put the archive beside the outbox on its file system, or set "
+                'black.archive_mode = "copy"'
+            ) from None
+        finally:
+            probe.unlink(missing_ok=True)
+            linked.unlink(missing_ok=True)
 
     # ---------------------------------------------------------------- temps
 

@@ -50,25 +50,36 @@ def _age_s(at: str | None, now: datetime) -> float | None:
 
 
 def _operator_view(c: dict[str, Any], now: datetime) -> dict[str, Any]:
-    """What an operator looks at first, derived from a channel's sequence summary: last bundle
-    landed in order, how far black's last heartbeat is ahead of it, chain, heartbeat age."""
+    """What an operator looks at first, derived from a channel's sequence summary: the bundles
+    known sent (by later bundles or black's heartbeat) that have not landed, the chain, the
+    heartbeat's age."""
     hb = c.get("last_heartbeat") or {}
-    black_last = hb.get("last_bundle_seq")
     counters = c.get("counters") or {}
     broken = int(counters.get("chain_broken", 0))
+    chain = f"broken ({broken})" if broken else "intact"
+    if c.get("open_gaps") or c.get("landed_above"):
+        chain += f", unverified above {c['contig']}"  # links across a hole wait for it
     return {
-        "last_bundle_seq": c["contig"],
-        "lag_bundles": None if black_last is None else max(0, black_last - c["contig"]),
-        "chain": f"broken ({broken})" if broken else "intact",
+        "lag_bundles": sum(
+            g["last_bundle_seq"] - g["first_bundle_seq"] + 1 for g in c.get("open_gaps", [])
+        ),
+        "chain": chain,
         "heartbeat_age_s": _age_s(hb.get("received_at"), now),
     }
+
+
+def _quarantine(cfg: Config) -> dict[str, Any]:
+    from bridge.red.quarantine import list_quarantined, quarantine_summary
+
+    try:
+        return quarantine_summary(list_quarantined(cfg))
+    except OSError as e:  # a day folder moved away while listed: say so, show the rest
+        return {"error": f"quarantine not readable: {e}"}
 
 
 def red_status(cfg: Config) -> dict[str, Any]:
     """Per channel (last bundle, lag behind black's heartbeat, open gaps, chain, heartbeat
     age, silence), files by folder, what was quarantined by reason, and replay progress."""
-    from bridge.red.quarantine import list_quarantined, quarantine_summary
-
     r = cfg.red
     land_seq, state, saved_at = load_sequence(cfg)
     now = datetime.now(UTC)
@@ -90,7 +101,7 @@ def red_status(cfg: Config) -> dict[str, Any]:
             "processed": _count(Path(r.processed_dir)),
             "quarantine": _count(Path(r.quarantine_dir)),
         },
-        "quarantine": quarantine_summary(list_quarantined(cfg)),
+        "quarantine": _quarantine(cfg),
         "interrupted_landing": (Path(r.state_dir) / "landing" / "intent.json").exists(),
         "replay": replay_status(cfg),
     }

@@ -30,8 +30,8 @@ def _config(root: Path) -> Config:
 
 
 def _seed_red(cfg: Config) -> None:
-    """Red landed bundles 1 and 6 of "old" (2..5 open), one of them breaking the chain, and
-    heard a heartbeat saying black has sent 8; "new" has bundle 1 and no heartbeat."""
+    """Red landed bundles 1, 2 and 6 of "old" (3..5 open), 2 breaking the chain, and heard a
+    heartbeat saying black has sent 8 (7..8 open); "new" has bundle 1 and no heartbeat."""
     now = datetime.now(UTC)
     landing = open_landing(cfg)
     st = landing.state
@@ -74,11 +74,12 @@ def test_status_and_gaps_show_the_side_that_ran_here(tmp_path: Path) -> None:
         and st["channels"]["old"]["open_gaps"] == red["channels"]["old"]["open_gaps"]
     )
     old = st["channels"]["old"]
-    assert (old["last_bundle_seq"], old["lag_bundles"], old["highest"]) == (2, 6, 6)
-    assert old["open_gaps"][0]["first_bundle_seq"] == 3 and old["chain"] == "broken (1)"
+    assert (old["contig"], old["lag_bundles"], old["highest"]) == (2, 5, 6)  # 3-5 and 7-8
+    assert old["open_gaps"][0]["first_bundle_seq"] == 3
+    assert old["chain"] == "broken (1), unverified above 2"
     assert 41 <= old["heartbeat_age_s"] < 120
     new = st["channels"]["new"]
-    assert (new["lag_bundles"], new["heartbeat_age_s"], new["chain"]) == (None, None, "intact")
+    assert (new["lag_bundles"], new["heartbeat_age_s"], new["chain"]) == (0, None, "intact")
     assert st["quarantine"] == {"total": 3, "by_reason": {"name": 1, "signature": 2}}
 
     table = _cli(cfg, "status")
@@ -95,10 +96,13 @@ def test_status_and_gaps_show_the_side_that_ran_here(tmp_path: Path) -> None:
     black = _json(cfg, "status", "--side", "black")
     assert black["bridge_id"] == "status-test" and set(black["channels"]) == {"old", "new"}
     assert "black bridge status-test" in _cli(cfg, "status", "--side", "black")
+    assert not Path(cfg.black.state_dir).exists()  # reports read, they create nothing
+    assert set(_json(cfg, "status")) != {"black", "red"}
+    Path(cfg.black.state_dir).mkdir(parents=True)  # black ran here too
 
     # both sides ran here (the demo, a test rig): both are shown
     both = _json(cfg, "status")
-    assert set(both) == {"black", "red"} and both["red"]["channels"]["old"]["lag_bundles"] == 6
+    assert set(both) == {"black", "red"} and both["red"]["channels"]["old"]["lag_bundles"] == 5
     assert set(_json(cfg, "gaps")) == {"black", "red"}
     table = _cli(cfg, "gaps")
     assert "messages black lost" in table and "bundles missing in transit" in table

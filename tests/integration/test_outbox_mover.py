@@ -436,9 +436,13 @@ def test_archive_mode_link_across_file_systems_is_refused_at_start(
         pytest.skip("needs /dev/shm on a file system of its own")
     other = Path(tempfile.mkdtemp(prefix="diode-archive-", dir=shm))
     try:
-        with pytest.raises(ConfigError, match=r'archive_mode = "link" needs black.archive .*'
+        with pytest.raises(ConfigError, match=r'archive_mode = "link" needs hard links .*'
+                           r'refused one \(Invalid cross-device link\).*'
                            r'set black.archive_mode = "copy"'):  # fmt: skip
             make_rig(short_tmp, keys, archive_mode="link", archive=str(other))
+        assert not list(other.rglob("*probe*"))  # the probe is gone
+        staging = default_staging(short_tmp / "black" / "outbox")
+        assert not [p for p in staging.iterdir() if "probe" in p.name]
         make_rig(short_tmp, keys, archive=str(other))  # a copy may cross file systems
     finally:
         shutil.rmtree(other, ignore_errors=True)

@@ -6,13 +6,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from rich.console import Console
-
 from bridge import views
 
 
 def _text(view: Any) -> str:
-    c = Console(record=True, width=220)
+    c = views.make_console(record=True, width=220)
     views.print_views([view], console=c)
     return c.export_text()
 
@@ -78,7 +76,7 @@ def test_red_status_shows_silence_held_replay_and_channels_not_heard_yet() -> No
     }  # fmt: skip
     out = _text(views.red_status_view(st))
     for text in ("landing 7", "5-8", "SILENT (> 60 s)", "75.0 s ago", "nothing received yet",
-                 "interrupted landing", "running", "ops:41", "until", "(default)"):  # fmt: skip
+                 "interrupted landing", ": running", "ops:41", "until", "(default)"):  # fmt: skip
         assert text in out, (text, out)
     st["replay"] = {"error": "OSError: no tables"}
     assert "replay: OSError: no tables" in _text(views.red_status_view(st))
@@ -89,14 +87,14 @@ def test_red_gaps_lists_each_kind_of_gap() -> None:
         "open_transit_gaps": [{"channel": "ops", "first_bundle_seq": 5, "last_bundle_seq": 8,
                                "since": "t0"}],
         "written_off": [{"channel": "ops", "first_bundle_seq": 2, "last_bundle_seq": 2,
-                         "at": "t1", "note": "CHG-1"}],
+                         "at": "t1", "note": "CHG-1 [/rollback] [see ticket]"}],
         "declared_by_black": [{"channel": "ops", "seq_first": 100, "seq_last": 109,
                                "messages": 10, "reason": "maxlen", "bundle_seq": 3}],
         "udp_transport_gaps": [{"channel": "ops", "kind": "bundle", "seq": 6,
                                 "reason": "timeout", "blocks_done": 1, "blocks_total": 4}],
     }  # fmt: skip
     out = _text(views.red_gaps_view(gaps))
-    for text in ("5-8", "CHG-1", "100-109", "maxlen", "timeout", "1/4"):
+    for text in ("5-8", "CHG-1 [/rollback] [see ticket]", "100-109", "maxlen", "timeout", "1/4"):
         assert text in out, (text, out)
     bare = _text(views.red_gaps_view({"open_transit_gaps": [], "declared_by_black": []}))
     assert "written off" not in bare and "UDP" not in bare
