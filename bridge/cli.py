@@ -369,24 +369,25 @@ def _sides(cfg: Any, side: str) -> list[str]:
     return ran or ["black"]
 
 
-def _black_status(cfg: Any) -> dict[str, Any]:
-    from bridge.black.report import channel_status
+def _with_link(cfg: Any, out: dict[str, Any]) -> dict[str, Any]:
+    """A side's status report, plus the UDP link when one is configured."""
     from bridge.diode.link_status import link_status
 
-    out = channel_status(cfg)
     if cfg.udp is not None:
         out["link"] = link_status(cfg)
     return out
+
+
+def _black_status(cfg: Any) -> dict[str, Any]:
+    from bridge.black.report import channel_status
+
+    return _with_link(cfg, channel_status(cfg))
 
 
 def _red_status(cfg: Any) -> dict[str, Any]:
-    from bridge.diode.link_status import link_status
     from bridge.red.report import red_status as report
 
-    out = report(cfg)
-    if cfg.udp is not None:
-        out["link"] = link_status(cfg)
-    return out
+    return _with_link(cfg, report(cfg))
 
 
 def _black_gaps(cfg: Any) -> dict[str, Any]:

@@ -154,7 +154,7 @@ class Outbox:
         self._check_staging_device()
         self.archive_link = archive_link
         if archive_link:
-            self._check_archive_device()
+            self._check_archive_link()
         self._archive_dirs: set[str] = set()
 
     @classmethod
@@ -218,7 +218,7 @@ class Outbox:
                 "if the outbox is itself a mount point, mount the folder above it instead"
             )
 
-    def _check_archive_device(self) -> None:
+    def _check_archive_link(self) -> None:
         """Link a probe file from the staging dir into the archive: a device check alone
         misses bind mounts (EXDEV) and shares without hard links (EPERM, EOPNOTSUPP)."""
         probe = self.temp_for("archive-link-probe")  # a temp name: a crash leaves it to the sweep

@@ -8,6 +8,7 @@ from typing import Any
 
 from bridge.config import Config
 from bridge.diode.link_status import read_gap_records
+from bridge.protocol.manifest import parse_utc
 from bridge.red import sequence as sq
 from bridge.red.landing import read_saved_state
 
@@ -40,10 +41,11 @@ def replay_status(cfg: Config) -> Any:
 
 
 def _age_s(at: str | None, now: datetime) -> float | None:
+    """Seconds from ``at`` (red's ``format_utc`` time) to ``now``; None if absent or unreadable."""
     if not at:
         return None
     try:
-        then = datetime.fromisoformat(at.replace("Z", "+00:00"))
+        then = parse_utc(at)
     except ValueError:
         return None
     return round(max(0.0, (now - then).total_seconds()), 1)
