@@ -15,7 +15,7 @@ import threading
 import time
 import urllib.parse
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import pytest
@@ -92,6 +92,8 @@ class Relay:
         self.port = self.listener.getsockname()[1]
         self.frozen = threading.Event()
         self.stopped = threading.Event()
+        self._sever = threading.Event()  # asked of the relay thread, which owns the sockets
+        self._severed = threading.Event()
         self.socks: list[socket.socket] = []
         self.thread = threading.Thread(target=self._run, daemon=True)
         self.thread.start()
@@ -99,6 +101,11 @@ class Relay:
     def _run(self) -> None:
         pairs: dict[socket.socket, socket.socket] = {}
         while not self.stopped.is_set():
+            if self._sever.is_set():  # here, not in the caller's thread: select never sees a
+                self._reset(pairs)  # socket closed under it
+                pairs.clear()
+                self._sever.clear()
+                self._severed.set()
             ready, _, _ = select.select([self.listener, *pairs], [], [], 0.05)
             for s in ready:
                 if s is self.listener:
@@ -125,8 +132,18 @@ class Relay:
                 time.sleep(0.05)
 
     def sever(self) -> None:
-        """Reset every relayed connection at once (no AMQP close: like a crash)."""
-        for s in self.socks:
+        """Reset every relayed connection at once (no AMQP close: like a crash); returns once
+        they are reset."""
+        if self.thread.is_alive():
+            self._severed.clear()
+            self._sever.set()
+            if self._severed.wait(5):
+                return
+        self._reset(self.socks)
+
+    @staticmethod
+    def _reset(socks: Iterable[socket.socket]) -> None:
+        for s in socks:
             try:
                 s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
                 s.close()
