@@ -157,8 +157,9 @@ def red_status_view(st: Mapping[str, Any]) -> RenderableType:
     files = st.get("files", {})
     q = st.get("quarantine") or {}
     f = _table("files", "inbox", "intake", "processed", "quarantine", "quarantined by reason")
+    by_reason = _warn(str(q["error"])) if q.get("error") else _counts(q.get("by_reason"))
     f.add_row(*(_v(files.get(k)) for k in ("inbox", "intake", "processed", "quarantine")),
-              _counts(q.get("by_reason")))  # fmt: skip
+              by_reason)  # fmt: skip
     parts: list[RenderableType] = [t, f]
     if st.get("interrupted_landing"):
         parts.append(_warn("an interrupted landing waits: the next red run applies it first"))
@@ -191,7 +192,14 @@ def _replay_view(rp: Any) -> RenderableType:
             _v(e.get("in_flight")),
             _warn(str(why)) if why else _NONE,
         )
-    return t if t.row_count else Text(f"{t.title}: no exchange landed yet")
+    parts: list[RenderableType] = [t if t.row_count else Text(f"{t.title}: no exchange landed yet")]
+    if rp.get("approvals_error"):  # nothing replays while the approvals cannot be read
+        parts.append(_warn(f"approvals not readable: {rp['approvals_error']}"))
+    waiting = rp.get("unapproved_waiting") or {}
+    if waiting:
+        rows = ", ".join(f"{n or '(default)'} ({c} rows)" for n, c in sorted(waiting.items()))
+        parts.append(_warn(f"landed, waiting for approval (diode approve): {rows}"))
+    return parts[0] if len(parts) == 1 else Group(*parts)
 
 
 def red_gaps_view(gaps: Mapping[str, Any]) -> RenderableType:

@@ -147,9 +147,19 @@ def _hash_fd(fd: int) -> str:
 
 def sha256_regular(path: Path) -> str | None:
     """The SHA-256 of ``path`` if it is a regular file, read without following a symlink or
-    blocking on a fifo; None for anything else (a link, fifo or device is never read)."""
-    fd = _open_regular(path)
-    if fd is None:
+    blocking on a fifo; None for anything else (a link, fifo or device is never read) or if
+    it is gone. OSError when a regular file cannot be read (EACCES, EIO): never a None that
+    would pass for "not a file"."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return None
+    except OSError as e:
+        if e.errno == errno.ELOOP:  # a symlink (O_NOFOLLOW)
+            return None
+        raise
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
         return None
     try:
         return _hash_fd(fd)

@@ -137,7 +137,11 @@ def show_quarantined(cfg: Config, name: str, *, audit: bool = True) -> dict[str,
     path = hits[0] / stored
     entry, record = _read_entry(hits[0], path)
     out: dict[str, Any] = {**entry, "record": record}
-    now = sha256_regular(path)
+    try:
+        now = sha256_regular(path)
+    except OSError as e:  # the file is there but cannot be read: say so, never "unchanged"
+        now = None
+        out["sha256_error"] = f"{path}: {e.strerror or e}"
     out["sha256_now"] = now
     out["unchanged"] = None if now is None or not out.get("sha256") else now == out["sha256"]
     if audit:

@@ -91,6 +91,7 @@ def red_status(cfg: Config) -> dict[str, Any]:
     for name in (c.name for c in cfg.channels):
         channels.setdefault(name, {"note": "nothing received yet"})
     inbox = Path(r.inbox)
+    quarantine = _quarantine(cfg)
     return {
         "land_seq": land_seq,
         "state_saved_at": saved_at,
@@ -101,9 +102,9 @@ def red_status(cfg: Config) -> dict[str, Any]:
             "inbox": sum(1 for p in inbox.iterdir()) if inbox.exists() else 0,
             "intake": _count(Path(r.work_dir) / "intake", "0*"),
             "processed": _count(Path(r.processed_dir)),
-            "quarantine": _count(Path(r.quarantine_dir)),
+            "quarantine": quarantine.get("total"),  # None if it could not be read
         },
-        "quarantine": _quarantine(cfg),
+        "quarantine": quarantine,
         "interrupted_landing": (Path(r.state_dir) / "landing" / "intent.json").exists(),
         "replay": replay_status(cfg),
     }

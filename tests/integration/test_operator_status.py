@@ -44,7 +44,7 @@ def _seed_red(cfg: Config) -> None:
     landing._save_state(landing.land_seq, st.to_json(), 0)
     day = Path(cfg.red.quarantine_dir) / now.strftime("%Y-%m-%d")
     day.mkdir(parents=True)
-    for name, reason in (("a.dbundle", "signature"), ("b.dbundle", "signature"), ("c", "name")):
+    for name, reason in (("a.dbundle", "signature"), ("b.dbundle", "signature"), ("c.json", "name")):
         (day / name).write_bytes(b"junk")
         rec = {"reason": reason, "original_name": name, "at": now.isoformat()}
         (day / f"{name}.reason.json").write_text(json.dumps(rec))
@@ -81,6 +81,7 @@ def test_status_and_gaps_show_the_side_that_ran_here(tmp_path: Path) -> None:
     new = st["channels"]["new"]
     assert (new["lag_bundles"], new["heartbeat_age_s"], new["chain"]) == (0, None, "intact")
     assert st["quarantine"] == {"total": 3, "by_reason": {"name": 1, "signature": 2}}
+    assert st["files"]["quarantine"] == 3  # one walk; a file stored as c.json counts too
 
     table = _cli(cfg, "status")
     assert "red: landing" in table and "black bridge" not in table

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -13,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from bridge.protocol.naming import parse_bundle_name
-from bridge.red.evidence import REASON_SUFFIX, SAFE_NAME_RE, Evidence, safe_name
+from bridge.red.evidence import REASON_SUFFIX, SAFE_NAME_RE, Evidence, safe_name, sha256_regular
 
 AT = datetime(2024, 5, 6, 23, 59, 59, tzinfo=UTC)
 DAY = "2024-05-06"
@@ -179,3 +180,21 @@ def test_quarantine_directory_and_fifo(ev: Evidence, tmp_path: Path) -> None:
 def _mkdir(p: Path) -> Path:
     p.mkdir()
     return p
+
+
+def test_sha256_regular_reads_only_regular_files_and_never_hides_a_read_error(
+    tmp_path: Path,
+) -> None:
+    """A regular file is hashed; a symlink, fifo, directory or missing name gives None (never
+    read, never blocking); a regular file that cannot be read raises instead of passing for
+    "not a file" (``quarantine show`` reports the error)."""
+    f = tmp_path / "b.gpg"
+    f.write_bytes(b"evidence")
+    assert sha256_regular(f) == hashlib.sha256(b"evidence").hexdigest()
+    (tmp_path / "link").symlink_to(f)
+    os.mkfifo(tmp_path / "fifo")
+    for other in ("link", "fifo", "missing", "."):
+        assert sha256_regular(tmp_path / other) is None, other
+    with pytest.raises(OSError) as e:  # a regular file whose read fails (EIO)
+        sha256_regular(Path("/proc/self/mem"))
+    assert e.value.errno == errno.EIO

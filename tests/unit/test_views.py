@@ -78,6 +78,18 @@ def test_red_status_shows_silence_held_replay_and_channels_not_heard_yet() -> No
     for text in ("landing 7", "5-8", "SILENT (> 60 s)", "75.0 s ago", "nothing received yet",
                  "interrupted landing", ": running", "ops:41", "until", "(default)"):  # fmt: skip
         assert text in out, (text, out)
+    assert "approval" not in out
+    st["replay"] |= {"approvals_error": "approvals.json: bad JSON",
+                     "unapproved_waiting": {"": 5, "audit.x": 2}}  # fmt: skip
+    st["quarantine"] = {"error": "quarantine not readable: EIO"}
+    out = _text(views.red_status_view(st))
+    for text in (
+        "approvals not readable: approvals.json: bad JSON",
+        "waiting for approval",
+        "(default) (5 rows), audit.x (2 rows)",
+        "quarantine not readable: EIO",
+    ):
+        assert text in out, (text, out)
     st["replay"] = {"error": "OSError: no tables"}
     assert "replay: OSError: no tables" in _text(views.red_status_view(st))
 
