@@ -63,7 +63,9 @@ sealer.seal_rows(cfg.channels[0], table)
 """
 
 
-def _setup(tmp: Path, **bundle: Any) -> tuple[Config, KeyInventory, Path]:
+def _setup(
+    tmp: Path, archive_mode: str = "copy", **bundle: Any
+) -> tuple[Config, KeyInventory, Path]:
     inv = init_keys(tmp / "keys")
     extra = "".join(f"{k} = {v}\n" for k, v in bundle.items())
     path = tmp / "d.toml"
@@ -71,6 +73,7 @@ def _setup(tmp: Path, **bundle: Any) -> tuple[Config, KeyInventory, Path]:
         f'[link]\nblack_signers = ["{inv.black_fpr}"]\n'
         f'[[channels]]\nname = "c"\nrecipients = {json.dumps(list(inv.red_fprs.values()))}\n'
         f'[black]\ngnupg_home = "keys/black"\nsigning_key = "{inv.black_fpr}"\n'
+        f'archive_mode = "{archive_mode}"\n'
         f"[black.bundle]\nmax_rows = 10\n{extra}"
     )
     path.chmod(0o600)
@@ -151,18 +154,30 @@ def _seal_log() -> Iterator[list[str]]:
 
 
 @pytest.mark.parametrize(
-    ("point", "how", "mover_took_it"),
+    ("point", "how", "mover_took_it", "archive_mode"),
     [
-        ("seal.after_intent", "rebuilt", False),
-        ("seal.after_deliver", "redropped", False),
-        ("seal.after_deliver", "redropped", True),
+        ("seal.after_intent", "rebuilt", False, "copy"),
+        ("seal.after_deliver", "redropped", False, "copy"),
+        ("seal.after_deliver", "redropped", True, "copy"),
+        ("seal.after_deliver", "redropped", False, "link"),
+        ("seal.after_deliver", "redropped", True, "link"),
     ],
-    ids=["after-intent", "after-deliver", "after-deliver-mover-took-it"],
+    ids=[
+        "after-intent",
+        "after-deliver",
+        "after-deliver-mover-took-it",
+        "after-deliver-archive-link",
+        "after-deliver-mover-took-it-archive-link",
+    ],
 )
 def test_killed_at_a_crash_point_finishes_the_bundle_at_restart(
-    short_tmp: Path, point: str, how: str, mover_took_it: bool
+    short_tmp: Path, point: str, how: str, mover_took_it: bool, archive_mode: str
 ) -> None:
-    cfg, inv, path = _setup(short_tmp)
+    """Killed in the window the crash point names at the 2nd bundle; the restart finishes
+    that bundle by the expected path, byte-identical. With ``archive_mode = "link"`` the
+    killed delivery left the outbox file and its archive entry as one inode: the re-drop
+    is a copy, so the archived evidence stays what was sealed whatever a mover does."""
+    cfg, inv, path = _setup(short_tmp, archive_mode)
     table = _spool(cfg, 25)
     mark = short_tmp / "crash.mark"
     env = {k: v for k, v in os.environ.items() if not k.startswith("DIODE")}
@@ -190,6 +205,9 @@ def test_killed_at_a_crash_point_finishes_the_bundle_at_restart(
     delivered = cfg.black.outbox / name
     assert delivered.exists() == (point == "seal.after_deliver")
     sealed_before = delivered.read_bytes() if delivered.exists() else None
+    archived = cfg.black.archive / "c" / name
+    if archive_mode == "link" and sealed_before is not None:  # the killed delivery linked it
+        assert delivered.stat().st_ino == archived.stat().st_ino
     if mover_took_it:
         delivered.unlink()
 
@@ -206,6 +224,13 @@ def test_killed_at_a_crash_point_finishes_the_bundle_at_restart(
     if sealed_before is not None:
         again = delivered.read_bytes()
         assert again == sealed_before, "the archived ciphertext is re-dropped, not re-sealed"
+        assert archived.read_bytes() == sealed_before
+        # the re-drop is a copy: the archive entry is no longer shared with the outbox file
+        assert delivered.stat().st_ino != archived.stat().st_ino
+        assert archived.stat().st_nlink == 1
+    if archive_mode == "link":  # bundle 3, delivered normally after the restart, is a link
+        third = next(p for p in cfg.black.outbox.iterdir() if p.name.startswith("c.000000000003"))
+        assert third.stat().st_ino == (cfg.black.archive / "c" / third.name).stat().st_ino
     st = _journal(cfg)
     assert (st["last_bundle_seq"], st["last_seq"], st["pending"]) == (3, 24, None)
     assert st["counters"] == {"bundles": 3, "messages": 25}
