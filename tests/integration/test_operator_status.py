@@ -44,7 +44,8 @@ def _seed_red(cfg: Config) -> None:
     landing._save_state(landing.land_seq, st.to_json(), 0)
     day = Path(cfg.red.quarantine_dir) / now.strftime("%Y-%m-%d")
     day.mkdir(parents=True)
-    for name, reason in (("a.dbundle", "signature"), ("b.dbundle", "signature"), ("c.json", "name")):
+    stored = (("a.dbundle", "signature"), ("b.dbundle", "signature"), ("c.json", "name"))
+    for name, reason in stored:
         (day / name).write_bytes(b"junk")
         rec = {"reason": reason, "original_name": name, "at": now.isoformat()}
         (day / f"{name}.reason.json").write_text(json.dumps(rec))
