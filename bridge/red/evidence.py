@@ -125,13 +125,22 @@ def _same_entry(path: Path, st: os.stat_result) -> bool:
         return False
 
 
+_NOT_REGULAR = (errno.ELOOP, errno.ENXIO)
+"""What opening a non-regular file answers: a symlink (O_NOFOLLOW), a socket."""
+
+
 def _open_regular(path: Path) -> int | None:
     """An fd on ``path`` if it is a regular file (never following a symlink, never blocking
-    on a fifo), else None."""
+    on a fifo); None if it is gone or something else. OSError when it cannot be opened for
+    another reason (EACCES, EIO): never a None that would pass for "not a file"."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-    except OSError:
+    except FileNotFoundError:
         return None
+    except OSError as e:
+        if e.errno in _NOT_REGULAR:
+            return None
+        raise
     if not stat.S_ISREG(os.fstat(fd).st_mode):
         os.close(fd)
         return None
@@ -148,18 +157,9 @@ def _hash_fd(fd: int) -> str:
 def sha256_regular(path: Path) -> str | None:
     """The SHA-256 of ``path`` if it is a regular file, read without following a symlink or
     blocking on a fifo; None for anything else (a link, fifo or device is never read) or if
-    it is gone. OSError when a regular file cannot be read (EACCES, EIO): never a None that
-    would pass for "not a file"."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-    except FileNotFoundError:
-        return None
-    except OSError as e:
-        if e.errno == errno.ELOOP:  # a symlink (O_NOFOLLOW)
-            return None
-        raise
-    if not stat.S_ISREG(os.fstat(fd).st_mode):
-        os.close(fd)
+    it is gone. OSError when a regular file cannot be read (EACCES, EIO)."""
+    fd = _open_regular(path)
+    if fd is None:
         return None
     try:
         return _hash_fd(fd)
@@ -168,8 +168,12 @@ def sha256_regular(path: Path) -> str | None:
 
 
 def _fsync_and_hash(path: Path, *, want_hash: bool) -> str | None:
-    """fsync a regular file (and its sha256 if asked); None for anything else."""
-    fd = _open_regular(path)
+    """fsync a regular file (and its sha256 if asked); None for anything else, or for a file
+    that cannot be opened (it is moved as it is, without a hash)."""
+    try:
+        fd = _open_regular(path)
+    except OSError:
+        return None
     if fd is None:
         return None
     try:

@@ -6,6 +6,7 @@ import errno
 import hashlib
 import json
 import os
+import socket
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -183,18 +184,20 @@ def _mkdir(p: Path) -> Path:
 
 
 def test_sha256_regular_reads_only_regular_files_and_never_hides_a_read_error(
-    tmp_path: Path,
+    short_tmp: Path,
 ) -> None:
-    """A regular file is hashed; a symlink, fifo, directory or missing name gives None (never
-    read, never blocking); a regular file that cannot be read raises instead of passing for
-    "not a file" (``quarantine show`` reports the error)."""
-    f = tmp_path / "b.gpg"
+    """A regular file is hashed; a symlink, fifo, socket, directory or missing name gives None
+    (never read, never blocking); a regular file that cannot be read raises instead of passing
+    for "not a file" (``quarantine show`` reports the error)."""
+    f = short_tmp / "b.gpg"
     f.write_bytes(b"evidence")
     assert sha256_regular(f) == hashlib.sha256(b"evidence").hexdigest()
-    (tmp_path / "link").symlink_to(f)
-    os.mkfifo(tmp_path / "fifo")
-    for other in ("link", "fifo", "missing", "."):
-        assert sha256_regular(tmp_path / other) is None, other
+    (short_tmp / "link").symlink_to(f)
+    os.mkfifo(short_tmp / "fifo")
+    with socket.socket(socket.AF_UNIX) as sock:  # opening a socket file answers ENXIO
+        sock.bind(str(short_tmp / "sock"))
+        for other in ("link", "fifo", "sock", "missing", "."):
+            assert sha256_regular(short_tmp / other) is None, other
     with pytest.raises(OSError) as e:  # a regular file whose read fails (EIO)
         sha256_regular(Path("/proc/self/mem"))
     assert e.value.errno == errno.EIO
