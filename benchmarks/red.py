@@ -537,7 +537,9 @@ class Probe:
     @contextmanager
     def installed(self) -> Iterator[Probe]:
         patches: list[tuple[Any, str, Callable[..., Any]]] = [
-            (Landing, "process", lambda f: self.timer("landing", f)),
+            (Landing, "submit", lambda f: self.timer("landing", f)),
+            (Landing, "_wait", lambda f: self.timer("wait_apply", f)),
+            (Landing, "drain", lambda f: self.scoped("drain", f)),
             (Landing, "_apply", self._marking_apply),
             (Landing, "_messages", self._timed_messages),
             (Landing, "tick", lambda f: self.scoped("tick", f)),
@@ -654,7 +656,7 @@ def breakdown(p: Probe, t0: float, t1: float) -> list[tuple[int, str, float]]:
     apply_rest = (
         s["apply"] - msgs - other_tables - s["chain_updates"] - s["evidence_moves"]
     )  # state save (its journal write is counted below), hold dir removal
-    judge = s["landing"] - s["apply"]
+    judge = s["landing"] - s["wait_apply"]
     return [
         (0, "whole run (RedRun.run, warm Spark)", run),
         (1, "set-up: config check, lock, recover, tables ensure", setup),
@@ -662,10 +664,12 @@ def breakdown(p: Probe, t0: float, t1: float) -> list[tuple[int, str, float]]:
         (1, "query started -> 1st batch (intake scan, planning)", to_first),
         (1, "Spark between batches (offsets, WAL, planning)", between),
         (1, "execute: verify+decrypt on executors (toArrow)", s["execute"]),
-        (1, "landing on the driver (Landing.process)", s["landing"]),
+        (1, "landing in the sink (Landing.submit)", s["landing"]),
+        (2, "waiting for the last batch's apply", s["wait_apply"]),
         (2, "judge: verdict rows, sequence checks, intent", judge),
         (3, "ledger look-ups (landed_sha256)", s["ledger_lookups"]),
         (3, "journal writes (intent + state, fsynced)", s["journal_writes"]),
+        (1, "apply, background thread (overlaps the next batch)", s["apply"]),
         (2, "Delta append: messages", msgs),
         (3, "read plaintexts + red columns", s["read_plaintexts"]),
         (3, "conform to the table schema", conform_msgs),
@@ -676,7 +680,8 @@ def breakdown(p: Probe, t0: float, t1: float) -> list[tuple[int, str, float]]:
         (2, "rest of apply (state save, hold dir)", apply_rest),
         (1, "rest of the sink", sink_rest),
         (1, "timer ticks (Landing.tick, between batches too)", s["tick"]),
-        (1, "after the last batch (query end, tick)", after_last),
+        (1, "after the last batch (query end, last apply, tick)", after_last),
+        (2, "waiting for the last apply (Landing.drain)", s["drain"]),
     ]
 
 

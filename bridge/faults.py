@@ -7,17 +7,22 @@ by ``DIODE_CRASH_MARK`` and fsyncs it, so a test can prove the crash hit the win
 a point already in that file does not fire again (a restarted process inherits the
 environment, and must not die the same way forever). Unarmed, a crash point costs one
 comparison.
+
+``DIODE_SLOW_AT=<point>:<seconds>`` makes every ``slow_point(<point>)`` sleep that long (a slow
+disk or a busy table, so that a test can hold a step open while it crashes another).
 """
 
 from __future__ import annotations
 
 import os
 import signal
+import time
 
-__all__ = ["crash_point", "CRASH_ENV", "MARK_ENV"]
+__all__ = ["crash_point", "slow_point", "CRASH_ENV", "MARK_ENV", "SLOW_ENV"]
 
 CRASH_ENV = "DIODE_CRASH_AT"
 MARK_ENV = "DIODE_CRASH_MARK"
+SLOW_ENV = "DIODE_SLOW_AT"
 
 
 def _parse(spec: str) -> tuple[str, int] | None:
@@ -27,8 +32,22 @@ def _parse(spec: str) -> tuple[str, int] | None:
     return name, int(n) if n else 1
 
 
+def _parse_slow(spec: str) -> tuple[str, float] | None:
+    if not spec:
+        return None
+    name, _, secs = spec.partition(":")
+    return name, float(secs or 1.0)
+
+
 _ARMED = _parse(os.environ.get(CRASH_ENV, ""))
+_SLOW = _parse_slow(os.environ.get(SLOW_ENV, ""))
 _hits = 0
+
+
+def slow_point(name: str) -> None:
+    """Sleep here if the environment armed this point (see the module doc)."""
+    if _SLOW is not None and _SLOW[0] == name:
+        time.sleep(_SLOW[1])
 
 
 def crash_point(name: str) -> None:

@@ -522,9 +522,11 @@ def write_red_toml(
     *,
     replay_url: str | None = None,
     replay_extra: str = "",
+    red_extra: str = "",
 ) -> Path:
     """A red config FILE under ``root`` (the Spark source reads the config from disk): pinned
-    black key, red dirs under ``root/red``, delta-rs, 0.2 s settle, mode 0600."""
+    black key, red dirs under ``root/red``, delta-rs, 0.2 s settle, mode 0600; ``red_extra``:
+    more ``[red]`` lines."""
     chans = "\n".join(
         f'[[channels]]\nname = "{n}"\nencrypt = {str(enc).lower()}\n'
         f"recipients = {json.dumps(keys.recipients)}\n"
@@ -540,7 +542,7 @@ black_signers = ["{keys.black_fpr}"]
 [red]
 gnupg_home = "{keys.red_home}"
 {RED_DIRS_TOML}settle_seconds = 0.2
-{replay}"""
+{red_extra}{replay}"""
     root.mkdir(parents=True, exist_ok=True)
     p = root / "diode.toml"
     p.write_text(text)

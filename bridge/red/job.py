@@ -103,11 +103,19 @@ class RedRun:
         self._error: BaseException | None = None
 
     def _sink(self, df: Any, batch_id: int) -> None:
+        """Judge the batch and journal its landing; the landing is applied in the background
+        while Spark verifies the next batch (bridge.red.landing: ``submit``)."""
         assert self.landing is not None
         table = df.toArrow()
-        res = self.landing.process(table)
         self.summary.batches += 1
-        self.summary.totals.add(res)
+        for res in self.landing.submit(table):
+            self.summary.totals.add(res)
+
+    def _drain(self) -> None:
+        """Wait for the landing in flight and count it."""
+        assert self.landing is not None
+        for res in self.landing.drain():
+            self.summary.totals.add(res)
 
     def start_query(self, spark: Any, trigger: Trigger) -> Any:
         spark.dataSource.register(InboxDataSource)
@@ -160,7 +168,12 @@ class RedRun:
         query = self.start_query(spark, trigger)
         try:
             while True:
-                done = query.awaitTermination(1.0)
+                try:
+                    done = query.awaitTermination(1.0)
+                except Exception:
+                    if query.exception() is None:
+                        raise
+                    break  # the query failed: raised below as a DiodeError, with its cause
                 if done:
                     break
                 if trigger == "continuous":  # a scheduled run checks silence once, at its end
@@ -175,6 +188,12 @@ class RedRun:
                     query.stop()
             except Exception as e:  # noqa: BLE001 - the landing state is safe either way
                 log_event(log, 30, "stopping the red query failed", error=str(e))
+            try:  # never release the state lock with a landing still being applied
+                self._drain()
+            except DiodeError as e:
+                if query.exception() is None:
+                    raise
+                log_event(log, 40, "the landing in flight failed too", error=str(e))
         exc = query.exception()
         if exc is not None:
             raise DiodeError(f"red query failed: {exc}")

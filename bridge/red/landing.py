@@ -12,6 +12,14 @@ numbered ``land_seq``, strictly increasing. A landing is first written down as a
 
 A crash anywhere is finished at start-up by applying the intent again: every step is
 idempotent, so ``messages`` holds each ``(channel, seq)`` exactly once.
+
+The red job *pipelines* (``submit``): a micro-batch is judged and its intent journaled in the
+sink, then applied by a background thread while Spark verifies the next batch on the
+executors. Spark may commit a batch whose landing is still being applied; the journaled intent
+is what makes that safe (a crash there is finished at start-up like any other). Whatever
+touches the state or the journal (the next ``submit``, ``tick``, ``process``, ``recover``,
+``drain``) first waits for the landing in flight; one that failed fails every later call: the
+job stops, and its restart finishes the landing from the journal.
 """
 
 from __future__ import annotations
@@ -33,7 +41,7 @@ import pyarrow.parquet as pq
 from bridge.config import Config
 from bridge.diode.link_status import read_new_gap_records
 from bridge.errors import DiodeError, StateError
-from bridge.faults import crash_point
+from bridge.faults import crash_point, slow_point
 from bridge.fsutil import atomic_write_bytes, durable_mkdir, fsync_dir
 from bridge.logs import get_logger, log_event
 from bridge.metrics import RED
@@ -122,6 +130,12 @@ def _event_row(ev: sq.Event, at: datetime) -> dict[str, Any]:
     }
 
 
+def _sorted_rows(verdicts: pa.Table | list[dict[str, Any]]) -> list[dict[str, Any]]:
+    rows = verdicts.to_pylist() if isinstance(verdicts, pa.Table) else list(verdicts)
+    rows.sort(key=lambda r: int(r["ordinal"]))
+    return rows
+
+
 def _json_files(d: Path) -> list[tuple[Path, Any, str | None]]:
     """``(path, parsed document, None)`` of each ``d/*.json`` by name, or ``(path, None, why)``
     for one that cannot be read or parsed."""
@@ -185,6 +199,12 @@ class Landing:
         self.land_seq, self.state = self._load_state()
         self.channels = [c.name for c in cfg.channels]
         self.udp_spool = Path(cfg.udp.receive.spool_dir) if cfg.udp is not None else None
+        self._inflight: threading.Thread | None = None
+        """The background thread applying the last submitted landing (``submit``)."""
+        self._finished: list[LandingResult] = []
+        """Results of submitted landings applied since ``submit``/``drain`` last returned them."""
+        self._failed: LandingError | None = None
+        """Set when a background landing failed: every later call raises it."""
 
     # -- state ---------------------------------------------------------------------------------
     def _load_state(self) -> tuple[int, sq.SequenceState]:
@@ -208,6 +228,7 @@ class Landing:
     def recover(self) -> int:
         """Finish an interrupted landing; sweep temp plaintexts. Returns landings re-applied."""
         with self.lock:
+            self._wait()
             self.tables.ensure()
             redone = 0
             intent_path = self.journal_dir / INTENT_FILE
@@ -250,15 +271,79 @@ class Landing:
 
     def process(self, verdicts: pa.Table | list[dict[str, Any]]) -> LandingResult:
         """Judge and land one micro-batch of verdict rows (any order; sorted by ordinal)."""
-        rows = verdicts.to_pylist() if isinstance(verdicts, pa.Table) else list(verdicts)
-        rows.sort(key=lambda r: int(r["ordinal"]))
+        rows = _sorted_rows(verdicts)
         with self.lock:
-            return self._process(rows)
+            self._wait()
+            intent, res = self._judge(rows)
+            if intent is not None:
+                self._apply_landing(intent, res)
+                self._wait()  # raises what the apply raised
+                self._finished.clear()
+            return res
 
-    def _process(self, rows: list[dict[str, Any]]) -> LandingResult:
+    def submit(self, verdicts: pa.Table | list[dict[str, Any]]) -> list[LandingResult]:
+        """Judge one micro-batch and journal its intent now, then apply it in a background
+        thread (the caller, Spark's sink, returns and Spark verifies the next batch meanwhile).
+        Waits for the landing in flight first. Returns the landings whose apply finished since
+        the last call (``drain`` returns the last one)."""
+        rows = _sorted_rows(verdicts)
+        with self.lock:
+            if self._inflight is not None and self._inflight.is_alive():
+                crash_point("red.apply_in_flight")  # Spark committed the batch being applied
+            self._wait()
+            intent, res = self._judge(rows)
+            if intent is not None:
+                t = threading.Thread(
+                    target=self._apply_landing, args=(intent, res),
+                    name=f"red-landing-{intent['land_seq']}", daemon=False,
+                )  # fmt: skip
+                self._inflight = t
+                t.start()
+            done, self._finished = self._finished, []
+            return done
+
+    def drain(self) -> list[LandingResult]:
+        """Wait for the landing in flight; the results not yet returned by ``submit``. Raises
+        the LandingError of a background landing that failed."""
+        with self.lock:
+            self._wait()
+            done, self._finished = self._finished, []
+            return done
+
+    def _apply_landing(self, intent: dict[str, Any], res: LandingResult) -> None:
+        """Apply a judged landing (in the background for ``submit``). A failure is kept for the
+        next caller: the in-memory state is already past the landing, so nothing may be
+        judged on top of it until a restart finishes it from the journal."""
+        try:
+            slow_point("red.apply")
+            res.messages_landed = self._apply(intent)
+        except BaseException as e:  # noqa: BLE001 - handed to the next caller, never lost
+            self._failed = (
+                e
+                if isinstance(e, LandingError)
+                else LandingError(f"landing {intent['land_seq']} failed: {type(e).__name__}: {e}")
+            )
+            log_event(log, 50, "landing failed: red stops landing; a restart finishes it from "
+                      "the journal", land_seq=intent["land_seq"], error=str(e))  # fmt: skip
+            return
+        self._count(res)
+        self._finished.append(res)
+
+    def _wait(self) -> None:
+        """Join the landing in flight (hold ``self.lock``); raise if one ever failed."""
+        t, self._inflight = self._inflight, None
+        if t is not None:
+            t.join()
+        if self._failed is not None:
+            raise self._failed
+
+    def _judge(self, rows: list[dict[str, Any]]) -> tuple[dict[str, Any] | None, LandingResult]:
+        """Judge verdict rows against the sequence state and journal the landing's intent
+        (fsynced). The in-memory state moves to the landing's: the next batch is judged
+        against it while this one is applied."""
         res = LandingResult()
         if not rows:
-            return res
+            return None, res
         n = self.land_seq + 1
         now = datetime.now(UTC)
         state = sq.SequenceState.from_json(self.state.to_json())
@@ -375,16 +460,15 @@ class Landing:
         }
         atomic_write_bytes(self.journal_dir / INTENT_FILE, json.dumps(intent).encode())
         crash_point("red.after_intent")
-        res.messages_landed = self._apply(intent)
         res.land_seq = n
         self.land_seq, self.state = n, state
-        self._count(res)
-        return res
+        return intent, res
 
     def tick(self, now: datetime | None = None) -> LandingResult:
         """Timer events (a silent link), the intake's own quarantines and the UDP receiver's
         gap records: audited as a landing of their own when there are any."""
         with self.lock:
+            self._wait()
             now = now or datetime.now(UTC)
             state = sq.SequenceState.from_json(self.state.to_json())
             events: list[sq.Event] = []

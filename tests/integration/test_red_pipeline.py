@@ -16,11 +16,13 @@ import pytest
 from deltalake import DeltaTable
 
 from bridge.config import Config, load_config
+from bridge.errors import DiodeError
 from bridge.red.evidence import Evidence
 from bridge.red.job import RedRun, open_tables
 from bridge.red.landing import Landing, LandingError
 from bridge.red.quarantine import list_quarantined, quarantine_summary, show_quarantined
 from bridge.red.report import red_gaps, red_status
+from bridge.red.tables import RedTables
 from tests.red_factory import (
     RedKeys,
     kill_agents,
@@ -136,6 +138,47 @@ def test_out_of_order_holes_duplicates_land_exactly_once(
     )
     with pytest.raises(LandingError, match="older than the tables"):
         landing.recover()
+
+
+def test_a_failed_background_landing_stops_the_job_and_its_restart_finishes_it(
+    spark: Any, keys: RedKeys, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Landings are applied in the background while Spark verifies the next batch. When the
+    messages append of landing 2 fails (a fault: the append raises), the job stops with that
+    error; landing 2's intent is still the journal's (nothing was judged on top of it), and the
+    next run finishes it and lands the rest exactly once."""
+    cfg = load_config(write_red_toml(tmp_path, keys, {"orders": True},
+                                     red_extra="max_files_per_batch = 2\n"))  # fmt: skip
+    made = tmp_path / "made"
+    made.mkdir()
+    chain = make_chain(made, keys, "orders", 6, 20)
+    drop(cfg, *(b.path for b in chain))
+    real_append = RedTables.append
+    fired: list[int] = []
+
+    def failing_append(self: RedTables, name: str, data: Any, **kw: Any) -> bool:
+        if name == "messages" and kw.get("version") == 2:
+            fired.append(2)
+            raise OSError(28, "No space left on device (injected)")
+        return real_append(self, name, data, **kw)
+
+    monkeypatch.setattr(RedTables, "append", failing_append)
+    with pytest.raises(DiodeError, match=r"landing 2 failed: OSError.*injected"):
+        run(cfg, spark)
+    assert fired == [2], "the fault did not fire"
+    intent = json.loads((Path(cfg.red.state_dir) / "landing" / "intent.json").read_bytes())
+    assert intent["land_seq"] == 2, intent["land_seq"]
+    saved = json.loads((Path(cfg.red.state_dir) / "red-state.json").read_bytes())
+    assert saved["land_seq"] == 1
+    assert len(table(cfg, "messages", ["seq"])) == 40  # landing 1 only
+
+    monkeypatch.setattr(RedTables, "append", real_append)
+    s = run(cfg, spark)
+    assert s["recovered_landings"] == 1 and s["bundles_landed"] == 2, s  # 5 and 6
+    msgs = table(cfg, "messages", ["channel", "seq"])
+    assert len(msgs) == 120 and len({(m["channel"], m["seq"]) for m in msgs}) == 120
+    landed = [r["bundle_seq"] for r in table(cfg, "bundles") if r["status"] == "landed"]
+    assert sorted(landed) == [1, 2, 3, 4, 5, 6]
 
 
 def test_hostile_files_are_quarantined_and_good_ones_land(

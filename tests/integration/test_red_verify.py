@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import pickle
+import random
 import shutil
 import subprocess
 import tempfile
@@ -217,8 +218,16 @@ def test_truncated(keys: RedKeys, ctx: VerifyContext, inbox: Path, keep: float) 
 
 def test_plain_junk(ctx: VerifyContext, inbox: Path) -> None:
     name = "orders.000000000001." + "c" * 32 + ".dbundle"
-    (inbox / name).write_bytes(os.urandom(5000))
+    # a first octet with bit 7 clear is no OpenPGP packet at all
+    (inbox / name).write_bytes(b"\x00" + random.Random(5).randbytes(4999))
     rejected(inbox / name, name, ctx, "crypto")
+    # random bytes now and then parse as packets that carry no good signature (a CI run met
+    # one): rejected either way, as crypto or as signature, and nothing is left behind
+    for seed in range(8):
+        (inbox / name).write_bytes(random.Random(seed).randbytes(5000))
+        v = verify_file(inbox / name, name, ctx)
+        assert v.status == "reject" and v.reason in ("crypto", "signature"), (seed, v)
+        assert v.plaintext_path is None and plain_left(ctx) == [], seed
     hb = "orders.000000000001.dheartbeat"
     (inbox / hb).write_bytes(b"\x00" * 100)
     rejected(inbox / hb, hb, ctx, "crypto")

@@ -10,6 +10,8 @@ group (a SIGKILL of the group takes the JVM and the Python workers), real Delta 
    ``available-now`` run with the point armed (``bridge.faults``) must die by SIGKILL in the
    second landing, and the journal and tables must show the window the point names. Clean runs
    then finish the landing and land the rest.
+   A third case crashes the pipelined landing where Spark has already committed the batch
+   whose landing is still being applied (its apply slowed down by ``bridge.faults``).
 2. Random: ~30 small bundles, shuffled across channels and delivered in waves, while
    ``continuous`` runs are SIGKILLed at random moments and restarted; a final ``available-now``
    run lands the rest.
@@ -41,7 +43,7 @@ import pytest
 from deltalake import DeltaTable
 
 from bridge.config import Config, load_config
-from bridge.faults import CRASH_ENV, MARK_ENV
+from bridge.faults import CRASH_ENV, MARK_ENV, SLOW_ENV
 from bridge.red.evidence import REASON_SUFFIX
 from tests.red_factory import (
     RED_DIRS_TOML,
@@ -431,6 +433,54 @@ def test_kill_9_at_a_landing_crash_point_then_recover(
     assert versions == {
         t: DeltaTable(str(Path(cfg.red.tables_dir) / t)).version() for t in versions
     }
+
+
+def spark_committed_next(cfg: Config) -> int:
+    """The intake ordinal after the newest batch Spark's checkpoint has committed: files below
+    it are, for Spark, done."""
+    ck = Path(cfg.red.checkpoint_dir)
+    committed = [int(p.name) for p in (ck / "commits").iterdir() if p.name.isdigit()]
+    last = max(committed)
+    offsets = (ck / "offsets" / str(last)).read_text().splitlines()
+    return int(json.loads(offsets[-1])["next"])
+
+
+def test_kill_9_while_a_committed_batch_is_still_being_applied(
+    keys: RedKeys, template: Template
+) -> None:
+    """The red job applies a landing in the background while Spark verifies the next batch, so
+    Spark commits a batch whose landing is not done. Every apply is slowed (``red.apply``, 4 s)
+    and the job dies at the next batch's sink while the previous apply is still running
+    (``red.apply_in_flight``): Spark's checkpoint already says the files are done, the journal
+    holds the landing's intent, and a clean run finishes it — exactly once."""
+    root = keys.root / "apply-in-flight"
+    shutil.copytree(template.root, root, symlinks=True)
+    shutil.rmtree(root / "logs", ignore_errors=True)
+    cfg = load_config(root / "diode.toml")
+    n0 = saved_land_seq(cfg)
+    mark = root / "crash.mark"
+    drop(cfg, *template.later)
+
+    env = {**crash_env("red.apply_in_flight", mark), SLOW_ENV: "red.apply:4"}
+    job = RedJob(cfg, "available-now", tag="in-flight", env=env)
+    rc = job.wait()
+    assert rc == -signal.SIGKILL, f"not killed by SIGKILL ({rc}):\n{job.tail()}"
+    assert crash_marks(mark) == ["red.apply_in_flight"], job.tail()
+    # the window: landing n0+1 journaled, not applied, and its batch committed by Spark
+    assert intent_path(cfg).exists(), "no landing intent left by the crash"
+    intent = json.loads(intent_path(cfg).read_bytes())
+    assert intent["land_seq"] == n0 + 1 and saved_land_seq(cfg) == n0, intent["land_seq"]
+    ordinals = [int(m["ordinal"]) for m in intent["moves"]]
+    assert ordinals and max(ordinals) < spark_committed_next(cfg), (ordinals, "not committed")
+    assert all(Path(m["src"]).exists() for m in intent["moves"]), "files moved before the crash"
+    assert txn(cfg, "messages") < n0 + 1, "the slowed apply wrote messages before the crash"
+    assert {Path(m["src"]).name.split(".", 1)[1] for m in intent["moves"]} == {
+        p.name for p in template.later[:3]
+    }
+
+    s = run_clean(cfg, "recover")
+    assert s["recovered_landings"] == 1, s
+    check_exactly_once(cfg, template.alpha + template.beta, [template.junk], [template.heartbeat])
 
 
 def test_random_kill_9_of_a_continuous_run_while_files_arrive(keys: RedKeys) -> None:
