@@ -22,6 +22,7 @@ __all__ = [
     "durable_rename",
     "exclusive_lock",
     "fsync_dir",
+    "lock_held",
     "pwritev_all",
     "shared_lock",
     "tmp_path_for",
@@ -211,3 +212,20 @@ def shared_lock(
 ) -> contextlib.AbstractContextManager[None]:
     """Like :func:`exclusive_lock`, shared: any number of shared holders, no exclusive one."""
     return _flock(path, fcntl.LOCK_SH, what, timeout, hint)
+
+
+def lock_held(path: Path) -> bool:
+    """Whether another open holds an exclusive ``flock`` on ``path`` now (a running job).
+    Creates nothing: a missing file is a lock nobody holds. Reports use it; never decide to
+    write on it (the answer can change the next moment — take the lock instead)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)  # also drops the shared lock taken just now
+    return False

@@ -163,6 +163,8 @@ def red_status_view(st: Mapping[str, Any]) -> RenderableType:
     parts: list[RenderableType] = [t, f]
     if st.get("interrupted_landing"):
         parts.append(_warn("an interrupted landing waits: the next red run applies it first"))
+    elif st.get("landing_running"):
+        parts.append(Text("a red job (or an operator command) is landing now"))
     parts.append(_replay_view(st.get("replay")))
     return Group(*parts)
 

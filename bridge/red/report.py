@@ -8,9 +8,10 @@ from typing import Any
 
 from bridge.config import Config
 from bridge.diode.link_status import read_gap_records
+from bridge.fsutil import lock_held
 from bridge.protocol.manifest import parse_utc
 from bridge.red import sequence as sq
-from bridge.red.landing import read_saved_state
+from bridge.red.landing import INTENT_FILE, LOCK_FILE, read_saved_state
 
 __all__ = ["red_status", "red_gaps", "load_sequence"]
 
@@ -92,6 +93,10 @@ def red_status(cfg: Config) -> dict[str, Any]:
         channels.setdefault(name, {"note": "nothing received yet"})
     inbox = Path(r.inbox)
     quarantine = _quarantine(cfg)
+    # a running job applies each landing from its journaled intent, so an intent beside a held
+    # lock is work in progress; without a holder it is a landing a crash interrupted
+    running = lock_held(Path(r.state_dir) / LOCK_FILE)
+    intent = (Path(r.state_dir) / "landing" / INTENT_FILE).exists()
     return {
         "land_seq": land_seq,
         "state_saved_at": saved_at,
@@ -105,7 +110,8 @@ def red_status(cfg: Config) -> dict[str, Any]:
             "quarantine": quarantine.get("total"),  # None if it could not be read
         },
         "quarantine": quarantine,
-        "interrupted_landing": (Path(r.state_dir) / "landing" / "intent.json").exists(),
+        "landing_running": running,
+        "interrupted_landing": intent and not running,
         "replay": replay_status(cfg),
     }
 

@@ -17,9 +17,10 @@ from deltalake import DeltaTable
 
 from bridge.config import Config, load_config
 from bridge.errors import DiodeError
+from bridge.fsutil import exclusive_lock
 from bridge.red.evidence import Evidence
 from bridge.red.job import RedRun, open_tables
-from bridge.red.landing import Landing, LandingError
+from bridge.red.landing import LOCK_FILE, Landing, LandingError
 from bridge.red.quarantine import list_quarantined, quarantine_summary, show_quarantined
 from bridge.red.report import red_gaps, red_status
 from bridge.red.tables import RedTables
@@ -171,6 +172,11 @@ def test_a_failed_background_landing_stops_the_job_and_its_restart_finishes_it(
     saved = json.loads((Path(cfg.red.state_dir) / "red-state.json").read_bytes())
     assert saved["land_seq"] == 1
     assert len(table(cfg, "messages", ["seq"])) == 40  # landing 1 only
+    st = red_status(cfg)
+    assert st["interrupted_landing"] is True and st["landing_running"] is False, st
+    with exclusive_lock(Path(cfg.red.state_dir) / LOCK_FILE, what="a stand-in red job"):
+        st = red_status(cfg)  # an intent beside a running lander is work in progress
+        assert st["interrupted_landing"] is False and st["landing_running"] is True, st
 
     monkeypatch.setattr(RedTables, "append", real_append)
     s = run(cfg, spark)

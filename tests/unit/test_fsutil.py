@@ -21,6 +21,7 @@ from bridge.fsutil import (
     atomic_write_bytes,
     durable_mkdir,
     exclusive_lock,
+    lock_held,
     shared_lock,
     tmp_path_for,
 )
@@ -163,3 +164,14 @@ def test_a_waiting_lock_is_granted_when_the_holder_lets_go(tmp_path: Path) -> No
         assert t.is_alive() and not got.is_set(), "the waiter waits while the lock is held"
     t.join()
     assert got.is_set()
+
+
+def test_lock_held_tells_a_held_lock_and_creates_nothing(tmp_path: Path) -> None:
+    lock = tmp_path / "state" / "red.lock"
+    assert lock_held(lock) is False and not lock.parent.exists()  # nothing created
+    with exclusive_lock(lock, what="test"):
+        assert lock_held(lock) is True
+        assert lock_held(lock) is True  # asking twice takes nothing away from the holder
+    assert lock_held(lock) is False
+    with exclusive_lock(lock, what="test again"):  # and asking left no lock behind
+        pass

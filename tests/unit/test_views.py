@@ -92,6 +92,9 @@ def test_red_status_shows_silence_held_replay_and_channels_not_heard_yet() -> No
         assert text in out, (text, out)
     st["replay"] = {"error": "OSError: no tables"}
     assert "replay: OSError: no tables" in _text(views.red_status_view(st))
+    st |= {"interrupted_landing": False, "landing_running": True}
+    out = _text(views.red_status_view(st))
+    assert "is landing now" in out and "interrupted" not in out, out
 
 
 def test_red_gaps_lists_each_kind_of_gap() -> None:
