@@ -72,7 +72,18 @@ class _Proc:
 def _spawn(cfg: Config, channel: str, *, until_empty: bool) -> subprocess.Popen[bytes]:
     env = dict(os.environ)
     env.setdefault("PYTHONUNBUFFERED", "1")
-    return subprocess.Popen(tap_command(cfg, channel, until_empty=until_empty), env=env)
+    # the tap's closing status line goes to our stderr with the logs: our stdout is the
+    # caller's (`diode black run` and `diode demo` end it with their own JSON summary)
+    return subprocess.Popen(
+        tap_command(cfg, channel, until_empty=until_empty), env=env, stdout=_stderr_fd()
+    )
+
+
+def _stderr_fd() -> int:
+    try:
+        return sys.stderr.fileno()
+    except (AttributeError, OSError, ValueError):  # replaced by a stream without a descriptor
+        return subprocess.DEVNULL
 
 
 class UntilEmptyTaps:

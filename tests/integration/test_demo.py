@@ -45,6 +45,7 @@ def test_demo_runs_from_scratch(short_tmp: Path, transport: str) -> None:
     assert summary["duplicates"] == 0 and summary["quarantined"] == 0
     assert summary["black_gaps"] == 0 and summary["duplicate_bundles"] == 0
     table = "\n".join(out[:-1])  # the human summary table comes before the JSON line
+    assert out[0].startswith("stage "), f"stdout holds more than the summary: {out[0]!r}"
     assert f"received on red {summary['received_on_red']:,}" in " ".join(table.split())
     assert "lost 0 · duplicates 0 · quarantined 0" in table and "· ok" in table
     assert summary["sealed"] == summary["published"] > 2000 and summary["bundles"] >= 1
