@@ -19,8 +19,9 @@ Every baseline is measured in the same run, on the same disk and the same bundle
   process with Spark already up (a small warm-up run before it takes the JVM's first-query
   cost, reported apart), instrumented: the run is split into set-up, query start, Spark
   between batches, *execute* (``df.toArrow()`` in the sink: the executors verify and decrypt
-  the batch's files) and the driver's landing (judging, journal, Delta appends by table with
-  the plaintext read and schema conforming apart, chain updates, evidence moves). The landing
+  the batch's files) and the driver's landing (judging and journal in the sink; then, in a
+  background thread that overlaps the next batch, Delta appends by table with the plaintext
+  read and schema conforming apart, chain updates, evidence moves). The landing
   window runs from the first batch's start to the last landing's commit. Then the same files
   landed by ``spark_jobs/red_land.py`` as a subprocess, cold: whole run including Spark's start,
   and its landing window from its own log lines ("inbox scanned" -> last "landed").
@@ -668,7 +669,7 @@ def breakdown(p: Probe, t0: float, t1: float) -> list[tuple[int, str, float]]:
         (2, "waiting for the last batch's apply", s["wait_apply"]),
         (2, "judge: verdict rows, sequence checks, intent", judge),
         (3, "ledger look-ups (landed_sha256)", s["ledger_lookups"]),
-        (3, "journal writes (intent + state, fsynced)", s["journal_writes"]),
+        (3, "journal writes, fsynced (intent; the apply's state save too)", s["journal_writes"]),
         (1, "apply, background thread (overlaps the next batch)", s["apply"]),
         (2, "Delta append: messages", msgs),
         (3, "read plaintexts + red columns", s["read_plaintexts"]),
@@ -983,7 +984,7 @@ def print_scenario(title: str, s: dict[str, Any], unit: str) -> None:
         ),
     )
     row(f"  ... execute alone: verify on executors ({r['execute_s']:.1f} s)", r[f"execute_{k}"])
-    row(f"  ... driver landing alone: Landing.process ({r['landing_s']:.1f} s)",
+    row(f"  ... sink's landing alone: Landing.submit ({r['landing_s']:.1f} s)",
         r[f"landing_{k}"])  # fmt: skip
     if "subprocess" in s:
         p = s["subprocess"]

@@ -199,6 +199,33 @@ class Intake:
         """The ordinal the next taken file gets (at least)."""
         return self._read_next()
 
+    def renumber(self, files: Iterable[Taken]) -> list[Taken]:
+        """Give intake files new ordinals at the end (reserved durably first, then renamed):
+        files a landing journal no longer holds, below what Spark has committed, are taken
+        again this way. A file gone meanwhile is skipped."""
+        files = sorted(files, key=lambda t: t.ordinal)
+        out: list[Taken] = []
+        if not files:
+            return out
+        with exclusive_lock(
+            self.work_dir / LOCK_FILE, what="red intake", timeout=LOCK_WAIT_SECONDS,
+            hint=_LOCK_HINT,
+        ):  # fmt: skip
+            first = self._read_next()
+            self._write_next(first + len(files))
+            for ordinal, t in enumerate(files, start=first):
+                dst = self.dir / intake_name(ordinal, t.name)
+                try:
+                    rename_noreplace(t.path, dst)
+                except FileNotFoundError:
+                    continue
+                st = os.lstat(dst)
+                out.append(_taken(ordinal, t.name, dst, st))
+                log_event(log, 30, "intake file renumbered", file_name=t.name,
+                          old_ordinal=t.ordinal, ordinal=ordinal)  # fmt: skip
+            fsync_dir(self.dir)
+        return out
+
     # -- settling -------------------------------------------------------------------------
     def _settled(
         self,

@@ -112,9 +112,10 @@ class RedRun:
             self.summary.totals.add(res)
 
     def _drain(self) -> None:
-        """Wait for the landing in flight and count it."""
+        """Wait for the landing in flight and count it; no micro-batch is landed after this
+        (a sink call Spark makes while the query stops is refused: its files stay in intake)."""
         assert self.landing is not None
-        for res in self.landing.drain():
+        for res in self.landing.drain(close=True):
             self.summary.totals.add(res)
 
     def start_query(self, spark: Any, trigger: Trigger) -> Any:

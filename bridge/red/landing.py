@@ -203,8 +203,10 @@ class Landing:
         """The background thread applying the last submitted landing (``submit``)."""
         self._finished: list[LandingResult] = []
         """Results of submitted landings applied since ``submit``/``drain`` last returned them."""
-        self._failed: LandingError | None = None
-        """Set when a background landing failed: every later call raises it."""
+        self._failed: BaseException | None = None
+        """Set when a landing failed: every later call raises it."""
+        self._closed = False
+        """``drain(close=True)`` was called: ``submit`` refuses."""
 
     # -- state ---------------------------------------------------------------------------------
     def _load_state(self) -> tuple[int, sq.SequenceState]:
@@ -291,6 +293,11 @@ class Landing:
             if self._inflight is not None and self._inflight.is_alive():
                 crash_point("red.apply_in_flight")  # Spark committed the batch being applied
             self._wait()
+            if self._closed:
+                raise LandingError(
+                    "the red run is stopping: this micro-batch is not landed now; its files "
+                    "stay in intake for the next run"
+                )
             intent, res = self._judge(rows)
             if intent is not None:
                 t = threading.Thread(
@@ -302,10 +309,12 @@ class Landing:
             done, self._finished = self._finished, []
             return done
 
-    def drain(self) -> list[LandingResult]:
+    def drain(self, *, close: bool = False) -> list[LandingResult]:
         """Wait for the landing in flight; the results not yet returned by ``submit``. Raises
-        the LandingError of a background landing that failed."""
+        the LandingError of a background landing that failed. ``close``: refuse any later
+        ``submit`` (a run that is stopping must not start an apply it will not wait for)."""
         with self.lock:
+            self._closed = self._closed or close
             self._wait()
             done, self._finished = self._finished, []
             return done
@@ -316,26 +325,47 @@ class Landing:
         judged on top of it until a restart finishes it from the journal."""
         try:
             slow_point("red.apply")
-            res.messages_landed = self._apply(intent)
-        except BaseException as e:  # noqa: BLE001 - handed to the next caller, never lost
-            self._failed = (
-                e
-                if isinstance(e, LandingError)
-                else LandingError(f"landing {intent['land_seq']} failed: {type(e).__name__}: {e}")
-            )
-            log_event(log, 50, "landing failed: red stops landing; a restart finishes it from "
-                      "the journal", land_seq=intent["land_seq"], error=str(e))  # fmt: skip
+            res.messages_landed = self._apply_or_fail(intent)
+        except BaseException:  # noqa: BLE001 - kept in self._failed for the next caller
             return
         self._count(res)
         self._finished.append(res)
 
+    def _apply_or_fail(self, intent: dict[str, Any]) -> int:
+        """``_apply``; a failure is kept in ``_failed`` (every later call raises it) and
+        raised: nothing may be judged or ticked on top of a journaled landing not applied."""
+        try:
+            return self._apply(intent)
+        except BaseException as e:
+            n = intent["land_seq"]
+            self._failed = (
+                e
+                if isinstance(e, DiodeError)
+                else LandingError(f"landing {n} failed: {type(e).__name__}: {e}")
+            )
+            log_event(log, 50, "landing failed: red stops landing; a restart finishes it from "
+                      "the journal", land_seq=n, error=str(e))  # fmt: skip
+            if not isinstance(e, Exception):
+                raise  # Ctrl-C, exit: as they are (the landing stays failed all the same)
+            raise self._failed from None
+
     def _wait(self) -> None:
         """Join the landing in flight (hold ``self.lock``); raise if one ever failed."""
-        t, self._inflight = self._inflight, None
-        if t is not None:
-            t.join()
+        if self._inflight is not None:
+            self._inflight.join()  # the handle is dropped only once the apply has ended
+            self._inflight = None
         if self._failed is not None:
             raise self._failed
+
+    def _no_unapplied_intent(self) -> None:
+        """Refuse to journal a landing over one that was never applied (belt and braces: every
+        path applies or fails sticky first)."""
+        path = self.journal_dir / INTENT_FILE
+        if path.exists():
+            raise LandingError(
+                f"{path} still holds a landing that was not applied; stop and restart the red "
+                "job: it is finished at start (never delete it)"
+            )
 
     def _judge(self, rows: list[dict[str, Any]]) -> tuple[dict[str, Any] | None, LandingResult]:
         """Judge verdict rows against the sequence state and journal the landing's intent
@@ -344,6 +374,7 @@ class Landing:
         res = LandingResult()
         if not rows:
             return None, res
+        self._no_unapplied_intent()  # before any plaintext is moved under a land_seq
         n = self.land_seq + 1
         now = datetime.now(UTC)
         state = sq.SequenceState.from_json(self.state.to_json())
@@ -521,8 +552,9 @@ class Landing:
                 "state_after": state.to_json(),
                 "udp_gaps_offset": udp_offset,
             }
+            self._no_unapplied_intent()
             atomic_write_bytes(self.journal_dir / INTENT_FILE, json.dumps(intent).encode())
-            self._apply(intent)
+            self._apply_or_fail(intent)
             self.land_seq, self.state, self.udp_gaps_offset = n, state, udp_offset
             for ev in events:
                 res.events[ev.kind] = res.events.get(ev.kind, 0) + 1

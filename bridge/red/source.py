@@ -91,6 +91,12 @@ def intake_dir(cfg: Config) -> Path:
     return Path(cfg.red.work_dir) / "intake"
 
 
+def intent_path(cfg: Config) -> Path:
+    """The landing journal's intent (bridge.red.landing writes it; named here so that the
+    source process need not import the Delta side)."""
+    return Path(cfg.red.state_dir) / "landing" / "intent.json"
+
+
 class InboxStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
     """Plans intake ordinal ranges; executors verify the files."""
 
@@ -106,6 +112,7 @@ class InboxStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         self._watcher: InboxWatcher | None = None
         self._last_scan = 0.0
         self._waiting = 0
+        self._orphans_checked = False
 
     # -- driver -------------------------------------------------------------------------------
     def _get_intake(self) -> Intake:
@@ -163,6 +170,7 @@ class InboxStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         s = int(start.get("next", 0))
         if self.target is None:
             self._scan()
+        self._take_back_orphans(s)
         ordinals = [o for o, _ in self._pending() if o >= s]
         if self.target is not None:
             ordinals = [o for o in ordinals if o < self.target]
@@ -185,6 +193,33 @@ class InboxStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
                 chosen = chosen[:i]
                 break
         return {"next": chosen[-1] + 1}
+
+    def _take_back_orphans(self, start: int) -> None:
+        """Once per reader: intake files below ``start`` (what Spark has committed) that no
+        landing journal holds were never landed — a landing's intent was lost (the state dir
+        restored from a copy, or the file deleted by hand). They are renumbered above
+        ``start`` and land like new files; nothing is lost in Spark's checkpoint."""
+        if self._orphans_checked:
+            return
+        intake = self._get_intake()
+        if not any(t.ordinal < start for t in intake.pending()):
+            self._orphans_checked = True
+            return
+        if intent_path(self.cfg).exists():
+            return  # a landing holds them now (the job applies it): ask again at the next poll
+        # listed again after the intent check: a landing moves its files before it removes
+        # its intent, so what is below start now is held by none
+        orphans = [t for t in intake.pending() if t.ordinal < start]
+        taken = intake.renumber(orphans)
+        self._orphans_checked = True
+        if taken:
+            log_event(
+                log, 40, "intake files below Spark's committed offset were never landed (a "
+                "landing journal was lost): taken again under new ordinals",
+                files=len(taken), names=[t.name for t in taken][:20],
+            )  # fmt: skip
+            if self.target is not None:  # an available-now run lands them too
+                self.target = intake.next_ordinal()
 
     def partitions(self, start: dict[str, int], end: dict[str, int]) -> Sequence[InputPartition]:
         s, e = int(start.get("next", 0)), int(end.get("next", 0))

@@ -2,9 +2,10 @@
 
 ``diode red write-off`` and ``diode red retire`` check the request against the saved state,
 queue it in ``work_dir/requests/`` and, when no red job holds the state lock, apply it at once
-through the landing's tick; a running job applies it at its next tick (about a second). The
-landing audits ``gap_written_off`` / ``channel_retired``; the replay hold-back stops waiting for
-the bundles written off, and a retired channel is no longer watched for silence.
+through the landing's tick; a running job applies it at its next tick (about a second; later
+while a landing is being applied). The landing audits ``gap_written_off`` /
+``channel_retired``; the replay hold-back stops waiting for the bundles written off, and a
+retired channel is no longer watched for silence.
 """
 
 from __future__ import annotations

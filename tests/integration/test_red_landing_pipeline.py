@@ -1,0 +1,148 @@
+"""Integration: the pipelined landing (``Landing.submit``) on real Delta tables, no Spark:
+``submit`` returns while the apply runs; a failed apply — in the background or in a tick —
+fails every later call instead of letting a new landing be journaled over the unapplied one;
+a closed landing refuses batches; a restart finishes the landing from the journal."""
+
+from __future__ import annotations
+
+import json
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+from deltalake import DeltaTable
+
+from bridge.config import Config, load_config
+from bridge.red.job import open_landing
+from bridge.red.landing import REQUESTS_DIR, Landing, LandingError
+from bridge.red.tables import RedTables
+from bridge.red.verify import Verdict
+from tests.red_factory import RED_DIRS_TOML
+
+
+def _config(root: Path) -> Config:
+    p = root / "diode.toml"
+    p.write_text(f"""
+[link]
+bridge_id = "pipeline-test"
+
+[[channels]]
+name = "c1"
+encrypt = false
+
+[red]
+{RED_DIRS_TOML}""")
+    return load_config(p, environ={})
+
+
+def _junk(landing: Landing, ordinal: int) -> dict[str, Any]:
+    """An intake file and the verdict row of its rejection (what an executor would send)."""
+    name = f"c1.{ordinal:012d}.{ordinal:032x}.dbundle"
+    (landing.intake_dir / f"{ordinal:012d}.{name}").write_bytes(b"junk")
+    v = Verdict(name, "bundle", "reject", 4, reason="crypto", detail=f"{name}: not OpenPGP",
+                channel="c1", seq=ordinal)  # fmt: skip
+    return {"ordinal": ordinal, **v.to_row()}
+
+
+def _audit_land_seqs(cfg: Config) -> list[int]:
+    t = DeltaTable(str(Path(cfg.red.tables_dir) / "audit")).to_pyarrow_table()
+    return sorted({v for a, v in zip(t["app_id"].to_pylist(), t["version"].to_pylist(),
+                                      strict=True) if a == "diode-red"})  # fmt: skip
+
+
+def _intent(cfg: Config) -> dict[str, Any]:
+    return dict(json.loads((Path(cfg.red.state_dir) / "landing" / "intent.json").read_bytes()))
+
+
+def test_submit_returns_before_the_apply_and_drain_hands_its_result(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    cfg = _config(tmp_path)
+    landing = open_landing(cfg)
+    entered, release = threading.Event(), threading.Event()
+    real = RedTables.append
+
+    def held_append(self: RedTables, name: str, data: Any, **kw: Any) -> bool:
+        entered.set()
+        assert release.wait(30), "the test never released the apply"
+        return real(self, name, data, **kw)
+
+    monkeypatch.setattr(RedTables, "append", held_append)
+    assert landing.submit([_junk(landing, 1)]) == []  # returned: the apply waits in append
+    assert entered.wait(30), "the apply never started"
+    assert _intent(cfg)["land_seq"] == 1 and landing.land_seq == 1
+    release.set()
+    done = landing.drain()
+    assert [(r.land_seq, r.rejected) for r in done] == [(1, 1)]
+    assert not (Path(cfg.red.state_dir) / "landing" / "intent.json").exists()
+    assert _audit_land_seqs(cfg) == [1]
+    landing.drain(close=True)
+    with pytest.raises(LandingError, match="stopping"):
+        landing.submit([_junk(landing, 2)])
+
+
+def test_a_failed_background_apply_fails_every_later_call(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    cfg = _config(tmp_path)
+    landing = open_landing(cfg)
+    real = RedTables.append
+    fired: list[int] = []
+
+    def failing(self: RedTables, name: str, data: Any, **kw: Any) -> bool:
+        if name == "audit" and kw["version"] == 2:
+            fired.append(2)
+            raise OSError(28, "No space left on device (injected)")
+        return real(self, name, data, **kw)
+
+    monkeypatch.setattr(RedTables, "append", failing)
+    landing.submit([_junk(landing, 1)])
+    landing.submit([_junk(landing, 2)])  # landing 2 fails in the background
+    for call in (lambda: landing.submit([_junk(landing, 3)]), landing.tick, landing.drain):
+        with pytest.raises(LandingError, match="landing 2 failed: OSError.*injected"):
+            call()
+    assert fired == [2], "the fault did not fire"
+    assert _intent(cfg)["land_seq"] == 2, "a later landing was journaled over landing 2"
+    assert _audit_land_seqs(cfg) == [1]
+
+    monkeypatch.setattr(RedTables, "append", real)
+    again = open_landing(cfg)  # a restart: landing 2 is finished from the journal
+    assert again.land_seq == 2 and _audit_land_seqs(cfg) == [1, 2]
+    again.submit([_junk(again, 3)])
+    assert [r.land_seq for r in again.drain()] == [3]
+
+
+def test_a_failed_tick_apply_is_sticky_and_its_intent_is_not_overwritten(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    cfg = _config(tmp_path)
+    landing = open_landing(cfg)
+    landing.submit([_junk(landing, 1)])
+    landing.drain()
+    requests = Path(cfg.red.work_dir) / REQUESTS_DIR
+    requests.mkdir(parents=True, exist_ok=True)
+    (requests / "r1.json").write_text(json.dumps({"kind": "retire", "channel": "gone"}))
+    real_save = Landing._save_state
+    fired: list[int] = []
+
+    def failing_save(self: Landing, n: int, *a: Any) -> None:
+        if n == 2:
+            fired.append(n)
+            raise OSError(28, "No space left on device (injected)")
+        real_save(self, n, *a)
+
+    monkeypatch.setattr(Landing, "_save_state", failing_save)
+    with pytest.raises(LandingError, match="landing 2 failed"):
+        landing.tick()  # the audit of landing 2 is committed, its state save fails
+    assert fired == [2], "the fault did not fire"
+    with pytest.raises(LandingError, match="landing 2 failed"):
+        landing.submit([_junk(landing, 2)])  # never journaled as landing 2 over the tick's
+    assert _intent(cfg)["land_seq"] == 2 and _intent(cfg)["plains"] == []
+
+    monkeypatch.setattr(Landing, "_save_state", real_save)
+    again = open_landing(cfg)
+    assert again.land_seq == 2
+    again.submit([_junk(again, 2)])
+    assert [r.land_seq for r in again.drain()] == [3]
+    assert _audit_land_seqs(cfg) == [1, 2, 3]
