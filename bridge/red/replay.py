@@ -43,11 +43,9 @@ import contextlib
 import json
 import math
 import os
-import struct
 import threading
 import time
-from collections import deque
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -65,13 +63,30 @@ from bridge.errors import AmqpClosed, BrokerError, DiodeError, ProtocolError, St
 from bridge.fsutil import atomic_write_bytes, durable_mkdir, exclusive_lock
 from bridge.logs import get_logger, log_event
 from bridge.metrics import REGISTRY
+from bridge.protocol.header_splice import with_id_header
 from bridge.protocol.headers import typed_json_to_headers
 from bridge.protocol.manifest import format_utc
-from bridge.protocol.properties import decode_table, encode_table, scan_properties
+from bridge.protocol.properties import encode_table
 from bridge.protocol.rows import UNKNOWN_EXCHANGE_TYPE
 from bridge.red.approvals import Approvals
 from bridge.red.holdback import GapView, out_of_order, plan_release, publish_order
 from bridge.red.landing import STATE_FILE, read_saved_state
+from bridge.red.replay_plan import FileStat, plan_upper
+from bridge.red.replay_results import ReplaySummary, StepResult
+from bridge.red.replay_state import (
+    FORMAT,
+    LIVE_EVERY,
+    LIVE_FILE,
+    PROGRESS_FILE,
+    START,
+    Key,
+    Progress,
+    load_progress,
+    now_text,
+    read_live,
+    save_progress,
+)
+from bridge.red.replay_window import ConfirmWindow
 
 __all__ = [
     "APP_ID",
@@ -85,6 +100,7 @@ __all__ = [
     "audit_sink",
     "load_progress",
     "plan_upper",
+    "read_live",
     "with_id_header",
 ]
 
@@ -92,13 +108,7 @@ log = get_logger("bridge.red.replay")
 
 APP_ID = "diode-replay"
 """Delta application id of the replay publisher's audit rows."""
-PROGRESS_FILE = "replay-progress.json"
-LIVE_FILE = "replay-live.json"
-"""What the running replay is doing per exchange (held, stopped, in flight), for `diode red
-status` in another process: rewritten when it changes and every LIVE_EVERY seconds."""
-LIVE_EVERY = 5.0
 LOCK_FILE = "replay.lock"
-FORMAT = 1
 MAX_NACK_RETRIES = 3
 """Rewinds at the same row after broker nacks before the exchange is stopped."""
 RETRY_SECONDS = 60.0
@@ -111,9 +121,6 @@ PUBLISH_CHUNK = 128  # messages per socket write
 CLOSE_DRAIN_SECONDS = 5.0
 HEARTBEAT = 30
 
-Key = tuple[int, str, int]
-"""``(land_seq, channel, seq)``: where a row sorts in an exchange's replay order."""
-START: Key = (-1, "", -1)
 
 _COLUMNS = [
     "land_seq", "channel", "seq", "exchange_type", "exchange_durable", "exchange_auto_delete",
@@ -122,8 +129,6 @@ _COLUMNS = [
 ]  # fmt: skip
 _PUBLISHED = _COLUMNS[:-1]  # landed_at only serves the hold-back
 _ORDER = [("land_seq", "ascending"), ("channel", "ascending"), ("seq", "ascending")]
-_U32 = struct.Struct(">I")
-_HEADERS_FLAG = 0x2000
 _f = pads.field
 
 
@@ -177,343 +182,6 @@ class _Metrics:
 
 
 METRICS = _Metrics()
-
-
-# -- pure pieces ------------------------------------------------------------------------------
-def _now_text() -> str:
-    return datetime.now(UTC).isoformat(timespec="microseconds").replace("+00:00", "Z")
-
-
-@dataclass
-class Progress:
-    """The confirmed prefix of one exchange: its last row and how many rows were confirmed;
-    per channel, the highest seq confirmed and the highest hole the exchange went past."""
-
-    land_seq: int = -1
-    channel: str = ""
-    seq: int = -1
-    confirmed_rows: int = 0
-    updated_at: str | None = None
-    high: dict[str, int] = field(default_factory=dict)
-    """Per channel, the highest seq confirmed (rows published below it are out of order)."""
-    passed: dict[str, int] = field(default_factory=dict)
-    """Per channel, the highest hole (its ``resume`` seq) the hold-back went past."""
-
-    @property
-    def key(self) -> Key:
-        return (self.land_seq, self.channel, self.seq)
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "land_seq": self.land_seq,
-            "channel": self.channel,
-            "seq": self.seq,
-            "confirmed_rows": self.confirmed_rows,
-            "updated_at": self.updated_at,
-            "high": dict(sorted(self.high.items())),
-            "passed": dict(sorted(self.passed.items())),
-        }
-
-    @classmethod
-    def from_json(cls, d: Any) -> Progress:
-        return cls(
-            land_seq=int(d["land_seq"]),
-            channel=str(d["channel"]),
-            seq=int(d["seq"]),
-            confirmed_rows=int(d.get("confirmed_rows", 0)),
-            updated_at=d.get("updated_at"),
-            high={str(k): int(v) for k, v in d.get("high", {}).items()},
-            passed={str(k): int(v) for k, v in d.get("passed", {}).items()},
-        )
-
-
-def load_progress(state_dir: Path) -> dict[str, Progress]:
-    """The saved replay progress per exchange (empty before the first confirm)."""
-    path = Path(state_dir) / PROGRESS_FILE
-    try:
-        doc = json.loads(path.read_bytes())
-    except FileNotFoundError:
-        return {}
-    except ValueError as e:
-        raise StateError(
-            f"replay progress {path} is unreadable ({e}); restore it from backup, or delete it "
-            "to replay every approved exchange from the start (consumers then see duplicates)"
-        ) from None
-    try:
-        if doc.get("format") != FORMAT:
-            raise ValueError(f"format {doc.get('format')!r} is not {FORMAT}")
-        return {str(k): Progress.from_json(v) for k, v in doc["exchanges"].items()}
-    except (AttributeError, KeyError, TypeError, ValueError) as e:
-        raise StateError(
-            f"replay progress {path} is malformed ({e}); restore it from backup, or delete it "
-            "to replay every approved exchange from the start (consumers then see duplicates)"
-        ) from None
-
-
-def read_live(state_dir: Path) -> dict[str, Any]:
-    """The running replay's LIVE_FILE, with ``age_seconds``; ``{"running": False}`` when no
-    replay ever wrote one, ``{"error": ...}`` when it cannot be read. A file that says running
-    but was not rewritten for 3 x LIVE_EVERY is marked ``stale`` and its exchanges dropped."""
-    path = Path(state_dir) / LIVE_FILE
-    try:
-        doc = json.loads(path.read_bytes())
-        if not isinstance(doc, dict):
-            raise ValueError("not a JSON object")
-    except FileNotFoundError:
-        return {"running": False}
-    except (OSError, ValueError) as e:
-        return {"error": f"{path}: {e}"}
-    try:
-        doc["age_seconds"] = age = round(time.time() - os.stat(path).st_mtime, 1)
-    except OSError:
-        return doc
-    if doc.get("running") and age > 3 * LIVE_EVERY:  # its writer died (kill -9) or hangs
-        doc["stale"] = True
-        doc["exchanges"] = {}  # what it said is no longer known to be true
-    return doc
-
-
-def _save_progress(state_dir: Path, progress: dict[str, Progress]) -> None:
-    doc = {
-        "format": FORMAT,
-        "saved_at": _now_text(),
-        "exchanges": {k: v.to_json() for k, v in sorted(progress.items())},
-    }
-    atomic_write_bytes(Path(state_dir) / PROGRESS_FILE, json.dumps(doc, indent=1).encode() + b"\n")
-
-
-class ConfirmWindow:
-    """Publishes of one AMQP channel awaiting confirms, in publish order.
-
-    ``sent(tag, key)`` records a publish (tags increase by one per publish on the channel);
-    ``confirm`` applies a broker ack or nack (``multiple`` or not, in any order);
-    ``pop_acked`` removes and returns the keys of the acknowledged prefix. A nacked publish
-    stops the prefix: ``head_nacked`` tells the caller to rewind (``clear``) once ``pending``
-    (publishes not yet settled) is 0. A publish may carry a *mark*, the progress key its
-    confirmation allows (rows published out of key order, see
-    :func:`bridge.red.holdback.publish_order`); without one the mark is its own key.
-    """
-
-    __slots__ = ("_q", "pending", "nacked")
-
-    def __init__(self) -> None:
-        self._q: deque[list[Any]] = deque()  # [tag, key, state: None | True | False, mark]
-        self.pending = 0
-        self.nacked = False
-
-    def __len__(self) -> int:
-        return len(self._q)
-
-    def sent(self, tag: int, key: Key) -> None:
-        q = self._q
-        if q and tag != q[-1][0] + 1:
-            raise ValueError(f"publish tag {tag} does not follow {q[-1][0]}")
-        q.append([tag, key, None, key])
-        self.pending += 1
-
-    def sent_many(
-        self, first_tag: int, keys: Sequence[Key], marks: Sequence[Key] | None = None
-    ) -> None:
-        """``sent`` for consecutive tags from ``first_tag`` (``marks``: one per key)."""
-        q = self._q
-        if q and keys and first_tag != q[-1][0] + 1:
-            raise ValueError(f"publish tag {first_tag} does not follow {q[-1][0]}")
-        if marks is None:
-            q.extend([[first_tag + i, k, None, k] for i, k in enumerate(keys)])
-        else:
-            q.extend(
-                [
-                    [first_tag + i, k, None, m]
-                    for i, (k, m) in enumerate(zip(keys, marks, strict=True))
-                ]
-            )
-        self.pending += len(keys)
-
-    def confirm(self, tag: int, multiple: bool, ack: bool) -> int:
-        """Apply one confirm; returns how many publishes it settled."""
-        q = self._q
-        if not q:
-            return 0
-        base = q[0][0]
-        settled = 0
-        if multiple:
-            for i in range(min(tag - base, len(q) - 1) + 1):
-                e = q[i]
-                if e[2] is None:
-                    e[2] = ack
-                    settled += 1
-        else:
-            i = tag - base
-            if 0 <= i < len(q) and q[i][2] is None:
-                q[i][2] = ack
-                settled = 1
-        if settled and not ack:
-            self.nacked = True
-        self.pending -= settled
-        return settled
-
-    def pop_acked(self) -> list[Key]:
-        """Keys of the acknowledged prefix, removed from the window, in publish order."""
-        return self.pop_acked_marked()[0]
-
-    def pop_acked_marked(self) -> tuple[list[Key], Key | None]:
-        """``pop_acked``, and the mark of the last key popped (None when none was)."""
-        q = self._q
-        out = []
-        mark = None
-        while q and q[0][2] is True:
-            e = q.popleft()
-            out.append(e[1])
-            mark = e[3]
-        return out, mark
-
-    @property
-    def head_nacked(self) -> bool:
-        return bool(self._q) and self._q[0][2] is False
-
-    def clear(self) -> int:
-        """Forget every publish (a rewind or a dead channel); returns how many were pending."""
-        pending = self.pending
-        self._q.clear()
-        self.pending = 0
-        self.nacked = False
-        return pending
-
-
-FileStat = tuple[int, int, int]
-"""``(min land_seq, max land_seq, rows)`` of one data file (or one land_seq value)."""
-
-
-def plan_upper(files: Iterable[FileStat], lo: int, batch_rows: int) -> int | None:
-    """The last landing commit of the next batch: the smallest ``max land_seq`` of a file
-    such that the files ending at or before it hold about ``batch_rows`` rows at or after
-    ``lo`` (a file that straddles ``lo`` counts in proportion). None: no row at or after
-    ``lo``. Rows of commits ``[lo, result]`` are then read whole."""
-    ends: list[tuple[int, float]] = []
-    for mn, mx, n in files:
-        if mx < lo or n <= 0:
-            continue
-        share = n if mn >= lo else n * (mx - lo + 1) / (mx - mn + 1)
-        ends.append((mx, share))
-    if not ends:
-        return None
-    ends.sort()
-    total = 0.0
-    for mx, share in ends:
-        total += share
-        if total >= batch_rows:
-            return mx
-    return ends[-1][0]
-
-
-def with_id_header(properties_raw: bytes, name: str, value: str) -> bytes:
-    """``properties_raw`` with header ``name`` = long string ``value`` added at the end of the
-    headers table (created if absent; an existing ``name`` entry is replaced). Every other
-    byte is kept: the table's other entries are copied, not re-encoded, unless ``name`` was
-    there. ProtocolError if the property bytes do not decode."""
-    scan_properties(properties_raw)  # validates the whole block
-    raw = properties_raw
-    flags = (raw[0] << 8) | raw[1]
-    if flags & 1:
-        raise ProtocolError("property flags continue past the first word (not AMQP basic)")
-    pos = 2
-    for bit in (0x8000, 0x4000):  # content-type, content-encoding: short strings
-        if flags & bit:
-            pos += 1 + raw[pos]
-    key = name.encode()
-    entry = bytes((len(key),)) + key + b"S" + _U32.pack(len(value.encode())) + value.encode()
-    if flags & _HEADERS_FLAG:
-        size = _U32.unpack_from(raw, pos)[0]
-        end = pos + 4 + size
-        body = raw[pos + 4 : end]
-        old = decode_table(raw[pos:end])
-        if any((k.encode() if isinstance(k, str) else k) == key for k, _ in old):
-            kept = tuple((k, v) for k, v in old if (k.encode() if isinstance(k, str) else k) != key)
-            body = encode_table(kept)[4:]
-        table = _U32.pack(len(body) + len(entry)) + body + entry
-        return raw[:pos] + table + raw[end:]
-    flags |= _HEADERS_FLAG
-    table = _U32.pack(len(entry)) + entry
-    return bytes((flags >> 8, flags & 0xFF)) + raw[2:pos] + table + raw[pos:]
-
-
-# -- results ----------------------------------------------------------------------------------
-@dataclass
-class StepResult:
-    """What one pass did."""
-
-    published: int = 0
-    confirmed: int = 0
-    exchanges: dict[str, dict[str, int]] = field(default_factory=dict)
-    events: list[dict[str, Any]] = field(default_factory=list)
-    caught_up: bool = False
-    held: int = 0
-    """Exchanges waiting for an open gap (hold-back) at the end of the pass."""
-    error: str | None = None
-    seconds: float = 0.0
-
-    def _count(self, exchange: str, what: str, n: int) -> None:
-        per = self.exchanges.setdefault(exchange, {"published": 0, "confirmed": 0})
-        per[what] += n
-        setattr(self, what, getattr(self, what) + n)
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "published": self.published,
-            "confirmed": self.confirmed,
-            "exchanges": self.exchanges,
-            "events": self.events,
-            "caught_up": self.caught_up,
-            "held": self.held,
-            "error": self.error,
-            "seconds": round(self.seconds, 3),
-        }
-
-
-@dataclass
-class ReplaySummary:
-    """What a ``run`` did: counts per exchange, the errors seen, the events, the time taken."""
-
-    published: int = 0
-    confirmed: int = 0
-    exchanges: dict[str, dict[str, Any]] = field(default_factory=dict)
-    errors: list[str] = field(default_factory=list)
-    events: list[dict[str, Any]] = field(default_factory=list)
-    seconds: float = 0.0
-    caught_up: bool = False
-
-    def add(self, r: StepResult, *, final: bool = False) -> None:
-        self.published += r.published
-        self.confirmed += r.confirmed
-        for name, per in r.exchanges.items():
-            mine = self.exchanges.setdefault(name, {"published": 0, "confirmed": 0})
-            mine["published"] += per["published"]
-            mine["confirmed"] += per["confirmed"]
-        self.events.extend(r.events)
-        for ev in r.events:
-            if ev["event"] == "replay_failed":
-                self.errors.append(f"exchange {ev['exchange']!r}: {ev['reason']}")
-        if r.error and (not self.errors or self.errors[-1] != r.error):
-            self.errors.append(r.error)
-        if not final:
-            self.caught_up = r.caught_up
-
-    @property
-    def rate(self) -> float:
-        """Confirmed messages per second."""
-        return self.confirmed / self.seconds if self.seconds > 0 else 0.0
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "published": self.published,
-            "confirmed": self.confirmed,
-            "exchanges": self.exchanges,
-            "errors": self.errors,
-            "events": len(self.events),
-            "caught_up": self.caught_up,
-            "seconds": round(self.seconds, 3),
-            "confirmed_per_second": round(self.rate, 1),
-        }
 
 
 # -- per exchange -----------------------------------------------------------------------------
@@ -714,7 +382,7 @@ class Replayer:
     def _live_doc(self, *, closed: bool = False) -> dict[str, Any]:
         return {
             "format": FORMAT,
-            "written_at": _now_text(),
+            "written_at": now_text(),
             "pid": os.getpid(),
             "running": not closed,
             "connected": self._conn is not None and self._conn.is_open,
@@ -1539,11 +1207,11 @@ class Replayer:
         self._sink()
 
     def _save(self) -> None:
-        stamp = _now_text()
+        stamp = now_text()
         for p in self._progress.values():
             if p.updated_at is None:
                 p.updated_at = stamp
-        _save_progress(self.state_dir, self._progress)
+        save_progress(self.state_dir, self._progress)
         self._dirty = False
         self._saved_at = time.monotonic()
         self._update_lag(*self._last)

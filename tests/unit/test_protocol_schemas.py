@@ -151,7 +151,10 @@ def test_the_json_schemas_are_not_vacuous(schema_file: str, make: Any, key: str,
     assert check(doc, load(schema_file)) != []
 
 
-MODULES = ["properties", "headers", "schema", "rows", "manifest", "bundle", "naming", "heartbeat"]
+MODULES = [
+    "properties", "headers", "schema", "rows", "manifest", "bundle", "naming", "heartbeat",
+    "header_splice",
+]  # fmt: skip
 
 
 @pytest.mark.parametrize("name", MODULES)

@@ -1,0 +1,142 @@
+"""Red, replay: the publisher's durable progress (replay-progress.json) and the live status
+file (replay-live.json) that `diode red status` reads from another process."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from bridge.errors import StateError
+from bridge.fsutil import atomic_write_bytes
+
+__all__ = [
+    "FORMAT",
+    "LIVE_EVERY",
+    "LIVE_FILE",
+    "PROGRESS_FILE",
+    "START",
+    "Key",
+    "Progress",
+    "load_progress",
+    "now_text",
+    "read_live",
+    "save_progress",
+]
+
+PROGRESS_FILE = "replay-progress.json"
+LIVE_FILE = "replay-live.json"
+"""What the running replay is doing per exchange (held, stopped, in flight), for `diode red
+status` in another process: rewritten when it changes and every LIVE_EVERY seconds."""
+LIVE_EVERY = 5.0
+FORMAT = 1
+
+Key = tuple[int, str, int]
+"""``(land_seq, channel, seq)``: where a row sorts in an exchange's replay order."""
+START: Key = (-1, "", -1)
+
+
+def now_text() -> str:
+    return datetime.now(UTC).isoformat(timespec="microseconds").replace("+00:00", "Z")
+
+
+@dataclass
+class Progress:
+    """The confirmed prefix of one exchange: its last row and how many rows were confirmed;
+    per channel, the highest seq confirmed and the highest hole the exchange went past."""
+
+    land_seq: int = -1
+    channel: str = ""
+    seq: int = -1
+    confirmed_rows: int = 0
+    updated_at: str | None = None
+    high: dict[str, int] = field(default_factory=dict)
+    """Per channel, the highest seq confirmed (rows published below it are out of order)."""
+    passed: dict[str, int] = field(default_factory=dict)
+    """Per channel, the highest hole (its ``resume`` seq) the hold-back went past."""
+
+    @property
+    def key(self) -> Key:
+        return (self.land_seq, self.channel, self.seq)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "land_seq": self.land_seq,
+            "channel": self.channel,
+            "seq": self.seq,
+            "confirmed_rows": self.confirmed_rows,
+            "updated_at": self.updated_at,
+            "high": dict(sorted(self.high.items())),
+            "passed": dict(sorted(self.passed.items())),
+        }
+
+    @classmethod
+    def from_json(cls, d: Any) -> Progress:
+        return cls(
+            land_seq=int(d["land_seq"]),
+            channel=str(d["channel"]),
+            seq=int(d["seq"]),
+            confirmed_rows=int(d.get("confirmed_rows", 0)),
+            updated_at=d.get("updated_at"),
+            high={str(k): int(v) for k, v in d.get("high", {}).items()},
+            passed={str(k): int(v) for k, v in d.get("passed", {}).items()},
+        )
+
+
+def load_progress(state_dir: Path) -> dict[str, Progress]:
+    """The saved replay progress per exchange (empty before the first confirm)."""
+    path = Path(state_dir) / PROGRESS_FILE
+    try:
+        doc = json.loads(path.read_bytes())
+    except FileNotFoundError:
+        return {}
+    except ValueError as e:
+        raise StateError(
+            f"replay progress {path} is unreadable ({e}); restore it from backup, or delete it "
+            "to replay every approved exchange from the start (consumers then see duplicates)"
+        ) from None
+    try:
+        if doc.get("format") != FORMAT:
+            raise ValueError(f"format {doc.get('format')!r} is not {FORMAT}")
+        return {str(k): Progress.from_json(v) for k, v in doc["exchanges"].items()}
+    except (AttributeError, KeyError, TypeError, ValueError) as e:
+        raise StateError(
+            f"replay progress {path} is malformed ({e}); restore it from backup, or delete it "
+            "to replay every approved exchange from the start (consumers then see duplicates)"
+        ) from None
+
+
+def read_live(state_dir: Path) -> dict[str, Any]:
+    """The running replay's LIVE_FILE, with ``age_seconds``; ``{"running": False}`` when no
+    replay ever wrote one, ``{"error": ...}`` when it cannot be read. A file that says running
+    but was not rewritten for 3 x LIVE_EVERY is marked ``stale`` and its exchanges dropped."""
+    path = Path(state_dir) / LIVE_FILE
+    try:
+        doc = json.loads(path.read_bytes())
+        if not isinstance(doc, dict):
+            raise ValueError("not a JSON object")
+    except FileNotFoundError:
+        return {"running": False}
+    except (OSError, ValueError) as e:
+        return {"error": f"{path}: {e}"}
+    try:
+        doc["age_seconds"] = age = round(time.time() - os.stat(path).st_mtime, 1)
+    except OSError:
+        return doc
+    if doc.get("running") and age > 3 * LIVE_EVERY:  # its writer died (kill -9) or hangs
+        doc["stale"] = True
+        doc["exchanges"] = {}  # what it said is no longer known to be true
+    return doc
+
+
+def save_progress(state_dir: Path, progress: dict[str, Progress]) -> None:
+    doc = {
+        "format": FORMAT,
+        "saved_at": now_text(),
+        "exchanges": {k: v.to_json() for k, v in sorted(progress.items())},
+    }
+    atomic_write_bytes(Path(state_dir) / PROGRESS_FILE, json.dumps(doc, indent=1).encode() + b"\n")
