@@ -76,7 +76,7 @@ def black_status_view(st: Mapping[str, Any]) -> RenderableType:
             _v(sp.get("durable_end")),
             _v(sp.get("acked_through")),
             tap,
-            _warn("yes") if c.get("pending") else "no",
+            _pending(c.get("pending"), bool(st.get("job_running"))),
             _v(c.get("heartbeat_seq")),
             _warn(_counts(c.get("lost"))) if c.get("lost") else _NONE,
             _counts(c.get("inexact")),
@@ -87,6 +87,13 @@ def black_status_view(st: Mapping[str, Any]) -> RenderableType:
     if isinstance(link, Mapping) and link.get("transport") == "udp":
         parts.append(_link_view(link))
     return Group(*parts)
+
+
+def _pending(pending: Any, running: bool) -> RenderableType:
+    """A pending bundle is being sealed while the job runs; without a job, a crash left it."""
+    if not pending:
+        return "no"
+    return "sealing" if running else _warn("interrupted")
 
 
 def _link_view(link: Mapping[str, Any]) -> RenderableType:

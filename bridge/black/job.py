@@ -28,7 +28,7 @@ from bridge.black.seal import BundleSealer
 from bridge.black.sink import BatchSink
 from bridge.black.source import SpoolDataSource
 from bridge.black.spool import SpoolReader
-from bridge.black.state import StateStore
+from bridge.black.state import LOCK_FILE, StateStore
 from bridge.black.taps import TapSupervisor, UntilEmptyTaps
 from bridge.config import Config
 from bridge.crypto.gpg import Gpg
@@ -209,7 +209,7 @@ class BlackRun:
         Holds an exclusive lock on the state dir for the whole run: two black jobs on one
         journal would fork the bundle chain.
         """
-        with exclusive_lock(Path(self.cfg.black.state_dir) / "black.lock", what="black run"):
+        with exclusive_lock(Path(self.cfg.black.state_dir) / LOCK_FILE, what="black run"):
             return self._run(spark, trigger, timeout)
 
     def _run(self, spark: Any, trigger: Trigger, timeout: float | None) -> BlackSummary:

@@ -10,9 +10,10 @@ from typing import Any
 import pyarrow as pa
 
 from bridge.black.gaplog import read_gaps
-from bridge.black.state import StateStore
+from bridge.black.state import LOCK_FILE, StateStore
 from bridge.config import Config
 from bridge.errors import BundleNameError
+from bridge.fsutil import lock_held
 from bridge.protocol.naming import parse_bundle_name, parse_heartbeat_name
 
 __all__ = ["channel_status", "files_table", "gap_ranges"]
@@ -31,6 +32,9 @@ def channel_status(cfg: Config) -> dict[str, Any]:
     waiting = _waiting(Path(cfg.black.outbox))
     out: dict[str, Any] = {
         "bridge_id": cfg.link.bridge_id,
+        # a bundle is pending for a moment while a running job seals it; with no holder of
+        # the lock, a pending bundle is one a crash interrupted (finished at the next start)
+        "job_running": lock_held(Path(cfg.black.state_dir) / LOCK_FILE),
         "outbox_files": len(waiting),
         "channels": {},
     }

@@ -24,7 +24,11 @@ from typing import Any
 from bridge.errors import StateError
 from bridge.fsutil import atomic_write_bytes
 
-__all__ = ["ChannelState", "StateStore"]
+__all__ = ["LOCK_FILE", "ChannelState", "StateStore"]
+
+LOCK_FILE = "black.lock"
+"""``state_dir/black.lock``: held by the black job for its whole run (and by `diode resend` and
+`diode mirror` while they work)."""
 
 
 @dataclass

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from bridge.config import Config, load_config
+from bridge.fsutil import exclusive_lock
 from bridge.red import sequence as sq
 from bridge.red.job import open_landing
 from tests.red_factory import RED_DIRS_TOML
@@ -108,3 +109,10 @@ def test_status_and_gaps_show_the_side_that_ran_here(tmp_path: Path) -> None:
     assert set(_json(cfg, "gaps")) == {"black", "red"}
     table = _cli(cfg, "gaps")
     assert "messages black lost" in table and "bundles missing in transit" in table
+
+    # a job holding its side's lock is seen from another process (status reads, takes nothing)
+    assert both["black"]["job_running"] is False and both["red"]["landing_running"] is False
+    with exclusive_lock(Path(cfg.black.state_dir) / "black.lock", what="a stand-in black job"):
+        with exclusive_lock(Path(cfg.red.state_dir) / "red.lock", what="a stand-in red job"):
+            held = _json(cfg, "status")
+    assert held["black"]["job_running"] is True and held["red"]["landing_running"] is True

@@ -34,10 +34,14 @@ def test_black_status_and_gaps_show_losses_pending_and_the_udp_link() -> None:
                  "datagrams_sent": 100}, "receiver": None},
     }  # fmt: skip
     out = _text(views.black_status_view(st))
-    want = ("black bridge b1", "3 file(s)", "1 in the UDP outbox", "4242", "maxlen 3", "yes",
-            "never ran", "UDP link (2 gap", "datagrams_sent 100", "no status file")  # fmt: skip
+    want = ("black bridge b1", "3 file(s)", "1 in the UDP outbox", "4242", "maxlen 3",
+            "interrupted", "never ran", "UDP link (2 gap", "datagrams_sent 100",
+            "no status file")  # fmt: skip
     for text in want:
         assert text in out, (text, out)
+    st["job_running"] = True  # the same pending bundle while a job runs: being sealed
+    out = _text(views.black_status_view(st))
+    assert "sealing" in out and "interrupted" not in out, out
 
     gaps = {
         "ops": {"lost": {"maxlen": 3}, "inexact": {"reordered-headers": 1}, "ranges": [
