@@ -72,18 +72,12 @@ class _Proc:
 def _spawn(cfg: Config, channel: str, *, until_empty: bool) -> subprocess.Popen[bytes]:
     env = dict(os.environ)
     env.setdefault("PYTHONUNBUFFERED", "1")
-    # the tap's closing status line goes to our stderr with the logs: our stdout is the
-    # caller's (`diode black run` and `diode demo` end it with their own JSON summary)
+    # our stdout is the caller's (`diode black run` and `diode demo` end it with their own
+    # JSON summary); the tap's closing status line is in its status file (`diode status`) too,
+    # and its logs go to stderr
     return subprocess.Popen(
-        tap_command(cfg, channel, until_empty=until_empty), env=env, stdout=_stderr_fd()
+        tap_command(cfg, channel, until_empty=until_empty), env=env, stdout=subprocess.DEVNULL
     )
-
-
-def _stderr_fd() -> int:
-    try:
-        return sys.stderr.fileno()
-    except (AttributeError, OSError, ValueError):  # replaced by a stream without a descriptor
-        return subprocess.DEVNULL
 
 
 class UntilEmptyTaps:

@@ -1,5 +1,4 @@
-"""Protocol core (red replay): add one header to AMQP property bytes, every other byte kept
-(the replay's stable id header)."""
+"""Protocol core (red replay): add one header to AMQP property bytes, keep every other byte."""
 
 from __future__ import annotations
 

@@ -219,6 +219,12 @@ class Intake:
                     rename_noreplace(t.path, dst)
                 except FileNotFoundError:
                     continue
+                except FileExistsError:
+                    raise StateError(
+                        f"intake ordinal {ordinal} ({t.name}) is in use already: "
+                        f"{self.dir / NEXT_FILE} went backwards; restore it above the highest "
+                        f"ordinal in {self.dir}"
+                    ) from None
                 st = os.lstat(dst)
                 out.append(_taken(ordinal, t.name, dst, st))
                 log_event(log, 30, "intake file renumbered", file_name=t.name,

@@ -118,6 +118,22 @@ class RedRun:
         for res in self.landing.drain(close=True):
             self.summary.totals.add(res)
 
+    def _end(self, query: Any, *, quiet: bool) -> None:
+        """Stop the query and wait for the landing in flight: the state lock is never released
+        with a landing still being applied. ``quiet``: another error is already the run's,
+        so a failed landing is logged (it stays in the journal) instead of raised."""
+        try:
+            if query.isActive:
+                query.stop()
+        except Exception as e:  # noqa: BLE001 - the landing state is safe either way
+            log_event(log, 30, "stopping the red query failed", error=str(e))
+        try:
+            self._drain()
+        except DiodeError as e:
+            if not quiet:
+                raise
+            log_event(log, 40, "the landing in flight failed too", error=str(e))
+
     def start_query(self, spark: Any, trigger: Trigger) -> Any:
         spark.dataSource.register(InboxDataSource)
         df = (
@@ -183,18 +199,10 @@ class RedRun:
                     break
                 if timeout is not None and time.monotonic() - t0 >= timeout:
                     break
-        finally:
-            try:
-                if query.isActive:
-                    query.stop()
-            except Exception as e:  # noqa: BLE001 - the landing state is safe either way
-                log_event(log, 30, "stopping the red query failed", error=str(e))
-            try:  # never release the state lock with a landing still being applied
-                self._drain()
-            except DiodeError as e:
-                if query.exception() is None:
-                    raise
-                log_event(log, 40, "the landing in flight failed too", error=str(e))
+        except BaseException:  # Ctrl-C, a failed tick: that error is the one to report
+            self._end(query, quiet=True)
+            raise
+        self._end(query, quiet=query.exception() is not None)
         exc = query.exception()
         if exc is not None:
             raise DiodeError(f"red query failed: {exc}")

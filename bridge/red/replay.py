@@ -68,6 +68,7 @@ from bridge.protocol.headers import typed_json_to_headers
 from bridge.protocol.manifest import format_utc
 from bridge.protocol.properties import encode_table
 from bridge.protocol.rows import UNKNOWN_EXCHANGE_TYPE
+from bridge.red import replay_state
 from bridge.red.approvals import Approvals
 from bridge.red.holdback import GapView, out_of_order, plan_release, publish_order
 from bridge.red.landing import STATE_FILE, read_saved_state
@@ -75,7 +76,6 @@ from bridge.red.replay_plan import FileStat, plan_upper
 from bridge.red.replay_results import ReplaySummary, StepResult
 from bridge.red.replay_state import (
     FORMAT,
-    LIVE_EVERY,
     LIVE_FILE,
     PROGRESS_FILE,
     START,
@@ -403,7 +403,7 @@ class Replayer:
             default=str,
         )  # fmt: skip
         now = time.monotonic()
-        if not closed and key == self._live_key and now - self._live_at < LIVE_EVERY:
+        if not closed and key == self._live_key and now - self._live_at < replay_state.LIVE_EVERY:
             return
         try:
             atomic_write_bytes(self.state_dir / LIVE_FILE, json.dumps(doc, indent=1).encode())

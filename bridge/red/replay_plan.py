@@ -1,5 +1,4 @@
-"""Red, replay: how many landing commits the next batch of an exchange takes, from the Delta
-log's per-file statistics alone (pure)."""
+"""Red, replay planning (pure): a batch's last landing commit from Delta file statistics."""
 
 from __future__ import annotations
 

@@ -1,5 +1,4 @@
-"""Red, replay: the publisher's durable progress (replay-progress.json) and the live status
-file (replay-live.json) that `diode red status` reads from another process."""
+"""Red, replay state: saved progress per exchange and the live file other processes read."""
 
 from __future__ import annotations
 

@@ -1,5 +1,4 @@
-"""Red, replay: the publishes of one AMQP channel awaiting the broker's confirms, in publish
-order (pure)."""
+"""Red, replay confirms (pure): one AMQP channel's publishes awaiting confirms, in order."""
 
 from __future__ import annotations
 

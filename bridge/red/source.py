@@ -205,11 +205,12 @@ class InboxStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         if not any(t.ordinal < start for t in intake.pending()):
             self._orphans_checked = True
             return
-        if intent_path(self.cfg).exists():
-            return  # a landing holds them now (the job applies it): ask again at the next poll
-        # listed again after the intent check: a landing moves its files before it removes
-        # its intent, so what is below start now is held by none
-        orphans = [t for t in intake.pending() if t.ordinal < start]
+        held = self._held_by_intent()
+        if held is None:
+            return  # the journal's intent cannot be read now: ask again at the next poll
+        # listed after the intent was read: a landing moves its files before it removes its
+        # intent, and Spark plans no batch (so no new intent) while it asks this
+        orphans = [t for t in intake.pending() if t.ordinal < start and t.ordinal not in held]
         taken = intake.renumber(orphans)
         self._orphans_checked = True
         if taken:
@@ -220,6 +221,17 @@ class InboxStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
             )  # fmt: skip
             if self.target is not None:  # an available-now run lands them too
                 self.target = intake.next_ordinal()
+
+    def _held_by_intent(self) -> set[int] | None:
+        """Intake ordinals the landing journal's intent will still move (empty without an
+        intent; None when it cannot be read now)."""
+        try:
+            doc = json.loads(intent_path(self.cfg).read_bytes())
+            return {int(m["ordinal"]) for m in doc.get("moves", [])}
+        except FileNotFoundError:
+            return set()
+        except (OSError, ValueError, TypeError, KeyError, AttributeError):
+            return None
 
     def partitions(self, start: dict[str, int], end: dict[str, int]) -> Sequence[InputPartition]:
         s, e = int(start.get("next", 0)), int(end.get("next", 0))
