@@ -17,9 +17,9 @@ The red job *pipelines* (``submit``): a micro-batch is judged and its intent jou
 sink, then applied by a background thread while Spark verifies the next batch on the
 executors. Spark may commit a batch whose landing is still being applied; the journaled intent
 is what makes that safe (a crash there is finished at start-up like any other). Whatever
-touches the state or the journal (the next ``submit``, ``tick``, ``process``, ``recover``,
-``drain``) first waits for the landing in flight; one that failed fails every later call: the
-job stops, and its restart finishes the landing from the journal.
+touches the state or the journal (the next ``submit``, ``tick``, ``recover``, ``drain``) first
+waits for the landing in flight; one that failed fails every later call: the job stops, and
+its restart finishes the landing from the journal.
 """
 
 from __future__ import annotations
@@ -271,18 +271,6 @@ class Landing:
     def _lookup(self, channel: str, bundle_seq: int) -> str | None:
         return self.tables.landed_sha256(channel, bundle_seq)
 
-    def process(self, verdicts: pa.Table | list[dict[str, Any]]) -> LandingResult:
-        """Judge and land one micro-batch of verdict rows (any order; sorted by ordinal)."""
-        rows = _sorted_rows(verdicts)
-        with self.lock:
-            self._wait()
-            intent, res = self._judge(rows)
-            if intent is not None:
-                self._apply_landing(intent, res)
-                self._wait()  # raises what the apply raised
-                self._finished.clear()
-            return res
-
     def submit(self, verdicts: pa.Table | list[dict[str, Any]]) -> list[LandingResult]:
         """Judge one micro-batch and journal its intent now, then apply it in a background
         thread (the caller, Spark's sink, returns and Spark verifies the next batch meanwhile).
@@ -326,7 +314,7 @@ class Landing:
         try:
             slow_point("red.apply")
             res.messages_landed = self._apply_or_fail(intent)
-        except BaseException:  # noqa: BLE001 - kept in self._failed for the next caller
+        except BaseException:  # kept in self._failed: the next caller raises it
             return
         self._count(res)
         self._finished.append(res)
