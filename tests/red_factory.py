@@ -30,7 +30,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from bridge.config import Config, config_from_dict
+from bridge.config import Config, config_from_dict, load_config
 from bridge.crypto.gpg import Gpg
 from bridge.crypto.keys import init_keys
 from bridge.protocol.bundle import manifest_for, pack_bundle, sha256_hex
@@ -58,6 +58,7 @@ __all__ = [
     "BundleMade",
     "HeartbeatMade",
     "RedKeys",
+    "keyless_red_config",
     "kill_agents",
     "make_bundle",
     "make_chain",
@@ -513,6 +514,15 @@ tables_dir = "red/tables"
 delta_engine = "delta-rs"
 """
 """The [red] keys of a test config: every red dir under ``red/``, delta-rs."""
+
+
+def keyless_red_config(root: Path, bridge_id: str, channels: Sequence[str] = ("c1",)) -> Config:
+    """A red config FILE under ``root`` for tests that land without verifying (the landing,
+    its state and operator requests): signed-only channels, no keys, red dirs under ``root``."""
+    chans = "".join(f'[[channels]]\nname = "{c}"\nencrypt = false\n\n' for c in channels)
+    p = root / "diode.toml"
+    p.write_text(f'[link]\nbridge_id = "{bridge_id}"\n\n{chans}[red]\n{RED_DIRS_TOML}')
+    return load_config(p, environ={})
 
 
 def write_red_toml(

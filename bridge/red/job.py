@@ -111,24 +111,21 @@ class RedRun:
         for res in self.landing.submit(table):
             self.summary.totals.add(res)
 
-    def _drain(self) -> None:
-        """Wait for the landing in flight and count it; no micro-batch is landed after this
-        (a sink call Spark makes while the query stops is refused: its files stay in intake)."""
-        assert self.landing is not None
-        for res in self.landing.drain(close=True):
-            self.summary.totals.add(res)
-
     def _end(self, query: Any, *, quiet: bool) -> None:
-        """Stop the query and wait for the landing in flight: the state lock is never released
-        with a landing still being applied. ``quiet``: another error is already the run's,
-        so a failed landing is logged (it stays in the journal) instead of raised."""
+        """Stop the query, wait for the landing in flight and count it: the state lock is never
+        released with a landing still being applied, and no micro-batch is landed after this
+        (a sink call Spark makes while the query stops is refused: its files stay in intake).
+        ``quiet``: another error is already the run's, so a failed landing is logged (it stays
+        in the journal) instead of raised."""
+        assert self.landing is not None
         try:
             if query.isActive:
                 query.stop()
         except Exception as e:  # noqa: BLE001 - the landing state is safe either way
             log_event(log, 30, "stopping the red query failed", error=str(e))
         try:
-            self._drain()
+            for res in self.landing.drain(close=True):
+                self.summary.totals.add(res)
         except DiodeError as e:
             if not quiet:
                 raise

@@ -201,13 +201,10 @@ class InboxStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         ``start`` and land like new files; nothing is lost in Spark's checkpoint."""
         if self._orphans_checked:
             return
-        intake = self._get_intake()
-        if not any(t.ordinal < start for t in intake.pending()):
-            self._orphans_checked = True
-            return
         held = self._held_by_intent()
         if held is None:
             return  # the journal's intent cannot be read now: ask again at the next poll
+        intake = self._get_intake()
         # listed after the intent was read: a landing moves its files before it removes its
         # intent, and Spark plans no batch (so no new intent) while it asks this
         orphans = [t for t in intake.pending() if t.ordinal < start and t.ordinal not in held]

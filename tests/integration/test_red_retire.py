@@ -13,22 +13,19 @@ from typing import Any
 
 from deltalake import DeltaTable
 
-from bridge.config import Config, load_config
+from bridge.config import Config
 from bridge.fsutil import exclusive_lock
 from bridge.red import sequence as sq
 from bridge.red.job import open_landing
 from bridge.red.landing import LOCK_FILE, REQUESTS_DIR
-from tests.red_factory import RED_DIRS_TOML
+from tests.red_factory import keyless_red_config
 
 DIODE = [sys.executable, "-m", "bridge.cli"]
 T0 = datetime(2026, 11, 23, 9, 0, tzinfo=UTC)
 
 
 def _config(root: Path, channels: list[str]) -> Config:
-    p = root / "diode.toml"
-    chans = "".join(f'[[channels]]\nname = "{c}"\nencrypt = false\n\n' for c in channels)
-    p.write_text(f'[link]\nbridge_id = "retire-test"\n\n{chans}[red]\n{RED_DIRS_TOML}')
-    return load_config(p, environ={})
+    return keyless_red_config(root, "retire-test", channels)
 
 
 def _seed(root: Path) -> None:

@@ -13,30 +13,19 @@ from typing import Any
 
 from deltalake import DeltaTable
 
-from bridge.config import Config, load_config
+from bridge.config import Config
 from bridge.fsutil import exclusive_lock
 from bridge.red import sequence as sq
 from bridge.red.job import open_landing
 from bridge.red.landing import REQUESTS_DIR, Landing
-from tests.red_factory import RED_DIRS_TOML
+from tests.red_factory import keyless_red_config
 
 DIODE = [sys.executable, "-m", "bridge.cli"]
 T0 = datetime(2026, 11, 23, 9, 0, tzinfo=UTC)
 
 
 def _config(root: Path) -> Config:
-    p = root / "diode.toml"
-    p.write_text(f"""
-[link]
-bridge_id = "write-off-test"
-
-[[channels]]
-name = "c1"
-encrypt = false
-
-[red]
-{RED_DIRS_TOML}""")
-    return load_config(p, environ={})
+    return keyless_red_config(root, "write-off-test")
 
 
 def _with_gap(cfg: Config) -> Landing:
