@@ -12,6 +12,7 @@ a repeated send draws fresh repair symbols instead of repeating the same ones.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -28,6 +29,7 @@ __all__ = [
     "block_count",
     "block_symbols",
     "block_plan",
+    "decode_symbols",
     "encode_block",
     "fits_one_block",
     "padded_block",
@@ -146,15 +148,29 @@ def block_symbols(
     return out
 
 
+def decode_symbols(
+    symbols: Iterable[tuple[int, bytes]], k: int, symbol_size: int, length: int
+) -> bytes | None:
+    """The block of ``length`` bytes (``k`` source symbols of ``symbol_size``) rebuilt by
+    RaptorQ from ``(esi, symbol)`` pairs; None when these symbols do not rebuild it."""
+    decoder = raptorq.Decoder.with_defaults(k * symbol_size, symbol_size)
+    for i, sym in symbols:
+        got = decoder.decode(bytes((0,)) + i.to_bytes(3, "big") + sym)
+        if got is not None:
+            return bytes(got)[:length]
+    return None
+
+
 class BlockDecoder:
     """Collects the symbols of one block until it can be rebuilt; duplicates are ignored.
 
     Fast path: when every source symbol arrived, the block is their concatenation. Otherwise
     RaptorQ runs once enough distinct symbols are there (again after each further one if it
-    could not yet decode).
+    could not yet decode): here (``add``), or elsewhere (``add(decode=False)``, then
+    ``needs_decode``, ``held`` and ``finish`` with the result of ``decode_symbols``).
     """
 
-    __slots__ = ("plan", "t", "_symbols", "_data", "repairs_used")
+    __slots__ = ("plan", "t", "_symbols", "_data", "repairs_used", "tried", "busy", "_sources")
 
     def __init__(self, plan: BlockPlan, symbol_size: int) -> None:
         self.plan = plan
@@ -162,6 +178,11 @@ class BlockDecoder:
         self._symbols: dict[int, bytes] | None = {}
         self._data: bytes | None = None
         self.repairs_used = 0
+        self._sources = 0  # source symbols held (ids below k)
+        self.tried = 0
+        """Symbols held at the last decoding attempt (the next needs more)."""
+        self.busy = False
+        """An attempt is under way elsewhere (a decoder worker)."""
 
     @property
     def complete(self) -> bool:
@@ -175,8 +196,9 @@ class BlockDecoder:
         """The symbols held (empty once complete)."""
         return dict(self._symbols or {})
 
-    def add(self, esi: int, payload: bytes) -> bool:
-        """Add one symbol; True when this one completed the block."""
+    def add(self, esi: int, payload: bytes, *, decode: bool = True) -> bool:
+        """Add one symbol; True when this one completed the block (with ``decode`` False,
+        only when it was the last missing source symbol)."""
         syms = self._symbols
         if syms is None or esi in syms:
             return False
@@ -187,24 +209,45 @@ class BlockDecoder:
             )
         syms[esi] = payload
         k = self.plan.k
+        if esi < k:
+            self._sources += 1
         if len(syms) < k:
             return False
-        if all(i in syms for i in range(k)):
-            data = b"".join(syms[i] for i in range(k))
-        else:
-            decoder = raptorq.Decoder.with_defaults(k * self.t, self.t)
-            got = None
-            for i, sym in syms.items():
-                got = decoder.decode(bytes((0,)) + i.to_bytes(3, "big") + sym)
-                if got is not None:
-                    break
-            if got is None:
-                return False
-            data = bytes(got)
-            self.repairs_used = sum(1 for i in range(k) if i not in syms)
+        if self._sources == k:
+            self._data = b"".join(syms[i] for i in range(k))[: self.plan.length]
+            self._symbols = None
+            return True
+        if not decode:
+            return False
+        self.tried = len(syms)
+        data = decode_symbols(syms.items(), k, self.t, self.plan.length)
+        if data is None:
+            return False
+        self.finish(data)
+        return True
+
+    def needs_decode(self) -> bool:
+        """Enough symbols for RaptorQ, more than at the last attempt, and none under way."""
+        syms = self._symbols
+        return (
+            syms is not None
+            and not self.busy
+            and len(syms) >= self.plan.k > 0
+            and (len(syms) > self.tried)
+        )
+
+    def held(self) -> list[tuple[int, bytes]]:
+        """``(esi, symbol)`` of every symbol held; counts as an attempt (``tried``)."""
+        syms = self._symbols or {}
+        self.tried = len(syms)
+        return list(syms.items())
+
+    def finish(self, data: bytes) -> None:
+        """Complete the block with its bytes, rebuilt elsewhere from ``held()``."""
+        syms = self._symbols or {}
+        self.repairs_used = sum(1 for i in range(self.plan.k) if i not in syms)
         self._data = data[: self.plan.length]
         self._symbols = None
-        return True
 
     def data(self) -> bytes:
         """The block's bytes; only once complete."""

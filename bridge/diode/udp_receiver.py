@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from bridge.config import Config
+from bridge.diode.udp_decode import DecoderPool
 from bridge.diode.udp_key import load_key
 from bridge.diode.udp_socket import set_rcvbuf
 from bridge.diode.udp_spool import (
@@ -89,6 +90,13 @@ class ReceiveSummary:
     """System calls that returned datagrams (fewer than datagrams with UDP GRO)."""
     delivery_errors: int = 0
     """Deliveries into the inbox the disk refused (each retried; the object stays spooled)."""
+    blocks_decoded_by_workers: int = 0
+    """Blocks RaptorQ rebuilt in decoder worker processes (they had lost a source symbol)."""
+    blocks_decoded_here: int = 0
+    """Such blocks rebuilt in the receiver's process: decode_workers = 0, a worker lost with
+    blocks in hand, every slot busy and the queue full, or while rebuilding the spool at
+    start."""
+    decode_workers_lost: int = 0
     seconds: float = 0.0
 
     def to_json(self) -> dict[str, Any]:
@@ -223,9 +231,16 @@ class _Receiver:
             self.summary.epochs_seen += 1
             UDP.sender_epoch.set(epoch)
 
+    def _count_decodes(self, ra: Reassembler) -> None:
+        s = self.summary
+        s.blocks_decoded_by_workers = ra.rebuilt_by_workers
+        s.blocks_decoded_here = ra.rebuilt - ra.rebuilt_by_workers
+        s.decode_workers_lost = ra.decoder.lost_workers if ra.decoder else 0
+
     def _status(self, ra: Reassembler) -> None:
         with self.lock:
             s = self.summary
+            self._count_decodes(ra)
             for reason, n in ra.dropped.items():
                 s.dropped[reason] = n
             s.objects_expired = ra.expired  # every gap: timeout, eviction, spool or digest error
@@ -271,10 +286,41 @@ class _Receiver:
     def _run(
         self, timeout: float | None, ready: Callable[[tuple[str, int]], None] | None
     ) -> ReceiveSummary:
+        pool: DecoderPool[Any] | None
+        try:
+            pool = (
+                DecoderPool(self.u.decode_workers, on_lost=self._decoder_lost)
+                if self.u.decode_workers
+                else None
+            )
+        except OSError as e:
+            raise ConfigError(
+                f"udp.receive.decode_workers = {self.u.decode_workers}: a decoder worker could "
+                f"not start ({e}); set decode_workers = 0 to decode in the receiver's process"
+            ) from None
+        try:
+            return self._receive(timeout, ready, pool)
+        finally:
+            if pool is not None:
+                pool.close()
+
+    def _decoder_lost(self, pid: int, code: int | None, why: str, held: int, left: int) -> None:
+        log_event(
+            log, 40, "udp decoder worker lost: its blocks are decoded in the receiver",
+            pid=pid, exit_code=code, why=why, blocks_held=held, workers_left=left,
+        )  # fmt: skip
+
+    def _receive(
+        self,
+        timeout: float | None,
+        ready: Callable[[tuple[str, int]], None] | None,
+        pool: DecoderPool[Any] | None,
+    ) -> ReceiveSummary:
         ra = Reassembler(
             self.root,
             max_object_bytes=self.u.max_object_bytes,
             max_open_objects=self.u.max_open_objects,
+            decoder=pool,
         )
         t0 = time.monotonic()
         tmp = delivery_tmp_dir(self.root, self.inbox)
@@ -313,7 +359,7 @@ class _Receiver:
                         else:
                             n = seg = recv_into(buf)
                     except BlockingIOError:
-                        wait.poll(200)
+                        wait.poll(5 if ra.decoding() else 200)
                         break
                     s.receive_calls += 1
                     for off in range(0, n, seg) if seg else (0,):
@@ -336,6 +382,9 @@ class _Receiver:
                                 ra.give_up(dg.epoch, dg.obj, e)  # type: ignore[union-attr]
                     if ra.ready:
                         break
+                if ra.decoding():
+                    with self.lock:
+                        ra.take_decoded()
                 now = time.monotonic()
                 if now - last_flush >= _FLUSH_EVERY:
                     last_flush = now
@@ -353,7 +402,11 @@ class _Receiver:
                     break
         finally:
             with self.lock:
+                deadline = time.monotonic() + 10
+                while ra.decoding() and time.monotonic() < deadline:  # let the blocks in hand
+                    ra.take_decoded(0.1)  # complete: a restart would decode them again
                 ra.flush_all()
+                self._count_decodes(ra)
             while ra.ready:
                 self.work.put(ra.ready.popleft())
             self.work.put(None)

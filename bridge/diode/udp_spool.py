@@ -30,7 +30,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from bridge.diode.udp_fec import BlockDecoder, FecError, block_plan, fits_one_block
+from bridge.diode.udp_decode import DecoderPool
+from bridge.diode.udp_fec import (
+    BlockDecoder,
+    FecError,
+    block_plan,
+    decode_symbols,
+    fits_one_block,
+)
 from bridge.fsutil import durable_mkdir, fsync_dir, pwritev_all, write_all
 from bridge.logs import get_logger, log_event
 from bridge.metrics import UDP
@@ -137,8 +144,11 @@ class Reassembler:
         max_object_bytes: int,
         max_open_objects: int,
         max_held_bytes: int = 512 << 20,
+        decoder: DecoderPool[tuple[tuple[int, int], int, BlockDecoder]] | None = None,
     ) -> None:
         self.root = Path(spool_dir)
+        self.decoder = decoder
+        """Worker processes for blocks that lost a source symbol (None: decoded here)."""
         self.objects_dir = durable_mkdir(self.root / "objects")
         durable_mkdir(self.root / "tmp")
         self.max_object_bytes = max_object_bytes
@@ -153,6 +163,9 @@ class Reassembler:
         self.dropped: dict[str, int] = {}
         self.expired = 0
         self.symbols_total = 0
+        self.rebuilt = 0
+        """Blocks RaptorQ rebuilt (they had lost a source symbol), here or in a worker."""
+        self.rebuilt_by_workers = 0
         self._refused: set[tuple[int, int]] = set()
         self._failed: dict[tuple[int, int], None] = {}
         """Objects given up because the spool could not be written: their symbols are dropped."""
@@ -314,7 +327,7 @@ class Reassembler:
                 block_plan(h.length, h.symbol_size, h.block_symbols, b), h.symbol_size
             )
         before = dec.received
-        completed = dec.add(sym.esi, sym.payload)
+        completed = dec.add(sym.esi, sym.payload, decode=self.decoder is None)
         if dec.received == before and not completed:
             self._drop("duplicate")
             return
@@ -329,8 +342,57 @@ class Reassembler:
             obj.pending += sym.payload
             if len(obj.pending) >= _FLUSH_BYTES:
                 self._flush(obj)
+            if dec.needs_decode():
+                self._decode_elsewhere(obj, b, dec)
             if self.held > self.max_held:
                 self._evict_oldest("evicted")
+
+    # -- decoding in workers ------------------------------------------------------------
+    def _decode_elsewhere(self, obj: _Open, b: int, dec: BlockDecoder) -> None:
+        """Hand a block RaptorQ must rebuild to a decoder worker; decode it here when every
+        worker's slots are taken (the loop slows down rather than hold symbols unbounded)."""
+        assert self.decoder is not None
+        held = dec.held()
+        key = (obj.epoch, obj.h.object_id)
+        if self.decoder.submit((key, b, dec), held, dec.plan.k, dec.t, dec.plan.length):
+            dec.busy = True
+            return
+        data = decode_symbols(held, dec.plan.k, dec.t, dec.plan.length)
+        if data is not None:
+            self._finish_block(obj, b, dec, data)
+
+    def _finish_block(self, obj: _Open, b: int, dec: BlockDecoder, data: bytes) -> None:
+        self.held -= dec.received * dec.t  # what this decoder held, now released
+        dec.finish(data)
+        self._block_done(obj, b, dec)
+
+    def decoding(self) -> int:
+        """Blocks in a decoder worker's hands."""
+        return self.decoder.pending() if self.decoder is not None else 0
+
+    def take_decoded(self, timeout: float = 0.0) -> int:
+        """Place the blocks the workers rebuilt (waiting up to ``timeout`` for the first);
+        returns how many. A block whose object was given up or completed meanwhile is
+        dropped; one its symbols did not rebuild goes back once more symbols came."""
+        if self.decoder is None:
+            return 0
+        n = 0
+        for (key, b, dec), data, by_worker in self.decoder.results(timeout):
+            dec.busy = False
+            obj = self.open.get(key)
+            if obj is None or obj.decoders.get(b) is not dec:
+                continue
+            try:
+                if data is None:
+                    if dec.needs_decode():
+                        self._decode_elsewhere(obj, b, dec)
+                    continue
+                self._finish_block(obj, b, dec, data)
+                self.rebuilt_by_workers += by_worker
+                n += 1
+            except OSError as e:  # the spool's disk: that object is a gap
+                self.give_up(obj.epoch, obj.h, e)
+        return n
 
     def _block_done(self, obj: _Open, b: int, dec: BlockDecoder) -> None:
         h = obj.h
@@ -338,6 +400,7 @@ class Reassembler:
         write_all(obj.done_fd, _U32.pack(b))
         obj.done.add(b)
         obj.repairs_used += dec.repairs_used
+        self.rebuilt += dec.repairs_used > 0
         del obj.decoders[b]
         if len(obj.done) == obj.n_blocks:
             self._close(obj)

@@ -171,8 +171,8 @@ class WorkerPool:
         return any(w is not None and w.free for w in self._workers)
 
     def in_flight(self) -> int:
-        """Jobs handed to a live worker and not answered yet."""
-        return sum(len(w.jobs) for w in self._workers if w is not None)
+        """Jobs sent and not answered yet, a lost worker's included until ``take_orphans``."""
+        return sum(len(w.jobs) for w in self._workers if w is not None) + len(self._orphans)
 
     def free_worker(self) -> tuple[int, mmap.mmap, int] | None:
         """``(worker index, its memory, the offset of a free slot)`` of the least busy live
