@@ -260,6 +260,7 @@ def write_config(
     rate: int,
     overhead: float,
     encode_workers: int,
+    decode_workers: int = 1,
 ) -> Path:
     text = f"""
 [[channels]]
@@ -293,6 +294,7 @@ spool_dir = "red/udp-spool"
 expire_seconds = 15.0
 max_open_objects = 1024
 rcvbuf_bytes = 33554432
+decode_workers = {decode_workers}
 """
     p = root / "diode.toml"
     p.write_text(text)
@@ -333,8 +335,10 @@ def run_transport(
     path: str,
     ns: Netns | None,
     encode_workers: int,
+    decode_workers: int,
 ) -> dict[str, Any]:
-    root = fresh_root(work, f"{path}-{mtu}-{sc.name.replace(' ', '_').replace('%', '')}")
+    name = sc.name.replace(" ", "_").replace("%", "")
+    root = fresh_root(work, f"{path}-{mtu}-{name}-d{decode_workers}")
     port, relay_port = free_port(), free_port()
     if ns is None:
         bind, dest = f"127.0.0.1:{port}", f"127.0.0.1:{relay_port}"
@@ -344,12 +348,13 @@ def run_transport(
         bind = dest = f"{ns.r_addr}:{port}"
         pre_s, pre_r = ns.prefix(ns.s), ns.prefix(ns.r)
         ns.set_loss(sc.nft_loss_per_100k or 0)
-    cfg = write_config(root, dest, bind, mtu, rate, sc.overhead, encode_workers)
+    cfg = write_config(root, dest, bind, mtu, rate, sc.overhead, encode_workers, decode_workers)
     files = make_files(root / "black/outbox", total_mb, file_mb)
     inbox = root / "red/inbox"
     status = root / "red/udp-spool/status.json"
     log = root / "run.log"
-    res: dict[str, Any] = {"path": path, "mtu": mtu, "scenario": sc.name, "overhead": sc.overhead}
+    res: dict[str, Any] = {"path": path, "mtu": mtu, "scenario": sc.name, "overhead": sc.overhead,
+                           "decode_workers": decode_workers}  # fmt: skip
     with proc([*pre_r, *CLI, "udp", "receive", "--config", str(cfg)], root / "recv.log") as rp:
         deadline = time.monotonic() + 60
         while not status.exists():
@@ -428,6 +433,8 @@ def run_transport(
         datagrams_received=recv.get("datagrams"),
         dropped=recv.get("dropped"),
         repair_symbols_used=recv.get("repair_symbols_used"),
+        blocks_decoded_by_workers=recv.get("blocks_decoded_by_workers"),
+        blocks_decoded_here=recv.get("blocks_decoded_here"),
         send_calls=sent.get("send_calls"),
         receive_calls=recv.get("receive_calls"),
         relay=last_json(root / "relay.log") if ns is None else {"nft_dropped": ns.dropped()},
@@ -492,7 +499,7 @@ def print_table(res: dict[str, Any]) -> None:
         )
     print()
     head = (
-        f"{'path':6} {'mtu':>5} {'scenario':28} {'ovh':>5} {'goodput MB/s':>12} "
+        f"{'path':6} {'mtu':>5} {'scenario':28} {'ovh':>5} {'dec w':>5} {'goodput MB/s':>12} "
         f"{'x raw':>6} {'intact':>9} {'gaps':>5} {'corrupt':>7} {'repairs used':>12}"
     )
     print(head)
@@ -503,7 +510,8 @@ def print_table(res: dict[str, Any]) -> None:
         ratio = f"{r['goodput_mb_per_s'] / raw:.2f}" if raw else "-"
         print(
             f"{r['path']:6} {r['mtu']:>5} {r['scenario']:28} {r['overhead']:>5} "
-            f"{r['goodput_mb_per_s']:>12} {ratio:>6} {r['intact']:>4}/{r['files']:<4} "
+            f"{r.get('decode_workers', '-'):>5} {r['goodput_mb_per_s']:>12} {ratio:>6} "
+            f"{r['intact']:>4}/{r['files']:<4} "
             f"{r['gaps']:>5} {r['corrupt']:>7} {str(r['repair_symbols_used']):>12}"
         )
     for s in res.get("skipped", []):
@@ -521,6 +529,10 @@ def main() -> None:
     ap.add_argument("--encode-workers", type=int, nargs="+", default=[0, 1],
                     help="udp.send.encode_workers of the sender-alone runs (one run each); "
                     "the transport runs use the last")  # fmt: skip
+    ap.add_argument("--decode-workers", type=int, nargs="+", default=[1],
+                    help="udp.receive.decode_workers: each scenario runs once per value, "
+                    "alternating (--repeat times)")  # fmt: skip
+    ap.add_argument("--repeat", type=int, default=1, help="runs of each scenario and value")
     ap.add_argument("--only", nargs="*", default=None, help="scenario names (substring)")
     ap.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results")
     a = ap.parse_args()
@@ -555,11 +567,12 @@ def main() -> None:
                     for sc in scenarios:
                         if ns is not None and sc.nft_loss_per_100k is None:
                             continue
-                        r = run_transport(
-                            work, sc, mtu, rate, a.mb, a.file_mb, path, ns, a.encode_workers[-1]
-                        )
-                        res["runs"].append(r)
-                        print(json.dumps(r), flush=True)
+                        for _ in range(a.repeat):
+                            for dw in a.decode_workers:
+                                r = run_transport(work, sc, mtu, rate, a.mb, a.file_mb, path,
+                                                  ns, a.encode_workers[-1], dw)  # fmt: skip
+                                res["runs"].append(r)
+                                print(json.dumps(r), flush=True)
                 finally:
                     if ns is not None:
                         ns.close()
