@@ -49,6 +49,7 @@ from bridge.protocol.manifest import Manifest, parse_utc
 from bridge.red import schema as rs
 from bridge.red import sequence as sq
 from bridge.red.evidence import Evidence
+from bridge.red.layout import INTENT_FILE, JOURNAL_DIR, LOCK_FILE, STATE_FILE
 from bridge.red.tables import RedTables
 from bridge.red.verify import Verdict, sweep_plain_dir
 
@@ -65,13 +66,8 @@ __all__ = [
 log = get_logger("bridge.red.landing")
 
 APP_ID = "diode-red"
-STATE_FILE = "red-state.json"
-LOCK_FILE = "red.lock"
-"""``state_dir/red.lock``: held by the one process that lands (a red job, or an operator
-command applying a request while no job runs)."""
 REQUESTS_DIR = "requests"
 """``work_dir/requests/*.json``: operator requests the landing applies at its next tick."""
-INTENT_FILE = "intent.json"
 READ_BATCH_ROWS = 16_384
 
 
@@ -188,7 +184,7 @@ class Landing:
         self.tables = tables
         self.evidence = evidence
         self.state_dir = durable_mkdir(Path(r.state_dir))
-        self.journal_dir = durable_mkdir(self.state_dir / "landing")
+        self.journal_dir = durable_mkdir(self.state_dir / JOURNAL_DIR)
         self.work_dir = durable_mkdir(Path(r.work_dir))
         self.intake_dir = durable_mkdir(self.work_dir / "intake")
         self.plain_dir = durable_mkdir(self.work_dir / "plain")

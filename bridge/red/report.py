@@ -11,7 +11,8 @@ from bridge.diode.link_status import read_gap_records
 from bridge.fsutil import lock_held
 from bridge.protocol.manifest import parse_utc
 from bridge.red import sequence as sq
-from bridge.red.landing import INTENT_FILE, LOCK_FILE, read_saved_state
+from bridge.red.landing import read_saved_state
+from bridge.red.layout import LOCK_FILE, intent_path
 
 __all__ = ["red_status", "red_gaps", "load_sequence"]
 
@@ -96,7 +97,7 @@ def red_status(cfg: Config) -> dict[str, Any]:
     # a running job applies each landing from its journaled intent, so an intent beside a held
     # lock is work in progress; without a holder it is a landing a crash interrupted
     running = lock_held(Path(r.state_dir) / LOCK_FILE)
-    intent = (Path(r.state_dir) / "landing" / INTENT_FILE).exists()
+    intent = intent_path(r.state_dir).exists()
     return {
         "land_seq": land_seq,
         "state_saved_at": saved_at,

@@ -39,6 +39,7 @@ from bridge.fsutil import atomic_write_bytes, durable_mkdir
 from bridge.logs import get_logger, log_event, setup_logging
 from bridge.red.evidence import Evidence
 from bridge.red.intake import Intake, Quarantined
+from bridge.red.layout import intent_path
 from bridge.red.verify import VERDICT_SCHEMA, VerifyContext, verify_file
 from bridge.red.watch import InboxWatcher
 
@@ -89,12 +90,6 @@ def record_intake_quarantine(cfg: Config, items: Sequence[Quarantined]) -> None:
 
 def intake_dir(cfg: Config) -> Path:
     return Path(cfg.red.work_dir) / "intake"
-
-
-def intent_path(cfg: Config) -> Path:
-    """The landing journal's intent (bridge.red.landing writes it; named here so that the
-    source process need not import the Delta side)."""
-    return Path(cfg.red.state_dir) / "landing" / "intent.json"
 
 
 class InboxStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
@@ -223,7 +218,7 @@ class InboxStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         """Intake ordinals the landing journal's intent will still move (empty without an
         intent; None when it cannot be read now)."""
         try:
-            doc = json.loads(intent_path(self.cfg).read_bytes())
+            doc = json.loads(intent_path(self.cfg.red.state_dir).read_bytes())
             return {int(m["ordinal"]) for m in doc.get("moves", [])}
         except FileNotFoundError:
             return set()

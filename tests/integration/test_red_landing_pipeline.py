@@ -16,7 +16,7 @@ from deltalake import DeltaTable
 from bridge.config import Config
 from bridge.red.job import open_landing
 from bridge.red.landing import INTENT_FILE, REQUESTS_DIR, Landing, LandingError
-from bridge.red.source import intent_path as source_intent_path
+from bridge.red.layout import intent_path
 from bridge.red.tables import RedTables
 from bridge.red.verify import Verdict
 from tests.red_factory import keyless_red_config
@@ -62,8 +62,8 @@ def test_submit_returns_before_the_apply_and_drain_hands_its_result(
     assert landing.submit([_junk(landing, 1)]) == []  # returned: the apply waits in append
     assert entered.wait(30), "the apply never started"
     assert _intent(cfg)["land_seq"] == 1 and landing.land_seq == 1
-    # the inbox source (which must not import the landing) names the same journal file
-    assert source_intent_path(cfg) == landing.journal_dir / INTENT_FILE
+    # the inbox source (which must not import the landing) reads the same journal file
+    assert intent_path(cfg.red.state_dir) == landing.journal_dir / INTENT_FILE
     release.set()
     done = landing.drain()
     assert [(r.land_seq, r.rejected) for r in done] == [(1, 1)]
