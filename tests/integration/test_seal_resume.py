@@ -128,7 +128,7 @@ class Rig:
         return json.loads((self.state_dir / f"channel-{CHANNEL}.json").read_text())
 
 
-def make_rig(keys: KeyInventory, base: Path, **bundle: Any) -> Rig:
+def make_rig(keys: KeyInventory, base: Path, archive_mode: str = "copy", **bundle: Any) -> Rig:
     data = {
         "link": {"bridge_id": "seal-test", "black_signers": [keys.black_fpr]},
         "channels": [{"name": CHANNEL, "recipients": list(keys.red_fprs.values())}],
@@ -137,6 +137,7 @@ def make_rig(keys: KeyInventory, base: Path, **bundle: Any) -> Rig:
             "signing_key": keys.black_fpr,
             "outbox": "outbox",
             "archive": "archive",
+            "archive_mode": archive_mode,
             "state_dir": "state",
             "checkpoint_dir": "checkpoint",
             "spool_dir": "spool",
@@ -152,6 +153,23 @@ def make_rig(keys: KeyInventory, base: Path, **bundle: Any) -> Rig:
 @pytest.fixture
 def rig(keys: KeyInventory, short_tmp: Path) -> Rig:
     return make_rig(keys, short_tmp)
+
+
+@pytest.fixture(params=["copy", "link"])
+def crash_rig(request: pytest.FixtureRequest, keys: KeyInventory, short_tmp: Path) -> Rig:
+    """A rig in either archive mode: the crash windows must hold for both."""
+    return make_rig(keys, short_tmp, archive_mode=request.param)
+
+
+def check_archive(rig: Rig) -> None:
+    """Every bundle in the outbox is in the archive: the same inode in link mode (the link
+    path ran), a copy of the same bytes in copy mode."""
+    archive = Path(rig.cfg.black.archive) / CHANNEL
+    for p in rig.outbox_dir.glob("*.dbundle"):
+        a = archive / p.name
+        assert a.read_bytes() == p.read_bytes(), f"{p.name}: archive differs"
+        same = a.stat().st_ino == p.stat().st_ino
+        assert same == (rig.cfg.black.archive_mode == "link"), f"{p.name}: archive mode not used"
 
 
 # --------------------------------------------------------------------------- helpers
@@ -310,7 +328,8 @@ class CrashingOutbox(Outbox):
         b = cfg.black
         super().__init__(
             Path(b.outbox), Path(b.archive), retention_days=b.archive_retention_days,
-            staging=b.staging_dir,
+            staging=b.staging_dir, channel_dirs=cfg.outbox_dirs(),
+            archive_link=b.archive_mode == "link",
         )  # fmt: skip
         self.crash_on = crash_on
         self.calls = 0
@@ -409,7 +428,8 @@ def test_seal_rows_ships_gapless_chained_bundles(rig: Rig) -> None:
 # --------------------------------------------------------------------------- (b) crash + resume
 
 
-def test_crash_between_intent_and_delivery_recreates_the_same_bundle(rig: Rig) -> None:
+def test_crash_between_intent_and_delivery_recreates_the_same_bundle(crash_rig: Rig) -> None:
+    rig = crash_rig
     table = spooled(rig, messages(120))
     pending = crash_on_bundle(rig, table, 2)
 
@@ -450,10 +470,12 @@ def test_crash_between_intent_and_delivery_recreates_the_same_bundle(rig: Rig) -
     assert rig.sealer().seal_rows(rig.channel, table) == []
     assert sorted(p.name for p in rig.outbox_dir.glob("*.dbundle")) == before_names
     assert rig.state() == st
+    check_archive(rig)
 
 
-def test_crash_on_the_first_bundle_and_a_longer_replayed_batch(rig: Rig) -> None:
+def test_crash_on_the_first_bundle_and_a_longer_replayed_batch(crash_rig: Rig) -> None:
     """The pending bundle is the first one (prev_sha256 null); the replay brings more rows."""
+    rig = crash_rig
     pending = crash_on_bundle(rig, spooled(rig, messages(30)), 1)
     assert rig.state()["last_bundle_seq"] == 0
 
@@ -468,12 +490,14 @@ def test_crash_on_the_first_bundle_and_a_longer_replayed_batch(rig: Rig) -> None
     check_chain(bundles)
     assert bundles[0].manifest.prev_sha256 is None
     assert all_rows(bundles).column("seq").to_pylist() == list(range(90))
+    check_archive(rig)
 
 
-def test_crash_while_gpg_seals_leaves_no_intent_and_the_replay_seals_afresh(rig: Rig) -> None:
+def test_crash_while_gpg_seals_leaves_no_intent_and_the_replay_seals_afresh(crash_rig: Rig) -> None:
     """gpg seals bundle N before N's intent is journaled (pipelining): a crash there leaves the
     journal at N-1 with nothing pending and a stray temp file in staging (swept at start), and
     the replay seals N anew; nothing is rebuilt or re-sealed, the chain stays intact."""
+    rig = crash_rig
     table = spooled(rig, messages(120))
     crashing = CrashingGpg(rig.keys.black_home, crash_on=2)
     with pytest.raises(SimulatedCrash, match="inside gpg"):
@@ -500,6 +524,7 @@ def test_crash_while_gpg_seals_leaves_no_intent_and_the_replay_seals_afresh(rig:
     check_chain(bundles)
     assert all_rows(bundles).column("seq").to_pylist() == list(range(120))
     assert [p.name for p in outbox.staging.iterdir() if p.name != DROP_LOCK] == []
+    check_archive(rig)
 
 
 def test_next_bundle_is_packed_while_gpg_seals_the_previous_one(rig: Rig) -> None:
