@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import math
 import os
 import threading
 import time
@@ -53,7 +52,6 @@ from typing import Any
 
 import pyarrow as pa
 import pyarrow.compute as pc
-import pyarrow.dataset as pads
 from deltalake.exceptions import DeltaError
 from prometheus_client import Counter, Gauge
 
@@ -86,6 +84,7 @@ from bridge.red.replay_state import (
     read_live,
     save_progress,
 )
+from bridge.red.replay_table import PUBLISHED, MessagesTable, lag_rows
 from bridge.red.replay_window import ConfirmWindow
 
 __all__ = [
@@ -120,16 +119,6 @@ DRAIN_SECONDS = 30.0  # how long a pass waits for outstanding confirms
 PUBLISH_CHUNK = 128  # messages per socket write
 CLOSE_DRAIN_SECONDS = 5.0
 HEARTBEAT = 30
-
-
-_COLUMNS = [
-    "land_seq", "channel", "seq", "exchange_type", "exchange_durable", "exchange_auto_delete",
-    "exchange_internal", "exchange_arguments", "routing_key", "properties_raw", "body",
-    "landed_at",
-]  # fmt: skip
-_PUBLISHED = _COLUMNS[:-1]  # landed_at only serves the hold-back
-_ORDER = [("land_seq", "ascending"), ("channel", "ascending"), ("seq", "ascending")]
-_f = pads.field
 
 
 # -- metrics ----------------------------------------------------------------------------------
@@ -274,7 +263,7 @@ class Replayer:
         self._live_key, self._live_at = "", 0.0
         self._pending = 0  # publishes not yet settled, all exchanges
         self._lock: contextlib.ExitStack | None = None
-        self._dt: Any = None
+        self._messages = MessagesTable(self.table_path)
         self._backoff = 0.0
         self._next_connect = 0.0
         self._dirty = False
@@ -349,7 +338,7 @@ class Replayer:
         ours = self._lock is not None  # this is the running replay, or another process asks
         progress = dict(self._progress) if ours else self._load_progress_safe()
         live = self._live_doc() if ours else read_live(self.state_dir)
-        stats = self._stats()
+        stats = self._messages.stats()
         lanes = live.get("exchanges", {}) if isinstance(live.get("exchanges"), dict) else {}
         names = set(approved) | set(progress) | set(stats or {}) | set(lanes)
         out: dict[str, Any] = {}
@@ -361,7 +350,7 @@ class Replayer:
             out[name] = {
                 "approved": name in approved,
                 "progress": p.to_json() if p else None,
-                "lag_rows": self._lag(stats, name, p),
+                "lag_rows": lag_rows(stats, name, p.land_seq if p else -1),
                 "in_flight": now.get("in_flight", 0),
                 "stopped": now.get("stopped"),
                 "held": now.get("held"),
@@ -420,7 +409,7 @@ class Replayer:
         approved = self._approved()
         missing = False
         try:
-            stats = self._stats()
+            stats = self._messages.stats()
             missing = stats is None
         except _TABLE_ERRORS as e:
             stats = None
@@ -486,7 +475,10 @@ class Replayer:
         while True:
             lo = max(lane.cursor[0], lane.read_through + 1, 0)
             try:
-                batch, hi = self._read(lane, files, lo)
+                batch, hi = self._messages.read(
+                    lane.name, lane.cursor, files, lo, self.batch_rows,
+                    self._view.land_seq if self._view is not None else None,
+                )  # fmt: skip
             except _TABLE_ERRORS as e:
                 self._table_failed(e)
                 raise _TableError(self._result.error) from e
@@ -515,7 +507,7 @@ class Replayer:
             raise _TableError(self._result.error) from e
         if fill is not None:
             batch = pa.concat_tables([batch, fill])
-        cols = {name: batch.column(name).to_pylist() for name in _PUBLISHED}
+        cols = {name: batch.column(name).to_pylist() for name in PUBLISHED}
         keys = list(zip(cols["land_seq"], cols["channel"], cols["seq"], strict=True))
         order, marks = publish_order(cols["channel"], cols["seq"], keyed)
         mark_keys: list[Key] | None = None
@@ -655,21 +647,11 @@ class Replayer:
         if view is None or hi >= view.land_seq:
             return None
         top = batch.group_by("channel").aggregate([("seq", "max")])
-        cond = None
-        for ch, mx in zip(top["channel"].to_pylist(), top["seq_max"].to_pylist(), strict=True):
-            c = (_f("channel") == ch) & (_f("seq") < mx)
-            cond = c if cond is None else cond | c
-        assert cond is not None
-        flt = (_f("exchange") == lane.name) & (_f("land_seq") > hi) & (
-            _f("land_seq") <= view.land_seq) & cond  # fmt: skip
-        ds = self._dataset()
-        if not ds.to_table(columns=["seq"], filter=flt).num_rows:
-            return None
-        table = ds.to_table(columns=_COLUMNS, filter=flt)
-        if lane.early:  # published as fillers by an earlier batch: not again
+        below = dict(zip(top["channel"].to_pylist(), top["seq_max"].to_pylist(), strict=True))
+        table = self._messages.fillers(lane.name, below, hi, view.land_seq)
+        if table is not None and lane.early:  # published as fillers by an earlier batch
             table = self._without_early(lane, table, forget=False)
-        order = pc.sort_indices(table.select(["land_seq", "channel", "seq"]), sort_keys=_ORDER)
-        return table.take(order) if table.num_rows else None
+        return table if table is not None and table.num_rows else None
 
     def _catch_up_progress(self, lane: _Lane) -> None:
         """Every row up to the cursor was published (some ahead, as fillers); with nothing
@@ -703,43 +685,11 @@ class Replayer:
             self._event("replayed_out_of_order", lane.name, channel=ch, seq_first=o.first,
                         seq_last=o.last, reason="late", detail=detail)  # fmt: skip
 
-    def _read(self, lane: _Lane, files: list[FileStat], lo: int) -> tuple[Any, int | None]:
-        """The next batch of ``lane`` (rows after its cursor, sorted) and its last land_seq."""
-        ds = self._dataset()
-        base = _f("exchange") == lane.name
-        if not files or any(f[0] < 0 for f in files):  # no statistics: count land_seq values
-            files = self._counts(ds, base, lo)
-        hi = plan_upper(files, lo, self.batch_rows)
-        view = self._view
-        if view is not None and hi is not None and hi > view.land_seq:
-            hi = view.land_seq  # later landings are not in the state yet: their holes unknown
-        if hi is None or hi < lo:
-            return None, None
-        land, channel, seq = lane.cursor
-        after = (_f("land_seq") > land) | (
-            (_f("land_seq") == land)
-            & ((_f("channel") > channel) | ((_f("channel") == channel) & (_f("seq") > seq)))
-        )
-        flt = base & (_f("land_seq") >= lo) & (_f("land_seq") <= hi) & after
-        table = ds.to_table(columns=_COLUMNS, filter=flt)
-        order = pc.sort_indices(table.select(["land_seq", "channel", "seq"]), sort_keys=_ORDER)
-        if not order.equals(pa.array(range(len(order)), order.type)):
-            table = table.take(order)
-        return table, hi
-
     def _table_failed(self, e: BaseException) -> None:
-        self._dt = None  # re-opened next pass
+        self._messages.reset()  # re-opened next pass
         msg = f"messages table at {self.table_path} unreadable this pass: {type(e).__name__}: {e}"
         log_event(log, 40, msg)
         self._result.error = msg
-
-    @staticmethod
-    def _counts(ds: pads.Dataset, base: pads.Expression, lo: int) -> list[FileStat]:
-        col = ds.to_table(columns=["land_seq"], filter=base & (_f("land_seq") >= lo))["land_seq"]
-        vc = pc.value_counts(col)
-        values = vc.field("values").to_pylist()
-        counts = vc.field("counts").to_pylist()
-        return [(v, v, c) for v, c in zip(values, counts, strict=True)]
 
     def _with_id(self, lane: _Lane, props: bytes, value: str) -> bytes:
         try:
@@ -1081,76 +1031,13 @@ class Replayer:
                 self._pending -= lane.rewind()
                 del self._lanes[name]
 
-    def _table(self) -> Any:
-        from deltalake import DeltaTable
-
-        if self._dt is None:
-            if not DeltaTable.is_deltatable(str(self.table_path)):
-                return None
-            self._dt = DeltaTable(str(self.table_path))
-        else:
-            self._dt.update_incremental()
-        return self._dt
-
-    def _dataset(self) -> pads.Dataset:
-        return self._table().to_pyarrow_dataset()
-
-    def _stats(self) -> dict[str, list[FileStat]] | None:
-        """Per exchange, ``(min land_seq, max land_seq, rows)`` of each data file (-1 when the
-        log has no statistics); None when the table does not exist yet."""
-        dt = self._table()
-        if dt is None:
-            return None
-        actions = pa.table(dt.get_add_actions(flatten=True))
-        names = set(actions.column_names)
-        n = actions.num_rows
-        if "partition.exchange" not in names:  # not partitioned by exchange: read the column
-            return self._stats_by_reading()
-        part = actions.column("partition.exchange").to_pylist()
-        rows = actions.column("num_records").to_pylist() if "num_records" in names else [0] * n
-        mins = actions.column("min.land_seq").to_pylist() if "min.land_seq" in names else [None] * n
-        maxs = actions.column("max.land_seq").to_pylist() if "max.land_seq" in names else [None] * n
-        out: dict[str, list[FileStat]] = {}
-        for x, r, mn, mx in zip(part, rows, mins, maxs, strict=True):
-            if x is None:
-                continue
-            if mn is None or mx is None or r is None:
-                out.setdefault(x, []).append((-1, -1, int(r or 0)))
-            else:
-                out.setdefault(x, []).append((int(mn), int(mx), int(r)))
-        return out
-
-    def _stats_by_reading(self) -> dict[str, list[FileStat]]:
-        t = self._dataset().to_table(columns=["exchange", "land_seq"])
-        g = t.group_by(["exchange", "land_seq"]).aggregate([("land_seq", "count")])
-        out: dict[str, list[FileStat]] = {}
-        for x, ls, c in zip(
-            g["exchange"].to_pylist(), g["land_seq"].to_pylist(), g["land_seq_count"].to_pylist(),
-            strict=True,
-        ):  # fmt: skip
-            out.setdefault(x, []).append((ls, ls, c))
-        return out
-
-    @staticmethod
-    def _lag(stats: dict[str, list[FileStat]] | None, name: str, p: Progress | None) -> int | None:
-        if stats is None:
-            return None
-        after = p.land_seq if p else -1
-        total = 0.0
-        for mn, mx, n in stats.get(name, []):
-            if mn < 0:
-                total += n  # no statistics: counted whole
-            elif mx > after:
-                total += n if mn > after else n * (mx - after) / (mx - mn + 1)
-        return math.ceil(total)
-
     def _update_lag(self, stats: dict[str, list[FileStat]] | None, approved: set[str]) -> None:
         if stats is None:
             return
         for name in set(stats) | approved:
             lane = self._lanes.get(name)
             p = lane.progress if lane else self._progress.get(name)
-            lag = self._lag(stats, name, p)
+            lag = lag_rows(stats, name, p.land_seq if p else -1)
             METRICS.lag.labels(name).set(lag or 0)
 
     # -- events, progress, ending ---------------------------------------------------------------
