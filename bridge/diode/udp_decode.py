@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
 from bridge.diode.udp_fec import MAX_BLOCK_BYTES, decode_symbols
-from bridge.diode.udp_workers import WorkerPool, serve
+from bridge.diode.udp_workers import PoolUser, serve
 
 __all__ = ["DecoderPool", "SLOT_BYTES"]
 
@@ -48,8 +48,10 @@ class _Job(Generic[T]):
     length: int
 
 
-class DecoderPool(Generic[T]):
+class DecoderPool(PoolUser, Generic[T]):
     """Blocks being decoded by ``workers`` processes (``slots`` blocks each)."""
+
+    module, what = "bridge.diode.udp_decode", "decoder"
 
     def __init__(
         self,
@@ -61,29 +63,11 @@ class DecoderPool(Generic[T]):
         slot_bytes: int = SLOT_BYTES,
         max_queued: int = 256,
     ) -> None:
-        """``on_lost(pid, exit code, why, blocks it held, workers left)`` when one exits or is
-        killed for not answering within ``answer_seconds``. OSError when a worker cannot start
-        or is not ready within ``start_seconds``."""
-        self._pool = WorkerPool(
-            "bridge.diode.udp_decode", "decoder", workers, slot_bytes, slots, on_lost=on_lost,
-            answer_seconds=answer_seconds, start_seconds=start_seconds,
-        )  # fmt: skip
-        self.slot_bytes = self._pool.slot_bytes
-        self.inline_blocks = 0
-        """Blocks a lost worker held, decoded in this process."""
+        super().__init__(workers, slot_bytes, slots, on_lost, answer_seconds, start_seconds)
         self.worker_blocks = 0
         """Blocks the workers decoded."""
         self.max_queued = max_queued
         self._queue: deque[_Job[T]] = deque()
-
-    @property
-    def workers(self) -> int:
-        """Workers still alive."""
-        return self._pool.workers
-
-    @property
-    def lost_workers(self) -> int:
-        return self._pool.lost_workers
 
     def pending(self) -> int:
         """Blocks submitted and not yet returned by ``results``."""
@@ -140,10 +124,6 @@ class DecoderPool(Generic[T]):
     def _inline(self, job: _Job[T]) -> bytes | None:
         self.inline_blocks += 1
         return decode_symbols(job.symbols, job.k, job.t, job.length)
-
-    def pids(self) -> list[int]:
-        """Process ids of the live workers."""
-        return self._pool.pids()
 
     def close(self) -> None:
         """Stop the workers (they exit on the closed pipe); blocks in flight are dropped (their

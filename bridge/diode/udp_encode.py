@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
 from bridge.diode.udp_fec import repair_symbols
-from bridge.diode.udp_workers import WorkerPool, page_round, serve
+from bridge.diode.udp_workers import PoolUser, page_round, serve
 
 __all__ = ["EncoderPool", "slot_bytes_for"]
 
@@ -51,13 +51,15 @@ class _Job(Generic[T]):
     submitted: float = field(default_factory=time.monotonic)
 
 
-class EncoderPool(Generic[T]):
+class EncoderPool(PoolUser, Generic[T]):
     """FIFO of blocks being encoded by ``workers`` processes (``slots`` blocks each).
 
     ``submit`` when ``room()``; ``next_done`` gives the oldest block's repair symbols once
     they are there. With ``workers`` = 0, or once every worker is gone, ``submit`` encodes in
     this process.
     """
+
+    module, what = "bridge.diode.udp_encode", "encoder"
 
     def __init__(
         self,
@@ -68,26 +70,8 @@ class EncoderPool(Generic[T]):
         answer_seconds: float = 30.0,
         start_seconds: float = 30.0,
     ) -> None:
-        """``on_lost(pid, exit code, why, blocks it held, workers left)`` when one exits or is
-        killed for not answering within ``answer_seconds``. OSError when a worker cannot start
-        or is not ready within ``start_seconds``."""
-        self._pool = WorkerPool(
-            "bridge.diode.udp_encode", "encoder", workers, slot_bytes, slots, on_lost=on_lost,
-            answer_seconds=answer_seconds, start_seconds=start_seconds,
-        )  # fmt: skip
-        self.slot_bytes = self._pool.slot_bytes
-        self.answer_seconds = answer_seconds
+        super().__init__(workers, slot_bytes, slots, on_lost, answer_seconds, start_seconds)
         self._fifo: deque[_Job[T]] = deque()
-        self.inline_blocks = 0
-
-    @property
-    def workers(self) -> int:
-        """Workers still alive."""
-        return self._pool.workers
-
-    @property
-    def lost_workers(self) -> int:
-        return self._pool.lost_workers
 
     # -- the sender's side ----------------------------------------------------------------
     def room(self) -> bool:
@@ -156,10 +140,6 @@ class EncoderPool(Generic[T]):
                 self._inline(job)
         self._inline_orphans()
         return bool(answers)
-
-    def pids(self) -> list[int]:
-        """Process ids of the live workers."""
-        return self._pool.pids()
 
     def close(self) -> None:
         """Stop the workers (they exit on the closed pipe); blocks still pending are dropped."""

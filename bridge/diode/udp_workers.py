@@ -32,7 +32,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["WorkerPool", "Answer", "page_round", "serve"]
+__all__ = ["WorkerPool", "PoolUser", "Answer", "page_round", "serve"]
 
 _REP = struct.Struct("<Ii")
 """slot, status (its meaning is the job's; 0 is done)."""
@@ -288,6 +288,48 @@ class WorkerPool:
             if w is not None:
                 self._release(w)
         self._orphans = []
+
+
+class PoolUser:
+    """Base of a pool of FEC workers (encoder, decoder): the workers' module and name, the
+    blocks done in the owner's own process, and the counts of live and lost workers."""
+
+    module = ""
+    what = ""
+
+    def __init__(
+        self,
+        workers: int,
+        slot_bytes: int,
+        slots: int,
+        on_lost: Callable[[int, int | None, str, int, int], None] | None = None,
+        answer_seconds: float = 30.0,
+        start_seconds: float = 30.0,
+    ) -> None:
+        """``on_lost(pid, exit code, why, blocks it held, workers left)`` when one exits or is
+        killed for not answering within ``answer_seconds``. OSError when a worker cannot start
+        or is not ready within ``start_seconds``."""
+        self._pool = WorkerPool(
+            self.module, self.what, workers, slot_bytes, slots, on_lost=on_lost,
+            answer_seconds=answer_seconds, start_seconds=start_seconds,
+        )  # fmt: skip
+        self.slot_bytes = self._pool.slot_bytes
+        self.answer_seconds = answer_seconds
+        self.inline_blocks = 0
+        """Blocks done in this process (no worker could take them, or a lost one held them)."""
+
+    @property
+    def workers(self) -> int:
+        """Workers still alive."""
+        return self._pool.workers
+
+    @property
+    def lost_workers(self) -> int:
+        return self._pool.lost_workers
+
+    def pids(self) -> list[int]:
+        """Process ids of the live workers."""
+        return self._pool.pids()
 
 
 # -- the worker process ---------------------------------------------------------------------
