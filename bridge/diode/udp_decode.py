@@ -7,10 +7,10 @@ the socket. The receiver writes the block's symbols into a free slot (their ids 
 the symbols); the worker writes the rebuilt block back at the slot's start.
 
 Results come back in any order, each with the tag it was submitted with. A block submitted
-while every slot is taken waits in a bounded queue. The blocks a lost worker held are decoded
-in the receiver's process, and so is everything after that if no worker is left; a block too
-large for a slot, or one the full queue cannot take, is the caller's to decode. The files
-delivered are the same either way.
+while every slot is taken waits in a bounded queue; the blocks a lost worker held go back to
+its head. Once no worker is left, the queue is decoded in the receiver's process, a few
+blocks per call, and new blocks are the caller's to decode, as is a block too large for a slot
+or one the full queue cannot take. The files delivered are the same either way.
 
     python -m bridge.diode.udp_decode MEMFD REQUEST_FD REPLY_FD SLOT_BYTES SLOTS   (a worker)
 """
@@ -34,6 +34,8 @@ T = TypeVar("T")
 _REQ = struct.Struct("<IIII")
 """A request (after its slot): symbols n, symbol size T, source symbols k, block length."""
 _DONE, _REFUSED, _NOT_YET = 0, 1, 2
+_INLINE_PER_CALL = 2
+"""Queued blocks ``results`` decodes in this process per call once no worker is left."""
 SLOT_BYTES = MAX_BLOCK_BYTES + MAX_BLOCK_BYTES // 4
 """One slot: the largest block RaptorQ keeps whole, with a quarter more for repair symbols
 and the ids (a larger submission is decoded by the caller)."""
@@ -112,14 +114,23 @@ class DecoderPool(PoolUser, Generic[T]):
                 out.append((job.tag, None, False))
             else:  # the worker's decoder refused or raised: this process says why
                 out.append((job.tag, self._inline(job), False))
-        for job in self._pool.take_orphans():
-            out.append((job.tag, self._inline(job), False))
+        self._queue.extendleft(reversed(self._pool.take_orphans()))  # a lost worker's first
         while self._queue and self._send(self._queue[0]):
             self._queue.popleft()
-        if self._queue and not self.workers:  # the last worker is gone: decode them here
-            out.extend((job.tag, self._inline(job), False) for job in self._queue)
-            self._queue.clear()
+        if not self.workers:  # the last worker is gone: decode the rest here, a few a call,
+            for _ in range(min(len(self._queue), _INLINE_PER_CALL)):  # so that the receive
+                job = self._queue.popleft()  # loop that calls this keeps reading the socket
+                out.append((job.tag, self._inline(job), False))
         return out
+
+    def discard(self, gone: Callable[[T], bool]) -> int:
+        """Drop the queued blocks whose tag ``gone`` says no longer matters (their object was
+        completed or given up); returns how many. Blocks already in a worker's hands still
+        come back from ``results``."""
+        keep = deque(job for job in self._queue if not gone(job.tag))
+        dropped = len(self._queue) - len(keep)
+        self._queue = keep
+        return dropped
 
     def _inline(self, job: _Job[T]) -> bytes | None:
         self.inline_blocks += 1

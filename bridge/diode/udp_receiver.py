@@ -401,12 +401,15 @@ class _Receiver:
                 if deadline is not None and now > deadline:
                     break
         finally:
-            with self.lock:
-                deadline = time.monotonic() + 10
-                while ra.decoding() and time.monotonic() < deadline:  # let the blocks in hand
-                    ra.take_decoded(0.1)  # complete: a restart would decode them again
-                ra.flush_all()
-                self._count_decodes(ra)
+            try:  # let the blocks in the workers' hands complete (a restart would decode them
+                drain_until = time.monotonic() + 10  # again from the spool)
+                while ra.decoding() and time.monotonic() < drain_until:
+                    with self.lock:
+                        ra.take_decoded(0.1)
+            finally:
+                with self.lock:
+                    ra.flush_all()
+                    self._count_decodes(ra)
             while ra.ready:
                 self.work.put(ra.ready.popleft())
             self.work.put(None)

@@ -483,6 +483,9 @@ class Reassembler:
         for dec in obj.decoders.values():
             self.held -= dec.received * obj.h.symbol_size
         self.held = max(self.held, 0)
+        if self.decoder is not None and any(d.busy for d in obj.decoders.values()):
+            key = (obj.epoch, obj.h.object_id)  # its queued blocks hold symbols: drop them
+            self.decoder.discard(lambda tag: tag[0] == key)
         obj.decoders.clear()
 
     # -- expiry -------------------------------------------------------------------------

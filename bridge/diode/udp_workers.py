@@ -204,15 +204,21 @@ class WorkerPool:
 
     def answers(self, timeout: float) -> list[Answer]:
         """The workers' answers (waiting up to ``timeout`` for the first). Each slot is free
-        again once answered: copy its result out before the next ``free_worker``."""
+        again once answered: copy its result out before the next ``free_worker``. A worker
+        with a job older than ``answer_seconds`` and no answer waiting is killed and lost."""
+        out: list[Answer] = []
+        answered: set[int] = set()
+        self._read_answers(0.0, out, answered)  # what is there already, however late it is
+        if not out:
+            self._read_answers(timeout, out, answered)
+        self._kill_silent(answered)
+        return out
+
+    def _read_answers(self, timeout: float, out: list[Answer], answered: set[int]) -> None:
         live = {w.rep: i for i, w in enumerate(self._workers) if w is not None and w.jobs}
         if not live:
-            return []
-        self._kill_silent()
-        live = {w.rep: i for i, w in enumerate(self._workers) if w is not None and w.jobs}
-        ready = select.select(list(live), [], [], timeout)[0] if live else []
-        out: list[Answer] = []
-        for fd in ready:
+            return
+        for fd in select.select(list(live), [], [], timeout)[0]:
             i = live[fd]
             w = self._workers[i]
             if w is None:
@@ -227,22 +233,28 @@ class WorkerPool:
             if not data:
                 self.lose(i, "it exited")
                 continue
+            answered.add(i)
             w.buf += data
             while len(w.buf) >= _REP.size:
                 slot, status = _REP.unpack_from(w.buf)
                 w.buf = w.buf[_REP.size :]
                 job = w.jobs.pop(slot, None)
+                if job is None:  # not a slot in use: never free one twice
+                    continue
                 w.sent.pop(slot, None)
-                if job is not None:
-                    out.append((w.mem, slot * self.slot_bytes, status, job))
                 w.free.append(slot)
-        return out
+                out.append((w.mem, slot * self.slot_bytes, status, job))
 
-    def _kill_silent(self) -> None:
+    def _kill_silent(self, answered: set[int]) -> None:
+        """Lose the workers (but those that just answered: their memory holds results not yet
+        copied) whose oldest job has waited past ``answer_seconds``: stopped or hung, never
+        waited on for ever."""
         now = time.monotonic()
         for i, w in enumerate(self._workers):
-            if w is not None and w.sent and now - min(w.sent.values()) > self.answer_seconds:
-                w.proc.kill()  # alive but silent (stopped, hung): never waited on for ever
+            if w is None or i in answered or not w.sent:
+                continue
+            if now - min(w.sent.values()) > self.answer_seconds:
+                w.proc.kill()
                 self.lose(i, f"no answer for {self.answer_seconds:g} s")
 
     def lose(self, i: int, why: str) -> None:

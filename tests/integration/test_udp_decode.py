@@ -5,11 +5,14 @@ a block; the receiver uses them on a real socket and says so in its summary."""
 
 from __future__ import annotations
 
+import hashlib
 import os
 import random
 import signal
 import time
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import psutil
 import pytest
@@ -18,7 +21,8 @@ from bridge.demo.udp_link import free_udp_port
 from bridge.diode.udp_decode import DecoderPool
 from bridge.diode.udp_fec import decode_symbols, encode_block, repair_count
 from bridge.diode.udp_sender import envelope_prefix
-from bridge.protocol.datagram import DatagramCodec
+from bridge.diode.udp_spool import Reassembler
+from bridge.protocol.datagram import DatagramCodec, ObjectHeader, ObjectKind, Symbol
 from tests.integration.test_udp_encode import shadow_bridge
 from tests.integration.test_udp_receive import K, T, _cfg, datagrams, receiving
 
@@ -167,3 +171,115 @@ def test_a_decoder_worker_that_cannot_start_fails_the_receiver_with_the_fix(
     cfg = _cfg(tmp_path, free_udp_port(), decode_workers=1)
     with pytest.raises(ConfigError, match=match + r".*set decode_workers = 0"):
         run_receiver(cfg, timeout=5)
+
+
+# -- the reassembler with a real pool: results that come back too late, or undecodable ----------
+def _object(oid: int, blocks: int = 1) -> tuple[ObjectHeader, bytes, list[list[tuple[int, bytes]]]]:
+    body = random.Random(oid).randbytes(blocks * K * T)
+    h = ObjectHeader(
+        oid, ObjectKind.BUNDLE, "u1", oid, len(body), hashlib.sha256(body).digest(), T, K
+    )
+    syms = []
+    for b in range(blocks):
+        chunk = body[b * K * T : (b + 1) * K * T]
+        syms.append([(esi, bytes(s)) for esi, s in encode_block(chunk, T, 40)])
+    return h, body, syms
+
+
+def _settle(ra: Reassembler) -> None:
+    deadline = time.monotonic() + 20
+    while ra.decoding():
+        assert time.monotonic() < deadline, "decoder results never came back"
+        ra.take_decoded(0.1)
+
+
+@pytest.fixture
+def pool() -> Iterator[DecoderPool[Any]]:
+    p: DecoderPool[Any] = DecoderPool(1, slots=1, max_queued=8)
+    yield p
+    p.close()
+
+
+def test_a_block_the_fast_path_completes_while_a_worker_decodes_it_lands_once(
+    tmp_path: Path, pool: DecoderPool[Any]
+) -> None:
+    ra = Reassembler(tmp_path, max_object_bytes=1 << 30, max_open_objects=8, decoder=pool)
+    h, body, (syms,) = _object(1)
+    for esi, s in syms[1 : K + 2]:  # source 0 lost: RaptorQ must rebuild the block
+        ra.add(Symbol(1, 0, h, 0, esi, s), 0.0)
+    dec = ra.open[(1, 1)].decoders[0]
+    assert dec.busy and ra.decoding() == 1, "the block went to the worker"
+    ra.add(Symbol(1, 0, h, 0, 0, syms[0][1]), 0.0)  # a resend brings source 0: fast path
+    assert len(ra.ready) == 1 and (1, 1) not in ra.open
+    _settle(ra)  # the worker's result for a block no longer open is dropped
+    assert len(ra.ready) == 1 and (ra.ready[0].path / "data").read_bytes() == body
+    assert ra.held == 0 and ra.rebuilt == 0 and ra.rebuilt_by_workers == 0
+
+
+def test_symbols_raptorq_cannot_decode_yet_go_back_with_the_next_symbol(
+    tmp_path: Path, pool: DecoderPool[Any]
+) -> None:
+    h, body, (syms,) = _object(2)
+    by_id = dict(syms)
+    bad = [3, 8, 11, 12, 13, 14, 22, 24, 27, 28, 31, 37, 49, 50, 52, 54]  # k ids, no decode
+    assert decode_symbols([(e, by_id[e]) for e in bad], K, T, len(body)) is None
+    ra = Reassembler(tmp_path, max_object_bytes=1 << 30, max_open_objects=8, decoder=pool)
+    for e in bad:
+        ra.add(Symbol(1, 0, h, 0, e, by_id[e]), 0.0)
+    _settle(ra)
+    assert not ra.ready and ra.open[(1, 2)].decoders[0].tried == K  # tried, not rebuilt
+    ra.add(Symbol(1, 0, h, 0, 41, by_id[41]), 0.0)  # one more: tried again, in the worker
+    _settle(ra)
+    assert len(ra.ready) == 1 and (ra.ready[0].path / "data").read_bytes() == body
+    assert ra.rebuilt == ra.rebuilt_by_workers == 1 and ra.held == 0
+
+
+def test_an_object_given_up_while_its_blocks_wait_for_a_worker_frees_them(
+    tmp_path: Path, pool: DecoderPool[Any]
+) -> None:
+    ra = Reassembler(tmp_path, max_object_bytes=1 << 30, max_open_objects=8, decoder=pool)
+    objects = [_object(10 + i) for i in range(4)]
+    for h, _body, (syms,) in objects:
+        for esi, s in syms[1 : K + 1]:
+            ra.add(Symbol(1, 0, h, 0, esi, s), 0.0)
+    assert ra.decoding() == 4  # one in the worker's only slot, three queued
+    ra.expire_idle(100.0, 1.0)  # every object times out
+    assert ra.decoding() <= 1, "the queued blocks of expired objects were kept"
+    _settle(ra)
+    assert not ra.ready and not ra.open and ra.held == 0 and ra.expired == 4
+
+
+def test_answers_that_wait_in_the_pipe_while_the_owner_stalls_keep_their_worker() -> None:
+    blocks = lossy_blocks(4, seed=5)
+    p: DecoderPool[int] = DecoderPool(2, slots=2, answer_seconds=1.0)
+    try:
+        for i, (data, t, k, syms) in enumerate(blocks):
+            assert p.submit(i, syms, k, t, len(data))
+        time.sleep(1.5)  # the owner does not look for longer than answer_seconds
+        got = collect(p, 4)
+        assert p.lost_workers == 0 and p.workers == 2, "a worker that had answered was killed"
+        assert p.worker_blocks == 4
+    finally:
+        p.close()
+    assert all(got[i] == data for i, (data, *_r) in enumerate(blocks))
+
+
+def test_with_no_worker_left_the_queue_is_decoded_a_few_blocks_a_call() -> None:
+    blocks = lossy_blocks(10, seed=9)
+    p: DecoderPool[int] = DecoderPool(1, slots=1, slot_bytes=2 << 20)
+    try:
+        for i, (data, t, k, syms) in enumerate(blocks):
+            assert p.submit(i, syms, k, t, len(data))
+        os.kill(p.pids()[0], signal.SIGKILL)
+        got: dict[int, bytes | None] = {}
+        calls = 0
+        while len(got) < 10:
+            calls += 1
+            assert calls < 100
+            out = p.results(0.2)
+            assert len(out) <= 3, "the whole queue was decoded in one call"
+            got.update((tag, data) for tag, data, _w in out)
+        assert p.workers == 0 and not p.submit(99, blocks[0][3], blocks[0][2], blocks[0][1], 1)
+    finally:
+        p.close()
+    assert all(got[i] == data for i, (data, *_r) in enumerate(blocks))
