@@ -11,7 +11,9 @@ or hand-off to decoder workers). No socket: this measures the loop's work, not t
 
 Baselines in the same run and on the same datagrams: the raw AES-GCM tag check
 (``AESGCM.decrypt`` of each datagram, the least any authenticated receiver does) and
-``open`` alone. CPU seconds are this process's (the loop's) and the decoder workers' apart.
+``open`` alone. CPU seconds are this process's (the loop's) and the live decoder workers'
+apart (a run that lost a worker says so). "delivered" counts the rebuilt objects whose
+SHA-256 matches.
 ``--pin`` puts this process and its workers on one CPU, so a worker's time is never overlap
 hidden on another core and the loop's CPU is its own work only (on a 2-core VM whose cores
 are hyperthreads, a busy sibling slows the loop down too, which makes unpinned runs noisy).
@@ -104,13 +106,18 @@ def run_once(codec: DatagramCodec, dgs: list[bytes], workers: int, files: int) -
             ra.flush_all()
             cpu, wall = time.process_time() - c0, time.perf_counter() - t0
             worker_cpu = cpu_of(pool.pids()) - start_cpu if pool else 0.0
+            intact = sum(  # the rebuilt objects are the ones sent
+                hashlib.sha256((d.path / "data").read_bytes()).digest() == d.header.digest
+                for d in ra.ready
+            )
             n = len(dgs)
             return {
                 "decode_workers": workers,
                 "loop_cpu_us": round(cpu / n * 1e6, 2),
                 "worker_cpu_us": round(worker_cpu / n * 1e6, 2),
                 "wall_us": round(wall / n * 1e6, 2),
-                "delivered": len(ra.ready),
+                "delivered": intact,
+                "workers_lost": pool.lost_workers if pool else 0,
                 "files": files,
                 "blocks_rebuilt": ra.rebuilt,
                 "by_workers": ra.rebuilt_by_workers,
