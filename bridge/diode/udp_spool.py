@@ -349,8 +349,9 @@ class Reassembler:
 
     # -- decoding in workers ------------------------------------------------------------
     def _decode_elsewhere(self, obj: _Open, b: int, dec: BlockDecoder) -> None:
-        """Hand a block RaptorQ must rebuild to a decoder worker; decode it here when every
-        worker's slots are taken (the loop slows down rather than hold symbols unbounded)."""
+        """Hand a block RaptorQ must rebuild to a decoder worker (or its queue); decode it
+        here when the queue is full or no worker is left (the loop slows down rather than
+        hold symbols unbounded)."""
         assert self.decoder is not None
         held = dec.held()
         key = (obj.epoch, obj.h.object_id)
