@@ -97,7 +97,7 @@ class DecoderPool(PoolUser, Generic[T]):
         n, t = len(job.symbols), job.t
         mem[off : off + 4 * n] = struct.pack(f"<{n}I", *(esi for esi, _ in job.symbols))
         mem[off + 4 * n : off + n * (t + 4)] = b"".join(sym for _, sym in job.symbols)
-        # a worker found gone keeps the job as an orphan: ``results`` decodes it here
+        # a worker found gone keeps the job as an orphan: ``results`` queues it again
         self._pool.send(i, _REQ.pack(n, t, job.k, job.length), job)
         return True
 
