@@ -559,15 +559,7 @@ def summary(state: SequenceState) -> dict[str, dict[str, Any]]:
             "accounted_seqs": sum(b - a + 1 for a, b in cs.landed),
             "seq_range": [cs.landed[0][0], cs.landed[-1][1]] if cs.landed else None,
             "seq_holes": max(len(cs.landed) - 1, 0),
-            "last_heartbeat": None
-            if hb is None
-            else {
-                "heartbeat_seq": hb.heartbeat_seq,
-                "last_bundle_seq": hb.last_bundle_seq,
-                "last_seq": hb.last_seq,
-                "black_time": hb.black_time,
-                "received_at": hb.received_at,
-            },
+            "last_heartbeat": None if hb is None else hb.brief(),
             "silent": cs.silent,
             "retired": None
             if cs.retired is None

@@ -208,6 +208,16 @@ class HeartbeatSeen:
     received_at: str
     interval_seconds: float
 
+    def brief(self) -> dict[str, Any]:
+        """What reports show of it (the state keeps ``interval_seconds`` too)."""
+        return {
+            "heartbeat_seq": self.heartbeat_seq,
+            "last_bundle_seq": self.last_bundle_seq,
+            "last_seq": self.last_seq,
+            "black_time": self.black_time,
+            "received_at": self.received_at,
+        }
+
 
 def _zero_counters() -> dict[str, int]:
     return dict.fromkeys(COUNTERS, 0)
@@ -258,14 +268,7 @@ class ChannelState:
             "known": self.known,
             "heartbeat": None
             if hb is None
-            else {
-                "heartbeat_seq": hb.heartbeat_seq,
-                "last_bundle_seq": hb.last_bundle_seq,
-                "last_seq": hb.last_seq,
-                "black_time": hb.black_time,
-                "received_at": hb.received_at,
-                "interval_seconds": hb.interval_seconds,
-            },
+            else {**hb.brief(), "interval_seconds": hb.interval_seconds},
             "silent": self.silent,
             "watch_since": self.watch_since,
             "counters": dict(self.counters),
