@@ -211,20 +211,10 @@ class Intake:
             self.work_dir / LOCK_FILE, what="red intake", timeout=LOCK_WAIT_SECONDS,
             hint=_LOCK_HINT,
         ):  # fmt: skip
-            first = self._read_next()
-            self._write_next(first + len(files))
-            for ordinal, t in enumerate(files, start=first):
-                dst = self.dir / intake_name(ordinal, t.name)
-                try:
-                    rename_noreplace(t.path, dst)
-                except FileNotFoundError:
+            for ordinal, t in enumerate(files, start=self._reserve(len(files))):
+                dst = self._move_in(t.path, ordinal, t.name)
+                if dst is None:
                     continue
-                except FileExistsError:
-                    raise StateError(
-                        f"intake ordinal {ordinal} ({t.name}) is in use already: "
-                        f"{self.dir / NEXT_FILE} went backwards; restore it above the highest "
-                        f"ordinal in {self.dir}"
-                    ) from None
                 st = os.lstat(dst)
                 out.append(_taken(ordinal, t.name, dst, st))
                 log_event(log, 30, "intake file renumbered", file_name=t.name,
@@ -255,23 +245,12 @@ class Intake:
         if not takes:
             return
         takes.sort(key=lambda t: (t[0].endswith(HEARTBEAT_SUFFIX), t[0]))
-        first = self._read_next()
-        self._write_next(first + len(takes))
         moved = False
-        for ordinal, (name, raw, _st) in enumerate(takes, start=first):
-            src = self.inbox / os.fsdecode(raw)
-            dst = self.dir / intake_name(ordinal, name)
-            try:
-                rename_noreplace(src, dst)
-            except FileNotFoundError:
+        for ordinal, (name, raw, _st) in enumerate(takes, start=self._reserve(len(takes))):
+            dst = self._move_in(self.inbox / os.fsdecode(raw), ordinal, name)
+            if dst is None:
                 self._seen.pop(raw, None)
                 continue  # the mover took it back: the ordinal stays unused
-            except FileExistsError:
-                raise StateError(
-                    f"intake ordinal {ordinal} ({name}) is in use already: "
-                    f"{self.dir / NEXT_FILE} went backwards; restore it above the highest "
-                    f"ordinal in {self.dir}"
-                ) from None
             moved = True
             self._seen.pop(raw, None)
             st = os.lstat(dst)
@@ -283,6 +262,28 @@ class Intake:
         if moved:
             fsync_dir(self.dir)
             fsync_dir(self.inbox)
+
+    def _reserve(self, n: int) -> int:
+        """Reserve ``n`` ordinals durably (before any file takes one); the first of them."""
+        first = self._read_next()
+        self._write_next(first + n)
+        return first
+
+    def _move_in(self, src: Path, ordinal: int, name: str) -> Path | None:
+        """Rename ``src`` into the intake folder under ``ordinal``; None if it is gone.
+        StateError if the ordinal is taken already (NEXT went backwards)."""
+        dst = self.dir / intake_name(ordinal, name)
+        try:
+            rename_noreplace(src, dst)
+        except FileNotFoundError:
+            return None
+        except FileExistsError:
+            raise StateError(
+                f"intake ordinal {ordinal} ({name}) is in use already: "
+                f"{self.dir / NEXT_FILE} went backwards; restore it above the highest "
+                f"ordinal in {self.dir}"
+            ) from None
+        return dst
 
     def _read_next(self) -> int:
         path = self.dir / NEXT_FILE
