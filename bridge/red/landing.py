@@ -290,8 +290,7 @@ class Landing:
                 )  # fmt: skip
                 self._inflight = t
                 t.start()
-            done, self._finished = self._finished, []
-            return done
+            return self._take_finished()
 
     def drain(self, *, close: bool = False) -> list[LandingResult]:
         """Wait for the landing in flight; the results not yet returned by ``submit``. Raises
@@ -300,8 +299,11 @@ class Landing:
         with self.lock:
             self._closed = self._closed or close
             self._wait()
-            done, self._finished = self._finished, []
-            return done
+            return self._take_finished()
+
+    def _take_finished(self) -> list[LandingResult]:
+        done, self._finished = self._finished, []
+        return done
 
     def _apply_landing(self, intent: dict[str, Any], res: LandingResult) -> None:
         """Apply a judged landing (in the background for ``submit``). A failure is kept for the
