@@ -27,8 +27,8 @@ from bridge.fsutil import atomic_write_bytes
 __all__ = ["LOCK_FILE", "ChannelState", "StateStore"]
 
 LOCK_FILE = "black.lock"
-"""``state_dir/black.lock``: held by the black job for its whole run (and by `diode resend` and
-`diode mirror` while they work)."""
+"""``state_dir/black.lock``: held by the black job for its whole run (`diode resend` and
+`diode mirror` coordinate with it through the drop lock and the catalog lock instead)."""
 
 
 @dataclass
