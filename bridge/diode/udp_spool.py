@@ -342,7 +342,7 @@ class Reassembler:
             obj.pending += sym.payload
             if len(obj.pending) >= _FLUSH_BYTES:
                 self._flush(obj)
-            if dec.needs_decode():
+            if self.decoder is not None and dec.needs_decode():  # else add() decoded it
                 self._decode_elsewhere(obj, b, dec)
             if self.held > self.max_held:
                 self._evict_oldest("evicted")
