@@ -38,6 +38,7 @@ from bridge.diode.udp_interleave import Interleaver
 from bridge.diode.udp_key import load_key
 from bridge.diode.udp_pacing import TokenBucket
 from bridge.errors import ConfigError, TransportError
+from bridge.faults import crash_point
 from bridge.fsutil import atomic_write_bytes, durable_mkdir, exclusive_lock, fsync_dir
 from bridge.logs import get_logger, log_event
 from bridge.metrics import UDP
@@ -129,6 +130,19 @@ class Journal:
 
     def close(self) -> None:
         os.close(self._fd)
+
+
+def _same_file_sent(done: dict[str, Any] | None, digest: str, st: os.stat_result) -> bool:
+    """True when the journal's last record of a name says this very file was sent: same digest,
+    inode and mtime (a crash between "sent" and the unlink). A copy dropped again under that
+    name (``diode resend``) is a new file and is sent again, even with the same bytes."""
+    return (
+        done is not None
+        and done.get("state") == "sent"
+        and done.get("digest") == digest
+        and done.get("ino") == st.st_ino
+        and done.get("mtime_ns") == st.st_mtime_ns
+    )
 
 
 def _new_epoch(state_dir: Path) -> int:
@@ -300,7 +314,7 @@ class _Sender:
         size = off
         done = self.journal.last.get(name)
         hexd = digest.hexdigest()
-        if done and done.get("state") == "sent" and done.get("digest") == hexd:
+        if _same_file_sent(done, hexd, st):
             os.close(fd)  # sent before a restart, not yet unlinked: unlink, do not resend
             self._unlink(path, st.st_ino)
             self.summary.already_sent += 1
@@ -433,8 +447,10 @@ class _Sender:
         os.close(obj.fd)
         self.journal.record(
             state="sent", name=obj.name, size=obj.size, digest=obj.header.digest.hex(),
-            epoch=self.epoch, object_id=obj.header.object_id,
+            epoch=self.epoch, object_id=obj.header.object_id, ino=obj.ino,
+            mtime_ns=obj.mtime_ns,
         )  # fmt: skip
+        crash_point("udp.after_sent")  # journaled "sent", the file still in the outbox
         self._unlink(obj.path, obj.ino)
         self._forget(obj.name)
         ch = self.per_channel[obj.channel]

@@ -28,6 +28,7 @@ from bridge.diode.udp_fec import BlockDecoder, block_count, block_plan
 from bridge.diode.udp_key import generate_key_file, load_key
 from bridge.diode.udp_sender import EPOCH, JOURNAL, Journal, envelope_prefix, run_sender
 from bridge.errors import ConfigError, StateError
+from bridge.faults import CRASH_ENV, MARK_ENV
 from bridge.protocol.datagram import (
     DatagramCodec,
     LinkHeartbeat,
@@ -250,31 +251,53 @@ def test_every_file_is_rebuilt_byte_identical_and_only_udp_files_are_taken(
 def test_a_restart_unlinks_what_was_sent_resends_what_changed_and_raises_the_epoch(
     env: Env,
 ) -> None:
-    same, changed = bundle("u1", 1), bundle("u1", 2)
+    """A crash between journaling "sent" and the unlink leaves the very file in the outbox: the
+    restart unlinks it unsent. A copy dropped again under a sent name (``diode resend``, same
+    bytes) and a new file of that name are sent again."""
+    same, changed, redropped = bundle("u1", 1), bundle("u1", 2), bundle("u1", 3)
     (env.outbox / same).write_bytes(b"same bytes")
     (env.outbox / changed).write_bytes(b"first bytes")
-    first = run_sender(env.cfg(), until_idle=True, timeout=30)
-    assert first.files == [same, changed] and not list(env.outbox.iterdir())
+    (env.outbox / redropped).write_bytes(b"resent bytes")
+    data = {
+        "channels": [{"name": "u1", "encrypt": False, "transport": "udp"}],
+        "black": {"outbox": "black/outbox"},
+        "udp": {
+            "key_file": "udp.key",
+            "send": {"destination": f"127.0.0.1:{env.listener.port}", "block_symbols": K},
+        },
+    }
+    mark = env.tmp / "crash.mark"
+    proc = subprocess.run(
+        [sys.executable, "-c", _CHILD, json.dumps(data), str(env.tmp)],
+        cwd=Path(__file__).resolve().parents[2],
+        env=os.environ | {CRASH_ENV: "udp.after_sent:3", MARK_ENV: str(mark)},
+        timeout=60,
+    )
+    assert proc.returncode == -signal.SIGKILL and mark.read_text().split() == ["udp.after_sent"]
+    sent = {r["name"]: r for r in env.journal() if r["state"] == "sent"}
+    assert set(sent) == {same, changed, redropped}
+    assert not (env.outbox / same).exists() and not (env.outbox / changed).exists()
+    assert (env.outbox / redropped).exists()  # killed after its "sent", before its unlink
     epoch1 = int((env.state / EPOCH).read_text())
-    assert epoch1 == first.epoch
+    assert {sent[n]["epoch"] for n in sent} == {epoch1}
 
-    # as after a crash between "sent" and the unlink: the file is back, unchanged
-    (env.outbox / same).write_bytes(b"same bytes")
+    resent = (env.outbox / same).with_suffix(".tmp")
+    resent.write_bytes(b"same bytes")  # diode resend: a copy, the same bytes, renamed in
+    resent.rename(env.outbox / same)
     (env.outbox / changed).write_bytes(b"other bytes")  # a new file of that name
     before = len(env.listener.quiet().symbols())
     second = run_sender(env.cfg(), until_idle=True, timeout=30)
     heard = env.listener.quiet()
 
-    assert second.epoch > first.epoch
-    assert second.files == [changed] and second.already_sent == 1 and second.skipped == 0
-    assert not list(env.outbox.iterdir())
+    assert second.epoch > epoch1
+    assert sorted(second.files) == [same, changed] and second.already_sent == 1
+    assert second.skipped == 0 and not list(env.outbox.iterdir())
     new = Heard(heard.items[len(heard.items) - (second.datagrams + second.heartbeats) :])
     assert len(heard.symbols()) - before == len(new.symbols())
     assert {d.epoch for _, d in new.items} == {second.epoch}
-    assert {s.obj.object_id for s in new.symbols()} == {0}  # object ids start at 0 again
-    assert new.files() == {changed: b"other bytes"}
+    assert new.files() == {same: b"same bytes", changed: b"other bytes"}
     sending = [r["name"] for r in env.journal() if r["state"] == "sending"]
-    assert sending == [same, changed, changed]  # never sent again: only noted as done
+    assert sorted(sending) == sorted([same, changed, redropped, same, changed])
 
 
 def test_heartbeats_keep_coming_during_a_long_file(env: Env) -> None:
