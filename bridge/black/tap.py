@@ -14,6 +14,9 @@ Exactly once into the spool, whatever crashes:
   last position proven acked in each batch it writes (``acked_through``). At start, the
   records after that position are the only ones that can come back: a redelivered message
   equal to one of them (same exchange, routing key, properties, body) is skipped and counted.
+  When several of them are byte-identical, a redelivery may also be a twin the broker had not
+  delivered yet (their acks applied): it is kept and marked ``possible-duplicate``, never
+  skipped, so such producers may see a duplicate but never a loss.
 
 The tap pauses when the spool is full (quota or file system): it stops acking, so the broker
 stops delivering beyond the prefetch window and the backlog waits in the mirror queue. It
@@ -62,6 +65,10 @@ NON_UTF8_NAME = "non-utf8-name"
 (stored with U+FFFD; the row schema keeps names as text)."""
 REENCODED = "quorum-reencoded"
 """Why a spooled message is not byte-exact: a quorum queue re-encoded its header table."""
+POSSIBLE_DUPLICATE = "possible-duplicate"
+"""Why a spooled message may not be exactly once: a redelivery after a crash that equals
+several spooled records byte for byte may be one of them (its ack not applied) or a twin the
+producer sent (theirs applied). Kept, never skipped: a duplicate, not a silent loss."""
 DELIVERY_COUNT_HEADER = "x-delivery-count"
 """Added by quorum queues to every redelivery: stripped so redelivered values stay unchanged."""
 RELEASE_EVERY_S = 2.0
@@ -181,6 +188,7 @@ class Tap:
         self.status = TapStatus(channel=self.channel)
         self._stop = threading.Event()
         self._candidates: Counter[bytes] = Counter()
+        self._ambiguous: set[bytes] = set()
         self._tags: tuple[str, str] = ("", "")
         self._budget: int | None = None  # until_empty: deliveries the backlog held at start
         self._taken = 0
@@ -274,8 +282,11 @@ class Tap:
             spool.discard_pending()  # never acked: the broker redelivers them
 
     def _load_candidates(self, spool: SpoolWriter) -> None:
-        """Records the broker may redeliver: after the last position proven acked."""
+        """Records the broker may redeliver: after the last position proven acked. A content
+        that more than one of them share is ambiguous: the broker may have applied the ack of
+        some of its records and redeliver a twin the spool does not hold yet."""
         self._candidates.clear()
+        self._ambiguous.clear()
         tail = spool.records_after(spool.acked_through)
         if not len(tail):
             return
@@ -289,6 +300,7 @@ class Tap:
             self._candidates[
                 fingerprint(d["exchange"][i], d["routing_key"][i], props, d["body"][i])
             ] += 1
+        self._ambiguous.update(fp for fp, n in self._candidates.items() if n > 1)
         log_event(
             log, 20, "spooled records a crash may have left unacked: redeliveries of them skipped",
             channel=self.channel, first_pos=spool.acked_through + 1, records=len(tail),
@@ -486,8 +498,12 @@ class Tap:
                 fp = fingerprint(d.exchange, d.routing_key, key, d.body)
                 if self._candidates[fp] > 0:
                     self._candidates[fp] -= 1
-                    self._bump("redelivered_skipped")
-                    return
+                    if fp not in self._ambiguous:
+                        self._bump("redelivered_skipped")
+                        return
+                    # byte-identical messages: this may be a twin, not the spooled one. Kept
+                    # (never lost) and marked: red sees it may duplicate an earlier seq
+                    note = POSSIBLE_DUPLICATE
         exchange, rk = d.exchange, d.routing_key
         if not (exchange.isascii() and rk.isascii()):
             exchange, rk, renamed = _text_names(exchange, rk)

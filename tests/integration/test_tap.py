@@ -18,7 +18,7 @@ import requests
 from bridge.amqp.client import Connection
 from bridge.black.mirror import Mirror
 from bridge.black.spool import KIND_LOST, KIND_MESSAGE, SpoolReader
-from bridge.black.tap import REENCODED, Tap, order_free, tap_status
+from bridge.black.tap import POSSIBLE_DUPLICATE, REENCODED, Tap, order_free, tap_status
 from bridge.config import Config, load_config
 from bridge.faults import CRASH_ENV, MARK_ENV
 from bridge.protocol.properties import (
@@ -181,6 +181,40 @@ def test_kill_between_fsync_and_ack_duplicates_nothing(
     assert st is not None
     if point == "tap.after_sync":  # the durable-but-unacked group came back and was skipped
         assert st.counters.get("redelivered_skipped", 0) >= 1
+    assert queue_depth(black_vhost.amqp_url, QUEUE) == 0
+
+
+def test_a_crash_among_byte_identical_messages_loses_none_and_marks_possible_duplicates(
+    black_vhost: Any, tmp_path: Path
+) -> None:
+    """Producers that send byte-identical messages (no id, no timestamp): after a kill between
+    fsync and ack a redelivery cannot be told from a twin the broker had not yet delivered.
+    Nothing is skipped then: every message is spooled at least once and each redelivery that
+    may repeat a spooled record is marked ``possible-duplicate`` (counted as inexact)."""
+    cfg = write_config(tmp_path, black_vhost.amqp_url, group_messages=50, prefetch=200)
+    setup_mirror(cfg, black_vhost.amqp_url)
+    same = (encode_properties(Properties(delivery_mode=2)), b"ping")
+    publish_raw(black_vhost.amqp_url, [same] * 500)
+    mark = tmp_path / "crash.mark"
+    env = dict(os.environ, **{CRASH_ENV: "tap.after_sync:3", MARK_ENV: str(mark)})
+    env["PYTHONPATH"] = str(REPO)
+    first = _tap_process(cfg, env)
+    assert first.returncode == -9, first.stderr.decode(errors="replace")[-2000:]
+    assert mark.read_text().split() == ["tap.after_sync"], "the crash must hit the window"
+    durable = len(spooled(cfg))
+    assert durable >= 150
+    second = _tap_process(cfg, env)
+    assert second.returncode == 0, second.stderr.decode(errors="replace")[-2000:]
+    rows = spooled(cfg)
+    assert [r["pos"] for r in rows] == list(range(len(rows)))
+    assert all((r["properties_raw"], r["body"]) == same for r in rows)
+    marked = [r for r in rows if r["reason"] == POSSIBLE_DUPLICATE]
+    assert marked and all(r["redelivered"] and r["pos"] >= durable for r in marked)
+    # the last group's ack was never sent: its 50 records come back, each kept and marked
+    assert 500 + 50 <= len(rows) <= 500 + len(marked), (len(rows), len(marked))
+    st = tap_status(cfg, "main")
+    assert st is not None and st.counters.get("redelivered_skipped", 0) == 0
+    assert st.counters.get(f"inexact_{POSSIBLE_DUPLICATE}") == len(marked)
     assert queue_depth(black_vhost.amqp_url, QUEUE) == 0
 
 
