@@ -11,7 +11,9 @@ Unknown keys are errors. Relative paths are resolved against the config file's f
 
 from __future__ import annotations
 
+import ipaddress
 import os
+import socket
 import tomllib
 from pathlib import Path
 from typing import Any, Literal
@@ -382,12 +384,28 @@ class RedConfig(_Strict):
     """Replay publisher."""
 
 
+def _unspecified(host: str) -> bool:
+    """True for any spelling of the all-interfaces address (``0.0.0.0``, ``0``, ``0.0``,
+    ``::``, ``::0``, ``0:0::0``...), as the socket layer would read it."""
+    try:
+        ip = ipaddress.ip_address(host)
+    except ValueError:
+        pass
+    else:
+        mapped = ip.ipv4_mapped if isinstance(ip, ipaddress.IPv6Address) else None
+        return ip.is_unspecified or (mapped is not None and mapped.is_unspecified)
+    try:
+        return socket.inet_aton(host) == bytes(4)  # the legacy numeric forms: "0", "0.0", "0x0"
+    except OSError:
+        return False  # a host name: resolved when the socket is bound
+
+
 def _host_port(value: str, where: str) -> str:
     host, sep, port = value.rpartition(":")
     host = host.strip("[]")
     if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
         raise ValueError(f"{where} must be HOST:PORT (an IPv6 host in brackets), got {value!r}")
-    if host in ("0.0.0.0", "::"):
+    if _unspecified(host):
         raise ValueError(
             f"{where} = {value!r} would use every interface: name the one address that faces "
             "the diode"

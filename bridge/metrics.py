@@ -147,15 +147,18 @@ class _Udp:
             registry=reg,
         )
         self.objects_sent = Counter(
-            "bridge_udp_objects_sent", "Files sent (each copy counts)", ["channel"], registry=reg
+            "bridge_udp_objects_sent",
+            "Files sent whole (once per file, whatever udp.send.copies)",
+            ["channel"],
+            registry=reg,
         )
         self.datagrams_received = Counter(
             "bridge_udp_datagrams_received", "Datagrams read from the socket", registry=reg
         )
         self.datagrams_dropped = Counter(
             "bridge_udp_datagrams_dropped",
-            "Datagrams dropped, by reason (tag, magic, version, short, malformed, duplicate, "
-            "late, too_large, spool_full)",
+            "Datagrams dropped, by reason (short, magic, version, type, tag, malformed, "
+            "duplicate, surplus, late, expired, too_large, spool_error, stale_epoch, replayed)",
             ["reason"],
             registry=reg,
         )
@@ -181,7 +184,8 @@ class _Udp:
         )
         self.heartbeat_age = Gauge(
             "bridge_udp_heartbeat_age_seconds",
-            "Seconds since the last link heartbeat datagram (alarm when it grows)",
+            "Seconds since the last link heartbeat datagram, or since the receiver started while "
+            "none came (alarm when it grows)",
             registry=reg,
         )
         self.sender_epoch = Gauge(

@@ -136,6 +136,8 @@ class _Receiver:
         self.summary = ReceiveSummary()
         self.heartbeat: dict[str, Any] | None = None
         self.heard = 0.0
+        self.started = time.time()
+        self._hb_last = (-1, -1)  # (epoch, packet) of the last heartbeat taken
         self.work: queue.Queue[Delivery | None] = queue.Queue()
         self.lock = threading.Lock()
         self._pushed: dict[str, int] = {}
@@ -205,11 +207,17 @@ class _Receiver:
                   repairs_used=d.repairs_used)  # fmt: skip
 
     # -- the loop -------------------------------------------------------------------------
-    def _on_heartbeat(self, hb: LinkHeartbeat) -> None:
+    def _on_heartbeat(self, hb: LinkHeartbeat) -> str | None:
+        """Take a link heartbeat; the reason it is dropped instead, if it is: ``stale_epoch``
+        (an older sender session's straggler says nothing about the link now) or
+        ``replayed`` (a packet number not above the last heartbeat's of its epoch)."""
+        if hb.epoch < (self.summary.epoch or 0):
+            return "stale_epoch"
+        if (hb.epoch, hb.packet) <= self._hb_last:
+            return "replayed"
+        self._hb_last = (hb.epoch, hb.packet)
         self.summary.heartbeats += 1
         self._epoch(hb.epoch)
-        if hb.epoch < (self.summary.epoch or 0):
-            return  # an old session's straggler says nothing about the link now
         self.heard = time.time()
         self.heartbeat = {
             "epoch": hb.epoch,
@@ -260,8 +268,7 @@ class _Receiver:
         for reason, n in ra.dropped.items():
             UDP.datagrams_dropped.labels(reason).inc(n - pushed.get(reason, 0))
             pushed[reason] = n
-        if self.heard:
-            UDP.heartbeat_age.set(time.time() - self.heard)
+        UDP.heartbeat_age.set(time.time() - (self.heard or self.started))  # none yet: since start
         UDP.open_objects.set(len(ra.open))
         try:
             atomic_write_bytes(self.root / "status.json", json.dumps(doc).encode(), mode=0o600)
@@ -370,7 +377,9 @@ class _Receiver:
                             dropped[e.reason] = dropped.get(e.reason, 0) + 1
                             continue
                         if type(dg) is LinkHeartbeat:
-                            self._on_heartbeat(dg)
+                            why = self._on_heartbeat(dg)
+                            if why is not None:
+                                dropped[why] = dropped.get(why, 0) + 1
                             continue
                         if dg.epoch != epoch:  # type: ignore[union-attr]
                             epoch = dg.epoch

@@ -30,6 +30,7 @@ from bridge.diode.udp_key import generate_key_file, load_key
 from bridge.diode.udp_receiver import ReceiveSummary, run_receiver
 from bridge.diode.udp_sender import envelope_prefix
 from bridge.diode.udp_spool import Reassembler
+from bridge.metrics import UDP
 from bridge.protocol.datagram import DatagramCodec, LinkHeartbeat, ObjectHeader, ObjectKind
 from tests.support import json_lines
 
@@ -303,9 +304,14 @@ def test_heartbeats_and_epochs_reach_the_status_file(rx: Rx) -> None:
             {"datagrams": 10},
         ))  # fmt: skip
 
-    rx.send([hb(20, 7)])
     status = rx.spool / "status.json"
+    written = (read_json(status) or {}).get("written_at", 0)
+    rx.wait(lambda: (read_json(status) or {}).get("written_at", 0) > written + 1.0, "2 writes")
+    assert (read_json(status) or {})["heartbeat_age_seconds"] is None  # never heard
+    assert UDP.heartbeat_age._value.get() >= 1.0  # the gauge: since start, not a fresh 0
+    rx.send([hb(20, 7)])
     rx.wait(lambda: ((read_json(status) or {}).get("heartbeat") or {}).get("epoch") == 20, "hb")
+    rx.send([hb(20, 7)])  # a capture of it, replayed
     doc = read_json(status) or {}
     assert doc["heartbeat"]["channels"] == {"u1": {"last_seq": 7, "objects": 3}}
     assert doc["epoch"] == 20 and doc["heartbeat_age_seconds"] is not None
@@ -317,8 +323,9 @@ def test_heartbeats_and_epochs_reach_the_status_file(rx: Rx) -> None:
     s = rx.finish()
     doc = read_json(status) or {}
     assert doc["heartbeat"]["channels"]["u1"]["last_seq"] == 7  # the old session's word ignored
-    assert (s.epoch, s.epochs_seen, s.heartbeats) == (21, 2, 2)
-    assert doc["datagrams"] == 3 and doc["dropped"] == {}
+    assert (s.epoch, s.epochs_seen, s.heartbeats) == (21, 2, 1)
+    assert doc["datagrams"] == 4 and doc["dropped"] == {"replayed": 1, "stale_epoch": 1}
+    assert UDP.heartbeat_age._value.get() < 5.0
 
 
 def test_replayed_datagrams_of_a_delivered_file_are_late_and_deliver_nothing(rx: Rx) -> None:

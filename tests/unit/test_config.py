@@ -135,8 +135,9 @@ def test_udp_transport_needs_the_udp_section(tmp_path: Path) -> None:
 
 def test_udp_refuses_every_interface_and_bad_addresses(tmp_path: Path) -> None:
     base = '[[channels]]\nname = "a"\nencrypt = false\n[udp.receive]\n'
-    with pytest.raises(ConfigError, match="every interface"):
-        load_config(_write(tmp_path, base + 'bind = "0.0.0.0:47100"\n'), environ={})
+    for spelling in ("0.0.0.0", "0", "0.0", "0x0", "[::]", "[::0]", "[0:0::0]", "[::ffff:0.0.0.0]"):
+        with pytest.raises(ConfigError, match="every interface"):
+            load_config(_write(tmp_path, base + f'bind = "{spelling}:47100"\n'), environ={})
     with pytest.raises(ConfigError, match="HOST:PORT"):
         load_config(_write(tmp_path, base + 'bind = "localhost"\n'), environ={})
     cfg = load_config(_write(tmp_path, base + 'bind = "[::1]:9"\n'), environ={})
