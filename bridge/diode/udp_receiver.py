@@ -227,6 +227,7 @@ class _Receiver:
             "counters": hb.counters,
             "received_at": self.heard,
         }
+        return None
 
     def _epoch(self, epoch: int) -> None:
         cur = self.summary.epoch
