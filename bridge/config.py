@@ -18,10 +18,19 @@ import tomllib
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SecretStr,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from bridge.crypto.fingerprint import normalize_fingerprint
 from bridge.errors import ConfigError, CryptoError
+from bridge.protocol.exchange import check_exchange_name
 
 __all__ = [
     "BlackConfig",
@@ -302,6 +311,16 @@ class ReplayConfig(_Strict):
 
     in_flight: int = Field(default=1000, ge=1, le=65535)
     """Unconfirmed publishes allowed at once (publisher confirms)."""
+
+    @field_validator("approved")
+    @classmethod
+    def _approved_names(cls, v: list[str]) -> list[str]:
+        for name in v:
+            try:
+                check_exchange_name(name)
+            except ConfigError as e:
+                raise ValueError(str(e)) from None
+        return v
 
     batch_rows: int = Field(default=20_000, ge=1)
     """Rows read from `messages` per step."""

@@ -5,7 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["ExchangeDecl", "EXCHANGE_TYPES"]
+from bridge.errors import ConfigError
+
+__all__ = ["ExchangeDecl", "EXCHANGE_TYPES", "check_exchange_name"]
 
 EXCHANGE_TYPES = ("direct", "fanout", "topic", "headers")
 
@@ -41,3 +43,17 @@ class ExchangeDecl:
             internal=bool(d.get("internal", False)),
             arguments=dict(d.get("arguments") or {}),
         )
+
+
+def check_exchange_name(name: object) -> str:
+    """``name`` if it can name an AMQP exchange (1..255 UTF-8 bytes), else ConfigError."""
+    if not isinstance(name, str):
+        raise ConfigError(f"exchange name {name!r} is not text")
+    if not name:
+        raise ConfigError(
+            "the default exchange ('') cannot be approved: black never mirrors it; name an exchange"
+        )
+    size = len(name.encode("utf-8", "surrogateescape"))
+    if size > 255:
+        raise ConfigError(f"exchange name {name[:40]!r}... is {size} bytes (AMQP allows 255)")
+    return name

@@ -35,6 +35,7 @@ from bridge.config import Config
 from bridge.errors import ConfigError, StateError
 from bridge.fsutil import atomic_write_bytes, durable_mkdir, exclusive_lock
 from bridge.logs import get_logger, log_event
+from bridge.protocol.exchange import check_exchange_name
 
 __all__ = [
     "APP_ID",
@@ -61,20 +62,6 @@ Action = Literal["approve", "revoke"]
 
 def _now() -> str:
     return datetime.now(UTC).isoformat(timespec="microseconds").replace("+00:00", "Z")
-
-
-def check_exchange_name(name: object) -> str:
-    """``name`` if it can name an AMQP exchange (1..255 UTF-8 bytes), else ConfigError."""
-    if not isinstance(name, str):
-        raise ConfigError(f"exchange name {name!r} is not text")
-    if not name:
-        raise ConfigError(
-            "the default exchange ('') cannot be approved: black never mirrors it; name an exchange"
-        )
-    size = len(name.encode("utf-8", "surrogateescape"))
-    if size > 255:
-        raise ConfigError(f"exchange name {name[:40]!r}... is {size} bytes (AMQP allows 255)")
-    return name
 
 
 @dataclass(frozen=True)

@@ -702,6 +702,24 @@ class Replayer:
             return props
 
     # -- declarations ----------------------------------------------------------------------------
+    def _check_builtin(self, lane: _Lane, decl: Decl, at: Key) -> bool:
+        """An ``amq.*`` exchange is the broker's own: never declared (the broker refuses the
+        reserved prefix), only checked to exist, then published to."""
+        try:
+            self._lane_channel(lane).exchange_declare(lane.name, decl[0], passive=True)
+        except AmqpClosed as e:
+            if not e.channel:
+                raise
+            self._block(
+                lane, "declare", at,
+                f"built-in exchange {lane.name!r} does not exist on red ({e.reply_code} "
+                f"{e.reply_text}): amq.* names are the broker's own and are never declared",
+            )  # fmt: skip
+            return False
+        lane.declared = decl
+        log_event(log, 20, "built-in exchange: published to, not declared", exchange=lane.name)
+        return True
+
     def _declare(self, lane: _Lane, decl: Decl, at: Key) -> bool:
         """Declare ``lane``'s exchange as ``decl`` says; False (exchange stopped) if refused."""
         xtype, durable, auto_delete, internal, arguments = decl
@@ -724,6 +742,11 @@ class Replayer:
                       "exchange", exchange=lane.name)  # fmt: skip
             lane.declared = decl
             return True
+        if lane.name == "":  # the default exchange: always there, never declared or checked
+            lane.declared = decl
+            return True
+        if lane.name.startswith("amq."):
+            return self._check_builtin(lane, decl, at)
         try:
             table = encode_table(typed_json_to_headers(arguments)) if arguments else None
         except ProtocolError as e:

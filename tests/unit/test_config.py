@@ -152,3 +152,13 @@ def test_udp_blocks_larger_than_raptorq_keeps_whole_are_refused(tmp_path: Path) 
     assert cfg.udp is not None and cfg.udp.send.block_symbols == 932
     with pytest.raises(ConfigError, match="gso"):
         load_config(_write(tmp_path, base + '[udp.send]\ngso = "on"\n'), environ={})
+
+
+def test_approved_exchanges_must_be_exchange_names(tmp_path: Path) -> None:
+    base = '[[channels]]\nname = "a"\nencrypt = false\n[red.replay]\n'
+    with pytest.raises(ConfigError, match=r"red\.replay\.approved.*default exchange"):
+        load_config(_write(tmp_path, base + 'approved = ["ok", ""]\n'), environ={})
+    with pytest.raises(ConfigError, match="AMQP allows 255"):
+        load_config(_write(tmp_path, base + f'approved = ["{"x" * 256}"]\n'), environ={})
+    cfg = load_config(_write(tmp_path, base + 'approved = ["amq.topic", "orders"]\n'), environ={})
+    assert cfg.red.replay.approved == ["amq.topic", "orders"]
