@@ -84,6 +84,13 @@ class _Black:
             ["channel"],
             registry=reg,
         )
+        self.mirror_refusing = Gauge(
+            "bridge_black_mirror_queue_refusing",
+            "1 when a policy makes the channel's mirror queue refuse messages at its length "
+            "limit (overflow reject-publish): losses black cannot count",
+            ["channel"],
+            registry=reg,
+        )
 
 
 BLACK = _Black(REGISTRY)

@@ -148,6 +148,19 @@ class ManagementClient:
         ]
         return sorted(out, key=lambda d: d.name)
 
+    def queue_info(self, vhost: str, queue: str) -> dict[str, Any]:
+        """The management API's view of ``queue`` (policy, effective policy definition...)."""
+        doc = self._call(
+            f"/api/queues/{_q(vhost)}/{_q(queue)}",
+            what=f"reading queue {queue!r} in vhost {vhost!r}",
+            not_found="the queue or vhost does not exist",
+        )
+        if not isinstance(doc, dict):
+            raise ManagementApiError(
+                f"management API {self.base_url}: queue {queue!r} is not an object"
+            )
+        return doc
+
     def list_queue_bindings(self, vhost: str, queue: str) -> list[QueueBinding]:
         """Bindings of ``queue`` (the implicit default-exchange binding included)."""
         rows = self._call(

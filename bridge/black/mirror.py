@@ -113,6 +113,10 @@ class Mirror:
             "x-queue-type": b.mirror_queue_type,
             "x-dead-letter-exchange": dead_letter_exchange(b),
             "x-dead-letter-routing-key": channel,
+            # what a length limit drops is dead-lettered to black and recorded as a gap; a
+            # classic queue's own argument wins over a policy's reject-publish (checked below
+            # for quorum queues, where the policy wins)
+            "x-overflow": "drop-head",
         }
 
     def sync(self) -> MirrorReport:
@@ -290,6 +294,8 @@ class Mirror:
                 chan.queue_unbind(queue, source, rk, arguments=json.loads(args) or None)
                 removed.add(source)
         chan.close()
+        if listed:
+            self._check_overflow(plan.channel, queue)
         self._bound[plan.channel] = done
         bound = sorted({b.exchange for b in plan.bindings} - failed)
         self._log(plan, queue, sorted(newly), sorted(removed), skipped)
@@ -303,9 +309,32 @@ class Mirror:
             sorted(removed),
         )
 
-    def _tell(self, channel: str, key: str, msg: str) -> None:
+    def _check_overflow(self, channel: str, queue: str) -> None:
+        """Warn when a policy makes the broker refuse messages at a length limit instead of
+        dead-lettering them: producers get nacks, and black can never see or count them."""
+        try:
+            info = self.management.queue_info(self.vhost, queue)
+        except DiodeError as e:
+            log_event(log, logging.DEBUG, "mirror queue policy not checked", queue=queue,
+                      error=str(e))  # fmt: skip
+            return
+        policy = info.get("effective_policy_definition") or {}
+        overflow = policy.get("overflow") if isinstance(policy, dict) else None
+        refusing = isinstance(overflow, str) and overflow.startswith("reject-publish")
+        BLACK.mirror_refusing.labels(channel).set(1 if refusing else 0)
+        if refusing:
+            self._tell(
+                channel, f"overflow:{overflow}",
+                f"mirror queue {queue!r} has policy {info.get('policy')!r} with overflow = "
+                f"{overflow!r}: at its length limit the broker refuses producers' messages "
+                "(nacks) instead of dead-lettering them, so black cannot count them as gaps. "
+                "Remove the overflow key from the policy (docs/runbook.md §4)",
+                level=logging.ERROR,
+            )  # fmt: skip
+
+    def _tell(self, channel: str, key: str, msg: str, level: int = logging.WARNING) -> None:
         """Warn once per (channel, key) for the process lifetime; later repeats at debug."""
-        level = logging.DEBUG if (channel, key) in self._told else logging.WARNING
+        level = logging.DEBUG if (channel, key) in self._told else level
         self._told.add((channel, key))
         log_event(log, level, msg, channel=channel or None, vhost=self.vhost)
 

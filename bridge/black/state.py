@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from bridge.errors import StateError
-from bridge.fsutil import atomic_write_bytes
+from bridge.fsutil import atomic_write_bytes, durable_mkdir
 
 __all__ = ["LOCK_FILE", "ChannelState", "StateStore"]
 
@@ -70,7 +70,7 @@ class StateStore:
     def __init__(self, state_dir: Path, *, create: bool = True) -> None:
         self.dir = Path(state_dir)
         if create:  # readers (reports) leave a missing state dir missing
-            self.dir.mkdir(parents=True, exist_ok=True)
+            durable_mkdir(self.dir)  # restrictive mode, fsynced in its parent
         self._locks: dict[str, threading.RLock] = {}
         self._guard = threading.Lock()
 

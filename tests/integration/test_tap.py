@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 import urllib.parse
 from pathlib import Path
 from typing import Any
@@ -21,6 +22,7 @@ from bridge.black.spool import KIND_LOST, KIND_MESSAGE, SpoolReader
 from bridge.black.tap import POSSIBLE_DUPLICATE, REENCODED, Tap, order_free, tap_status
 from bridge.config import Config, load_config
 from bridge.faults import CRASH_ENV, MARK_ENV
+from bridge.metrics import REGISTRY
 from bridge.protocol.properties import (
     ByteArray,
     Float32,
@@ -218,19 +220,30 @@ def test_a_crash_among_byte_identical_messages_loses_none_and_marks_possible_dup
     assert queue_depth(black_vhost.amqp_url, QUEUE) == 0
 
 
-def test_queue_length_limit_overflow_is_recorded_as_lost(black_vhost: Any, tmp_path: Path) -> None:
-    """An operator's max-length policy on the mirror queue drops the oldest messages: each one
-    is dead-lettered to black, which records a lost position (reason maxlen), never silence."""
-    cfg = write_config(tmp_path, black_vhost.amqp_url)
-    setup_mirror(cfg, black_vhost.amqp_url)
-    vh = urllib.parse.quote(black_vhost.name, safe="")
+def _limit_policy(vhost: str, **definition: Any) -> None:
+    vh = urllib.parse.quote(vhost, safe="")
     r = requests.put(
         f"{MGMT}/api/policies/{vh}/limit-mirror",
-        json={"pattern": r"^diode\.mirror\.main$", "definition": {"max-length": 10},
+        json={"pattern": r"^diode\.mirror\.main$", "definition": definition,
               "apply-to": "queues"},
         auth=AUTH, timeout=10,
     )  # fmt: skip
     assert r.status_code in (201, 204), r.text
+
+
+@pytest.mark.parametrize("overflow", [None, "reject-publish"])
+def test_queue_length_limit_overflow_is_recorded_as_lost(
+    black_vhost: Any, tmp_path: Path, overflow: str | None
+) -> None:
+    """An operator's max-length policy on the mirror queue drops the oldest messages: each one
+    is dead-lettered to black, which records a lost position (reason maxlen), never silence.
+    A policy asking the broker to refuse publishes instead does not apply: the classic mirror
+    queue's own x-overflow argument wins."""
+    cfg = write_config(tmp_path, black_vhost.amqp_url)
+    setup_mirror(cfg, black_vhost.amqp_url)
+    _limit_policy(
+        black_vhost.name, **{"max-length": 10}, **({"overflow": overflow} if overflow else {})
+    )
     sent = messages(25)
     publish_raw(black_vhost.amqp_url, sent)
     Tap(cfg, "main", until_empty=True).run()
@@ -243,6 +256,27 @@ def test_queue_length_limit_overflow_is_recorded_as_lost(black_vhost: Any, tmp_p
     assert [r["body"] for r in kept] == [b for _, b in sent[15:]]
     st = tap_status(cfg, "main")
     assert st is not None and st.counters.get("lost_maxlen") == 15
+
+
+def test_a_refusing_overflow_policy_on_a_quorum_mirror_queue_is_reported(
+    black_vhost: Any, tmp_path: Path
+) -> None:
+    """On a quorum queue a policy's overflow wins over the queue's argument: at the limit the
+    broker would nack producers, and black could never count those messages. The mirror sync
+    says so (an error log and a gauge), every sync."""
+    cfg = write_config(tmp_path, black_vhost.amqp_url, "quorum")
+    setup_mirror(cfg, black_vhost.amqp_url)
+    gauge = "bridge_black_mirror_queue_refusing"
+    assert REGISTRY.get_sample_value(gauge, {"channel": "main"}) == 0
+    _limit_policy(black_vhost.name, **{"max-length": 10, "overflow": "reject-publish"})
+    mirror = Mirror(cfg, catalog_path=Path(cfg.black.state_dir) / "exchanges.json")
+    deadline = time.monotonic() + 20
+    while True:  # the broker applies a new policy asynchronously
+        mirror.sync()
+        if REGISTRY.get_sample_value(gauge, {"channel": "main"}) == 1:
+            break
+        assert time.monotonic() < deadline, "the refusing policy was never reported"
+        time.sleep(0.2)
 
 
 def test_non_utf8_routing_key_is_stored_and_declared_inexact(
