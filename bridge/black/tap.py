@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import signal
 import threading
 import time
@@ -75,6 +76,9 @@ RELEASE_EVERY_S = 2.0
 STATUS_EVERY_S = 1.0
 RETRY_FULL_S = 1.0
 MAX_BACKOFF_S = 30.0
+PARENT_ENV = "DIODE_TAP_PARENT"
+"""Set by the black job to its pid for the taps it starts: a tap stops once it is gone."""
+PARENT_CHECK_S = 0.5
 SPOOL_LOST = "spool_lost"
 MAX_LOST_SPOOL = 10_000_000
 IDLE_RECORD_S = 1.0
@@ -551,6 +555,17 @@ class Tap:
         )
 
 
+def _watch_parent(tap: Tap, parent: int) -> None:
+    """Stop ``tap`` (gracefully: what it holds is synced, the rest redelivered) once the black
+    job that started it is gone, killed or not: a tap left running would hold the spool lock
+    against the job's next taps, on the old configuration."""
+    while os.getppid() == parent:
+        time.sleep(PARENT_CHECK_S)
+    log_event(log, 30, "the black job that started this tap is gone: stopping",
+              channel=tap.channel, parent_pid=parent)  # fmt: skip
+    tap.stop()
+
+
 def run_tap(cfg: Config, channel: str, *, until_empty: bool = False) -> TapStatus:
     """Run a tap in this process until SIGTERM / SIGINT (or an empty queue with until_empty)."""
     tap = Tap(cfg, channel, until_empty=until_empty)
@@ -560,6 +575,9 @@ def run_tap(cfg: Config, channel: str, *, until_empty: bool = False) -> TapStatu
 
     for s in (signal.SIGTERM, signal.SIGINT):
         signal.signal(s, _stop)
+    parent = os.environ.get(PARENT_ENV, "")
+    if parent.isdigit():
+        threading.Thread(target=_watch_parent, args=(tap, int(parent)), daemon=True).start()
     try:
         return tap.run()
     except DiodeError as e:

@@ -16,7 +16,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from bridge.black.tap import tap_status
+from bridge.black.tap import PARENT_ENV, tap_status
 from bridge.config import Config
 from bridge.errors import BrokerError, ConfigError, DiodeError
 from bridge.logs import get_logger, log_event
@@ -72,6 +72,7 @@ class _Proc:
 def _spawn(cfg: Config, channel: str, *, until_empty: bool) -> subprocess.Popen[bytes]:
     env = dict(os.environ)
     env.setdefault("PYTHONUNBUFFERED", "1")
+    env[PARENT_ENV] = str(os.getpid())  # the tap stops when this process is gone
     # our stdout is the caller's (`diode black run` and `diode demo` end it with their own
     # JSON summary); the tap's closing status line is in its status file (`diode status`) too,
     # and its logs go to stderr

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import pika
+import psutil
 import pytest
 import requests
 
@@ -229,6 +230,49 @@ def _limit_policy(vhost: str, **definition: Any) -> None:
         auth=AUTH, timeout=10,
     )  # fmt: skip
     assert r.status_code in (201, 204), r.text
+
+
+_PARENT = """
+import sys, time
+from bridge.black.taps import _spawn
+from bridge.config import load_config
+proc = _spawn(load_config(sys.argv[1]), "main", until_empty=False)
+print(proc.pid, flush=True)
+time.sleep(600)
+"""
+
+
+def test_a_tap_stops_when_the_job_that_started_it_is_killed(
+    black_vhost: Any, tmp_path: Path
+) -> None:
+    """kill -9 of the black job alone (the OOM killer): its continuous tap notices and stops
+    gracefully instead of holding the spool lock against the next job's taps."""
+    cfg = write_config(tmp_path, black_vhost.amqp_url)
+    setup_mirror(cfg, black_vhost.amqp_url)
+    assert cfg.source is not None
+    log = tmp_path / "job.log"
+    with open(log, "wb") as err:  # the tap's stderr is its job's
+        parent = subprocess.Popen(
+            [sys.executable, "-c", _PARENT, str(cfg.source)], cwd=REPO, stdout=subprocess.PIPE,
+            stderr=err, env=dict(os.environ, PYTHONPATH=str(REPO)),
+        )  # fmt: skip
+    try:
+        assert parent.stdout is not None
+        tap = psutil.Process(int(parent.stdout.readline()))
+        deadline = time.monotonic() + 30
+        while tap_status(cfg, "main") is None:  # the tap is up and has its spool
+            assert tap.is_running() and time.monotonic() < deadline, "the tap did not start"
+            time.sleep(0.1)
+        parent.kill()
+        parent.wait(timeout=10)
+        gone = time.monotonic() + 15
+        while tap.is_running() and tap.status() != psutil.STATUS_ZOMBIE:
+            assert time.monotonic() < gone, "the tap outlived its job"
+            time.sleep(0.1)
+    finally:
+        if parent.poll() is None:
+            parent.kill()
+    assert "the black job that started this tap is gone: stopping" in log.read_text()
 
 
 @pytest.mark.parametrize("overflow", [None, "reject-publish"])
