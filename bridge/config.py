@@ -399,6 +399,10 @@ class RedConfig(_Strict):
     link_silent_seconds: float = Field(default=60.0, gt=0)
     """No heartbeat for this long: the link is reported silent (audit, metric, status)."""
 
+    max_plain_bytes: int | None = Field(default=None, ge=1024)
+    """Cap on one bundle's decrypted plaintext, refused (quarantine ``crypto``) above it. Unset:
+    the file's size + 1 MiB (no compression bomb gets further; black seals with ``-z 0``)."""
+
     replay: ReplayConfig = Field(default_factory=ReplayConfig)
     """Replay publisher."""
 

@@ -191,6 +191,7 @@ class VerifyContext:
             plain_dir=str((Path(r.work_dir) / "plain").absolute()),
             passphrase_file=str(pp.path.absolute()) if pp and pp.path else None,
             passphrase_env=pp.env_name if pp and pp.path is None else None,
+            max_plain_bytes=r.max_plain_bytes,
         )
 
     def passphrase(self) -> Passphrase | None:

@@ -162,3 +162,17 @@ def test_approved_exchanges_must_be_exchange_names(tmp_path: Path) -> None:
         load_config(_write(tmp_path, base + f'approved = ["{"x" * 256}"]\n'), environ={})
     cfg = load_config(_write(tmp_path, base + 'approved = ["amq.topic", "orders"]\n'), environ={})
     assert cfg.red.replay.approved == ["amq.topic", "orders"]
+
+
+def test_red_max_plain_bytes_reaches_the_verify_context(tmp_path: Path) -> None:
+    from bridge.red.verify import VerifyContext
+
+    base = '[[channels]]\nname = "a"\nencrypt = false\n[red]\n'
+    assert (
+        VerifyContext.from_config(load_config(_write(tmp_path, base), environ={})).max_plain_bytes
+        is None
+    )
+    cfg = load_config(_write(tmp_path, base + "max_plain_bytes = 5000000\n"), environ={})
+    assert VerifyContext.from_config(cfg, environ={}).max_plain_bytes == 5_000_000
+    with pytest.raises(ConfigError, match="max_plain_bytes"):
+        load_config(_write(tmp_path, base + "max_plain_bytes = 10\n"), environ={})
