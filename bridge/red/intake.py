@@ -121,17 +121,28 @@ def _raw_detail(raw: bytes) -> dict[str, str]:
     return {"raw_name": ascii(raw), "raw_hex": raw.hex()}
 
 
+HIDDEN_STALE_SECONDS = 3600.0
+"""A hidden inbox file (a mover's temporary) unchanged this long is quarantined (``bad_name``)."""
+
+
 class Intake:
     """Moves settled inbox files into ``work_dir/intake`` (or quarantine)."""
 
     def __init__(
-        self, inbox: Path, work_dir: Path, evidence: Evidence, settle_seconds: float
+        self,
+        inbox: Path,
+        work_dir: Path,
+        evidence: Evidence,
+        settle_seconds: float,
+        *,
+        hidden_stale_seconds: float = HIDDEN_STALE_SECONDS,
     ) -> None:
         self.inbox = Path(inbox)
         self.work_dir = Path(work_dir)
         self.dir = self.work_dir / "intake"
         self.evidence = evidence
         self.settle_seconds = float(settle_seconds)
+        self.hidden_stale_seconds = max(float(hidden_stale_seconds), self.settle_seconds)
         self._seen: dict[bytes, tuple[tuple[int, int, int, int], float]] = {}
         durable_mkdir(self.inbox)
         durable_mkdir(self.dir)
@@ -152,10 +163,18 @@ class Intake:
         ):  # fmt: skip
             takes: list[tuple[str, bytes, os.stat_result]] = []
             bad: list[tuple[bytes, str]] = []
+            stale: list[bytes] = []
             seen: dict[bytes, tuple[tuple[int, int, int, int], float]] = {}
             for raw, st in self._list_inbox():
                 if raw.startswith(b"."):
-                    res.hidden += 1
+                    # a mover's temporary: left alone, unless unchanged for so long that it
+                    # was abandoned (a crashed transfer); then it becomes evidence
+                    if stat.S_ISREG(st.st_mode) and self._unchanged_for(
+                        raw, st, now, seen, self.hidden_stale_seconds
+                    ):
+                        stale.append(raw)
+                    else:
+                        res.hidden += 1
                 elif not stat.S_ISREG(st.st_mode):
                     self._quarantine_odd(self.inbox, raw, st, res)
                 elif not self._settled(raw, st, now, closed, seen):
@@ -169,6 +188,12 @@ class Intake:
             self._seen = seen
             self._take(takes, res)
             for raw, why in bad:
+                self._quarantine_bad_name(raw, why, res)
+            for raw in stale:
+                why = (
+                    f"hidden name, unchanged for {self.hidden_stale_seconds:.0f} s: a mover's "
+                    "abandoned temporary file?"
+                )
                 self._quarantine_bad_name(raw, why, res)
         return res
 
@@ -231,13 +256,26 @@ class Intake:
         closed: set[str],
         seen: dict[bytes, tuple[tuple[int, int, int, int], float]],
     ) -> bool:
+        if self.settle_seconds <= 0 or os.fsdecode(raw) in closed:
+            self._unchanged_for(raw, st, now, seen, 0.0)
+            return True
+        return self._unchanged_for(raw, st, now, seen, self.settle_seconds)
+
+    def _unchanged_for(
+        self,
+        raw: bytes,
+        st: os.stat_result,
+        now: float,
+        seen: dict[bytes, tuple[tuple[int, int, int, int], float]],
+        seconds: float,
+    ) -> bool:
+        """Record ``raw``'s signature in ``seen``; True once it has not changed for
+        ``seconds`` (across scans)."""
         sig = (st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino)
         prev = self._seen.get(raw)
         since = prev[1] if prev is not None and prev[0] == sig else now
         seen[raw] = (sig, since)
-        if self.settle_seconds <= 0 or os.fsdecode(raw) in closed:
-            return True
-        return now - since >= self.settle_seconds
+        return now - since >= seconds
 
     # -- taking ---------------------------------------------------------------------------
     def _take(self, takes: list[tuple[str, bytes, os.stat_result]], res: ScanResult) -> None:

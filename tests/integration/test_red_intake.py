@@ -134,13 +134,25 @@ def test_takes_valid_names_with_increasing_ordinals(dirs: Dirs) -> None:
     assert intake.pending() == res.taken
 
 
-def test_hidden_names_are_ignored(dirs: Dirs) -> None:
-    intake = dirs.intake()
-    dirs.put("." + bundle(1) + ".abc.tmp")
+def test_hidden_names_are_ignored_until_abandoned(dirs: Dirs) -> None:
+    """A mover's temporaries (hidden names) are left alone while they change; one unchanged
+    for hidden_stale_seconds was abandoned: it is quarantined as evidence, never left forever."""
+    ev = Evidence(dirs.processed, dirs.quarantine)
+    intake = Intake(dirs.inbox, dirs.work, ev, 1.0, hidden_stale_seconds=100.0)
+    growing = dirs.put("." + bundle(1) + ".abc.tmp")
     dirs.put("..x.dbundle")
     res = intake.scan(0.0)
     assert (res.hidden, res.taken, res.quarantined) == (2, [], [])
     assert len(list(dirs.inbox.iterdir())) == 2
+    assert intake.scan(99.0).hidden == 2
+    with open(growing, "ab") as f:  # the mover is still writing this one
+        f.write(b"more")
+    res = intake.scan(100.0)
+    assert res.hidden == 1 and [q.reason for q in res.quarantined] == ["bad_name"]
+    assert [p.name for p in dirs.inbox.iterdir()] == [growing.name]
+    (q,) = dirs.quarantined()
+    why = json.loads(q.with_name(q.name + REASON_SUFFIX).read_text())["detail"]["why"]
+    assert "abandoned" in why
 
 
 BAD_NAMES: list[bytes] = [
