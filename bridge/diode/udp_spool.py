@@ -38,7 +38,7 @@ from bridge.diode.udp_fec import (
     decode_symbols,
     fits_one_block,
 )
-from bridge.fsutil import durable_mkdir, fsync_dir, pwritev_all, write_all
+from bridge.fsutil import atomic_write_bytes, durable_mkdir, fsync_dir, pwritev_all, write_all
 from bridge.logs import get_logger, log_event
 from bridge.metrics import UDP
 from bridge.protocol.datagram import ObjectHeader, ObjectKind, Symbol
@@ -62,6 +62,8 @@ _REC = struct.Struct(">II")
 _U32 = struct.Struct(">I")
 _FLUSH_BYTES = 256 * 1024
 _DONE_REMEMBERED = 20_000
+_DONE_COMPACT_BYTES = 16 << 20
+"""``done.jsonl`` beyond this size is cut back to its last ``_DONE_REMEMBERED`` records."""
 _FAILED_REMEMBERED = 10_000
 
 
@@ -184,7 +186,9 @@ class Reassembler:
         path = self.root / DONE
         if not path.exists():
             return
-        for line in path.read_text(errors="replace").splitlines()[-_DONE_REMEMBERED:]:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            tail = deque(f, maxlen=_DONE_REMEMBERED)  # streamed: the file may be long
+        for line in tail:
             try:
                 rec = json.loads(line)
                 self._remember((int(rec["epoch"]), int(rec["object_id"])), str(rec["digest"]))
@@ -229,6 +233,18 @@ class Reassembler:
             f.write(json.dumps(rec, sort_keys=True) + "\n")
             f.flush()
             os.fsync(f.fileno())
+            size = f.tell()
+        if size > _DONE_COMPACT_BYTES:
+            self._compact_done()
+
+    def _compact_done(self) -> None:
+        """Keep only the records the receiver remembers (atomically): the journal must not grow
+        with every object ever delivered. Delivery thread only, like every write to it."""
+        path = self.root / DONE
+        with open(path, "rb") as f:
+            tail = b"".join(deque(f, maxlen=_DONE_REMEMBERED))
+        atomic_write_bytes(path, tail, mode=0o600)
+        log_event(log, 20, "delivery journal compacted", path=str(path), kept_bytes=len(tail))
 
     def remember_delivered(self, d: Delivery) -> None:
         """In memory: the object's digest is delivered (under the receive loop's lock)."""

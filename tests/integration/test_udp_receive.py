@@ -569,3 +569,23 @@ def test_the_receive_loop_goes_on_while_a_delivery_does_its_disk_work(
         s = rx.finish()
     assert s.objects_completed == 2
     assert not list((rx.spool / "objects").iterdir())
+
+
+def test_the_delivery_journal_is_cut_back_to_what_the_receiver_remembers(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """done.jsonl gets a record per delivered object: past a size it is rewritten with the
+    records the receiver remembers, so neither the disk nor the start-up read grows forever."""
+    import bridge.diode.udp_spool as spool_mod
+
+    monkeypatch.setattr(spool_mod, "_DONE_REMEMBERED", 10)
+    monkeypatch.setattr(spool_mod, "_DONE_COMPACT_BYTES", 4000)
+    ra = Reassembler(tmp_path, max_object_bytes=1 << 20, max_open_objects=8)
+    for oid in range(100):
+        h = ObjectHeader(oid, ObjectKind.BUNDLE, "u1", oid + 1, 10, bytes([oid]) * 32, T, K)
+        ra.journal_delivered(spool_mod.Delivery(9, h, tmp_path, 0), f"u1.{oid + 1:012d}.x.dbundle")
+    done = tmp_path / spool_mod.DONE
+    lines = done.read_text().splitlines()
+    assert 10 <= len(lines) < 40 and lines[-1].count('"object_id": 99') == 1  # cut, newest kept
+    again = Reassembler(tmp_path, max_object_bytes=1 << 20, max_open_objects=8)
+    assert set(again.done) == {(9, oid) for oid in range(90, 100)}
