@@ -452,6 +452,10 @@ class SpoolWriter:
         self._commit(acked)
         return self._durable_end
 
+    def room_for(self, nbytes: int) -> SpoolFull | None:
+        """Why ``nbytes`` more would not fit now (quota or free space), or None."""
+        return self._room_problem(nbytes + _BATCH_OVERHEAD)
+
     def _roll_due(self) -> bool:
         if self._durable_end == self._seg_first:  # the current segment holds no record yet
             return False

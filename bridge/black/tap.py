@@ -18,9 +18,10 @@ Exactly once into the spool, whatever crashes:
   delivered yet (their acks applied): it is kept and marked ``possible-duplicate``, never
   skipped, so such producers may see a duplicate but never a loss.
 
-The tap pauses when the spool is full (quota or file system): it stops acking, so the broker
-stops delivering beyond the prefetch window and the backlog waits in the mirror queue. It
-resumes by itself when space returns. Segments are released once black's journal says the
+The tap pauses when the spool is full (quota or file system): it stops acking, waits for the
+proofs of the acks it sent, drops what is not durable and closes its connection, so the
+backlog waits in the mirror queue, not in the tap's memory. It reconnects by itself when the
+group that did not fit would. Segments are released once black's journal says the
 bundles holding them are durably in the outbox.
 """
 
@@ -79,6 +80,8 @@ MAX_BACKOFF_S = 30.0
 PARENT_ENV = "DIODE_TAP_PARENT"
 """Set by the black job to its pid for the taps it starts: a tap stops once it is gone."""
 PARENT_CHECK_S = 0.5
+PROOF_WAIT_S = 30.0
+"""Pausing on a full spool: how long the tap waits for the proofs of the acks it sent."""
 SPOOL_LOST = "spool_lost"
 MAX_LOST_SPOOL = 10_000_000
 IDLE_RECORD_S = 1.0
@@ -233,6 +236,11 @@ class Tap:
                 try:
                     self._drain(spool)
                     break
+                except _Paused as e:
+                    # the connection is closed: every unacked delivery went back to the queue
+                    # (the backlog waits in the broker, not in this process's memory)
+                    self._wait_for_room(spool, e.full, e.need)
+                    continue
                 except AmqpAccessRefused as e:
                     raise ConfigError(str(e)) from None
                 except (OSError, BrokerError) as e:
@@ -276,6 +284,33 @@ class Tap:
         spool.append_lost("", "", SPOOL_LOST, n)
         spool.sync(spool.acked_through)
         self._bump(f"lost_{SPOOL_LOST}", n)
+
+    def _await_proofs(self, conn: Connection, syncs: dict[Any, int], confirmed: int) -> int:
+        """Before the tap lets go of its connection: collect the answers proving the acks it
+        sent were applied (they queue behind the deliveries already on the wire), so the
+        spool can release what they cover. Deliveries read meanwhile are dropped unacked:
+        the broker requeues them when the connection closes."""
+        deadline = time.monotonic() + PROOF_WAIT_S
+        while syncs and time.monotonic() < deadline and not self._stop.is_set():
+            for token in conn.poll(0.2).syncs:
+                confirmed = max(confirmed, syncs.pop(token, confirmed))
+        return confirmed
+
+    def _wait_for_room(self, spool: SpoolWriter, full: SpoolFull, need: int) -> None:
+        """Paused on a full spool, disconnected: release shipped segments until the group
+        that did not fit (``need`` bytes) would."""
+        while not self._stop.is_set():
+            self._stop.wait(RETRY_FULL_S)
+            self._release(spool)  # black may have shipped meanwhile: room comes back
+            self._write_status(spool)
+            if spool.room_for(need) is None:
+                break
+        else:
+            return
+        log_event(log, 30, "tap resumed: the spool has room again", channel=self.channel,
+                  paused_for=str(full)[:200])  # fmt: skip
+        self.status.paused = None
+        self._write_status(spool, force=True)
 
     def _sync_after_loss(self, spool: SpoolWriter) -> None:
         if not spool.pending:
@@ -401,16 +436,15 @@ class Tap:
                             "waits in the broker for the next run", channel=self.channel,
                         )  # fmt: skip
                         return
-                    self._stop.wait(RETRY_FULL_S)
-                    self._release(spool)  # black may have shipped meanwhile: room comes back
-                    continue
+                    # hand what is not durable back to the broker and wait for room without
+                    # holding a prefetch window of messages here (up to prefetch x their size)
+                    need = spool.pending_bytes
+                    spool.discard_pending()
+                    confirmed = self._await_proofs(conn, syncs, confirmed)
+                    if confirmed > spool.acked_through:
+                        spool.sync(confirmed)  # no records: what it frees becomes releasable
+                    raise _Paused(e, need) from None
                 crash_point("tap.after_sync")
-                if full_logged:
-                    log_event(
-                        log, 30, "tap resumed: the spool has room again", channel=self.channel
-                    )
-                    full_logged = False
-                    self.status.paused = None
                 if last_main > acked_main:
                     main.ack(last_main, multiple=True)
                     acked_main = last_main
@@ -553,6 +587,15 @@ class Tap:
         atomic_write_bytes(
             status_path(self.cfg, self.channel), json.dumps(asdict(self.status)).encode()
         )
+
+
+class _Paused(Exception):
+    """The spool is full: the tap drops its connection and waits for room."""
+
+    def __init__(self, full: SpoolFull, need: int) -> None:
+        super().__init__(str(full))
+        self.full = full
+        self.need = need
 
 
 def _watch_parent(tap: Tap, parent: int) -> None:

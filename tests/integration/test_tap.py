@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import time
 import urllib.parse
 from pathlib import Path
@@ -20,6 +21,7 @@ import requests
 from bridge.amqp.client import Connection
 from bridge.black.mirror import Mirror
 from bridge.black.spool import KIND_LOST, KIND_MESSAGE, SpoolReader
+from bridge.black.state import ChannelState, StateStore
 from bridge.black.tap import POSSIBLE_DUPLICATE, REENCODED, Tap, order_free, tap_status
 from bridge.config import Config, load_config
 from bridge.faults import CRASH_ENV, MARK_ENV
@@ -219,6 +221,58 @@ def test_a_crash_among_byte_identical_messages_loses_none_and_marks_possible_dup
     assert st is not None and st.counters.get("redelivered_skipped", 0) == 0
     assert st.counters.get(f"inexact_{POSSIBLE_DUPLICATE}") == len(marked)
     assert queue_depth(black_vhost.amqp_url, QUEUE) == 0
+
+
+def test_a_full_spool_pauses_the_tap_with_the_backlog_left_in_the_broker(
+    black_vhost: Any, tmp_path: Path
+) -> None:
+    """At its quota the spool refuses more: the continuous tap hands back what it holds (no
+    prefetch window of messages waits in its memory), waits disconnected, and resumes once
+    black shipped and released segments. Every message is spooled once, in order."""
+    cfg = write_config(tmp_path, black_vhost.amqp_url, group_messages=4, prefetch=100)
+    assert cfg.source is not None
+    with open(cfg.source, "a") as f:
+        f.write("\n[black.spool]\nmax_bytes = 16777216\nsegment_bytes = 1048576\n")
+    cfg = load_config(cfg.source)
+    setup_mirror(cfg, black_vhost.amqp_url)
+    sent = [(encode_properties(Properties(message_id=f"m{i}")), bytes([i]) * 1_000_000)
+            for i in range(40)]  # fmt: skip
+    publish_raw(black_vhost.amqp_url, sent)
+    tap = Tap(cfg, "main")
+    th = threading.Thread(target=tap.run, daemon=True)
+    th.start()
+    store = StateStore(Path(cfg.black.state_dir))
+
+    def status() -> Any:
+        st = tap_status(cfg, "main")
+        assert th.is_alive() and st is not None
+        return st
+
+    try:
+        deadline = time.monotonic() + 60
+        while tap_status(cfg, "main") is None or not status().paused:
+            assert time.monotonic() < deadline, "the tap never paused"
+            time.sleep(0.1)
+        assert "max_bytes" in status().paused
+        held = status().durable_end
+        assert 8 <= held < 40
+        with Connection.open(black_vhost.amqp_url) as conn:  # ready, none held by a consumer
+            q = conn.channel().queue_declare(QUEUE, passive=True)
+        assert q.consumer_count == 0 and q.message_count == 40 - held
+        while status().durable_end < 40:  # black ships what the spool holds, again and again
+            store.save(ChannelState("main", last_seq=status().durable_end - 1))
+            assert time.monotonic() < deadline + 60, "the tap did not resume"
+            time.sleep(0.3)
+    finally:
+        tap.stop()
+        th.join(timeout=30)
+    assert queue_depth(black_vhost.amqp_url, QUEUE) == 0
+    r = SpoolReader(Path(cfg.black.spool_dir), "main")
+    first = r.first_pos()
+    rows = [x for b in r.read(first, r.durable_end()) for x in b.to_pylist()]
+    assert [x["body"] for x in rows] == [b for _, b in sent[first:]]
+    last = tap_status(cfg, "main")
+    assert last is not None and last.durable_end == 40 and not last.paused
 
 
 def _limit_policy(vhost: str, **definition: Any) -> None:
