@@ -149,7 +149,7 @@ processed_dir = "{work}/red/processed"
 quarantine_dir = "{work}/red/quarantine"
 state_dir = "{work}/red/state"
 checkpoint_dir = "{work}/red/checkpoint"
-tables_dir = "{work}/red/tables"
+tables_dir = "{work}/red/delta"
 delta_engine = "delta-rs"
 settle_seconds = 0.5
 
@@ -539,7 +539,7 @@ def run(args: argparse.Namespace, work: Path, out: Path, stamp: str) -> dict[str
         res["baseline"] = base
         res["alive_at_end"] = alive
         res["warm_up_messages"] = warm
-        res["read_back"] = read_back(work / "red/tables", pub.confirmed, pub.stream_start_ns)
+        res["read_back"] = read_back(work / "red/delta", pub.confirmed, pub.stream_start_ns)
         res["samples"] = [{**r, "t": round(r["t"] - t_pub0, 2)} for r in rows]
         return res
     finally:

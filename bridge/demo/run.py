@@ -89,7 +89,7 @@ processed_dir = "red/processed"
 quarantine_dir = "red/quarantine"
 state_dir = "red/state"
 checkpoint_dir = "red/checkpoint"
-tables_dir = "red/tables"
+tables_dir = "red/delta"
 delta_engine = "delta-rs"
 settle_seconds = 0.5
 

@@ -22,7 +22,7 @@ encrypt = false
 
 [red]
 state_dir = "red/state"
-tables_dir = "red/tables"
+tables_dir = "red/delta"
 delta_engine = "delta-rs"
 """
 

@@ -40,6 +40,7 @@ def test_demo_runs_from_scratch(short_tmp: Path, transport: str) -> None:
     out = r.stdout.decode().strip().splitlines()
     summary = json.loads(out[-1])
     assert summary["ok"] is True and summary["lost"] == 0
+    assert Path(summary["tables"]).resolve() == (short_tmp / "demo" / "red" / "delta").resolve()
     # every message accounted for from red's evidence: the Delta table and the quarantine
     assert summary["landed_unique"] == summary["published"]
     assert summary["duplicates"] == 0 and summary["quarantined"] == 0

@@ -19,7 +19,7 @@ def test_the_table_shows_each_stage_and_the_account() -> None:
         "transport": "file", "files_crossed": 7, "landed": 18004, "red_seconds": 3.79,
         "replayed": 18004, "replay_seconds": 1.65, "received_on_red": 18000, "bundles": 4,
         "lost": 4, "duplicates": 0, "quarantined": 1, "ok": False, "workdir": "/w",
-        "tables": "/w/red/tables",
+        "tables": "/w/red/delta",
     }  # fmt: skip
     text = summary_table(s)
     lines = text.splitlines()
