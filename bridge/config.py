@@ -757,6 +757,11 @@ def config_from_dict(
 ) -> Config:
     """Validate a raw mapping (as read from TOML) into a Config; env overrides applied first."""
     data = {k: (dict(v) if isinstance(v, dict) else v) for k, v in data.items()}
+    if "source" in data:
+        raise ConfigError(
+            f"{source}: unknown key 'source' at the top level (the file a config was read "
+            "from is set by the loader, never written in it): remove it"
+        )
     _apply_env(data, dict(os.environ) if environ is None else environ)
     _resolve_paths(data, base)
     try:

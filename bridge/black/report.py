@@ -123,7 +123,10 @@ def files_table(cfg: Config, *, where: str = "archive") -> pa.Table:
             except BundleNameError:
                 continue
             kind, channel, seq = "heartbeat", h.channel, h.heartbeat_seq
-        st = p.stat()
+        try:
+            st = p.stat()
+        except FileNotFoundError:
+            continue  # a mover took it meanwhile
         for k, v in zip(rows, (p.name, kind, channel, seq, st.st_size, st.st_mtime), strict=True):
             rows[k].append(v)
     return pa.table(

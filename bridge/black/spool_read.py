@@ -248,7 +248,8 @@ class SpoolReader:
                 raise SpoolGapError(
                     f"channel {self.channel!r}: spool positions [{pos}, {min(first, end)}) are "
                     f"missing in {self.directory}: a segment before {segment_name(first)} is "
-                    "gone, yet later ones are there (deleted by hand?)"
+                    "gone, yet later ones are there (deleted by hand?). Start a new spool: "
+                    "docs/runbook.md §7.1 ('spool lost'); the lost seqs become a gap"
                 )
             path = self.directory / segment_name(first)
             try:
@@ -270,7 +271,8 @@ class SpoolReader:
         if pos < end:
             raise SpoolGapError(
                 f"channel {self.channel!r}: spool positions [{pos}, {end}) are missing in "
-                f"{self.directory} although TAIL says they are durable: the spool is damaged"
+                f"{self.directory} although TAIL says they are durable: the spool is damaged. "
+                "Start a new spool: docs/runbook.md §7.1 ('spool lost')"
             )
 
 

@@ -176,3 +176,9 @@ def test_red_max_plain_bytes_reaches_the_verify_context(tmp_path: Path) -> None:
     assert VerifyContext.from_config(cfg, environ={}).max_plain_bytes == 5_000_000
     with pytest.raises(ConfigError, match="max_plain_bytes"):
         load_config(_write(tmp_path, base + "max_plain_bytes = 10\n"), environ={})
+
+
+def test_source_is_not_a_config_key(tmp_path: Path) -> None:
+    text = 'source = "/etc/other.toml"\n[[channels]]\nname = "a"\nencrypt = false\n'
+    with pytest.raises(ConfigError, match="unknown key 'source'"):
+        load_config(_write(tmp_path, text), environ={})
