@@ -40,6 +40,7 @@ to the audit table with the application id ``diode-replay``).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import threading
@@ -1033,7 +1034,10 @@ class Replayer:
             lane = self._lanes.get(name)
             if lane is None:
                 p = self._progress.get(name) or Progress()
-                self._lanes[name] = _Lane(name, p, cursor=p.key, high=dict(p.high))
+                # the lane's replayed ranges are the progress's own: saved with it
+                self._lanes[name] = _Lane(
+                    name, p, cursor=p.key, high=dict(p.high), replayed=p.unaudited
+                )
             elif lane.retired:
                 lane.retired = False
                 log_event(log, 20, "exchange approved again", exchange=name)
@@ -1089,7 +1093,8 @@ class Replayer:
             self._unsunk.append(ev)
 
     def _flush_replayed(self, lane: _Lane) -> None:
-        acc, lane.replayed = lane.replayed, {}
+        acc = dict(lane.replayed)
+        lane.replayed.clear()  # in place: it is the saved progress's ``unaudited`` too
         lane.replayed_since = time.monotonic()
         for channel in sorted(acc):
             first, last, rows, land_first, land_last = acc[channel]
@@ -1112,19 +1117,40 @@ class Replayer:
                 or now - lane.replayed_since >= REPLAYED_EVERY
             ):
                 self._flush_replayed(lane)
+        self._sink()  # before the save that forgets the flushed ranges
         if self._dirty and (force_save or now - self._saved_at >= SAVE_EVERY):
             self._save()
-        self._sink()
 
     def _save(self) -> None:
         stamp = now_text()
         for p in self._progress.values():
             if p.updated_at is None:
                 p.updated_at = stamp
-        save_progress(self.state_dir, self._progress)
+        save_progress(self.state_dir, self._with_unsunk())
         self._dirty = False
         self._saved_at = time.monotonic()
         self._update_lag(*self._last)
+
+    def _with_unsunk(self) -> dict[str, Progress]:
+        """The progress to save: ``replayed`` events the sink has not taken yet go back into
+        ``unaudited``, so a kill before they reach the audit table loses none."""
+        pending = [e for e in self._unsunk if e["event"] == "replayed"]
+        if not pending:
+            return self._progress
+        out = {k: dataclasses.replace(p, unaudited={c: list(v) for c, v in p.unaudited.items()})
+               for k, p in self._progress.items()}  # fmt: skip
+        for e in pending:
+            p = out.get(e["exchange"])
+            if p is None:
+                continue
+            d = json.loads(e["detail"])
+            r = [e["seq_first"], e["seq_last"], d["rows"], d["land_seq_first"], d["land_seq_last"]]
+            a = p.unaudited.setdefault(e["channel"], r)
+            if a is not r:
+                a[0], a[1] = min(a[0], r[0]), max(a[1], r[1])
+                a[2] += r[2]
+                a[3], a[4] = min(a[3], r[3]), max(a[4], r[4])
+        return out
 
     def _take_events(self) -> list[dict[str, Any]]:
         events, self._events = self._events, []
@@ -1155,9 +1181,9 @@ class Replayer:
         for lane in self._lanes.values():
             self._flush_replayed(lane)
         try:
+            self._sink()
             if self._dirty:
                 self._save()
-            self._sink()
         finally:
             self._drop_connection()
             self._lanes.clear()

@@ -57,6 +57,10 @@ class Progress:
     """Per channel, the highest seq confirmed (rows published below it are out of order)."""
     passed: dict[str, int] = field(default_factory=dict)
     """Per channel, the highest hole (its ``resume`` seq) the hold-back went past."""
+    unaudited: dict[str, list[int]] = field(default_factory=dict)
+    """Per channel, confirmed rows no ``replayed`` audit event holds yet: ``[seq_first,
+    seq_last, rows, land_seq_first, land_seq_last]``. Saved with the progress, so a publisher
+    killed before its event reached the audit table emits it after the restart."""
 
     @property
     def key(self) -> Key:
@@ -71,6 +75,7 @@ class Progress:
             "updated_at": self.updated_at,
             "high": dict(sorted(self.high.items())),
             "passed": dict(sorted(self.passed.items())),
+            **({"unaudited": dict(sorted(self.unaudited.items()))} if self.unaudited else {}),
         }
 
     @classmethod
@@ -83,6 +88,10 @@ class Progress:
             updated_at=d.get("updated_at"),
             high={str(k): int(v) for k, v in d.get("high", {}).items()},
             passed={str(k): int(v) for k, v in d.get("passed", {}).items()},
+            unaudited={
+                str(k): [int(x) for x in v] for k, v in d.get("unaudited", {}).items()
+                if isinstance(v, list) and len(v) == 5
+            },
         )
 
 

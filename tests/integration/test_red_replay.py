@@ -56,6 +56,7 @@ from bridge.red.replay import ConfirmWindow, Replayer, plan_upper, with_id_heade
 from bridge.red.report import replay_status as report_replay_status
 from bridge.red.tables import RedTables
 from tests.conftest import MGMT, Vhost
+from tests.support import json_lines
 from tests.unit.test_protocol_properties import canon, properties
 
 NOW = datetime(2026, 11, 22, 12, 0, 0, tzinfo=UTC)
@@ -464,7 +465,17 @@ from pathlib import Path
 from bridge.config import config_from_dict
 from bridge.red.replay import Replayer
 cfg = config_from_dict(json.loads(sys.argv[1]), base=Path("."), environ={})
-Replayer(cfg).run()
+sink_path = sys.argv[2] if len(sys.argv) > 2 else None
+
+
+def sink(events):  # the audit table's stand-in: each batch durable before the call returns
+    with open(sink_path, "a") as f:
+        f.writelines(json.dumps(e) + "\\n" for e in events)
+        f.flush()
+        __import__("os").fsync(f.fileno())
+
+
+Replayer(cfg, sink=sink if sink_path else None).run()
 """
 
 
@@ -493,7 +504,10 @@ def test_kill_9_mid_run_resumes_without_skipping(
     }
     progress = tmp_path / "state" / rp.PROGRESS_FILE
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
-    proc = subprocess.Popen([sys.executable, "-c", KILLED_RUN, json.dumps(spec)], env=env)
+    audit = tmp_path / "audit.jsonl"
+    proc = subprocess.Popen(
+        [sys.executable, "-c", KILLED_RUN, json.dumps(spec), str(audit)], env=env
+    )
     try:
         deadline = time.monotonic() + 60
         confirmed = 0
@@ -506,11 +520,22 @@ def test_kill_9_mid_run_resumes_without_skipping(
         proc.wait(10)
         saved = json.loads(progress.read_text())["exchanges"]["k"]
         assert 3000 <= saved["confirmed_rows"] < len(order)  # killed mid-way
-        s = Replayer(make_cfg(tmp_path, url, ["k"])).run(until_caught_up=True, timeout=60)
+        sunk: list[dict[str, Any]] = []
+        s = Replayer(make_cfg(tmp_path, url, ["k"]), sink=sunk.extend).run(
+            until_caught_up=True, timeout=60
+        )
         assert s.caught_up and not s.errors
         c.collect(len(order), timeout=60)
         no_forward_skips([(ch, sq) for _, ch, sq in order], [body_id(m) for m in c.quiet()])
         assert len(c.got) - len(order) <= 64 + 3000  # duplicates: what was unsaved at the kill
+        # the audit trail lost nothing to the kill: every row is in some `replayed` event, the
+        # killed run's confirmed-but-unaudited ranges emitted by the next run
+        events = (json_lines(audit) if audit.exists() else []) + sunk
+        covered = {ch: set() for ch in ("c0", "c1")}
+        for e in events:
+            if e["event"] == "replayed":
+                covered[e["channel"]].update(range(e["seq_first"], e["seq_last"] + 1))
+        assert covered == {ch: {sq for _, c_, sq in order if c_ == ch} for ch in covered}
     finally:
         if proc.poll() is None:
             proc.kill()
