@@ -30,7 +30,7 @@ from bridge.diode.udp_key import generate_key_file, load_key
 from bridge.diode.udp_receiver import ReceiveSummary, run_receiver
 from bridge.diode.udp_sender import envelope_prefix
 from bridge.diode.udp_spool import Reassembler
-from bridge.metrics import UDP
+from bridge.metrics import REGISTRY, UDP
 from bridge.protocol.datagram import DatagramCodec, LinkHeartbeat, ObjectHeader, ObjectKind
 from tests.support import json_lines
 
@@ -256,6 +256,7 @@ def test_sender_copies_and_journal_and_pace(rx: Rx, tmp_path: Path) -> None:
     cfg = config_from_dict(data, base=tmp_path, environ={})
     outbox = Path(cfg.black.outbox)
     outbox.mkdir(parents=True)
+    before = _udp_metrics()
     body = os.urandom(700_000)
     name = "u1.000000000003.0123456789abcdef0123456789abcdef.dbundle"
     (outbox / name).write_bytes(body)
@@ -278,6 +279,29 @@ def test_sender_copies_and_journal_and_pace(rx: Rx, tmp_path: Path) -> None:
     # about 2 x (700 KB + repair) at 20 MB/s (after a 256 KB burst): the pace was applied
     assert summary.seconds >= (summary.bytes - 262_144) / 20_000_000 * 0.9
     assert s.heartbeats >= 2
+    # the same counts reach Prometheus (sender and receiver share this process's registry)
+    got = {k: v - before.get(k, 0.0) for k, v in _udp_metrics().items()}
+    sent = got["datagrams_sent_total/source"] + got["datagrams_sent_total/repair"]
+    assert sent == summary.datagrams and got["datagrams_sent_total/repair"] > 0
+    assert got["datagrams_sent_total/heartbeat"] == summary.heartbeats
+    assert got["objects_sent_total/u1"] == 1 and got["bytes_sent_total"] == summary.bytes
+    assert got["datagrams_received_total"] == s.datagrams
+    assert got["datagrams_dropped_total/late"] == s.dropped["late"]
+    assert got["objects_completed_total/u1"] == 1
+    assert got["goodput_bytes_total"] == len(body)
+    assert got["repair_symbols_used_total"] == s.repair_symbols_used
+    assert 0 <= _udp_metrics()["heartbeat_age_seconds"] < 5
+
+
+def _udp_metrics() -> dict[str, float]:
+    """Every bridge_udp_* sample of this process, keyed "name/label values"."""
+    out: dict[str, float] = {}
+    for fam in REGISTRY.collect():
+        for smp in fam.samples:
+            if smp.name.startswith("bridge_udp_") and not smp.name.endswith("_created"):
+                key = "/".join([smp.name.removeprefix("bridge_udp_"), *smp.labels.values()])
+                out[key] = smp.value
+    return out
 
 
 def test_a_resend_under_a_new_epoch_supersedes_the_old_partial_object(tmp_path: Path) -> None:
