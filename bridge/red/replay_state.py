@@ -89,7 +89,8 @@ class Progress:
             high={str(k): int(v) for k, v in d.get("high", {}).items()},
             passed={str(k): int(v) for k, v in d.get("passed", {}).items()},
             unaudited={
-                str(k): [int(x) for x in v] for k, v in d.get("unaudited", {}).items()
+                str(k): [int(x) for x in v]
+                for k, v in d.get("unaudited", {}).items()
                 if isinstance(v, list) and len(v) == 5
             },
         )
