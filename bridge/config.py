@@ -373,7 +373,7 @@ class RedConfig(_Strict):
     checkpoint_dir: Path = Path("red/checkpoint")
     """Spark Structured Streaming checkpoint of the red job."""
 
-    tables_dir: Path = Path("red/delta")
+    tables_dir: Path = Path("red/tables")
     """Root of the Delta tables `messages`, `bundles` and `audit`."""
 
     delta_engine: Literal["auto", "spark", "delta-rs"] = "auto"

@@ -212,6 +212,21 @@ class Mirror:
         chan.close()
         return found, False
 
+    def _declare_without_overflow(self, chan: BlockingChannel, channel: str, queue: str) -> bool:
+        """A mirror queue created before black declared ``x-overflow`` is refused with it (406):
+        take it as it is (a policy then decides its overflow, checked each sync) and say so."""
+        args = {k: v for k, v in self.queue_arguments(channel).items() if k != "x-overflow"}
+        try:
+            chan.queue_declare(queue, durable=True, arguments=args)
+        except pika.exceptions.ChannelClosedByBroker:
+            return False
+        self._tell(
+            channel, "no-overflow-arg",
+            f"mirror queue {queue!r} was created without x-overflow: a policy's overflow "
+            "applies to it. Re-create it when empty to pin drop-head (docs/runbook.md §4)",
+        )  # fmt: skip
+        return True
+
     def _declare(self, chan: BlockingChannel, channel: str) -> BlockingChannel:
         """Declare the dead-letter exchange, the dead queue and the mirror queue (idempotent)."""
         b = self.cfg.black
@@ -236,6 +251,10 @@ class Mirror:
             try:
                 step()
             except pika.exceptions.ChannelClosedByBroker as e:
+                if e.reply_code == 406 and what == steps[-1][0]:
+                    chan = chan.connection.channel()  # the refusal closed this one
+                    if self._declare_without_overflow(chan, channel, queue):
+                        continue
                 if e.reply_code == 406:
                     raise ConfigError(
                         f"channel {channel!r}: {what} already exists in vhost {self.vhost!r} "
@@ -320,7 +339,10 @@ class Mirror:
             return
         policy = info.get("effective_policy_definition") or {}
         overflow = policy.get("overflow") if isinstance(policy, dict) else None
-        refusing = isinstance(overflow, str) and overflow.startswith("reject-publish")
+        args = info.get("arguments") or {}
+        # a classic queue's own x-overflow argument wins over the policy; a quorum queue's not
+        own = info.get("type") != "quorum" and "x-overflow" in args
+        refusing = isinstance(overflow, str) and overflow.startswith("reject-publish") and not own
         BLACK.mirror_refusing.labels(channel).set(1 if refusing else 0)
         if refusing:
             self._tell(

@@ -16,7 +16,8 @@ Exactly once into the spool, whatever crashes:
   equal to one of them (same exchange, routing key, properties, body) is skipped and counted.
   When several of them are byte-identical, a redelivery may also be a twin the broker had not
   delivered yet (their acks applied): it is kept and marked ``possible-duplicate``, never
-  skipped, so such producers may see a duplicate but never a loss.
+  skipped. A twin of a *single* record after that position still cannot be told from its
+  redelivery and is skipped (a producer sent the same bytes twice within one group).
 
 The tap pauses when the spool is full (quota or file system): it stops acking, waits for the
 proofs of the acks it sent, drops what is not durable and closes its connection, so the
@@ -27,6 +28,7 @@ bundles holding them are durably in the outbox.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -442,7 +444,8 @@ class Tap:
                     spool.discard_pending()
                     confirmed = self._await_proofs(conn, syncs, confirmed)
                     if confirmed > spool.acked_through:
-                        spool.sync(confirmed)  # no records: what it frees becomes releasable
+                        with contextlib.suppress(SpoolFull, OSError):  # a full disk: next time
+                            spool.sync(confirmed)  # no records: what it frees is releasable
                     raise _Paused(e, need) from None
                 crash_point("tap.after_sync")
                 if last_main > acked_main:
@@ -545,7 +548,7 @@ class Tap:
         exchange, rk = d.exchange, d.routing_key
         if not (exchange.isascii() and rk.isascii()):
             exchange, rk, renamed = _text_names(exchange, rk)
-            if renamed:
+            if renamed and note != POSSIBLE_DUPLICATE:  # one reason a row: the weightier
                 note = NON_UTF8_NAME
         spool.append_one(exchange, rk, d.redelivered, props, d.body, note)
         if note is not None:

@@ -241,9 +241,14 @@ class Reassembler:
         """Keep only the records the receiver remembers (atomically): the journal must not grow
         with every object ever delivered. Delivery thread only, like every write to it."""
         path = self.root / DONE
-        with open(path, "rb") as f:
-            tail = b"".join(deque(f, maxlen=_DONE_REMEMBERED))
-        atomic_write_bytes(path, tail, mode=0o600)
+        try:
+            with open(path, "rb") as f:
+                tail = b"".join(deque(f, maxlen=_DONE_REMEMBERED))
+            atomic_write_bytes(path, tail, mode=0o600)
+        except OSError as e:  # a full disk: the journal stays whole, tried again next time
+            log_event(log, 30, "delivery journal not compacted", path=str(path),
+                      error=_os_error(e))  # fmt: skip
+            return
         log_event(log, 20, "delivery journal compacted", path=str(path), kept_bytes=len(tail))
 
     def remember_delivered(self, d: Delivery) -> None:

@@ -1096,6 +1096,8 @@ class Replayer:
         acc = dict(lane.replayed)
         lane.replayed.clear()  # in place: it is the saved progress's ``unaudited`` too
         lane.replayed_since = time.monotonic()
+        if acc:
+            self._dirty = True  # the saved ``unaudited`` must forget them, or a restart repeats
         for channel in sorted(acc):
             first, last, rows, land_first, land_last = acc[channel]
             detail: dict[str, Any] = {

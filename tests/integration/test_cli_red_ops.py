@@ -49,7 +49,7 @@ def test_revoke_is_approve_revoke_and_both_are_audited(tmp_path: Path) -> None:
     assert [c["exchange"] for c in gone["changed"]] == ["sensors"]
     again = diode(cfg, "revoke", "sensors")
     assert again["changed"] == [] and again["unchanged"] == ["sensors"]
-    audit = DeltaTable(str(tmp_path / "red" / "tables" / "audit")).to_pyarrow_table(
+    audit = DeltaTable(str(tmp_path / "red" / "delta" / "audit")).to_pyarrow_table(
         columns=["event", "exchange"]
     )
     events = sorted(zip(audit["event"].to_pylist(), audit["exchange"].to_pylist(), strict=True))

@@ -256,9 +256,13 @@ def test_a_full_spool_pauses_the_tap_with_the_backlog_left_in_the_broker(
         assert "max_bytes" in status().paused
         held = status().durable_end
         assert 8 <= held < 40
-        with Connection.open(black_vhost.amqp_url) as conn:  # ready, none held by a consumer
-            q = conn.channel().queue_declare(QUEUE, passive=True)
-        assert q.consumer_count == 0 and q.message_count == 40 - held
+        while True:  # the tap collects its ack proofs, then lets go of its connection
+            with Connection.open(black_vhost.amqp_url) as conn:
+                q = conn.channel().queue_declare(QUEUE, passive=True)
+            if q.consumer_count == 0 or time.monotonic() > deadline + 30:
+                break
+            time.sleep(0.1)
+        assert q.consumer_count == 0 and q.message_count == 40 - held  # all ready, none held
         while status().durable_end < 40:  # black ships what the spool holds, again and again
             store.save(ChannelState("main", last_seq=status().durable_end - 1))
             assert time.monotonic() < deadline + 60, "the tap did not resume"
@@ -354,6 +358,31 @@ def test_queue_length_limit_overflow_is_recorded_as_lost(
     assert [r["body"] for r in kept] == [b for _, b in sent[15:]]
     st = tap_status(cfg, "main")
     assert st is not None and st.counters.get("lost_maxlen") == 15
+
+
+def test_a_mirror_queue_created_without_the_overflow_argument_is_taken_as_it_is(
+    black_vhost: Any, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A mirror queue an older black created (no x-overflow) is refused with the argument
+    (406): the sync takes it without, says so, and a refusing policy on it is reported."""
+    cfg = write_config(tmp_path, black_vhost.amqp_url)
+    mirror = Mirror(cfg, catalog_path=Path(cfg.black.state_dir) / "exchanges.json")
+    old = {k: v for k, v in mirror.queue_arguments("main").items() if k != "x-overflow"}
+    conn = pika.BlockingConnection(pika.URLParameters(black_vhost.amqp_url))
+    conn.channel().exchange_declare("ev", "fanout", durable=True)
+    conn.channel().queue_declare(QUEUE, durable=True, arguments=old)
+    conn.close()
+    _limit_policy(black_vhost.name, **{"max-length": 10, "overflow": "reject-publish"})
+    gauge = "bridge_black_mirror_queue_refusing"
+    deadline = time.monotonic() + 20
+    while True:
+        report = mirror.sync()
+        if REGISTRY.get_sample_value(gauge, {"channel": "main"}) == 1:
+            break
+        assert time.monotonic() < deadline, "the refusing policy was never reported"
+        time.sleep(0.2)
+    assert report.channels["main"].bound == ["ev"]
+    assert "created without x-overflow" in caplog.text
 
 
 def test_a_refusing_overflow_policy_on_a_quorum_mirror_queue_is_reported(
