@@ -241,6 +241,7 @@ def test_dead_letter_exchange_and_queue_are_declared_and_not_mirrored(
         "x-queue-type": "classic",
         "x-dead-letter-exchange": DLX,
         "x-dead-letter-routing-key": "c1",
+        "x-overflow": "drop-head",
     }
     dq = api(black_vhost, f"queues/{{v}}/{DEAD_QUEUE}")
     assert dq["durable"] is True and "x-dead-letter-exchange" not in dq["arguments"]
