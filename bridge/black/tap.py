@@ -207,8 +207,6 @@ class Tap:
 
     # -- main loop --------------------------------------------------------------------------
     def run(self) -> TapStatus:
-        import os
-
         self.status.pid = os.getpid()
         sp = self.cfg.black.spool
         shipped = self.store.load(self.channel).last_seq

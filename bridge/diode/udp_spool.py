@@ -89,6 +89,12 @@ def _decodable(h: ObjectHeader) -> bool:
     return fits_one_block(min(h.length, h.block_symbols * h.symbol_size), h.symbol_size)
 
 
+def _done_tail(path: Path) -> deque[bytes]:
+    """The last ``_DONE_REMEMBERED`` lines of ``done.jsonl``, streamed (the file may be long)."""
+    with open(path, "rb") as f:
+        return deque(f, maxlen=_DONE_REMEMBERED)
+
+
 def _os_error(e: OSError) -> str:
     name = errno.errorcode.get(e.errno or 0, "")
     return f"{name}: {e.strerror or e}" if name else str(e)
@@ -186,9 +192,7 @@ class Reassembler:
         path = self.root / DONE
         if not path.exists():
             return
-        with open(path, encoding="utf-8", errors="replace") as f:
-            tail = deque(f, maxlen=_DONE_REMEMBERED)  # streamed: the file may be long
-        for line in tail:
+        for line in _done_tail(path):
             try:
                 rec = json.loads(line)
                 self._remember((int(rec["epoch"]), int(rec["object_id"])), str(rec["digest"]))
@@ -242,8 +246,7 @@ class Reassembler:
         with every object ever delivered. Delivery thread only, like every write to it."""
         path = self.root / DONE
         try:
-            with open(path, "rb") as f:
-                tail = b"".join(deque(f, maxlen=_DONE_REMEMBERED))
+            tail = b"".join(_done_tail(path))
             atomic_write_bytes(path, tail, mode=0o600)
         except OSError as e:  # a full disk: the journal stays whole, tried again next time
             log_event(log, 30, "delivery journal not compacted", path=str(path),

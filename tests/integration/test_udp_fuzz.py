@@ -20,7 +20,7 @@ from bridge.demo.udp_link import free_udp_port
 from bridge.diode.link_status import read_gap_records, read_json
 from bridge.diode.udp_key import generate_key_file, load_key
 from bridge.protocol.datagram import MAGIC, TAG_LEN, VERSION, DatagramCodec, derive_key
-from tests.integration.test_udp_receive import RxProc, datagrams
+from tests.integration.test_udp_receive import RxProc, datagrams, receiver_config
 
 N = int(os.environ.get("DIODE_FUZZ_DATAGRAMS", "100000"))
 EPOCH = 1 << 40
@@ -28,29 +28,6 @@ EPOCH = 1 << 40
 MAX_RSS_GROWTH = 64 << 20
 """The receiver's RSS may grow this much over the run (allocator arenas, caches): a receiver
 that kept anything per hostile datagram would grow by far more (100k x ~1.4 KB = 140 MB)."""
-
-
-def _config(tmp: Path, port: int) -> Path:
-    p = tmp / "diode.toml"
-    p.write_text(f"""
-[[channels]]
-name = "u1"
-encrypt = false
-transport = "udp"
-
-[red]
-inbox = "red/inbox"
-
-[udp]
-key_file = "udp.key"
-
-[udp.receive]
-bind = "127.0.0.1:{port}"
-expire_seconds = 5.0
-max_open_objects = 64
-max_object_bytes = 4194304
-""")
-    return p
 
 
 def _socket_queue(port: int) -> tuple[int, int]:
@@ -153,7 +130,9 @@ def test_a_fuzz_run_leaves_the_receiver_running_counting_and_bounded(tmp_path: P
     inbox, spool = tmp_path / "red" / "inbox", tmp_path / "red" / "udp-spool"
     sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 1 << 20)
-    rx = RxProc(_config(tmp_path, port), tmp_path / "rx.log")
+    cfg = receiver_config(tmp_path, port, expire_seconds=5.0, max_open_objects=64,
+                          max_object_bytes=4_194_304)  # fmt: skip
+    rx = RxProc(cfg, tmp_path / "rx.log")
     proc = psutil.Process(rx.proc.pid)
     try:
         rss0 = proc.memory_info().rss

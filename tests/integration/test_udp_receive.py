@@ -405,11 +405,12 @@ def _spooled_symbol_bytes(spool: Path) -> int:
     return sum(p.stat().st_size for p in spool.glob("objects/*/symbols.log"))
 
 
-def test_a_receiver_killed_9_mid_object_completes_it_from_its_spool(tmp_path: Path) -> None:
-    port = free_udp_port()
-    generate_key_file(tmp_path / "udp.key")
-    cfg_path = tmp_path / "diode.toml"
-    cfg_path.write_text(f"""
+def receiver_config(tmp: Path, port: int, **receive: float | int) -> Path:
+    """``tmp/diode.toml`` for a `diode udp receive` process: channel u1, red inbox, the key in
+    ``tmp/udp.key``, binding 127.0.0.1:``port``, and ``receive``'s extra [udp.receive] keys."""
+    extra = "".join(f"{k} = {v!r}\n" for k, v in receive.items())
+    path = tmp / "diode.toml"
+    path.write_text(f"""
 [[channels]]
 name = "u1"
 encrypt = false
@@ -423,8 +424,14 @@ key_file = "udp.key"
 
 [udp.receive]
 bind = "127.0.0.1:{port}"
-expire_seconds = 60.0
-""")
+{extra}""")
+    return path
+
+
+def test_a_receiver_killed_9_mid_object_completes_it_from_its_spool(tmp_path: Path) -> None:
+    port = free_udp_port()
+    generate_key_file(tmp_path / "udp.key")
+    cfg_path = receiver_config(tmp_path, port, expire_seconds=60.0)
     codec = DatagramCodec(load_key(tmp_path / "udp.key"))
     name = "u1.000000000001.0123456789abcdef0123456789abcdef.dbundle"
     t, k = 1024, 64
