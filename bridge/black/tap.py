@@ -381,7 +381,6 @@ class Tap:
         first_unsynced: float | None = None
         next_release = time.monotonic() + RELEASE_EVERY_S
         quiet_since = time.monotonic()
-        full_logged = False
         cancelled = False  # until_empty: consumers stopped to see the queues settle
         while not self._stop.is_set():
             now = time.monotonic()
@@ -422,9 +421,7 @@ class Tap:
                 try:
                     durable = spool.sync(confirmed) if spool.pending else spool.durable_end
                 except SpoolFull as e:
-                    if not full_logged:
-                        log_event(log, 40, f"tap paused: {e}", channel=self.channel)
-                        full_logged = True
+                    log_event(log, 40, f"tap paused: {e}", channel=self.channel)  # the loop ends
                     self.status.paused = str(e)
                     self._write_status(spool, force=True)
                     if self.until_empty:

@@ -256,10 +256,8 @@ class Intake:
         closed: set[str],
         seen: dict[bytes, tuple[tuple[int, int, int, int], float]],
     ) -> bool:
-        if self.settle_seconds <= 0 or os.fsdecode(raw) in closed:
-            self._unchanged_for(raw, st, now, seen, 0.0)
-            return True
-        return self._unchanged_for(raw, st, now, seen, self.settle_seconds)
+        closed_now = self.settle_seconds <= 0 or os.fsdecode(raw) in closed
+        return self._unchanged_for(raw, st, now, seen, 0.0 if closed_now else self.settle_seconds)
 
     def _unchanged_for(
         self,
