@@ -66,7 +66,8 @@ def test_demo_runs_from_scratch(short_tmp: Path, transport: str) -> None:
         relay = udp["processes"]["relay"]
         assert relay["received"] >= udp["datagrams_sent"] > 0  # all of it through the relay
         assert relay["forwarded"] + relay["dropped_random"] == relay["received"]
-        assert relay["dropped_random"] > 0, "the 2% loss never fired"
+        if relay["received"] >= 500:  # 0.98^500 < 1e-4: then a 2% loss must have fired
+            assert relay["dropped_random"] > 0, "the 2% loss never fired"
         assert udp["processes"]["receiver"]["objects_completed"] == udp["files_sent"]
     cfg = Path(summary["config"])
     assert cfg.stat().st_mode & 0o077 == 0, "the demo config holds the AMQP password: 0600"
