@@ -10,11 +10,13 @@ import subprocess
 import sys
 import uuid
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from bridge.black.management import ManagementClient
 from tests.conftest import AUTH, MGMT
+from tests.integration.test_red_notebooks import run_notebook
 
 pytestmark = [pytest.mark.broker, pytest.mark.gpg, pytest.mark.spark, pytest.mark.slow]
 
@@ -22,7 +24,9 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.parametrize("transport", ["file", "udp"])
-def test_demo_runs_from_scratch(short_tmp: Path, transport: str) -> None:
+def test_demo_runs_from_scratch(
+    short_tmp: Path, transport: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     vhost = f"diode-test-demo-{uuid.uuid4().hex[:8]}"
     env = dict(os.environ, PYTHONPATH=str(REPO), DIODE_LOG_LEVEL="WARNING")
     extra = ["--transport", "udp", "--loss", "2"] if transport == "udp" else []
@@ -71,3 +75,29 @@ def test_demo_runs_from_scratch(short_tmp: Path, transport: str) -> None:
         assert udp["processes"]["receiver"]["objects_completed"] == udp["files_sent"]
     cfg = Path(summary["config"])
     assert cfg.stat().st_mode & 0o077 == 0, "the demo config holds the AMQP password: 0600"
+    if transport == "file":
+        check_notebooks_on_demo_output(cfg, summary, monkeypatch)
+
+
+def check_notebooks_on_demo_output(
+    cfg: Path, summary: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The notebooks, run over the tables the demo just wrote, show what the demo reported: every
+    message, every bundle landed with its chain verified, no gap, no alarm, the replay."""
+    ns = run_notebook("red_arrivals.py", cfg, monkeypatch)
+    assert int(ns["per_minute"].to_numpy().sum()) == summary["published"]
+    lat = ns["latency"]
+    assert lat.loc["bundle created -> landed", "n"] == summary["bundles"]
+    assert 0 < lat.loc["bundle created -> landed", "max"] < 600, lat
+    contig = ns["contiguity"]
+    assert set(contig.channel) and all(m == [] for m in contig.missing_bundles), contig
+    assert all(h == [] for h in contig.message_holes), contig
+    msg, carrier = ns["message"], ns["carrier"]
+    assert len(msg) == 1 and carrier.bundle_seq.tolist() == [msg.bundle_seq[0]]
+
+    ns = run_notebook("red_audit.py", cfg, monkeypatch)
+    assert ns["open_gaps"].empty and ns["declared"].empty, ns["gaps"]
+    assert ns["alarms"].empty, ns["alarms"]
+    assert ns["chain_problems"].empty, ns["chain_problems"]
+    assert int(ns["chain"].to_numpy().sum()) == summary["bundles"]
+    assert len(ns["rejections"]) == 0, ns["rejections"]

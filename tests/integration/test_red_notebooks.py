@@ -1,4 +1,5 @@
-"""Red, notebooks: red_arrivals / red_audit run as scripts over small real Delta tables."""
+"""Red, notebooks: red_arrivals / red_audit run as scripts over small real Delta tables made
+here (every case the notebooks show); test_demo runs them again over the demo's own output."""
 
 from __future__ import annotations
 
@@ -163,7 +164,7 @@ def _bundles() -> list[dict[str, Any]]:
     rows = [_ledger(ch, n, "landed") for ch, n in BUNDLES]
     rows.append(_ledger("beta", 1, "duplicate", land_seq=3))
     rows.append(_ledger("alpha", 2, "conflict", reason="conflict", plaintext_sha256="other"))
-    rows.append(_ledger("alpha", 5, "quarantined", reason="bad_signature"))
+    rows.append(_ledger("alpha", 5, "quarantined", reason="signature"))
     return rows
 
 
@@ -178,7 +179,7 @@ def _audit() -> list[dict[str, Any]]:
     ]
     evs += [
         ev("gap_declared", 1, channel="alpha", bundle_seq=2, seq_first=20, seq_last=21,
-           reason="overflow", detail={"count": 2}),
+           reason="maxlen", detail={"count": 2}),
         ev("gap_opened", 2, channel="alpha", seq_first=22, seq_last=29, reason="transit",
            detail={"first_bundle_seq": 3, "last_bundle_seq": 3}),
         ev("gap_opened", 2, channel="beta", seq_first=5, seq_last=9, reason="transit",
@@ -188,7 +189,7 @@ def _audit() -> list[dict[str, Any]]:
                                      "gap_first_bundle_seq": 2, "gap_last_bundle_seq": 2}),
         ev("duplicate", 3, channel="beta", bundle_seq=1),
         ev("conflict", 3, channel="alpha", bundle_seq=2, reason="conflict"),
-        ev("rejected", 3, channel="alpha", bundle_seq=5, reason="bad_signature"),
+        ev("rejected", 3, channel="alpha", bundle_seq=5, reason="signature"),
         ev("rejected", 3, file_name="junk.bin", reason="bad_name"),
         ev("approved", 3, exchange="orders"),
         ev("replayed", 3, channel="alpha", exchange="orders", seq_first=0, seq_last=9),
@@ -224,7 +225,7 @@ def diode_config(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     yield cfg
 
 
-def _run(
+def run_notebook(
     name: str,
     cfg: Path,
     monkeypatch: pytest.MonkeyPatch,
@@ -249,7 +250,7 @@ def _run(
 
 
 def test_arrivals_notebook(diode_config: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    ns = _run("red_arrivals.py", diode_config, monkeypatch)
+    ns = run_notebook("red_arrivals.py", diode_config, monkeypatch)
     assert ns["ENGINE"] == "delta-rs"
     assert set(ns["per_minute"].columns) == set(EXCHANGES)  # "ancient" is outside the window
     assert int(ns["per_minute"].to_numpy().sum()) == len(_messages()) - 1
@@ -276,7 +277,7 @@ def test_arrivals_notebook(diode_config: Path, monkeypatch: pytest.MonkeyPatch) 
 
 def test_arrivals_lookback_and_lookup(diode_config: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     env = {"DIODE_LOOKBACK_DAYS": "0", "DIODE_CHANNEL": "beta", "DIODE_SEQ": "100"}
-    ns = _run("red_arrivals.py", diode_config, monkeypatch, env)
+    ns = run_notebook("red_arrivals.py", diode_config, monkeypatch, env)
     assert "ancient" in ns["per_minute"].columns  # 0 = everything, the 30-day-old row too
     assert ns["message"].exchange.tolist() == ["ancient"]
     assert ns["message"].headers[0] == {"x-kind": "event", "n": "100"}
@@ -285,7 +286,7 @@ def test_arrivals_lookback_and_lookup(diode_config: Path, monkeypatch: pytest.Mo
 
 def test_audit_notebook(diode_config: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # a Spark session without the Delta jars must fall back to delta-rs
-    ns = _run("red_audit.py", diode_config, monkeypatch, spark=object())
+    ns = run_notebook("red_audit.py", diode_config, monkeypatch, spark=object())
     assert ns["ENGINE"] == "delta-rs"
     assert ns["events_per_minute"].to_numpy().sum() == len(_audit())
     gaps = ns["gaps"].set_index("channel")
@@ -296,11 +297,11 @@ def test_audit_notebook(diode_config: Path, monkeypatch: pytest.MonkeyPatch) -> 
     assert ns["gap_summary"].still_missing.to_dict() == {"alpha": 1, "beta": 0}
     declared = ns["declared"]
     assert declared[["seq_first", "seq_last", "reason", "messages"]].values.tolist() == [
-        [20, 21, "overflow", 2]
+        [20, 21, "maxlen", 2]
     ]
     rej = ns["rejections"]
     assert rej[("audit:rejected", "bad_name", "?")] == 1
-    assert rej[("bundles:quarantined", "bad_signature", "alpha")] == 1
+    assert rej[("bundles:quarantined", "signature", "alpha")] == 1
     assert ns["alarms"].event.tolist() == ["conflict", "replay_failed"]
     conflicts = ns["conflicts"]
     assert conflicts[["bundle_seq", "plaintext_sha256", "plaintext_sha256_landed"]].values.tolist()[
