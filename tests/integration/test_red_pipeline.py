@@ -187,10 +187,47 @@ def test_a_failed_background_landing_stops_the_job_and_its_restart_finishes_it(
     assert sorted(landed) == [1, 2, 3, 4, 5, 6]
 
 
+SLOW_WRITER = """
+import sys, time
+from pathlib import Path
+data, dst, done = Path(sys.argv[1]).read_bytes(), sys.argv[2], Path(sys.argv[3])
+i, last = 0, len(data) - 1
+with open(dst, "wb", buffering=0) as f:  # in place, as a vendor's mover may write
+    while i < last and not done.exists():
+        f.write(data[i : min(i + 2, last)])
+        i = min(i + 2, last)
+        time.sleep(0.1)
+    while not done.exists():
+        time.sleep(0.05)
+    f.write(data[i:])
+"""
+"""Writes a file into the inbox 2 bytes every 0.1 s (never its last byte) until the ``done``
+file appears, then the rest and the close: a transfer still going on."""
+
+
+def make_bomb(out: Path, keys: RedKeys, zeros: int) -> Path:
+    """``zeros`` bytes of zeros signed by the PINNED black key, compressed -z 9, encrypted to
+    red: a small file that would decrypt to far more than its size."""
+    args = ["gpg", "--homedir", str(keys.black_home), "--batch", "--trust-model", "always",
+            "-z", "9", "--throw-keyids", "--local-user", keys.black_fpr]  # fmt: skip
+    for r in keys.recipients:
+        args += ["--recipient", r]
+    subprocess.run([*args, "--sign", "--encrypt", "--output", str(out)], input=bytes(zeros),
+                   check=True, capture_output=True, timeout=120)  # fmt: skip
+    assert out.stat().st_size < zeros // 100
+    return out
+
+
 def test_hostile_files_are_quarantined_and_good_ones_land(
     spark: Any, keys: RedKeys, tmp_path: Path
 ) -> None:
-    cfg = write_config(tmp_path, keys, {"orders": True, "plain": False})
+    """Each hostile file is quarantined with its reason and audited, nothing of it lands, and the
+    good bundles beside it land in the same run; a file still being written is left alone until
+    complete, then lands in the next run."""
+    toml = write_red_toml(tmp_path, keys, {"orders": True, "plain": False})
+    # a settle time well above the slow writer's 0.1 s between writes, even on a loaded host
+    toml.write_text(toml.read_text().replace("settle_seconds = 0.2", "settle_seconds = 2.0"))
+    cfg = load_config(toml)
     made = tmp_path / "made"
     made.mkdir()
     good = make_chain(made, keys, "orders", 2, 25)
@@ -223,6 +260,30 @@ def test_hostile_files_are_quarantined_and_good_ones_land(
     t = make_bundle(truncated, keys, "orders", 7, make_rows("orders", range(90, 99)), "c" * 64)
     t.path.write_bytes(t.path.read_bytes()[: t.path.stat().st_size // 2])
     bad["truncated"] = t.path
+    flipped = make_bundle(made, keys, "orders", 8, make_rows("orders", range(100, 110)), "e" * 64)
+    data = bytearray(flipped.path.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    flipped.path.write_bytes(bytes(data))
+    bad["flipped"] = flipped.path
+    for seq, override in ((10, {"format": 2}), (11, {"schema_version": 99})):
+        vdir = made / f"version{seq}"
+        vdir.mkdir()
+        rows = make_rows("orders", range(seq * 10, seq * 10 + 5))
+        v = make_bundle(vdir, keys, "orders", seq, rows, "f" * 64, manifest_overrides=override)
+        bad[f"unknown_version{seq}"] = v.path
+    lying = make_bundle(made, keys, "orders", 12, make_rows("orders", range(120, 125)), "0" * 64,
+                        manifest_overrides={"exchanges": {"elsewhere": 5}})  # fmt: skip
+    bad["inconsistent"] = lying.path
+    bad["bomb"] = make_bomb(
+        made / "orders.000000000013.0123456789abcdef0123456789abcdef.dbundle", keys, 24 * 2**20
+    )
+    slow = make_bundle(made / "slow", keys, "orders", 14, make_rows("orders", range(140, 150)),
+                       "1" * 64)  # fmt: skip
+    done = tmp_path / "slow.done"
+    writer = subprocess.Popen(
+        [sys.executable, "-c", SLOW_WRITER, str(slow.path), str(Path(cfg.red.inbox) / slow.name),
+         str(done)]
+    )  # fmt: skip
     odd = made / "odd"
     odd.mkdir()
     (odd / "..orders.dbundle").write_bytes(b"x")  # hidden: ignored, never opened
@@ -231,15 +292,26 @@ def test_hostile_files_are_quarantined_and_good_ones_land(
     drop(cfg, good[0].path, good[1].path, *bad.values())
     for f in list(odd.iterdir()):
         os.replace(f, Path(cfg.red.inbox) / f.name)
-    s1 = run(cfg, spark)
+    try:
+        s1 = run(cfg, spark)
+        partial = Path(cfg.red.inbox) / slow.name
+        assert writer.poll() is None, "the slow writer ended before the run did"
+        # still growing when the run ended (short of its last byte is where the writer stalls)
+        assert 0 < partial.stat().st_size < slow.path.stat().st_size - 1, "not being written"
+        done.touch()
+        assert writer.wait(timeout=60) == 0
+    finally:
+        done.touch()
+        writer.wait(timeout=60)
     assert s1["bundles_landed"] == 2 and s1["messages_landed"] == 50, s1
     assert s1["rejected"] == len(bad), s1
     drop(cfg, conflict.path)
-    s2 = run(cfg, spark)
-    assert s2["conflicts"] == 1 and s2["bundles_landed"] == 0, s2
+    s2 = run(cfg, spark)  # the job goes on: the finished transfer lands, the conflict does not
+    assert s2["conflicts"] == 1 and s2["bundles_landed"] == 1, s2
 
     msgs = table(cfg, "messages", ["seq"])
-    assert sorted(m["seq"] for m in msgs) == list(range(50)), "nothing hostile landed"
+    want = [*range(50), *range(140, 150)]
+    assert sorted(m["seq"] for m in msgs) == want, "nothing hostile landed"
     reasons = {}
     for rf in Path(cfg.red.quarantine_dir).rglob("*.reason.json"):
         doc = json.loads(rf.read_text())
@@ -250,6 +322,18 @@ def test_hostile_files_are_quarantined_and_good_ones_land(
     assert reasons[junk.name] in ("crypto", "malformed")
     assert reasons[t.path.name] in ("crypto", "malformed")
     assert reasons[conflict.name] == "conflict"
+    assert reasons[flipped.name] in ("crypto", "signature")
+    assert reasons[bad["unknown_version10"].name] == "unknown_version"
+    assert reasons[bad["unknown_version11"].name] == "unknown_version"
+    assert reasons[lying.name] == "inconsistent"
+    assert reasons[bad["bomb"].name] == "crypto"
+    bomb_doc = next(
+        json.loads(r.read_text())
+        for r in Path(cfg.red.quarantine_dir).rglob("*.reason.json")
+        if json.loads(r.read_text())["original_name"] == bad["bomb"].name
+    )
+    assert "compression bomb" in json.dumps(bomb_doc), bomb_doc
+    assert slow.name not in reasons, "the file being written was judged before it was complete"
     assert sum(1 for r in reasons.values() if r == "bad_name") == 2
     audit = table(cfg, "audit", ["event", "reason", "file_name"])
     rejected = {a["file_name"] for a in audit if a["event"] == "rejected"}
@@ -257,7 +341,7 @@ def test_hostile_files_are_quarantined_and_good_ones_land(
     assert sum(1 for a in audit if a["event"] == "quarantined" and a["reason"] == "bad_name") == 2
     assert any(a["event"] == "conflict" for a in audit)
     ledger = table(cfg, "bundles", ["bundle_seq", "status"])
-    assert sorted(r["bundle_seq"] for r in ledger if r["status"] == "landed") == [1, 2]
+    assert sorted(r["bundle_seq"] for r in ledger if r["status"] == "landed") == [1, 2, 14]
     assert (Path(cfg.red.inbox) / "..orders.dbundle").exists(), "hidden names are left alone"
     quarantine_commands_show_the_same_evidence(cfg, reasons, conflict.name, junk.name)
 
