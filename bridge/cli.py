@@ -568,10 +568,20 @@ def red_retire(config_path: Path | None, channel: str, note: str) -> None:
     help="also VACUUM files unreferenced for this long (>= 168 unless you know why not)",
 )
 def red_maintain(config_path: Path | None, table: str, vacuum_hours: float | None) -> None:
-    """Compact small files (OPTIMIZE) and optionally VACUUM the red Delta tables."""
+    """Compact small files (OPTIMIZE) and optionally VACUUM the red Delta tables.
+
+    With ``red.delta_engine = "spark"`` this starts a Spark session (``$SPARK_MASTER``, Delta
+    jars on its classpath) and runs OPTIMIZE / VACUUM as Delta Lake's SQL; otherwise delta-rs
+    does it in this process. Either way the tables stay standard Delta."""
     from bridge.red.job import open_tables
 
-    tables = open_tables(_load(config_path))
+    cfg = _load(config_path)
+    spark = None
+    if cfg.red.delta_engine == "spark":
+        from bridge.spark import get_spark
+
+        spark = get_spark("diode-red-maintain")
+    tables = open_tables(cfg, spark)
     names = ["messages", "bundles", "audit"] if table == "all" else [table]
     out = {n: tables.maintain(n, optimize=True, vacuum_hours=vacuum_hours) for n in names}
     click.echo(json.dumps(out, indent=2, default=str))

@@ -1,6 +1,7 @@
 """Integration: red operator commands as an operator runs them — `diode approve` / `diode
 revoke` (the CLI in a subprocess, the real approvals file and the real audit Delta table; no
-broker, no Spark), and `diode red publish`, the replay publisher's other name."""
+broker), `diode red maintain` (compaction of real small files; with the Spark engine, a real
+Spark without the Delta jars) and `diode red publish`, the replay publisher's other name."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import pytest
 from deltalake import DeltaTable
 
 from bridge.config import load_config
@@ -54,6 +56,44 @@ def test_revoke_is_approve_revoke_and_both_are_audited(tmp_path: Path) -> None:
     )
     events = sorted(zip(audit["event"].to_pylist(), audit["exchange"].to_pylist(), strict=True))
     assert events == [("approved", "orders"), ("approved", "sensors"), ("revoked", "sensors")]
+
+
+def test_red_maintain_compacts_the_small_files_of_each_table(tmp_path: Path) -> None:
+    cfg = tmp_path / "diode.toml"
+    cfg.write_text(CONFIG)
+    open_tables(load_config(cfg)).ensure()
+    for name in ("a", "b", "c", "d"):  # each approval is its own audit commit: a small file each
+        diode(cfg, "approve", name)
+    audit = tmp_path / "red" / "delta" / "audit"
+    before = DeltaTable(str(audit))
+    rows = sorted(before.to_pyarrow_table(columns=["event_id"])["event_id"].to_pylist())
+    assert len(before.file_uris()) >= 4
+
+    out = diode(cfg, "red", "maintain")
+    assert set(out) == {"messages", "bundles", "audit"}
+    stats = out["audit"]
+    assert stats["engine"] == "delta-rs" and stats["files_before"] == len(before.file_uris())
+    assert stats["files_after"] < stats["files_before"] and stats["version"] > before.version()
+    after = DeltaTable(str(audit))
+    assert sorted(after.to_pyarrow_table(columns=["event_id"])["event_id"].to_pylist()) == rows
+    assert len(after.file_uris()) == stats["files_after"]
+
+
+@pytest.mark.spark
+def test_red_maintain_with_the_spark_engine_needs_delta_on_spark(tmp_path: Path) -> None:
+    """Engine "spark" starts a real Spark session for the SQL commands; here it has no Delta
+    jars, so the command fails fast saying how to fix it (not "no Spark session")."""
+    cfg = tmp_path / "diode.toml"
+    cfg.write_text(CONFIG.replace('delta_engine = "delta-rs"', 'delta_engine = "spark"'))
+    r = subprocess.run(
+        [sys.executable, "-m", "bridge.cli", "--log-level", "WARNING", "red", "maintain",
+         "--table", "audit", "--config", str(cfg)],
+        capture_output=True, timeout=300, check=False, cwd=REPO,
+    )  # fmt: skip
+    err = r.stderr.decode(errors="replace")
+    assert r.returncode == 2, err[-2000:]
+    assert "Delta Lake is not on Spark (class" in err and "not found" in err, err[-2000:]
+    assert 'red.delta_engine = "delta-rs"' in err
 
 
 def test_red_publish_is_the_replay_publisher() -> None:
