@@ -21,11 +21,13 @@ import json
 import os
 import re
 import stat
+from collections.abc import Callable
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 from bridge.errors import StateError
+from bridge.faults import crash_point
 from bridge.fsutil import atomic_write_bytes, durable_mkdir, fsync_dir
 from bridge.logs import get_logger, log_event
 
@@ -214,11 +216,22 @@ class Evidence:
         return dst
 
     def quarantine(
-        self, src: Path, name: str, reason: str, detail: dict[str, Any], at: datetime
+        self,
+        src: Path,
+        name: str,
+        reason: str,
+        detail: dict[str, Any],
+        at: datetime,
+        *,
+        placed: Callable[[Path], None] | None = None,
     ) -> Path | None:
         """Move ``src`` to ``quarantine_dir/<day of at>/<name>`` (``<name>.<n>`` if taken) and
         write ``<that name>.reason.json`` beside it (reason, detail, original name, at, file
-        type, size, sha256 of a regular file). None when ``src`` is gone already."""
+        type, size, sha256 of a regular file). None when ``src`` is gone already.
+
+        ``placed(dst)`` runs once the file and its reason file are in place and before ``src``
+        is dropped: what it records durably is never missing for a quarantined file (a crash
+        before the drop leaves ``src``, and the next call reuses ``dst`` and calls it again)."""
         src = Path(src)
         try:
             st = os.lstat(src)
@@ -241,6 +254,9 @@ class Evidence:
         record["stored_as"] = dst.name
         data = json.dumps(record, sort_keys=True, default=str, indent=1).encode()
         atomic_write_bytes(dst.with_name(dst.name + REASON_SUFFIX), data)
+        if placed is not None:
+            placed(dst)
+        crash_point("red.quarantine_before_drop")
         self._drop_source(src, st)
         log_event(
             log, 30, "file quarantined", file_name=name, reason=reason, path=str(dst),

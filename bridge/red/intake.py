@@ -6,7 +6,8 @@
 Names in the inbox are hostile (docs/protocol.md §1, §7 step 1): the folder is listed with
 bytes paths (a name need not be UTF-8) and ``lstat`` only, so a symlink is never followed.
 
-* Hidden names (leading ``.``) are temporaries of whatever writes the inbox: ignored.
+* Hidden names (leading ``.``) are temporaries of whatever writes the inbox: ignored (until
+  abandoned: unchanged for ``hidden_stale_seconds``, then quarantined as ``bad_name``).
 * Anything but a regular file is quarantined at once, moved as it is (reason
   ``not_regular_file``).
 * A regular file is *settled* once its (size, mtime, ctime, inode) stayed the same for
@@ -15,6 +16,10 @@ bytes paths (a name need not be UTF-8) and ``lstat`` only, so a symlink is never
   heartbeat name are renamed into ``work_dir/intake``; any other settled file is quarantined
   under a safe name (reason ``bad_name``, the raw name in the reason file).
 
+Every quarantine of the intake leaves an audit record in ``work_dir/audit-pending/`` (named by
+where the file was stored, so a retried quarantine writes the same record) before the inbox
+entry is dropped; the landing turns the records into ``quarantined`` audit rows.
+
 Ordinals come from ``work_dir/intake/NEXT`` (written temp + fsync + rename, folder fsynced)
 *before* any file is renamed, so a crash may skip ordinals but never reuses one. Scans hold
 ``work_dir/intake.lock`` so two processes never hand out the same ordinal.
@@ -22,6 +27,8 @@ Ordinals come from ``work_dir/intake/NEXT`` (written temp + fsync + rename, fold
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import re
 import stat
@@ -40,6 +47,7 @@ from bridge.protocol.naming import (
     parse_heartbeat_name,
 )
 from bridge.red.evidence import Evidence, file_kind, rename_noreplace, safe_name
+from bridge.red.layout import AUDIT_PENDING_DIR
 
 __all__ = [
     "Intake",
@@ -140,12 +148,14 @@ class Intake:
         self.inbox = Path(inbox)
         self.work_dir = Path(work_dir)
         self.dir = self.work_dir / "intake"
+        self.pending_audit_dir = self.work_dir / AUDIT_PENDING_DIR
         self.evidence = evidence
         self.settle_seconds = float(settle_seconds)
         self.hidden_stale_seconds = max(float(hidden_stale_seconds), self.settle_seconds)
         self._seen: dict[bytes, tuple[tuple[int, int, int, int], float]] = {}
         durable_mkdir(self.inbox)
         durable_mkdir(self.dir)
+        durable_mkdir(self.pending_audit_dir)
         evidence.ensure_dirs()
         self._check_same_fs()
 
@@ -341,14 +351,36 @@ class Intake:
         atomic_write_bytes(self.dir / NEXT_FILE, f"{value}\n".encode("ascii"))
 
     # -- quarantine -----------------------------------------------------------------------
+    def _quarantine(
+        self, src: Path, raw: bytes, stored: str, reason: str, detail: dict[str, str]
+    ) -> Quarantined | None:
+        """Quarantine ``src`` with an audit record written before the inbox entry goes."""
+        at = datetime.now(UTC)
+
+        def record(dst: Path) -> None:
+            self._record_for_audit(Quarantined(raw, dst, reason), at)
+
+        dst = self.evidence.quarantine(src, stored, reason, detail, at, placed=record)
+        return None if dst is None else Quarantined(raw, dst, reason)
+
+    def _record_for_audit(self, q: Quarantined, at: datetime) -> None:
+        doc = {
+            "raw_name_hex": q.raw_name.hex(),
+            "raw_name": q.raw_name.decode("utf-8", "backslashreplace")[:300],
+            "stored_as": str(q.stored_as),
+            "reason": q.reason,
+            "at": at.isoformat(),
+        }
+        key = hashlib.sha256(os.fsencode(q.stored_as)).hexdigest()[:32]
+        atomic_write_bytes(self.pending_audit_dir / f"{key}.json", json.dumps(doc).encode())
+
     def _quarantine_bad_name(self, raw: bytes, why: str, res: ScanResult) -> None:
         src = self.inbox / os.fsdecode(raw)
         detail = {**_raw_detail(raw), "why": why}
-        at = datetime.now(UTC)
-        dst = self.evidence.quarantine(src, safe_name(raw), REASON_BAD_NAME, detail, at)
+        q = self._quarantine(src, raw, safe_name(raw), REASON_BAD_NAME, detail)
         self._seen.pop(raw, None)
-        if dst is not None:
-            res.quarantined.append(Quarantined(raw, dst, REASON_BAD_NAME))
+        if q is not None:
+            res.quarantined.append(q)
 
     def _quarantine_odd(
         self,
@@ -365,10 +397,9 @@ class Intake:
         src = folder / os.fsdecode(raw)
         detail = {**_raw_detail(raw), "file_type": file_kind(st.st_mode)}
         stored = wire if wire is not None else safe_name(raw)
-        at = datetime.now(UTC)
-        dst = self.evidence.quarantine(src, stored, REASON_NOT_REGULAR, detail, at)
-        if dst is not None:
-            res.quarantined.append(Quarantined(raw, dst, REASON_NOT_REGULAR))
+        q = self._quarantine(src, raw, stored, REASON_NOT_REGULAR, detail)
+        if q is not None:
+            res.quarantined.append(q)
 
     # -- listing and checks ---------------------------------------------------------------
     def _list_inbox(self) -> list[tuple[bytes, os.stat_result]]:

@@ -24,6 +24,7 @@ its restart finishes the landing from the journal.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -49,7 +50,7 @@ from bridge.protocol.manifest import Manifest, parse_utc
 from bridge.red import schema as rs
 from bridge.red import sequence as sq
 from bridge.red.evidence import Evidence
-from bridge.red.layout import INTENT_FILE, JOURNAL_DIR, LOCK_FILE, STATE_FILE
+from bridge.red.layout import AUDIT_PENDING_DIR, INTENT_FILE, JOURNAL_DIR, LOCK_FILE, STATE_FILE
 from bridge.red.tables import RedTables
 from bridge.red.verify import Verdict, sweep_plain_dir
 
@@ -130,6 +131,10 @@ def _sorted_rows(verdicts: pa.Table | list[dict[str, Any]]) -> list[dict[str, An
     rows = verdicts.to_pylist() if isinstance(verdicts, pa.Table) else list(verdicts)
     rows.sort(key=lambda r: int(r["ordinal"]))
     return rows
+
+
+_QUARANTINE_KEYS = frozenset({"raw_name", "raw_name_hex", "stored_as", "reason"})
+"""What an intake quarantine record must hold to be audited (bridge.red.intake)."""
 
 
 def _json_files(d: Path) -> list[tuple[Path, Any, str | None]]:
@@ -636,9 +641,19 @@ class Landing:
         return events
 
     def _intake_quarantines(self) -> tuple[list[dict[str, Any]], list[str]]:
-        """Files the intake quarantined on its own (bad names, links, ...): to be audited."""
-        found = [(p, doc) for p, doc, error in _json_files(self.work_dir / "audit-pending")
-                 if error is None]  # fmt: skip
+        """Files the intake quarantined on its own (bad names, links, ...): to be audited. A
+        record that cannot be read is set aside (``.unreadable``) with an error log: the file
+        it names is in quarantine with its reason file anyway."""
+        found: list[tuple[Path, dict[str, Any]]] = []
+        for p, doc, error in _json_files(self.work_dir / AUDIT_PENDING_DIR):
+            if error is None and isinstance(doc, dict) and _QUARANTINE_KEYS <= doc.keys():
+                found.append((p, doc))
+                continue
+            why = error or f"not a record with {sorted(_QUARANTINE_KEYS)}"
+            log_event(log, 40, "intake quarantine record unreadable: set aside, not audited",
+                      path=str(p), error=why)  # fmt: skip
+            with contextlib.suppress(OSError):
+                os.replace(p, p.with_name(p.name + ".unreadable"))
         return [doc for _, doc in found], [str(p) for p, _ in found]
 
     @staticmethod

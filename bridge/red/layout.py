@@ -1,10 +1,12 @@
-"""Red, state: the names of the landing's files in ``red.state_dir`` (job, source, reports)."""
+"""Red, state: the names of the landing's files in ``red.state_dir`` and ``red.work_dir``."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-__all__ = ["STATE_FILE", "LOCK_FILE", "JOURNAL_DIR", "INTENT_FILE", "intent_path"]
+__all__ = [
+    "STATE_FILE", "LOCK_FILE", "JOURNAL_DIR", "INTENT_FILE", "AUDIT_PENDING_DIR", "intent_path"
+]  # fmt: skip
 
 STATE_FILE = "red-state.json"
 LOCK_FILE = "red.lock"
@@ -14,6 +16,9 @@ JOURNAL_DIR = "landing"
 """``state_dir/landing/``: the landing's journal."""
 INTENT_FILE = "intent.json"
 """The journal's intent: the landing judged and not yet wholly applied."""
+AUDIT_PENDING_DIR = "audit-pending"
+"""``work_dir/audit-pending/``: one JSON record per file the intake quarantined itself, written
+before the inbox entry goes, until the landing audits it (``quarantined``)."""
 
 
 def intent_path(state_dir: str | Path) -> Path:

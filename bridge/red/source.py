@@ -18,10 +18,8 @@ from __future__ import annotations
 import json
 import logging
 import time
-import uuid
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from datetime import UTC, datetime
 from pathlib import Path
 
 import pyarrow as pa
@@ -35,10 +33,9 @@ from pyspark.sql.streaming.datasource import (
 from pyspark.sql.types import StructType
 
 from bridge.config import Config, load_config
-from bridge.fsutil import atomic_write_bytes, durable_mkdir
 from bridge.logs import get_logger, log_event, setup_logging
 from bridge.red.evidence import Evidence
-from bridge.red.intake import Intake, Quarantined
+from bridge.red.intake import Intake
 from bridge.red.layout import intent_path
 from bridge.red.verify import VERDICT_SCHEMA, VerifyContext, verify_file
 from bridge.red.watch import InboxWatcher
@@ -67,25 +64,6 @@ def make_intake(cfg: Config) -> Intake:
         Evidence(Path(r.processed_dir), Path(r.quarantine_dir)),
         r.settle_seconds,
     )
-
-
-def audit_pending_dir(cfg: Config) -> Path:
-    """Audit records of files the intake quarantined itself, waiting for the landing."""
-    return Path(cfg.red.work_dir) / "audit-pending"
-
-
-def record_intake_quarantine(cfg: Config, items: Sequence[Quarantined]) -> None:
-    """Hand intake quarantines to the landing (another process) as durable small files."""
-    d = durable_mkdir(audit_pending_dir(cfg))
-    for q in items:
-        doc = {
-            "raw_name_hex": q.raw_name.hex(),
-            "raw_name": q.raw_name.decode("utf-8", "backslashreplace")[:300],
-            "stored_as": str(q.stored_as),
-            "reason": q.reason,
-            "at": datetime.now(UTC).isoformat(),
-        }
-        atomic_write_bytes(d / f"{uuid.uuid4().hex}.json", json.dumps(doc).encode())
 
 
 def intake_dir(cfg: Config) -> Path:
@@ -134,8 +112,6 @@ class InboxStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         res = intake.scan(time.time(), self._watcher.closed_names())
         self._last_scan = now
         self._waiting = res.waiting
-        if res.quarantined:
-            record_intake_quarantine(self.cfg, res.quarantined)
         if res.taken or res.quarantined:
             log_event(
                 log, 20, "inbox scanned", taken=len(res.taken),

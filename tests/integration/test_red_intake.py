@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import json
 import os
+import signal
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -16,6 +19,7 @@ from bridge.red import intake as intake_mod
 from bridge.red.evidence import REASON_SUFFIX, SAFE_NAME_RE, Evidence
 from bridge.red.intake import REASON_BAD_NAME, REASON_NOT_REGULAR, Intake, ScanResult
 from bridge.red.watch import InboxWatcher
+from tests.support import REPO, crash_env, crash_marks
 
 HEX = "0123456789abcdef" * 2
 
@@ -501,3 +505,56 @@ def test_two_intakes_never_share_an_ordinal(dirs: Dirs) -> None:
         t.join()
     assert len(got) == len(set(got)) == len(names)
     assert sorted(t.name for t in a.pending()) == sorted(names)
+
+
+# ------------------------------------------------------------ quarantines are always audited
+
+_SCAN_AND_DIE = """
+import sys
+from pathlib import Path
+from bridge.red.evidence import Evidence
+from bridge.red.intake import Intake
+root = Path(sys.argv[1])
+ev = Evidence(root / "processed", root / "quarantine")
+Intake(root / "inbox", root / "work", ev, 0.0).scan(0.0)
+"""
+
+
+def _records(dirs: Dirs) -> list[dict[str, str]]:
+    return [json.loads(p.read_bytes()) for p in sorted((dirs.work / "audit-pending").iterdir())]
+
+
+def test_a_kill_inside_a_quarantine_leaves_its_audit_record_once(dirs: Dirs) -> None:
+    """kill -9 after the file and its reason file are in quarantine, before the inbox entry
+    goes (``red.quarantine_before_drop``): the audit record is already durable, and the next
+    scan finishes the move and writes the same record, not a second one."""
+    dirs.intake()  # the folders
+    dirs.put("junk name.txt")
+    mark = dirs.root / "crash.mark"
+    env = {**os.environ, **crash_env("red.quarantine_before_drop", mark), "PYTHONPATH": str(REPO)}
+    r = subprocess.run(
+        [sys.executable, "-c", _SCAN_AND_DIE, str(dirs.root)], env=env, timeout=60, check=False
+    )
+    assert r.returncode == -signal.SIGKILL and crash_marks(mark) == ["red.quarantine_before_drop"]
+    assert (dirs.inbox / "junk name.txt").exists(), "the crash did not hit the window"
+    (q,) = dirs.quarantined()
+    (doc,) = _records(dirs)
+    assert doc["stored_as"] == str(q) and doc["reason"] == REASON_BAD_NAME
+
+    res = dirs.intake().scan(0.0)
+    assert [x.stored_as for x in res.quarantined] == [q]  # the same place, reused
+    assert not (dirs.inbox / "junk name.txt").exists() and dirs.quarantined() == [q]
+    (again,) = _records(dirs)
+    assert {**again, "at": None} == {**doc, "at": None}  # one record: overwritten, not added
+
+
+def test_a_non_regular_entry_left_in_intake_is_audited(dirs: Dirs) -> None:
+    """A crash inside a take can leave a non-regular entry under an intake name: ``pending``
+    quarantines it, and its audit record is written like any other."""
+    intake = dirs.intake()
+    (dirs.work / "intake" / f"000000000007.{bundle(7)}").mkdir()
+    assert intake.pending() == []
+    (q,) = dirs.quarantined()
+    (doc,) = _records(dirs)
+    assert doc["reason"] == REASON_NOT_REGULAR and doc["stored_as"] == str(q)
+    assert bytes.fromhex(doc["raw_name_hex"]).decode() == f"000000000007.{bundle(7)}"

@@ -138,3 +138,30 @@ def test_a_failed_tick_apply_is_sticky_and_its_intent_is_not_overwritten(
     again.submit([_junk(again, 2)])
     assert [r.land_seq for r in again.drain()] == [3]
     assert _audit_land_seqs(cfg) == [1, 2, 3]
+
+
+def test_intake_quarantine_records_are_audited_and_unreadable_ones_set_aside(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A tick audits each record the intake left in ``work_dir/audit-pending`` once; a record
+    that is not JSON, or not a record, is set aside with an error log instead of being skipped
+    silently on every tick."""
+    cfg = _config(tmp_path)
+    landing = open_landing(cfg)
+    pending = Path(cfg.red.work_dir) / "audit-pending"
+    pending.mkdir(parents=True, exist_ok=True)
+    good = {"raw_name": "x y", "raw_name_hex": b"x y".hex(), "reason": "bad_name",
+            "stored_as": str(tmp_path / "quarantine" / "d" / "x_y-1"), "at": None}  # fmt: skip
+    (pending / "a.json").write_text(json.dumps(good))
+    (pending / "b.json").write_bytes(b"{torn")
+    (pending / "c.json").write_text(json.dumps({"reason": "bad_name"}))
+    with caplog.at_level("ERROR", logger="bridge.red.landing"):
+        res = landing.tick()
+    assert res.events.get("quarantined") == 1, res.events
+    assert sorted(p.name for p in pending.iterdir()) == ["b.json.unreadable", "c.json.unreadable"]
+    assert sum("intake quarantine record unreadable" in r.getMessage() for r in caplog.records) == 2
+    t = DeltaTable(str(Path(cfg.red.tables_dir) / "audit")).to_pyarrow_table()
+    rows = [r for r in t.to_pylist() if r["event"] == "quarantined"]
+    assert [(r["file_name"], r["reason"]) for r in rows] == [("x_y-1", "bad_name")]
+    assert landing.tick().events == {}  # nothing left to audit, nothing audited twice
+    landing.drain(close=True)
