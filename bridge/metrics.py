@@ -135,6 +135,31 @@ class _Red:
             registry=reg,
         )
         self.land_seq = Gauge("bridge_red_land_seq", "Last landing committed", registry=reg)
+        self.contiguous_bundle_seq = Gauge(
+            "bridge_red_contiguous_bundle_seq",
+            "Highest bundle seq landed with every earlier one landed or written off",
+            ["channel"],
+            registry=reg,
+        )
+        self.known_bundle_seq = Gauge(
+            "bridge_red_known_bundle_seq",
+            "Highest bundle seq known to exist (landed, or announced by a heartbeat); minus the "
+            "contiguous one: the bundles red still waits for",
+            ["channel"],
+            registry=reg,
+        )
+        self.heartbeat_received = Gauge(
+            "bridge_red_heartbeat_received_timestamp_seconds",
+            "Unix time red received the channel's last heartbeat file (age: time() - this)",
+            ["channel"],
+            registry=reg,
+        )
+        self.link_silent = Gauge(
+            "bridge_red_link_silent",
+            "ALARM when 1: no bundle or heartbeat of the channel for red.link_silent_seconds",
+            ["channel"],
+            registry=reg,
+        )
 
 
 RED = _Red(REGISTRY)

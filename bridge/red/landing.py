@@ -822,8 +822,15 @@ class Landing:
         RED.duplicates.inc(res.duplicates)
         for kind, k in res.events.items():
             RED.events.labels(kind).inc(k)
-        for ch, info in sq.summary(self.state).items():
-            RED.open_gaps.labels(ch).set(len(info.get("open_gaps", [])))
+        for ch, cs in self.state.channels.items():
+            RED.open_gaps.labels(ch).set(len(cs.gaps))
+            RED.contiguous_bundle_seq.labels(ch).set(cs.contig)
+            RED.known_bundle_seq.labels(ch).set(cs.known)
+            RED.link_silent.labels(ch).set(1 if cs.silent else 0)
+            if cs.heartbeat is not None:
+                with contextlib.suppress(ValueError):  # a hand-edited state: no gauge, no crash
+                    at = parse_utc(cs.heartbeat.received_at).timestamp()
+                    RED.heartbeat_received.labels(ch).set(at)
         if res.files:
             log_event(
                 log, 20, "landed", land_seq=res.land_seq, files=res.files,

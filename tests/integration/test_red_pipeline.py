@@ -18,6 +18,8 @@ from deltalake import DeltaTable
 from bridge.config import Config, load_config
 from bridge.errors import DiodeError
 from bridge.fsutil import exclusive_lock
+from bridge.metrics import REGISTRY
+from bridge.protocol.manifest import parse_utc
 from bridge.red.evidence import Evidence
 from bridge.red.job import RedRun, open_tables
 from bridge.red.landing import LOCK_FILE, Landing, LandingError
@@ -56,6 +58,11 @@ def table(cfg: Config, name: str, columns: list[str] | None = None) -> list[dict
     return dt.to_pyarrow_table(columns=columns).to_pylist()
 
 
+def metric(name: str, labels: dict[str, str] | None = None) -> float:
+    """``bridge_red_<name>`` in this process's registry (0 before its first sample)."""
+    return REGISTRY.get_sample_value(f"bridge_red_{name}", labels or {}) or 0.0
+
+
 def drop(cfg: Config, *files: Path) -> None:
     inbox = Path(cfg.red.inbox)
     inbox.mkdir(parents=True, exist_ok=True)
@@ -74,6 +81,9 @@ def test_out_of_order_holes_duplicates_land_exactly_once(
     made = tmp_path / "made"
     made.mkdir()
     chain = make_chain(made, keys, "orders", 6, 40, gap_every=3, gap_size=2)
+    counters = ("bundles_landed_total", "messages_landed_total", "bundles_duplicate_total",
+                "files_processed_total")  # fmt: skip
+    before = {m: metric(m) for m in counters}
     hb = make_heartbeat(made, keys, "orders", 1, last_bundle_seq=6, last_seq=None)
     # first delivery: 1, 2, 4, 6 and a heartbeat naming 6 as the last bundle
     drop(cfg, *(chain[i].path for i in (5, 3, 0, 1)), hb.path)
@@ -96,6 +106,15 @@ def test_out_of_order_holes_duplicates_land_exactly_once(
     assert s2["bundles_landed"] == 2 and s2["duplicates"] == 1, s2
     gaps = red_gaps(cfg)["open_transit_gaps"]
     assert [(g["first_bundle_seq"], g["last_bundle_seq"]) for g in gaps] == [(7, 7)]
+    # the job's Prometheus metrics say the same (counters of this process: by difference)
+    got = {m: metric(m) - v for m, v in before.items()}
+    assert got == {"bundles_landed_total": 6, "messages_landed_total": 240,
+                   "bundles_duplicate_total": 1, "files_processed_total": 9}, got  # fmt: skip
+    ch = {"channel": "orders"}
+    assert metric("open_gaps", ch) == 1 and metric("link_silent", ch) == 0
+    assert (metric("contiguous_bundle_seq", ch), metric("known_bundle_seq", ch)) == (6, 7)
+    hb_at = red_status(cfg)["channels"]["orders"]["last_heartbeat"]["received_at"]
+    assert metric("heartbeat_received_timestamp_seconds", ch) == parse_utc(hb_at).timestamp()
 
     msgs = table(cfg, "messages", ["channel", "seq", "bundle_seq", "land_seq"])
     keys_ = [(m["channel"], m["seq"]) for m in msgs]
