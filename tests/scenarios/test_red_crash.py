@@ -8,8 +8,9 @@ group (a SIGKILL of the group takes the JVM and the Python workers), real Delta 
    copied per crash point; more bundles of two channels (with a hole closed, so a chain status
    update is due), a junk file under a valid bundle name and a heartbeat are dropped; an
    ``available-now`` run with the point armed (``bridge.faults``) must die by SIGKILL in the
-   second landing, and the journal and tables must show the window the point names. Clean runs
-   then finish the landing and land the rest.
+   second landing, and the journal and tables must show the window the point names. A clean run
+   then finishes the landing and lands the rest (after ``red.after_tables``, a third run must
+   find nothing to do and change nothing).
    A third case crashes the pipelined landing where Spark has already committed the batch
    whose landing is still being applied (its apply slowed down by ``bridge.faults``).
 2. Random: ~30 small bundles, shuffled across channels and delivered in waves, while
@@ -429,6 +430,8 @@ def test_kill_9_at_a_landing_crash_point_then_recover(
     assert s["bundles_landed"] == 1 and s["heartbeats"] == 1 and s["rejected"] == 0, s
     bundles = template.alpha + template.beta
     check_exactly_once(cfg, bundles, [template.junk], [template.heartbeat])
+    if point != "red.after_tables":  # one point proves it; each run costs a JVM start
+        return
     versions = {t: DeltaTable(str(Path(cfg.red.tables_dir) / t)).version() for t in ("messages",)}
 
     # a third run finds nothing to do and changes nothing
