@@ -3,7 +3,7 @@
     python benchmarks/red.py [--bundles N] [--rows M] [--body-bytes B]
                              [--large-bundles N] [--large-rows M] [--large-bytes B]
                              [--files-per-batch K] [--engine E] [--no-subprocess]
-                             [--dir DIR] [--out DIR]
+                             [--replay N] [--dir DIR] [--out DIR]
 
 Every baseline is measured in the same run, on the same disk and the same bundle files
 (DESIGN.md section 7; the machine is shared and noisy, so ratios count, not absolute rates):
@@ -30,11 +30,17 @@ Every baseline is measured in the same run, on the same disk and the same bundle
   ``--large-bundles 0`` skips it): the same baselines and the in-process run, in MB/s of
   message bodies, against raw gpg decrypt.
 
+* Replay (``--replay N``, default 50,000 x 1 KB; 0 skips it): ``benchmarks/replay.py``'s
+  measurement, the replay publisher against a raw pika async-confirmed publish loop and the
+  bridge's own AMQP client in the same loop, same broker, same bodies and window. Target:
+  >= 0.8x raw pika.
+
 Peak RSS of the whole process tree (this process, the JVM, Spark's Python workers, gpg, the
 subprocess) is sampled every 0.5 s during each run; CPU seconds per run are charged to this
 process, the JVM and the rest of the tree. Writes ``<out>/red-<utc time>.json`` and prints a
 table; step output (JVM, gpg, the subprocess's log lines) goes to ``<out>/red-<time>.log``.
-Needs gpg, Java and the venv; works in temp dirs and removes them. Not part of CI.
+Needs gpg, Java and the venv (and RabbitMQ with its management API for the replay); works in
+temp dirs and a throw-away vhost and removes them. Not part of CI.
 """
 
 from __future__ import annotations
@@ -67,6 +73,9 @@ from deltalake import DeltaTable, write_deltalake
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "benchmarks"))
+
+from replay import measure_replay, print_replay  # noqa: E402 - benchmarks/ is this script's dir
 
 import bridge.red.landing as landing_module  # noqa: E402
 import bridge.red.tables as tables_module  # noqa: E402
@@ -1066,6 +1075,8 @@ def main() -> int:
     ap.add_argument("--engine", default="auto", choices=["auto", "spark", "delta-rs"],
                     help="red.delta_engine")  # fmt: skip
     ap.add_argument("--no-subprocess", action="store_true", help="skip the red_land.py run")
+    ap.add_argument("--replay", type=int, default=50_000,
+                    help="replay vs raw pika publish: messages (0: skip)")  # fmt: skip
     ap.add_argument("--dir", type=Path, default=Path(tempfile.gettempdir()), help="work disk")
     ap.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
     a = ap.parse_args()
@@ -1129,6 +1140,9 @@ def main() -> int:
                 lf.write(Path(sub["stderr"]).read_bytes())
             sub["stderr"] = str(log_path)
             res["small"]["ratios"] = ratios(res["small"], res["small"]["baselines"], "msg")
+        if a.replay:
+            print("replay publisher against raw confirmed publishing (benchmarks/replay.py)")
+            res["replay"] = measure_replay(a.replay, KB, 1000, work / "replay")
     finally:
         if spark is not None:
             spark.stop()
@@ -1140,6 +1154,8 @@ def main() -> int:
     out = a.out / f"red-{stamp}.json"
     out.write_text(json.dumps(res, indent=2, default=str))
     print_table(res)
+    if "replay" in res:
+        print_replay(res["replay"])
     print(f"\nwritten {out}")
     return 0
 
