@@ -216,24 +216,27 @@ class BlackRun:
         t0 = time.monotonic()
         self.outbox.sweep_stale_temps()
         self.sink = BatchSink(self.cfg, self.sealer)  # a fresh sink: no stale error or results
-        report = self.mirror.sync()  # declares queues + bindings; raises on misconfiguration
-        log_event(log, 20, "mirror synced", report=str(report))
-        recovered = recover_committed(self.cfg, self.sealer, self.store)
-        mirror_loop = MirrorLoop(self.mirror, self.cfg.black.discover_interval_seconds)
+        # heartbeats keep their period from the start: the mirror sync and the recovery of a
+        # crash can take long on a big installation, and red must not think the link dead
         hb_loop = HeartbeatLoop(self.heartbeats, self.cfg.black.heartbeat_seconds, self.outbox)
+        hb_loop.start()
+        mirror_loop = MirrorLoop(self.mirror, self.cfg.black.discover_interval_seconds)
         taps: TapSupervisor | None = None
         scheduled: UntilEmptyTaps | None = None
-        if trigger == "continuous":
-            mirror_loop.start()
-            # a mirror that failed for good (permissions, arguments) must stop the job: new
-            # exchanges would otherwise never reach the mirror queue, and black could not tell
-            self.sink.health_checks.append(lambda: mirror_loop.error)
-            taps = self.taps = TapSupervisor(self.cfg).start()
-            self.sink.health_checks.append(lambda: taps.error if taps else None)
-        else:
-            scheduled = UntilEmptyTaps(self.cfg, timeout=timeout)
-        hb_loop.start()
         try:
+            report = self.mirror.sync()  # declares queues + bindings; raises on misconfiguration
+            log_event(log, 20, "mirror synced", report=str(report))
+            recovered = recover_committed(self.cfg, self.sealer, self.store)
+            if trigger == "continuous":
+                mirror_loop.start()
+                # a mirror that failed for good (permissions, arguments) must stop the job: new
+                # exchanges would otherwise never reach the mirror queue, and black could not
+                # tell
+                self.sink.health_checks.append(lambda: mirror_loop.error)
+                taps = self.taps = TapSupervisor(self.cfg).start()
+                self.sink.health_checks.append(lambda: taps.error if taps else None)
+            else:
+                scheduled = UntilEmptyTaps(self.cfg, timeout=timeout)
             if scheduled is None:
                 self._query(spark, trigger, timeout)
             else:
@@ -241,8 +244,7 @@ class BlackRun:
                     self._query(spark, "available-now", timeout)  # seals what is left
                 scheduled.finish()  # raises if a tap failed (what it spooled is sealed)
         finally:
-            if trigger == "continuous":
-                mirror_loop.stop()
+            mirror_loop.stop()  # a no-op when it never started
             if taps is not None:
                 taps.stop()
             if scheduled is not None:

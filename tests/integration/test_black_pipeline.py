@@ -9,6 +9,7 @@ import decimal
 import hashlib
 import io
 import json
+import time
 from pathlib import Path
 from typing import Any
 
@@ -239,8 +240,22 @@ def test_every_message_once_and_identical(  # type: ignore[no-untyped-def]
     hb = json.loads(gpg_open_cli(inv.red_home, hbs[-1], inv.black_fpr))
     assert hb["last_bundle_seq"] == len(bundles) and hb["last_seq"] == n + 1
 
-    # a second run with nothing new ships nothing, and the archive holds every bundle
-    again = BlackRun(cfg).run(spark, "available-now", timeout=120)
+    # a second run with nothing new ships nothing, and the archive holds every bundle; its
+    # heartbeats keep their period while it syncs the mirror at start (slowed down here, as on
+    # a broker with thousands of exchanges)
+    second = BlackRun(cfg)
+    real_sync, outbox = second.mirror.sync, Path(cfg.black.outbox)
+    before = {p.name for p in outbox.glob("*.dheartbeat")}
+    during: list[str] = []
+
+    def slow_sync() -> Any:
+        time.sleep(2.5)  # > heartbeat_seconds
+        during.extend(p.name for p in outbox.glob("*.dheartbeat") if p.name not in before)
+        return real_sync()
+
+    second.mirror.sync = slow_sync  # type: ignore[method-assign]
+    again = second.run(spark, "available-now", timeout=120)
+    assert during, "no heartbeat while the mirror synced"
     assert again.bundles == 0
     assert sorted(p.name for p in (cfg.black.archive / "main").iterdir()) == sorted(
         p.name for p in mover.dst.glob("*.dbundle")
