@@ -52,8 +52,9 @@ class _Black:
         )
         self.tap_events = Gauge(
             "bridge_black_tap_events",
-            "What the channel's tap counted since it started (delivered, redelivered_skipped, "
-            "reconnects, lost_<reason>, inexact_<reason>), from its status file",
+            "What the channel's tap counted since it started, once durable (delivered, "
+            "redelivered_skipped, dead_redelivered_skipped, dead_possible_duplicate, "
+            "handed_back, reconnects, lost_<reason>, inexact_<reason>), from its status file",
             ["channel", "event"],
             registry=reg,
         )

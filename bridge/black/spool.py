@@ -25,6 +25,12 @@ Positions are gapless and never reused: a record's position is its message ``seq
   never reused.
 * Out of room (quota, ``min_free_bytes``, ENOSPC / EDQUOT): the segment is cut back to its last
   complete batch, ``SpoolFull`` is raised and the records stay buffered for the next ``sync``.
+  ``make_releasable`` (also tried before each quota SpoolFull) records the newest
+  ``acked_through`` and closes the current segment, so release can make room; a tap waiting
+  for room calls it again until it succeeds (a full disk may refuse it the first time).
+* A lost record for a dead letter keeps the dead letter's ``fingerprint`` (16 bytes) in its
+  ``properties_raw``, so that a redelivery of the dead letter after a crash is recognised like
+  a redelivered message; a lost record's properties are never shipped (``spool_rows``).
 
 Crash points (bridge.faults) inside ``sync``: ``spool.mid_write`` (half a batch written),
 ``spool.before_fsync``, ``spool.before_tail`` (durable, TAIL not yet moved).
@@ -75,6 +81,7 @@ __all__ = [
     "KIND_LOST",
     "REASON_DAMAGED",
     "MAX_BATCH_BYTES",
+    "DEAD_LETTER_BYTES",
     "SpoolWriter",
     "SpoolReader",
     "fingerprint",
@@ -85,6 +92,8 @@ log = get_logger("bridge.black.spool")
 
 MAX_BATCH_BYTES = 64 * 1024 * 1024
 """A sync larger than this is written as several batches (bounds the extra copy in memory)."""
+DEAD_LETTER_BYTES = 16
+"""Size of the dead letter ``fingerprint`` a lost record may carry in ``properties_raw``."""
 MAX_DAMAGED = 10_000_000
 """More positions than this missing behind TAIL means TAIL itself is damaged, not the data."""
 LOCK_FILE = "LOCK"
@@ -399,22 +408,37 @@ class SpoolWriter:
         )
         return first
 
-    def append_lost(self, exchange: str, routing_key: str, reason: str, count: int = 1) -> int:
-        """Buffer ``count`` lost records (messages the broker dropped); their seqs become gaps."""
+    def append_lost(
+        self,
+        exchange: str,
+        routing_key: str,
+        reason: str,
+        count: int = 1,
+        *,
+        dead_letter: bytes = b"",
+    ) -> int:
+        """Buffer ``count`` lost records (messages the broker dropped); their seqs become gaps.
+
+        ``dead_letter``: the ``fingerprint`` of the dead letter that reported the loss (kept in
+        the record's ``properties_raw``), so that its redelivery can be recognised."""
         if count < 1:
             raise ValueError(f"spool append_lost: count {count} < 1")
         if not reason:
             raise ValueError("spool append_lost: a lost record needs a reason")
+        if dead_letter and (count != 1 or len(dead_letter) != DEAD_LETTER_BYTES):
+            raise ValueError("spool append_lost: one dead letter, one 16-byte fingerprint")
         first = self._durable_end + len(self._bodies)
         i = len(self._bodies)
         self._ex.extend([exchange] * count)
         self._rk.extend([routing_key] * count)
         self._rd.extend([False] * count)
-        self._props.extend([b""] * count)
+        self._props.extend([dead_letter] * count)
         self._bodies.extend([b""] * count)
         for k in range(i, i + count):
             self._lost[k] = reason
-        self._pending_bytes += (_RECORD_OVERHEAD + len(exchange) + len(routing_key)) * count
+        self._pending_bytes += (
+            _RECORD_OVERHEAD + len(exchange) + len(routing_key) + len(dead_letter)
+        ) * count
         return first
 
     def discard_pending(self) -> int:
@@ -492,18 +516,27 @@ class SpoolWriter:
         return None
 
     def _when_full(self, acked: int) -> None:
-        """Before reporting SpoolFull: let release make room, so the pause cannot last forever.
+        """Before reporting SpoolFull: let release make room, so the pause cannot last forever."""
+        self.make_releasable(acked)
 
-        Records the newer ``acked_through`` (an empty batch: records up to it become
-        releasable) and closes the current segment (only closed segments are released).
+    def make_releasable(self, acked_through: int) -> bool:
+        """Let ``release_through`` free everything durable up to ``acked_through``: record it
+        (an empty batch, if it is newer than the recorded one) and close the current segment
+        (only closed segments are released). Nothing pending is written.
+
+        Returns False if a full disk refused either step (SpoolFull is not raised: a tap
+        waiting for room calls this again), True otherwise.
         """
+        self._check_open()
         try:
-            if acked > self._acked:
-                self._commit(acked, records=False)
+            if acked_through > self._acked:
+                self._commit(acked_through, records=False)
             if self._durable_end > self._seg_first:
                 self._roll()
         except SpoolFull:
-            pass
+            self._roll_wanted = True  # the next sync tries again too
+            return False
+        return True
 
     def _new_segment(self) -> None:
         """Create the segment starting at ``durable_end`` (complete header, fsynced, renamed)."""

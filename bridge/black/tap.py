@@ -18,17 +18,31 @@ Exactly once into the spool, whatever crashes:
   delivered yet (their acks applied): it is kept and marked ``possible-duplicate``, never
   skipped. A twin of a *single* record after that position still cannot be told from its
   redelivery and is skipped (a producer sent the same bytes twice within one group).
+* dead letters are handled the same way: their lost record keeps the dead letter's fingerprint,
+  and ``acked_through`` counts only once the acks on *both* AMQP channels (mirror queue, dead
+  queue) are proven; a redelivered dead letter equal to a lost record after it is skipped,
+  so a loss is recorded once (``dead_redelivered_skipped``).
 
 The tap pauses when the spool is full (quota or file system): it stops acking, waits for the
 proofs of the acks it sent, drops what is not durable and closes its connection, so the
 backlog waits in the mirror queue, not in the tap's memory. It reconnects by itself when the
 group that did not fit would. Segments are released once black's journal says the
-bundles holding them are durably in the outbox.
+bundles holding them are durably in the outbox. While it waits it retries what a full disk
+may have refused (recording ``acked_through``, closing the current segment). Records after
+``acked_through`` are never released; if they are what keeps the spool full (acks whose proof
+never came: a crash or a broker that went quiet), the paused tap *settles* them on a fresh
+connection — it hands back everything new and takes the first delivery that is not a
+redelivery of such a record, with no other consumer on the queues, as the sign that the
+broker holds none of them (it redelivers returned messages first) — or, failing that,
+reconnects every ``PROOF_RETRY_S`` to try again.
+
+Crash points (bridge.faults): ``tap.after_sync`` (a group durable, nothing acked),
+``tap.before_dead_ack`` (durable, the mirror queue's ack sent, the dead queue's not) and
+``tap.after_ack`` (both acks sent, not yet proven).
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
 import os
@@ -40,9 +54,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from bridge.amqp.client import Connection, Delivery
+from bridge.amqp.client import Channel, Connection, Delivery
 from bridge.black.plan import dead_queue_name, mirror_queue_name
-from bridge.black.spool import SpoolWriter, fingerprint
+from bridge.black.spool import DEAD_LETTER_BYTES, SpoolWriter, fingerprint
 from bridge.black.state import StateStore
 from bridge.config import Config
 from bridge.errors import (
@@ -84,6 +98,12 @@ PARENT_ENV = "DIODE_TAP_PARENT"
 PARENT_CHECK_S = 0.5
 PROOF_WAIT_S = 30.0
 """Pausing on a full spool: how long the tap waits for the proofs of the acks it sent."""
+PROOF_RETRY_S = 30.0
+"""Paused, with acks never proven holding records the spool cannot release: how often the tap
+reconnects to settle them."""
+SETTLE_QUIET_S = 0.3
+"""Settling: consumers cancelled, how long no delivery must arrive before the tap looks at the
+queues."""
 SPOOL_LOST = "spool_lost"
 MAX_LOST_SPOOL = 10_000_000
 IDLE_RECORD_S = 1.0
@@ -124,11 +144,34 @@ def _header(props_raw: bytes, name: str) -> Any:
         props = decode_properties(props_raw)
     except ProtocolError:
         return None
-    for key, (_tag, value) in props.headers or ():
-        k = key.decode("utf-8", "replace") if isinstance(key, bytes) else key
-        if k == name:
+    return _field(props.headers, name)
+
+
+def _field(table: Any, name: str) -> Any:
+    """Value of the first entry ``name`` of a decoded field table (None if absent)."""
+    for key, (_tag, value) in table or ():
+        if _key_text(key) == name:
             return value
     return None
+
+
+def _death(props_raw: bytes, queue: str) -> tuple[str, str, str] | None:
+    """``(exchange, routing key, reason)`` the broker wrote into ``x-death`` when ``queue``
+    dead-lettered the message: where it was published to, the routing key it was published
+    with (the first of ``routing-keys``; the rest are CC keys), and why it was dropped. The
+    entry of ``queue`` (the newest is first); else the first entry. None without ``x-death``;
+    a missing field is ``""``."""
+    deaths = _header(props_raw, "x-death")
+    if not isinstance(deaths, tuple):
+        return None
+    entries = [f[1] for f in deaths if isinstance(f, tuple) and len(f) == 2 and f[0] == "F"]
+    if not entries:
+        return None
+    entry = next((e for e in entries if _text(_field(e, "queue")) == queue), entries[0])
+    keys = _field(entry, "routing-keys")
+    first = keys[0] if isinstance(keys, tuple) and keys else None
+    key = first[1] if isinstance(first, tuple) and len(first) == 2 else None
+    return _text(_field(entry, "exchange")), _text(key), _text(_field(entry, "reason"))
 
 
 def _text(v: Any) -> str:
@@ -183,6 +226,51 @@ def order_free(props_raw: bytes) -> bytes:
     return encode_properties(dataclasses.replace(props, headers=table))
 
 
+class _Proofs:
+    """Which spool positions the broker has proven acked, per AMQP channel of a connection.
+
+    A position counts as acked (``through``) once the acks of *both* channels (mirror queue,
+    dead queue) covering it are proven: the broker applied every ack that channel sent before
+    the answer to a sync (``request_sync``). A channel with nothing unacked when a group is
+    acked owes nothing for it: its last sync (or none) covers the group's records too.
+    """
+
+    def __init__(self, start: int, channels: tuple[int, ...]) -> None:
+        self.proven = dict.fromkeys(channels, start)
+        self.tokens: dict[int, tuple[int, int]] = {}  # token -> (channel, position it proves)
+        self.latest: dict[int, int] = {}  # channel -> its newest unanswered token
+
+    @property
+    def through(self) -> int:
+        return min(self.proven.values())
+
+    @property
+    def owed(self) -> bool:
+        return bool(self.tokens)
+
+    def sent(self, channel: int, token: int, pos: int) -> None:
+        """``channel`` acked what it holds through ``pos`` and asked for the proof ``token``."""
+        self.tokens[token] = (channel, pos)
+        self.latest[channel] = token
+
+    def nothing_owed(self, channel: int, pos: int) -> None:
+        """``channel`` has nothing unacked: once its last sync is answered, ``pos`` is proven."""
+        token = self.latest.get(channel)
+        if token is None:
+            self.proven[channel] = max(self.proven[channel], pos)
+        else:
+            self.tokens[token] = (channel, max(pos, self.tokens[token][1]))
+
+    def answered(self, token: int) -> None:
+        got = self.tokens.pop(token, None)
+        if got is None:
+            return
+        channel, pos = got
+        self.proven[channel] = max(self.proven[channel], pos)
+        if self.latest.get(channel) == token:
+            del self.latest[channel]
+
+
 class Tap:
     """Drains one channel; ``run()`` until ``stop()`` (or, with ``until_empty``, an empty queue)."""
 
@@ -198,9 +286,21 @@ class Tap:
         self._stop = threading.Event()
         self._candidates: Counter[bytes] = Counter()
         self._ambiguous: set[bytes] = set()
+        self._dead_candidates: Counter[bytes] = Counter()
+        self._dead_ambiguous: set[bytes] = set()
         self._tags: tuple[str, str] = ("", "")
+        self._consuming = False
         self._budget: int | None = None  # until_empty: deliveries the backlog held at start
         self._taken = 0
+        # counted once what they count is durable (records) or acked (skips); a group a full
+        # spool hands back is counted as ``handed_back`` instead, and again when it returns
+        self._group_records: Counter[str] = Counter()
+        self._group_skips: Counter[str] = Counter()
+        self._skip_tags: list[tuple[int, int]] = []  # (AMQP channel, tag) skipped, not acked
+        # settling acks never proven (see the module doc), per connection:
+        self._alone = False  # no other consumer on either queue when this connection began
+        self._fresh: set[int] = set()  # AMQP channels that delivered a message not spooled yet
+        self._unsettled = False  # a delivery while paused may be a redelivery: settle nothing
 
     def stop(self) -> None:
         self._stop.set()
@@ -239,7 +339,7 @@ class Tap:
                 except _Paused as e:
                     # the connection is closed: every unacked delivery went back to the queue
                     # (the backlog waits in the broker, not in this process's memory)
-                    self._wait_for_room(spool, e.full, e.need)
+                    self._wait_for_room(spool, e.full, e.need, e.confirmed)
                     continue
                 except AmqpAccessRefused as e:
                     raise ConfigError(str(e)) from None
@@ -285,26 +385,140 @@ class Tap:
         spool.sync(spool.acked_through)
         self._bump(f"lost_{SPOOL_LOST}", n)
 
-    def _await_proofs(self, conn: Connection, syncs: dict[Any, int], confirmed: int) -> int:
+    def _await_proofs(
+        self, conn: Connection, chans: tuple[Channel, Channel], proofs: _Proofs
+    ) -> None:
         """Before the tap lets go of its connection: collect the answers proving the acks it
         sent were applied (they queue behind the deliveries already on the wire), so the
-        spool can release what they cover. Deliveries read meanwhile are dropped unacked:
-        the broker requeues them when the connection closes."""
+        spool can release what they cover. Deliveries read meanwhile are not taken (the
+        broker requeues them when the connection closes); a redelivery of a spooled record
+        among them is acked."""
         deadline = time.monotonic() + PROOF_WAIT_S
-        while syncs and time.monotonic() < deadline and not self._stop.is_set():
-            for token in conn.poll(0.2).syncs:
-                confirmed = max(confirmed, syncs.pop(token, confirmed))
-        return confirmed
+        while proofs.owed and time.monotonic() < deadline and not self._stop.is_set():
+            events = conn.poll(0.2)
+            for d in events.deliveries:
+                self._while_paused(d, chans, proofs)
+            for token in events.syncs:
+                proofs.answered(token)
 
-    def _wait_for_room(self, spool: SpoolWriter, full: SpoolFull, need: int) -> None:
+    def _while_paused(self, d: Delivery, chans: tuple[Channel, Channel], proofs: _Proofs) -> None:
+        """A delivery that arrives while the tap pauses: a redelivery of a spooled record is
+        acked (it is durable; its proof is asked for), anything else is handed back."""
+        chan = chans[0] if d.channel == chans[0].number else chans[1]
+        dead = chan is chans[1]
+        seen = self._spooled(d, dead)
+        if seen is None:
+            self._fresh.add(chan.number)
+            return
+        if seen == POSSIBLE_DUPLICATE:
+            self._unsettled = True  # handed back: it may be a record's redelivery
+            return
+        chan.ack(d.delivery_tag)
+        proofs.sent(chan.number, chan.request_sync(), proofs.proven[chan.number])
+        self._bump("dead_redelivered_skipped" if dead else "redelivered_skipped")
+
+    def _settle(
+        self, conn: Connection, chans: tuple[Channel, Channel], proofs: _Proofs, spool: SpoolWriter
+    ) -> str | None:
+        """Paused with records the broker may still redeliver (acks of an earlier connection
+        never proven: a crash, a broker gone quiet): prove it holds none of them, so that the
+        spool can release them. The broker redelivers returned messages before any other, so
+        once a queue (with no other consumer since this connection began) delivered a message
+        that is not one of them, or holds none at all once the consumers are cancelled, it
+        redelivered every one it still had — and the tap acked each. Then one more sync per
+        channel proves all of them. Anything doubtful (another consumer, a redelivery equal to
+        several records) settles nothing: the tap tries again later (``PROOF_RETRY_S``).
+        Returns why it could not, or None."""
+        if not self._alone:
+            return "another consumer held the mirror or dead queue when the tap connected"
+        main, dead = chans
+        if self._consuming:
+            self._cancel(main, dead)
+        quiet = time.monotonic()
+        deadline = quiet + PROOF_WAIT_S
+        while time.monotonic() - quiet < SETTLE_QUIET_S and time.monotonic() < deadline:
+            events = conn.poll(0.1)
+            for d in events.deliveries:
+                quiet = time.monotonic()
+                self._while_paused(d, chans, proofs)
+            for token in events.syncs:
+                proofs.answered(token)
+        if self._unsettled:
+            return "a redelivery equal to several spooled records was handed back"
+        for chan, queue in ((main, self.queue), (dead, self.dead_queue)):
+            if chan.number in self._fresh:
+                continue
+            info = chan.queue_declare(queue, passive=True)
+            if info.message_count or info.consumer_count:
+                return f"{queue!r} delivered nothing new but is not empty or has a consumer"
+        end = spool.durable_end - 1
+        for chan in chans:
+            proofs.sent(chan.number, chan.request_sync(), end)
+        self._await_proofs(conn, chans, proofs)
+        if proofs.through < end:
+            return "the broker did not answer"
+        log_event(
+            log, 30, "acks the broker never proved are settled: their records can be released",
+            channel=self.channel, acked_through=end,
+        )  # fmt: skip
+        return None
+
+    def _pause(
+        self, conn: Connection, chans: tuple[Channel, Channel], spool: SpoolWriter,
+        proofs: _Proofs, e: SpoolFull, handed: int,
+    ) -> int:  # fmt: skip
+        """The spool is full: hand back what is not durable (stop acking), collect the proofs
+        of the acks sent, settle records a crash left unproven, and let the spool release
+        what is proven. Returns the position proven acked."""
+        log_event(log, 40, f"tap paused: {e}", channel=self.channel)
+        self.status.paused = str(e)
+        spool.discard_pending()  # never acked: the broker redelivers them
+        self._group_records.clear()
+        # the group's redeliveries of spooled records are durable: ack them, not hand them back
+        for chan in chans:
+            tags = [tag for number, tag in self._skip_tags if number == chan.number]
+            for tag in tags:
+                chan.ack(tag)
+            if tags:
+                proofs.sent(chan.number, chan.request_sync(), proofs.proven[chan.number])
+        self._bump("handed_back", handed - len(self._skip_tags))
+        self._skip_tags.clear()
+        self._count_group()  # the skips
+        self._write_status(spool, force=True)
+        self._await_proofs(conn, chans, proofs)
+        if proofs.through < spool.durable_end - 1 and not proofs.owed:
+            why = self._settle(conn, chans, proofs, spool)
+            if why is not None:
+                log_event(
+                    log, 20, f"spooled records whose acks were never proven stay unreleased: {why}",
+                    channel=self.channel, acked_through=proofs.through, retry_in_s=PROOF_RETRY_S,
+                )  # fmt: skip
+        spool.make_releasable(proofs.through)  # a full disk may refuse: retried while waiting
+        return proofs.through
+
+    def _wait_for_room(
+        self, spool: SpoolWriter, full: SpoolFull, need: int, confirmed: int
+    ) -> None:
         """Paused on a full spool, disconnected: release shipped segments until the group
-        that did not fit (``need`` bytes) would."""
+        that did not fit (``need`` bytes) would. Retries what a full disk refused (recording
+        ``confirmed``, closing the current segment); reconnects every ``PROOF_RETRY_S`` to
+        settle records whose acks were never proven if they are what keeps the spool full."""
+        settle_at = time.monotonic() + PROOF_RETRY_S
         while not self._stop.is_set():
             self._stop.wait(RETRY_FULL_S)
             self._release(spool)  # black may have shipped meanwhile: room comes back
+            if spool.make_releasable(confirmed):
+                self._release(spool)
             self._write_status(spool)
             if spool.room_for(need) is None:
                 break
+            if time.monotonic() >= settle_at and self._unproven_hold_room(spool):
+                log_event(
+                    log, 30, "tap reconnecting to settle acks the broker never proved: their "
+                    "records keep the spool full", channel=self.channel,
+                    acked_through=spool.acked_through,
+                )  # fmt: skip
+                return  # still paused: the next group that does not fit settles them
         else:
             return
         log_event(log, 30, "tap resumed: the spool has room again", channel=self.channel,
@@ -312,34 +526,58 @@ class Tap:
         self.status.paused = None
         self._write_status(spool, force=True)
 
+    def _unproven_hold_room(self, spool: SpoolWriter) -> bool:
+        """Shipped records stay in the spool because their acks were never proven."""
+        shipped = self.store.load(self.channel).last_seq
+        return spool.acked_through < min(shipped, spool.durable_end - 1)
+
     def _sync_after_loss(self, spool: SpoolWriter) -> None:
+        self._group_skips.clear()  # never acked: they come again, and are counted then
+        self._skip_tags.clear()
         if not spool.pending:
             return
         try:
             spool.sync(spool.acked_through)
         except SpoolFull:
             spool.discard_pending()  # never acked: the broker redelivers them
+            self._group_records.clear()
+            return
+        self._count_group()
+
+    def _count_group(self) -> None:
+        """The group's records are durable (and its deliveries acked): count them."""
+        self._skip_tags.clear()
+        for counts in (self._group_records, self._group_skips):
+            for name, n in counts.items():
+                self._bump(name, n)
+            counts.clear()
 
     def _load_candidates(self, spool: SpoolWriter) -> None:
         """Records the broker may redeliver: after the last position proven acked. A content
         that more than one of them share is ambiguous: the broker may have applied the ack of
-        some of its records and redeliver a twin the spool does not hold yet."""
+        some of its records and redeliver a twin the spool does not hold yet. Lost records of
+        dead letters carry the dead letter's fingerprint: their redeliveries likewise."""
         self._candidates.clear()
         self._ambiguous.clear()
+        self._dead_candidates.clear()
+        self._dead_ambiguous.clear()
         tail = spool.records_after(spool.acked_through)
         if not len(tail):
             return
         d = tail.to_pydict()
         for i in range(len(tail)):
-            if d["kind"][i] != 0:
-                continue
             props = d["properties_raw"][i]
+            if d["kind"][i] != 0:
+                if len(props) == DEAD_LETTER_BYTES:
+                    self._dead_candidates[props] += 1
+                continue
             if self.quorum:
                 props = order_free(props)
             self._candidates[
                 fingerprint(d["exchange"][i], d["routing_key"][i], props, d["body"][i])
             ] += 1
         self._ambiguous.update(fp for fp, n in self._candidates.items() if n > 1)
+        self._dead_ambiguous.update(fp for fp, n in self._dead_candidates.items() if n > 1)
         log_event(
             log, 20, "spooled records a crash may have left unacked: redeliveries of them skipped",
             channel=self.channel, first_pos=spool.acked_through + 1, records=len(tail),
@@ -358,26 +596,33 @@ class Tap:
             if self.until_empty and self._budget is None:
                 # a scheduled run drains the backlog it found, not producers that never pause
                 self._budget = self._backlog(main)
+            self._alone = all(
+                main.queue_declare(q, passive=True).consumer_count == 0
+                for q in (self.queue, self.dead_queue)
+            )
+            self._fresh.clear()
+            self._unsettled = False
             self._consume(main, dead)
             self._loop(conn, main, dead, spool)
         finally:
+            self._consuming = False
             conn.close()
 
     def _consume(self, main: Any, dead: Any) -> None:
         self._tags = (main.basic_consume(self.queue), dead.basic_consume(self.dead_queue))
+        self._consuming = True
 
     def _cancel(self, main: Any, dead: Any) -> None:
         """Stop both consumers; deliveries the broker sent before cancel-ok still arrive."""
         main.basic_cancel(self._tags[0])
         dead.basic_cancel(self._tags[1])
+        self._consuming = False
 
-    def _loop(self, conn: Connection, main: Any, dead: Any, spool: SpoolWriter) -> None:
+    def _loop(self, conn: Connection, main: Channel, dead: Channel, spool: SpoolWriter) -> None:
         tap = self.cfg.black.tap
-        c = self.status.counters
         last_main = last_dead = 0  # highest delivery tag received, per AMQP channel
         acked_main = acked_dead = 0
-        syncs: dict[Any, int] = {}  # sync token -> position proven acked once it completes
-        confirmed = spool.acked_through
+        proofs = _Proofs(spool.acked_through, (main.number, dead.number))
         first_unsynced: float | None = None
         next_release = time.monotonic() + RELEASE_EVERY_S
         quiet_since = time.monotonic()
@@ -394,13 +639,12 @@ class Tap:
             for d in events.deliveries:
                 if d.channel == main.number:
                     last_main = d.delivery_tag
-                    c["delivered"] = c.get("delivered", 0) + 1
                     self._take(spool, d)
                 elif d.channel == dead.number:
                     last_dead = d.delivery_tag
                     self._take_dead(spool, d)
             for token in events.syncs:
-                confirmed = max(confirmed, syncs.pop(token, confirmed))
+                proofs.answered(token)
             for cancel in events.cancels:  # queue deleted, or a node went down: consume afresh
                 raise AmqpConnectionError(
                     f"the broker cancelled consumer {cancel.consumer_tag!r} of channel "
@@ -419,15 +663,14 @@ class Tap:
             )
             if unacked and due:
                 try:
-                    durable = spool.sync(confirmed) if spool.pending else spool.durable_end
+                    durable = spool.sync(proofs.through) if spool.pending else spool.durable_end
                 except SpoolFull as e:
-                    log_event(log, 40, f"tap paused: {e}", channel=self.channel)  # the loop ends
-                    self.status.paused = str(e)
-                    self._write_status(spool, force=True)
+                    need = spool.pending_bytes
+                    handed = last_main - acked_main + last_dead - acked_dead
+                    confirmed = self._pause(conn, (main, dead), spool, proofs, e, handed)
                     if self.until_empty:
                         # a scheduled run: nothing will be shipped until the taps end, so stop
                         # here; what is not durable was never acked and stays in the broker
-                        spool.discard_pending()
                         log_event(
                             log, 30, "spool full: this run seals what the spool holds; the rest "
                             "waits in the broker for the next run", channel=self.channel,
@@ -435,24 +678,30 @@ class Tap:
                         return
                     # hand what is not durable back to the broker and wait for room without
                     # holding a prefetch window of messages here (up to prefetch x their size)
-                    need = spool.pending_bytes
-                    spool.discard_pending()
-                    confirmed = self._await_proofs(conn, syncs, confirmed)
-                    if confirmed > spool.acked_through:
-                        with contextlib.suppress(SpoolFull, OSError):  # a full disk: next time
-                            spool.sync(confirmed)  # no records: what it frees is releasable
-                    raise _Paused(e, need) from None
+                    raise _Paused(e, need, confirmed) from None
+                self._count_group()
+                if self.status.paused:  # it had reconnected to settle acks never proven
+                    log_event(log, 30, "tap resumed: the spool has room again",
+                              channel=self.channel)  # fmt: skip
+                    self.status.paused = None
+                    self._write_status(spool, force=True)
                 crash_point("tap.after_sync")
                 if last_main > acked_main:
                     main.ack(last_main, multiple=True)
                     acked_main = last_main
-                    syncs[main.request_sync()] = durable - 1
+                    proofs.sent(main.number, main.request_sync(), durable - 1)
+                else:
+                    proofs.nothing_owed(main.number, durable - 1)
                 if last_dead > acked_dead:
+                    crash_point("tap.before_dead_ack")
                     dead.ack(last_dead, multiple=True)
                     acked_dead = last_dead
-                    syncs[dead.request_sync()] = durable - 1
+                    proofs.sent(dead.number, dead.request_sync(), durable - 1)
+                else:
+                    proofs.nothing_owed(dead.number, durable - 1)
                 crash_point("tap.after_ack")
                 first_unsynced = None
+            confirmed = proofs.through
             if (
                 not unacked
                 and spool.pending == 0
@@ -468,7 +717,7 @@ class Tap:
                 self.until_empty
                 and not unacked
                 and spool.pending == 0
-                and not syncs
+                and not proofs.owed
                 and self._budget is not None
                 and self._taken >= self._budget
                 and self._budget > 0
@@ -478,7 +727,7 @@ class Tap:
                 self.until_empty
                 and not unacked
                 and spool.pending == 0
-                and not syncs
+                and not proofs.owed
                 and now - quiet_since >= 0.2
             ):
                 # Empty means: nothing ready, no other consumer (a dead tap's unacked messages
@@ -494,8 +743,8 @@ class Tap:
                         break
                     self._consume(main, dead)  # more came: go on draining
                     cancelled = False
-        if confirmed > spool.acked_through and not spool.pending:
-            spool.sync(confirmed)  # record the last proven ack: the next run releases more
+        if proofs.through > spool.acked_through and not spool.pending:
+            spool.sync(proofs.through)  # record the last proven ack: the next run releases more
         self.status.idle = True
 
     def _backlog(self, chan: Any, settle_s: float = 30.0) -> int:
@@ -519,6 +768,32 @@ class Tap:
         return True
 
     # -- deliveries -------------------------------------------------------------------------
+    def _spooled(self, d: Delivery, dead: bool) -> str | None:
+        """Whether delivery ``d`` is a redelivery of a record the spool holds after
+        ``acked_through``: ``"skip"`` (it is; the record is used up), ``POSSIBLE_DUPLICATE``
+        (it may be: several records are equal to it) or None (it is not)."""
+        if not d.redelivered:
+            return None
+        candidates, ambiguous = (
+            (self._dead_candidates, self._dead_ambiguous)
+            if dead
+            else (self._candidates, self._ambiguous)
+        )
+        if not candidates:
+            return None
+        fp = self._fingerprint(d)
+        if candidates[fp] <= 0:
+            return None
+        candidates[fp] -= 1
+        return POSSIBLE_DUPLICATE if fp in ambiguous else "skip"
+
+    def _fingerprint(self, d: Delivery) -> bytes:
+        """``d``'s identity as the spool remembers it (a quorum queue's additions removed)."""
+        props = d.properties_raw
+        if self.quorum:
+            props = order_free(strip_delivery_count(props) if d.redelivered else props)
+        return fingerprint(d.exchange, d.routing_key, props, d.body)
+
     def _take(self, spool: SpoolWriter, d: Delivery) -> None:
         props = d.properties_raw
         note = None
@@ -529,35 +804,55 @@ class Tap:
                     # the broker re-encoded the header table (keys sorted) to add its count:
                     # the values are exact, their order may not be. Counted, never silent.
                     props, note = stripped, REENCODED
-            if self._candidates:
-                key = order_free(props) if self.quorum else props
-                fp = fingerprint(d.exchange, d.routing_key, key, d.body)
-                if self._candidates[fp] > 0:
-                    self._candidates[fp] -= 1
-                    if fp not in self._ambiguous:
-                        self._bump("redelivered_skipped")
-                        return
-                    # byte-identical messages: this may be a twin, not the spooled one. Kept
-                    # (never lost) and marked: red sees it may duplicate an earlier seq
-                    note = POSSIBLE_DUPLICATE
+            seen = self._spooled(d, dead=False)
+            if seen == "skip":
+                self._group_skips["redelivered_skipped"] += 1
+                self._skip_tags.append((d.channel, d.delivery_tag))
+                return
+            if seen == POSSIBLE_DUPLICATE:
+                # byte-identical messages: this may be a twin, not the spooled one. Kept
+                # (never lost) and marked: red sees it may duplicate an earlier seq
+                note = POSSIBLE_DUPLICATE
+        if note != POSSIBLE_DUPLICATE:
+            self._fresh.add(d.channel)
         exchange, rk = d.exchange, d.routing_key
         if not (exchange.isascii() and rk.isascii()):
             exchange, rk, renamed = _text_names(exchange, rk)
             if renamed and note != POSSIBLE_DUPLICATE:  # one reason a row: the weightier
                 note = NON_UTF8_NAME
         spool.append_one(exchange, rk, d.redelivered, props, d.body, note)
+        self._group_records["delivered"] += 1
         if note is not None:
-            self._bump(f"inexact_{note}")
+            self._group_records[f"inexact_{note}"] += 1
 
     def _take_dead(self, spool: SpoolWriter, d: Delivery) -> None:
-        reason = _text(_header(d.properties_raw, "x-first-death-reason")) or "dead-lettered"
-        exchange = _text(_header(d.properties_raw, "x-first-death-exchange"))
-        exchange, rk, _ = _text_names(exchange, d.routing_key)
-        spool.append_lost(exchange, rk, reason)
-        self._bump(f"lost_{reason}")
+        """A dead letter: the mirror queue dropped a message. Recorded as lost, with the
+        original exchange and routing key (``x-death``), once: a redelivery of a dead letter
+        already recorded (a crash before its ack) is skipped."""
+        seen = self._spooled(d, dead=True)
+        if seen == "skip":
+            self._group_skips["dead_redelivered_skipped"] += 1
+            self._skip_tags.append((d.channel, d.delivery_tag))
+            return
+        if seen == POSSIBLE_DUPLICATE:
+            # equal to several recorded dead letters: record it again rather than risk
+            # leaving a loss out (the count may then be too high, never too low)
+            self._group_records["dead_possible_duplicate"] += 1
+        else:
+            self._fresh.add(d.channel)
+        death = _death(d.properties_raw, self.queue)
+        exchange, rk, reason = death if death is not None else ("", d.routing_key, "")
+        exchange = exchange or _text(_header(d.properties_raw, "x-first-death-exchange"))
+        reason = (
+            reason or _text(_header(d.properties_raw, "x-first-death-reason")) or "dead-lettered"
+        )
+        exchange, rk, _ = _text_names(exchange, rk)
+        spool.append_lost(exchange, rk, reason, dead_letter=self._fingerprint(d))
+        self._group_records[f"lost_{reason}"] += 1
         log_event(
             log, 40, "the broker dropped a message from the mirror queue: recorded as a gap",
-            channel=self.channel, reason=reason, exchange=exchange, pos=spool.next_pos - 1,
+            channel=self.channel, reason=reason, exchange=exchange, routing_key=rk,
+            pos=spool.next_pos - 1,
         )  # fmt: skip
 
     def _bump(self, name: str, n: int = 1) -> None:
@@ -590,10 +885,11 @@ class Tap:
 class _Paused(Exception):
     """The spool is full: the tap drops its connection and waits for room."""
 
-    def __init__(self, full: SpoolFull, need: int) -> None:
+    def __init__(self, full: SpoolFull, need: int, confirmed: int) -> None:
         super().__init__(str(full))
         self.full = full
         self.need = need
+        self.confirmed = confirmed
 
 
 def _watch_parent(tap: Tap, parent: int) -> None:

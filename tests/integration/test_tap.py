@@ -1,15 +1,19 @@
 """Black, tap: mirror queue -> spool on a real vhost (drain, crash between fsync and ack,
-queue length limit overflow, the property bytes kept exactly as delivered)."""
+queue length limit overflow and its dead letters, a full spool and what ends the pause, the
+property bytes kept exactly as delivered)."""
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import urllib.parse
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +42,7 @@ from bridge.protocol.properties import (
     field_table,
 )
 from tests.conftest import AUTH, MGMT
+from tests.support import crash_env, crash_marks
 
 pytestmark = [pytest.mark.broker]
 
@@ -45,8 +50,17 @@ REPO = Path(__file__).resolve().parents[2]
 QUEUE = "diode.mirror.main"
 
 
-def write_config(tmp: Path, amqp_url: str, queue_type: str = "classic", **tap: Any) -> Config:
+def write_config(
+    tmp: Path,
+    amqp_url: str,
+    queue_type: str = "classic",
+    *,
+    spool_dir: str = "spool",
+    spool: dict[str, Any] | None = None,
+    **tap: Any,
+) -> Config:
     extra = "\n".join(f"{k} = {json.dumps(v)}" for k, v in tap.items())
+    spool_extra = "\n".join(f"{k} = {json.dumps(v)}" for k, v in (spool or {}).items())
     p = tmp / "diode.toml"
     p.write_text(
         f"""
@@ -57,12 +71,15 @@ encrypt = false
 
 [black]
 amqp_url = "{amqp_url}"
-spool_dir = "spool"
+spool_dir = "{spool_dir}"
 state_dir = "state"
 mirror_queue_type = "{queue_type}"
 
 [black.tap]
 {extra}
+
+[black.spool]
+{spool_extra}
 """
     )
     return load_config(p)
@@ -75,7 +92,9 @@ def setup_mirror(cfg: Config, url: str) -> None:
     Mirror(cfg, catalog_path=Path(cfg.black.state_dir) / "exchanges.json").sync()
 
 
-def publish_raw(url: str, messages: list[tuple[bytes, bytes]]) -> None:
+def publish_raw(
+    url: str, messages: list[tuple[bytes, bytes]], routing_keys: list[str] | None = None
+) -> None:
     """Publish (property bytes, body) pairs with confirms, through the bridge's own client
     (pika cannot send float headers)."""
     conn = Connection.open(url)
@@ -83,8 +102,8 @@ def publish_raw(url: str, messages: list[tuple[bytes, bytes]]) -> None:
         ch = conn.channel()
         ch.confirm_select()
         last = 0
-        for props, body in messages:
-            last = ch.publish("ev", "", props, body)
+        for i, (props, body) in enumerate(messages):
+            last = ch.publish("ev", routing_keys[i] if routing_keys else "", props, body)
         acked = 0
         while acked < last:
             for c in conn.poll(1.0).confirms:
@@ -228,12 +247,13 @@ def test_a_full_spool_pauses_the_tap_with_the_backlog_left_in_the_broker(
 ) -> None:
     """At its quota the spool refuses more: the continuous tap hands back what it holds (no
     prefetch window of messages waits in its memory), waits disconnected, and resumes once
-    black shipped and released segments. Every message is spooled once, in order."""
-    cfg = write_config(tmp_path, black_vhost.amqp_url, group_messages=4, prefetch=100)
-    assert cfg.source is not None
-    with open(cfg.source, "a") as f:
-        f.write("\n[black.spool]\nmax_bytes = 16777216\nsegment_bytes = 1048576\n")
-    cfg = load_config(cfg.source)
+    black shipped and released segments. Every message is spooled once, in order, and
+    counted once: ``delivered`` counts what was spooled, what a pause handed back is
+    ``handed_back`` (it is delivered again later)."""
+    cfg = write_config(
+        tmp_path, black_vhost.amqp_url, group_messages=4, prefetch=100,
+        spool={"max_bytes": 16 << 20, "segment_bytes": 1 << 20},
+    )  # fmt: skip
     setup_mirror(cfg, black_vhost.amqp_url)
     sent = [(encode_properties(Properties(message_id=f"m{i}")), bytes([i]) * 1_000_000)
             for i in range(40)]  # fmt: skip
@@ -277,6 +297,8 @@ def test_a_full_spool_pauses_the_tap_with_the_backlog_left_in_the_broker(
     assert [x["body"] for x in rows] == [b for _, b in sent[first:]]
     last = tap_status(cfg, "main")
     assert last is not None and last.durable_end == 40 and not last.paused
+    assert last.counters.get("delivered") == 40, last.counters
+    assert last.counters.get("handed_back", 0) >= 1, last.counters
 
 
 def _limit_policy(vhost: str, **definition: Any) -> None:
@@ -288,6 +310,20 @@ def _limit_policy(vhost: str, **definition: Any) -> None:
         auth=AUTH, timeout=10,
     )  # fmt: skip
     assert r.status_code in (201, 204), r.text
+
+
+def _wait_policy(vhost: str, queue: str = QUEUE) -> None:
+    """Until the broker applied ``_limit_policy`` to the queue (asynchronous)."""
+    vh = urllib.parse.quote(vhost, safe="")
+    # the queue records, not the statistics (which lag by seconds)
+    url = f"{MGMT}/api/queues/{vh}?disable_stats=true&enable_queue_totals=true"
+    deadline = time.monotonic() + 20
+    while not any(
+        q.get("name") == queue and q.get("policy") == "limit-mirror"
+        for q in requests.get(url, auth=AUTH, timeout=10).json()
+    ):
+        assert time.monotonic() < deadline, "the policy was never applied"
+        time.sleep(0.1)
 
 
 _PARENT = """
@@ -338,23 +374,28 @@ def test_queue_length_limit_overflow_is_recorded_as_lost(
     black_vhost: Any, tmp_path: Path, overflow: str | None
 ) -> None:
     """An operator's max-length policy on the mirror queue drops the oldest messages: each one
-    is dead-lettered to black, which records a lost position (reason maxlen), never silence.
-    A policy asking the broker to refuse publishes instead does not apply: the classic mirror
-    queue's own x-overflow argument wins."""
+    is dead-lettered to black, which records a lost position (reason maxlen), never silence,
+    with the exchange and routing key the message was published with (from its x-death
+    header: the dead letter itself is routed with the channel's name). A policy asking the
+    broker to refuse publishes instead does not apply: the classic mirror queue's own
+    x-overflow argument wins."""
     cfg = write_config(tmp_path, black_vhost.amqp_url)
     setup_mirror(cfg, black_vhost.amqp_url)
     _limit_policy(
         black_vhost.name, **{"max-length": 10}, **({"overflow": overflow} if overflow else {})
     )
+    _wait_policy(black_vhost.name)
     sent = messages(25)
-    publish_raw(black_vhost.amqp_url, sent)
+    publish_raw(black_vhost.amqp_url, sent, [f"orders.{i}" for i in range(25)])
     Tap(cfg, "main", until_empty=True).run()
     rows = spooled(cfg)
     assert [r["pos"] for r in rows] == list(range(25)), "lost or not, positions stay gapless"
     lost = [r for r in rows if r["kind"] == KIND_LOST]
     kept = [r for r in rows if r["kind"] == KIND_MESSAGE]
     assert len(lost) == 15 and {r["reason"] for r in lost} == {"maxlen"}
-    assert {r["exchange"] for r in lost} == {"ev"}
+    assert [(r["exchange"], r["routing_key"]) for r in lost] == [
+        ("ev", f"orders.{i}") for i in range(15)
+    ]
     assert [r["body"] for r in kept] == [b for _, b in sent[15:]]
     st = tap_status(cfg, "main")
     assert st is not None and st.counters.get("lost_maxlen") == 15
@@ -451,3 +492,184 @@ def test_lost_spool_becomes_a_gap_not_silence(black_vhost: Any, tmp_path: Path) 
     assert all(r["kind"] == KIND_MESSAGE for r in rows[50:])
     st = tap_status(cfg, "main")
     assert st is not None and st.counters.get("lost_spool_lost") == 50
+
+
+@pytest.mark.parametrize("queue_type", ["classic", "quorum"])
+def test_a_crash_before_the_dead_letters_ack_records_each_loss_once(
+    black_vhost: Any, tmp_path: Path, queue_type: str
+) -> None:
+    """SIGKILL after a group holding dead letters is durable, its mirror-queue ack sent but not
+    its dead-queue ack: the broker redelivers the dead letters, and the restarted tap
+    recognises each from the fingerprint its lost record keeps and skips it. The loss is
+    counted exactly (15 dropped, 15 lost seqs), with each message's own exchange and routing
+    key (from x-death), not the dead-letter routing key."""
+    cfg = write_config(tmp_path, black_vhost.amqp_url, queue_type, group_messages=4, prefetch=50)
+    setup_mirror(cfg, black_vhost.amqp_url)
+    _limit_policy(black_vhost.name, **{"max-length": 10})
+    _wait_policy(black_vhost.name)
+    sent = messages(25)
+    keys = [f"k{i}" for i in range(25)]
+    publish_raw(black_vhost.amqp_url, sent, keys)  # the broker drops the oldest 15
+    mark = tmp_path / "crash.mark"
+    env = dict(os.environ, **crash_env("tap.before_dead_ack", mark), PYTHONPATH=str(REPO))
+    first = _tap_process(cfg, env)
+    assert first.returncode == -9, first.stderr.decode(errors="replace")[-2000:]
+    assert crash_marks(mark) == ["tap.before_dead_ack"], "the crash must hit the window"
+    recorded = sum(1 for r in spooled(cfg) if r["kind"] == KIND_LOST)
+    assert recorded >= 1  # durable, their ack never sent
+    second = _tap_process(cfg, env)  # the mark disarms the point: this run drains the rest
+    assert second.returncode == 0, second.stderr.decode(errors="replace")[-2000:]
+    rows = spooled(cfg)
+    assert [r["pos"] for r in rows] == list(range(len(rows)))
+    lost = [r for r in rows if r["kind"] == KIND_LOST]
+    kept = [r for r in rows if r["kind"] == KIND_MESSAGE]
+    assert len(lost) == 15, f"{len(lost)} losses recorded for 15 dropped messages"
+    assert [(r["exchange"], r["routing_key"], r["reason"]) for r in lost] == [
+        ("ev", k, "maxlen") for k in keys[:15]
+    ]
+    assert [(r["routing_key"], r["body"]) for r in kept] == [
+        (k, b) for k, (_, b) in zip(keys[15:], sent[15:], strict=True)
+    ]
+    st = tap_status(cfg, "main")
+    assert st is not None
+    assert st.counters.get("dead_redelivered_skipped") == recorded, st.counters
+    assert st.counters.get("lost_maxlen", 0) == 15 - recorded, st.counters
+    assert queue_depth(black_vhost.amqp_url, QUEUE + ".dead") == 0
+
+
+def _await_status(cfg: Config, th: threading.Thread, cond: Any, what: str, timeout: float) -> Any:
+    deadline = time.monotonic() + timeout
+    while True:
+        st = tap_status(cfg, "main")
+        if st is not None and cond(st):
+            return st
+        assert th.is_alive(), f"the tap died before {what}"
+        assert time.monotonic() < deadline, f"timed out waiting for {what}: {st}"
+        time.sleep(0.05)
+
+
+def test_a_tap_restarted_after_acks_never_proven_does_not_stay_paused(
+    black_vhost: Any, tmp_path: Path
+) -> None:
+    """SIGKILL after a group's ack, before the broker's proof (``tap.after_ack``), with that
+    group filling most of the spool's quota. The broker applied the ack: nothing comes back,
+    so nothing on a new connection proves it, and the records stay after ``acked_through``
+    where release never frees them. The restarted tap pauses at the quota and, finding that
+    the broker delivers only new messages and holds no redelivery, settles them: the shipped
+    records are released and the tap resumes by itself."""
+    big = {"max_bytes": 16 << 20, "segment_bytes": 1 << 20}
+    cfg = write_config(
+        tmp_path, black_vhost.amqp_url, group_messages=12, group_seconds=5, prefetch=100,
+        spool=big,
+    )  # fmt: skip
+    setup_mirror(cfg, black_vhost.amqp_url)
+    sent = [(encode_properties(Properties(message_id=f"m{i}")), bytes([i]) * 1_000_000)
+            for i in range(24)]  # fmt: skip
+    publish_raw(black_vhost.amqp_url, sent[:12])
+    mark = tmp_path / "crash.mark"
+    env = dict(os.environ, **crash_env("tap.after_ack", mark), PYTHONPATH=str(REPO))
+    first = _tap_process(cfg, env)
+    assert first.returncode == -9, first.stderr.decode(errors="replace")[-2000:]
+    assert crash_marks(mark) == ["tap.after_ack"], "the crash must hit the window"
+    deadline = time.monotonic() + 20
+    while True:  # the broker dropped the dead tap's consumer; it had applied the ack
+        with Connection.open(black_vhost.amqp_url) as conn:
+            q = conn.channel().queue_declare(QUEUE, passive=True)
+        if q.consumer_count == 0 or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    assert (q.consumer_count, q.message_count) == (0, 0)
+    r = SpoolReader(Path(cfg.black.spool_dir), "main")
+    assert r.durable_end() == 12
+    StateStore(Path(cfg.black.state_dir)).save(ChannelState("main", last_seq=11))  # shipped
+    publish_raw(black_vhost.amqp_url, sent[12:])
+    tap = Tap(cfg, "main")
+    th = threading.Thread(target=tap.run, daemon=True)
+    th.start()
+    try:
+        st = _await_status(cfg, th, lambda s: s.durable_end == 24, "the tap resumed", 15)
+    finally:
+        tap.stop()
+        th.join(timeout=30)
+    assert st.acked_through >= 11 and not st.paused
+    assert st.counters.get("handed_back") == 12 and st.counters.get("delivered") == 12
+    rows = spooled(cfg)
+    assert [(x["pos"], x["body"]) for x in rows] == [(i + 12, b) for i, (_, b) in
+                                                     enumerate(sent[12:])]  # fmt: skip
+    assert queue_depth(black_vhost.amqp_url, QUEUE) == 0
+
+
+@pytest.fixture
+def small_fs() -> Iterator[Path]:
+    """A fresh 32 MiB tmpfs, unmounted afterwards (a disk that really fills up)."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root")
+    d = Path(tempfile.mkdtemp(prefix="tapfs", dir="/tmp"))
+    r = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=32m,mode=0700", "tmpfs", str(d)],
+        capture_output=True, text=True, check=False,
+    )  # fmt: skip
+    if r.returncode != 0:
+        d.rmdir()
+        pytest.skip(f"cannot mount a tmpfs here (needs CAP_SYS_ADMIN): {r.stderr.strip()}")
+    try:
+        yield d
+    finally:
+        if subprocess.run(["umount", str(d)], check=False).returncode != 0:
+            subprocess.run(["umount", "-l", str(d)], check=False)
+        shutil.rmtree(d, ignore_errors=True)
+
+
+def _fill(path: Path) -> None:
+    """Write ``path`` until its file system has not one byte left."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o600)
+    try:
+        for chunk in (1 << 20, 4096, 1):
+            try:
+                while True:
+                    os.write(fd, b"\0" * chunk)
+            except OSError as e:
+                assert e.errno == 28, e  # ENOSPC
+    finally:
+        os.close(fd)
+
+
+def test_a_tap_paused_while_the_disk_refused_its_segment_roll_resumes_once_there_is_room(
+    black_vhost: Any, tmp_path: Path, small_fs: Path
+) -> None:
+    """At its quota the spool closes its current segment so that release can free it; on a
+    disk that is full at that moment the roll fails. The paused tap retries it while it waits:
+    once the disk has room again and black shipped, the segment is closed and released and
+    the tap resumes — it does not wait for a restart."""
+    cfg = write_config(
+        tmp_path, black_vhost.amqp_url, group_messages=6, group_seconds=5, prefetch=100,
+        spool_dir=str(small_fs / "spool"),
+        spool={"max_bytes": 16 << 20, "segment_bytes": 64 << 20, "min_free_bytes": 0},
+    )  # fmt: skip
+    setup_mirror(cfg, black_vhost.amqp_url)
+    sent = [(encode_properties(Properties(message_id=f"m{i}")), bytes([i]) * 1_000_000)
+            for i in range(18)]  # fmt: skip
+    publish_raw(black_vhost.amqp_url, sent[:12])
+    tap = Tap(cfg, "main")
+    th = threading.Thread(target=tap.run, daemon=True)
+    th.start()
+    filler = small_fs / "filler"
+    try:
+        _await_status(cfg, th, lambda s: s.durable_end == 12, "12 spooled", 15)
+        _fill(filler)  # something else filled the disk
+        publish_raw(black_vhost.amqp_url, sent[12:])  # 6 MB more would pass the quota
+        _await_status(cfg, th, lambda s: s.paused and "max_bytes" in s.paused, "a pause", 15)
+        assert [p.name for p in (small_fs / "spool" / "main").glob("seg-*")] == [
+            "seg-0000000000000000.arrow"  # the roll failed: nothing can be released
+        ]
+        StateStore(Path(cfg.black.state_dir)).save(ChannelState("main", last_seq=11))
+        filler.unlink()  # room on the disk again, and black shipped everything
+        st = _await_status(cfg, th, lambda s: s.durable_end == 18, "the tap resumed", 15)
+    finally:
+        tap.stop()
+        th.join(timeout=30)
+    assert not st.paused and st.counters.get("delivered") == 18
+    rows = spooled(cfg)
+    assert [(x["pos"], x["body"]) for x in rows] == [(i + 12, b) for i, (_, b) in
+                                                     enumerate(sent[12:])]  # fmt: skip
+    assert queue_depth(black_vhost.amqp_url, QUEUE) == 0

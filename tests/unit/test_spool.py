@@ -7,6 +7,7 @@ processes.
 
 from __future__ import annotations
 
+import errno
 import os
 import random
 import subprocess
@@ -678,6 +679,44 @@ def test_min_free_bytes_pauses_until_there_is_room(root: Path) -> None:
         w.min_free_bytes = 0  # (space came back)
         assert w.sync(-1) == 3
     assert read_records(SpoolReader(root, CH), 0, 3) == with_pos(recs, 0)
+
+
+def test_a_roll_a_full_disk_refused_is_retried_until_release_can_make_room(root: Path) -> None:
+    """Paused on a full spool, only closed segments can be released: if the disk refused to
+    close the current one (its new segment's header: ENOSPC), ``make_releasable`` says so and
+    succeeds once there is room, and then release frees what was shipped and acked."""
+    enospc = OSError(errno.ENOSPC, "No space left on device")
+    with opened(root, segment_bytes=1 << 30) as w:
+        append_all(w, [numbered(i) for i in range(8)])
+        w.sync(3)
+        with mock.patch.object(spool_mod, "pwritev_all", side_effect=enospc):
+            assert w.make_releasable(7) is False  # neither acked_through nor the roll fit
+        assert (w.acked_through, w.release_through(7)) == (3, 0)
+        assert [p.name for p in segment_files(root)] == [segment_name(0)]
+        assert w.make_releasable(7) is True  # room again
+        assert w.acked_through == 7 and w.release_through(7) > 0
+        assert [p.name for p in segment_files(root)] == [segment_name(8)]
+        assert w.make_releasable(7) is True  # nothing more to do: no new segment
+        assert [p.name for p in segment_files(root)] == [segment_name(8)]
+    assert SpoolReader(root, CH).durable_end() == 8
+
+
+def test_a_lost_record_keeps_the_fingerprint_of_its_dead_letter(root: Path) -> None:
+    """So that a redelivered dead letter is recognised; its properties are never shipped."""
+    fp = fingerprint("ev", "k1", b"\x00\x00", b"body")
+    with opened(root) as w:
+        w.append_lost("ev", "k1", "maxlen", dead_letter=fp)
+        w.append_lost("", "", "spool_lost", 2)
+        w.sync(-1)
+        with pytest.raises(ValueError, match="fingerprint"):
+            w.append_lost("ev", "k", "maxlen", dead_letter=b"short")
+        with pytest.raises(ValueError, match="fingerprint"):
+            w.append_lost("ev", "k", "maxlen", 2, dead_letter=fp)
+        assert w.records_after(-1).column("properties_raw").to_pylist() == [fp, b"", b""]
+    rows = read_records(SpoolReader(root, CH), 0, 3)
+    assert [(r["kind"], r["routing_key"], r["reason"]) for r in rows] == [
+        (KIND_LOST, "k1", "maxlen"), (KIND_LOST, "", "spool_lost"), (KIND_LOST, "", "spool_lost"),
+    ]  # fmt: skip
 
 
 # -- fingerprint ----------------------------------------------------------------------------------
