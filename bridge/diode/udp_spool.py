@@ -4,7 +4,8 @@
         meta.json     the object's header, written once when its first symbol arrives
         data          the envelope; each block is written at its offset once rebuilt
         blocks.done   u32 indices of rebuilt blocks (appended after the block's data)
-        symbols.log   symbols of blocks not yet rebuilt: u32 block, u32 esi, T bytes
+        symbols.log   symbols of blocks not yet rebuilt: u32 block, u32 esi, T bytes; rewritten
+                      without the rebuilt blocks' records once those are most of it
     <spool>/tmp/      a delivered file is written here, fsynced, renamed into the inbox (when the
                       inbox is on another filesystem: ``.<inbox name>.udp-tmp`` beside it)
     <spool>/done.jsonl  objects delivered (epoch, object id, digest): later symbols are late
@@ -14,6 +15,12 @@ Writes are buffered and not fsynced until delivery: the page cache survives kill
 restarted receiver rebuilds its decoders from the spool and an object whose symbols keep
 arriving still completes. After a power loss a half-written spool can at worst fail the
 object's SHA-256 check: the object is then expired as a gap, never delivered corrupt.
+
+An open object takes about its size plus its unfinished blocks' symbols on disk, not twice its
+size: once the records of rebuilt blocks are most of ``symbols.log`` (and at least
+``compact_log_bytes``), ``data`` and ``blocks.done`` are fsynced, the unfinished blocks' symbols
+(held in their decoders) are written to ``symbols.log.tmp``, fsynced and renamed over the log.
+A crash at any point leaves the old log or the new one, each enough to go on with.
 """
 
 from __future__ import annotations
@@ -65,6 +72,12 @@ _DONE_REMEMBERED = 20_000
 _DONE_COMPACT_BYTES = 16 << 20
 """``done.jsonl`` beyond this size is cut back to its last ``_DONE_REMEMBERED`` records."""
 _FAILED_REMEMBERED = 10_000
+"""Objects given up, superseded or refused that are remembered (their later symbols dropped)."""
+_COMPACT_LOG_BYTES = 16 << 20
+"""An open object's ``symbols.log`` is compacted once its rebuilt blocks' records reach this
+many bytes and outweigh the unfinished blocks' (each compaction fsyncs about this much)."""
+_LOG = "symbols.log"
+_LOG_TMP = "symbols.log.tmp"
 
 
 def _header_record(epoch: int, h: ObjectHeader) -> dict[str, Any]:
@@ -104,6 +117,22 @@ def _obj_dir_name(epoch: int, oid: int) -> str:
     return f"{epoch:020d}-{oid:020d}"
 
 
+def _remember_bounded(seen: dict[tuple[int, int], None], key: tuple[int, int], cap: int) -> None:
+    """Add ``key`` to an insertion-ordered set, forgetting the oldest beyond ``cap``."""
+    seen[key] = None
+    while len(seen) > cap:
+        del seen[next(iter(seen))]
+
+
+def _log_records(decoders: dict[int, BlockDecoder]) -> list[bytes]:
+    """The ``symbols.log`` records of every symbol the decoders hold (unfinished blocks)."""
+    out: list[bytes] = []
+    for b, dec in decoders.items():
+        for esi, payload in dec.symbols().items():
+            out += (_REC.pack(b, esi), payload)
+    return out
+
+
 @dataclass
 class _Open:
     """An object being reassembled."""
@@ -120,6 +149,8 @@ class _Open:
     done: set[int] = field(default_factory=set)
     decoders: dict[int, BlockDecoder] = field(default_factory=dict)
     pending: bytearray = field(default_factory=bytearray)
+    logged: int = 0
+    """Bytes of ``symbols.log``, with those still in ``pending``."""
     symbols: int = 0
     repairs_used: int = 0
 
@@ -152,6 +183,7 @@ class Reassembler:
         max_object_bytes: int,
         max_open_objects: int,
         max_held_bytes: int = 512 << 20,
+        compact_log_bytes: int = _COMPACT_LOG_BYTES,
         decoder: DecoderPool[tuple[tuple[int, int], int, BlockDecoder]] | None = None,
     ) -> None:
         self.root = Path(spool_dir)
@@ -162,6 +194,11 @@ class Reassembler:
         self.max_object_bytes = max_object_bytes
         self.max_open = max_open_objects
         self.max_held = max_held_bytes
+        self.compact_log_bytes = compact_log_bytes
+        self.remembered = _FAILED_REMEMBERED
+        """Objects given up, superseded or refused whose keys are kept (each set apart)."""
+        self.compacted = 0
+        """Compactions of a ``symbols.log``."""
         self.open: dict[tuple[int, int], _Open] = {}
         self.held = 0
         self.done: dict[tuple[int, int], str] = {}  # (epoch, oid) -> digest hex
@@ -174,7 +211,8 @@ class Reassembler:
         self.rebuilt = 0
         """Blocks RaptorQ rebuilt (they had lost a source symbol), here or in a worker."""
         self.rebuilt_by_workers = 0
-        self._refused: set[tuple[int, int]] = set()
+        self._refused: dict[tuple[int, int], None] = {}
+        """Objects refused as too large: one gap record each, not one a symbol."""
         self._failed: dict[tuple[int, int], None] = {}
         """Objects given up because the spool could not be written: their symbols are dropped."""
         self._gone: dict[tuple[int, int], None] = {}
@@ -212,9 +250,7 @@ class Reassembler:
 
     def _forget_later(self, key: tuple[int, int]) -> None:
         """Drop the later symbols of an object given up or superseded (bounded memory)."""
-        self._gone[key] = None
-        while len(self._gone) > _FAILED_REMEMBERED:
-            del self._gone[next(iter(self._gone))]
+        _remember_bounded(self._gone, key, self.remembered)
 
     def mark_delivered(self, d: Delivery, name: str) -> None:
         """Journal, remember and remove a delivered object (one thread: tests, recovery)."""
@@ -305,9 +341,7 @@ class Reassembler:
         else:
             rec, path = _header_record(epoch, h), self.objects_dir / _obj_dir_name(epoch, key[1])
         shutil.rmtree(path, ignore_errors=True)
-        self._failed[key] = None
-        while len(self._failed) > _FAILED_REMEMBERED:
-            del self._failed[next(iter(self._failed))]
+        _remember_bounded(self._failed, key, self.remembered)
         self.held = sum(
             d.received * o.h.symbol_size for o in self.open.values() for d in o.decoders.values()
         )
@@ -333,7 +367,7 @@ class Reassembler:
             if h.length > self.max_object_bytes or not _decodable(h):
                 self._drop("too_large")
                 if key not in self._refused:
-                    self._refused.add(key)
+                    _remember_bounded(self._refused, key, self.remembered)
                     self.gap(_header_record(sym.epoch, h), "too_large")
                 return
             obj = self._create(sym.epoch, h, now)
@@ -360,10 +394,12 @@ class Reassembler:
         if completed:
             self.held -= before * h.symbol_size  # what this decoder held, now released
             self._block_done(obj, b, dec)
+            self._compact_if_due(obj)
         else:
             self.held += h.symbol_size
             obj.pending += _REC.pack(b, sym.esi)
             obj.pending += sym.payload
+            obj.logged += _REC.size + h.symbol_size
             if len(obj.pending) >= _FLUSH_BYTES:
                 self._flush(obj)
             if self.decoder is not None and dec.needs_decode():  # else add() decoded it
@@ -390,6 +426,7 @@ class Reassembler:
         self.held -= dec.received * dec.t  # what this decoder held, now released
         dec.finish(data)
         self._block_done(obj, b, dec)
+        self._compact_if_due(obj)
 
     def decoding(self) -> int:
         """Blocks in a decoder worker's hands."""
@@ -434,6 +471,43 @@ class Reassembler:
             self.done[key] = h.digest.hex()  # later symbols are late from now on
             self.ready.append(Delivery(obj.epoch, h, obj.path, obj.repairs_used))
 
+    # -- compaction of symbols.log ------------------------------------------------------
+    def _compact_if_due(self, obj: _Open) -> None:
+        """Compact the object's ``symbols.log`` once the rebuilt blocks' records in it reach
+        ``compact_log_bytes`` and outweigh the unfinished blocks' (amortized: each byte logged
+        is copied at most about once more)."""
+        if obj.logged < self.compact_log_bytes:
+            return  # the cheap test first: most objects never log this much
+        if self.open.get((obj.epoch, obj.h.object_id)) is not obj:
+            return  # complete (its files closed) or given up
+        live = sum(d.received for d in obj.decoders.values()) * (_REC.size + obj.h.symbol_size)
+        if obj.logged - live >= max(live, self.compact_log_bytes):
+            self._compact(obj, live)
+
+    def _compact(self, obj: _Open, live: int) -> None:
+        """Rewrite ``symbols.log`` with the unfinished blocks' symbols only (they are all in
+        their decoders, flushed or pending). The rebuilt blocks' data and indices are made
+        durable first: their symbols are never dropped before. Temp file, fsync, rename: a
+        crash leaves the old log or the new one. An OSError (a full disk) gives the object
+        up, as any other spool write does (its directory, the temp file with it, is removed)."""
+        os.fdatasync(obj.data_fd)
+        os.fdatasync(obj.done_fd)
+        tmp = obj.path / _LOG_TMP
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+        try:
+            end = pwritev_all(fd, _log_records(obj.decoders), 0)
+            os.lseek(fd, end, os.SEEK_SET)  # later records are appended after these
+            os.fsync(fd)
+            os.replace(tmp, obj.path / _LOG)
+        except BaseException:
+            os.close(fd)
+            raise
+        old, obj.log_fd = obj.log_fd, fd
+        obj.pending = bytearray()
+        obj.logged = end
+        self.compacted += 1
+        os.close(old)
+
     def _create(self, epoch: int, h: ObjectHeader, now: float) -> _Open:
         for key, o in list(self.open.items()):  # a restarted sender resends what was in flight
             if o.epoch < epoch and o.h.digest == h.digest:
@@ -466,7 +540,7 @@ class Reassembler:
         fds: list[int] = []
         try:  # all three or none (a failure, e.g. EMFILE, must not leak the first ones)
             for name, how in (("data", os.O_RDWR | os.O_CREAT), ("blocks.done", flags),
-                              ("symbols.log", flags)):  # fmt: skip
+                              (_LOG, flags)):  # fmt: skip
                 fds.append(os.open(path / name, how | os.O_CLOEXEC, 0o600))
         except BaseException:
             for fd in fds:
@@ -607,7 +681,8 @@ class Reassembler:
         at the end of ``symbols.log`` or ``blocks.done`` is cut off, so what is appended next
         stays aligned; a record that cannot belong to the object is skipped."""
         rec_len = _REC.size + h.symbol_size
-        for name, size in (("blocks.done", _U32.size), ("symbols.log", rec_len)):
+        (path / _LOG_TMP).unlink(missing_ok=True)  # a compaction the crash cut short
+        for name, size in (("blocks.done", _U32.size), (_LOG, rec_len)):
             p = path / name
             if p.exists() and (torn := p.stat().st_size % size):
                 log_event(log, 30, "torn record cut off a spooled object", path=str(p),
@@ -619,7 +694,8 @@ class Reassembler:
         done = (_U32.unpack_from(raw, i)[0] for i in range(0, len(raw), _U32.size))
         obj.done = {b for b in done if b < obj.n_blocks}
         skipped = 0
-        with open(path / "symbols.log", "rb") as f:
+        obj.logged = (path / _LOG).stat().st_size
+        with open(path / _LOG, "rb") as f:
             while len(chunk := f.read(rec_len)) == rec_len:
                 b, esi = _REC.unpack_from(chunk)
                 if b >= obj.n_blocks or b in obj.done:
@@ -631,6 +707,7 @@ class Reassembler:
         if skipped:
             log_event(log, 30, "spooled symbols that cannot belong to their object skipped",
                       path=str(path), records=skipped)  # fmt: skip
+        self._compact_if_due(obj)  # not while replaying: the log is still being read
         return obj
 
     def _replay(self, obj: _Open, sym: Symbol) -> None:

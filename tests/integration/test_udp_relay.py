@@ -6,6 +6,7 @@ it actually gets. The last test checks the benchmark's veth + nftables loss path
 
 from __future__ import annotations
 
+import bisect
 import importlib.util
 import json
 import os
@@ -203,6 +204,78 @@ def test_reordered_datagrams_arrive_after_later_ones_and_none_is_lost() -> None:
     # held back ones released when the sender went quiet are not late: at most a few at the end
     assert c["reordered"] - 3 <= late <= c["reordered"]
     assert min(behind) >= 1 and max(behind) >= depth
+
+
+def _overtaken_by(got: list[bytes]) -> list[int]:
+    """For each datagram that arrived after a later one: how many later ones came first."""
+    seen: list[int] = []
+    out = []
+    for d in got:
+        s = _seq(d)
+        ahead = len(seen) - bisect.bisect_right(seen, s)
+        if ahead:
+            out.append(ahead)
+        bisect.insort(seen, s)
+    return out
+
+
+def test_heavy_reordering_delays_a_datagram_behind_at_most_depth_others() -> None:
+    """30% held back behind 8: more are held than one release per forward could let go (the
+    delay used to grow with every datagram); each one now leaves once 8 more arrived."""
+    n, depth = 4000, 8
+    sent = [_datagram(i) for i in range(n)]
+    sink = Sink()
+    with relay_to(sink, Impairment(reorder=0.3, reorder_depth=depth, seed=12)) as relay:
+        send_paced(relay, sent)
+        got = sink.drain(n)
+    c = relay.counters
+    assert sorted(got) == sorted(sent) and c["forwarded"] == n
+    assert 1000 < c["reordered"] < 1400, c
+    behind = _overtaken_by(got)
+    assert len(behind) > 900 and max(behind) == depth, (len(behind), max(behind))
+
+
+def test_datagrams_held_back_when_the_relay_stops_are_sent_not_lost() -> None:
+    """Stopped while datagrams keep coming (never idle, so nothing was let go for that),
+    the relay sends what it still holds back and counts it."""
+    sink = Sink()
+    relay = Relay(("127.0.0.1", 0), sink.address, Impairment(reorder=0.5, reorder_depth=64, seed=8))
+    stop, done = threading.Event(), threading.Event()
+    t = threading.Thread(target=relay.run, args=(stop,), daemon=True)
+    t.start()
+    out = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+
+    def flood() -> None:
+        i = 0
+        while not done.is_set():
+            out.sendto(_datagram(i), relay.address)
+            i += 1
+            if i % 100 == 0:
+                time.sleep(0.001)
+
+    sender = threading.Thread(target=flood, daemon=True)
+    sender.start()
+    try:
+        deadline = time.monotonic() + 10
+        while relay.counters["received"] < 3000:
+            assert time.monotonic() < deadline, relay.counters
+            time.sleep(0.01)
+        stop.set()  # while the flood goes on
+        t.join(5)
+        assert not t.is_alive()
+        done.set()
+        sender.join(5)
+        c = dict(relay.counters)
+        got = sink.drain(c["forwarded"])
+    finally:
+        done.set()
+        stop.set()
+        out.close()
+        relay.close()
+        sink.sock.close()
+    assert c["released_at_stop"] > 0, c  # the stop found datagrams held back
+    assert c["forwarded"] == c["received"] == len(got), c
+    assert len({_seq(d) for d in got}) == len(got)
 
 
 # ------------------------------------------------------------------ veth + nftables (root)

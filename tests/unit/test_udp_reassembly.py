@@ -662,3 +662,199 @@ def test_a_short_copy_into_the_inbox_fails_the_delivery_and_leaves_nothing(
     monkeypatch.undo()
     assert len(writes) == 2  # the fault fired mid-copy
     assert not list(inbox.iterdir()) and not list(tmp.iterdir())  # nothing delivered, no temp
+
+
+# -- disk footprint: symbols.log is compacted once rebuilt blocks dominate -------------------
+
+BIG_T, BIG_K = 1024, 64  # 64 KiB blocks
+BIG_REC = 8 + BIG_T
+
+
+def interleaved(epoch: int, h: ObjectHeader, env: bytes, window: int = 8) -> list[Symbol]:
+    """Every symbol, esi by esi across windows of ``window`` consecutive blocks (as the sender
+    interleaves them); two source symbols of every third block lost (RaptorQ rebuilds it)."""
+    out: list[Symbol] = []
+    n = block_count(h.length, h.symbol_size, h.block_symbols)
+    for first in range(0, n, window):
+        per_block = []
+        for b in range(first, min(first + window, n)):
+            p = block_plan(h.length, h.symbol_size, h.block_symbols, b)
+            syms = encode_block(env[p.offset : p.offset + p.length], h.symbol_size, 6)
+            per_block.append([(b, esi, s) for esi, s in syms if b % 3 or esi not in (3, 9)])
+        for i in range(max(map(len, per_block))):
+            out += [Symbol(epoch, len(out), h, *x[i]) for x in per_block if i < len(x)]
+    return out
+
+
+def disk_usage(root: Path) -> int:
+    """Bytes the files under ``root`` take on disk (what a full disk refuses)."""
+    return sum(p.stat().st_blocks * 512 for p in root.rglob("*") if p.is_file())
+
+
+def _big_object(seed: int) -> tuple[bytes, ObjectHeader, list[Symbol]]:
+    env = envelope(random.Random(seed).randbytes(6 << 20))  # 97 blocks
+    h = header(21, env, t=BIG_T)
+    h = ObjectHeader(h.object_id, h.kind, h.channel, h.seq, h.length, h.digest, BIG_T, BIG_K)
+    return env, h, interleaved(4, h, env)
+
+
+def _footprint_bound(ra: Reassembler) -> int:
+    """Rebuilt blocks' bytes + unfinished blocks' symbols, twice (at most that much of dead
+    records before a compaction) + the compaction threshold + a little for the small files."""
+    (obj,) = ra.open.values()
+    rebuilt = sum(block_plan(obj.h.length, BIG_T, BIG_K, b).length for b in obj.done)
+    live = sum(d.received for d in obj.decoders.values()) * BIG_REC
+    return rebuilt + 2 * live + ra.compact_log_bytes + (64 << 10)
+
+
+def test_an_open_object_takes_about_its_rebuilt_bytes_on_disk_not_twice(tmp_path: Path) -> None:
+    env, h, syms = _big_object(1)
+    ra = reassembler(tmp_path, compact_log_bytes=256 << 10)
+    cut = len(syms) * 9 // 10  # most blocks rebuilt, the last window half received
+    feed(ra, syms[:cut])
+    ra.flush_all()  # the worst case: every symbol received so far is on disk
+    (obj,) = ra.open.values()
+    assert 0.8 * h.block_count < len(obj.done) < h.block_count
+    assert ra.compacted > 0  # the mend fired (no compaction: about 1.9 x the rebuilt bytes)
+    used = disk_usage(tmp_path)
+    assert used <= _footprint_bound(ra), (used, _footprint_bound(ra))
+    assert used < 1.2 * len(env) * len(obj.done) / h.block_count
+    log = tmp_path / "objects" / f"{4:020d}-{21:020d}" / "symbols.log"
+    assert log.stat().st_size < 2 * sum(d.received for d in obj.decoders.values()) * BIG_REC + (
+        ra.compact_log_bytes
+    )
+    feed(ra, syms[cut:])
+    assert delivered(ra) == [env] and ra.held == 0
+    lost = [b for b in range(0, h.block_count, 3) if block_plan(h.length, BIG_T, BIG_K, b).k > 9]
+    assert ra.ready[0].repairs_used == 2 * len(lost)
+
+
+def test_a_compacted_object_is_rebuilt_after_a_kill_and_completes(tmp_path: Path) -> None:
+    env, h, syms = _big_object(2)
+    ra = reassembler(tmp_path, compact_log_bytes=256 << 10)
+    cut = len(syms) * 2 // 3
+    feed(ra, syms[:cut])
+    ra.flush_all()
+    assert ra.compacted > 0
+    (obj,) = ra.open.values()
+    done, received = set(obj.done), {b: d.received for b, d in obj.decoders.items()}
+    _close_files(ra)  # kill -9
+    del ra, obj
+    ra2 = reassembler(tmp_path, compact_log_bytes=256 << 10)
+    assert ra2.recover(1.0) == 1
+    (obj2,) = ra2.open.values()
+    assert obj2.done == done  # every rebuilt block's data kept, none rebuilt again
+    assert {b: d.received for b, d in obj2.decoders.items()} == received  # no symbol lost
+    feed(ra2, syms[cut:])
+    (d,) = ra2.ready
+    assert delivered(ra2) == [env] and verify_and_read_name(d) == (NAME, 2 + len(NAME))
+
+
+@pytest.mark.parametrize("compactions", [3, 4])
+def test_a_kill_right_after_a_compaction_loses_no_symbol_it_kept(
+    tmp_path: Path, compactions: int
+) -> None:
+    """Blocks sent in halves, each block's first half before the previous one's second: at
+    every compaction a half-received block lives on only in the new log."""
+    env, h, _ = _big_object(5)
+    syms = symbols(4, h, env, repair=0)
+    halves = [[s for s in syms if s.block == b] for b in range(h.block_count)]
+    order = halves[0][:32]
+    for b in range(1, h.block_count):
+        order += halves[b][:32] + halves[b - 1][32:]
+    order += halves[-1][32:]
+    ra = reassembler(tmp_path, compact_log_bytes=256 << 10)
+    i = 0
+    while ra.compacted < compactions:
+        ra.add(order[i], 1.0)
+        i += 1
+    ra.flush_all()
+    before = _state(ra)
+    (obj,) = ra.open.values()
+    assert sum(d.received for d in obj.decoders.values()) > 0  # a half block, in the log only
+    _close_files(ra)
+    ra2 = reassembler(tmp_path, compact_log_bytes=256 << 10)
+    ra2.recover(1.0)
+    assert _state(ra2) == before
+    feed(ra2, order[i:])  # no surplus: a symbol the compaction dropped would stall a block
+    assert delivered(ra2) == [env]
+
+
+def test_a_compaction_cut_short_by_a_kill_leaves_the_old_log_to_go_on_with(
+    tmp_path: Path,
+) -> None:
+    env, h, syms = _big_object(3)
+    ra = reassembler(tmp_path)  # the default threshold: no compaction in 6 MiB
+    cut = len(syms) // 2
+    feed(ra, syms[:cut])
+    ra.flush_all()
+    assert ra.compacted == 0
+    (obj,) = ra.open.values()
+    received = {b: d.received for b, d in obj.decoders.items()}
+    _close_files(ra)
+    (obj_dir,) = (tmp_path / "objects").iterdir()
+    (obj_dir / "symbols.log.tmp").write_bytes(os.urandom(3 * BIG_REC + 5))  # killed mid-write
+    ra2 = reassembler(tmp_path, compact_log_bytes=256 << 10)
+    assert ra2.recover(1.0) == 1
+    assert not (obj_dir / "symbols.log.tmp").exists()
+    assert ra2.compacted == 1  # the log was mostly rebuilt blocks' records: compacted now
+    (obj2,) = ra2.open.values()
+    assert {b: d.received for b, d in obj2.decoders.items()} == received
+    assert (obj_dir / "symbols.log").stat().st_size == sum(received.values()) * BIG_REC
+    feed(ra2, syms[cut:])
+    assert delivered(ra2) == [env]
+
+
+@settings(
+    max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(
+    size=st.integers(1, 5 * T * K),
+    seed=st.integers(0, 2**32 - 1),
+    cut=st.floats(0, 1),
+)
+def test_compacting_at_every_chance_then_a_kill_anywhere_still_rebuilds_exactly(
+    tmp_path_factory: pytest.TempPathFactory, size: int, seed: int, cut: float
+) -> None:
+    """Any order, duplicates, loss within budget; the log compacted whenever rebuilt blocks'
+    records outweigh the rest; killed after any symbol (what was received is flushed)."""
+    kept = scrambled(seed, size, 0.3, 2)
+    env = envelope(random.Random(seed).randbytes(size))
+    root = tmp_path_factory.mktemp("spool")
+    ra = reassembler(root, compact_log_bytes=0)
+    n = int(len(kept) * cut)
+    feed(ra, kept[:n])
+    ra.flush_all()
+    before = _state(ra)
+    _close_files(ra)
+    ra2 = reassembler(root, compact_log_bytes=0)
+    ra2.recover(1.0)
+    assert not list(root.glob("objects/*/symbols.log.tmp"))
+    assert _state(ra2) == before  # nothing received was lost, nothing rebuilt was forgotten
+    feed(ra2, kept[n:])
+    assert delivered(ra2) == [env] and not ra2.open and ra2.held == 0
+
+
+def _state(ra: Reassembler) -> dict[tuple[int, int], tuple[set[int], dict[int, int]]]:
+    """Per open object: its rebuilt blocks and the symbols held for each other block."""
+    return {
+        key: (set(o.done), {b: d.received for b, d in o.decoders.items()})
+        for key, o in ra.open.items()
+    }
+
+
+def test_objects_refused_as_too_large_are_remembered_up_to_a_cap(tmp_path: Path) -> None:
+    """Each refused object is one gap record however many symbols it sends; the set of them
+    is bounded (the oldest forgotten: a forgotten one seen again is recorded again)."""
+    ra = reassembler(tmp_path, max_object_bytes=1024)
+    ra.remembered = 50
+    env = envelope(os.urandom(2000))
+    for oid in range(120):
+        feed(ra, symbols(1, header(oid, env), env)[:3])
+    assert len(ra._refused) == 50
+    assert len(read_gap_records(tmp_path)) == 120
+    feed(ra, symbols(1, header(119, env), env)[:3])  # remembered: no new record
+    assert len(read_gap_records(tmp_path)) == 120
+    feed(ra, symbols(1, header(0, env), env)[:3])  # forgotten long ago
+    assert len(read_gap_records(tmp_path)) == 121 and len(ra._refused) == 50
+    assert ra.dropped == {"too_large": 122 * 3}
