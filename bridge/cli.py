@@ -581,9 +581,13 @@ def red_maintain(config_path: Path | None, table: str, vacuum_hours: float | Non
         from bridge.spark import get_spark
 
         spark = get_spark("diode-red-maintain")
-    tables = open_tables(cfg, spark)
-    names = ["messages", "bundles", "audit"] if table == "all" else [table]
-    out = {n: tables.maintain(n, optimize=True, vacuum_hours=vacuum_hours) for n in names}
+    try:
+        tables = open_tables(cfg, spark)
+        names = ["messages", "bundles", "audit"] if table == "all" else [table]
+        out = {n: tables.maintain(n, optimize=True, vacuum_hours=vacuum_hours) for n in names}
+    finally:
+        if spark is not None:
+            spark.stop()
     click.echo(json.dumps(out, indent=2, default=str))
 
 

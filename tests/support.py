@@ -12,7 +12,8 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -308,3 +309,29 @@ def tap_pid(state_dir: Path, channel: str) -> int | None:
     if zombie or b"tap" not in cmd or channel.encode() not in cmd:
         return None
     return pid
+
+
+@contextmanager
+def small_tmpfs(size: str, prefix: str) -> Iterator[Path]:
+    """A fresh tmpfs of ``size`` (e.g. ``"2m"``), mounted on a new dir under /tmp and
+    unmounted and removed afterwards: a disk that really fills up. Skips the test without
+    root (or CAP_SYS_ADMIN)."""
+    import shutil
+    import tempfile
+
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root")
+    d = Path(tempfile.mkdtemp(prefix=prefix, dir="/tmp"))
+    r = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={size},mode=0700", "tmpfs", str(d)],
+        capture_output=True, text=True, check=False,
+    )  # fmt: skip
+    if r.returncode != 0:
+        d.rmdir()
+        pytest.skip(f"cannot mount a tmpfs here (needs CAP_SYS_ADMIN): {r.stderr.strip()}")
+    try:
+        yield d
+    finally:
+        if subprocess.run(["umount", str(d)], check=False).returncode != 0:
+            subprocess.run(["umount", "-l", str(d)], check=False)
+        shutil.rmtree(d, ignore_errors=True)

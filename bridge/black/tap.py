@@ -43,6 +43,7 @@ Crash points (bridge.faults): ``tap.after_sync`` (a group durable, nothing acked
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -708,7 +709,10 @@ class Tap:
                 and confirmed > spool.acked_through
                 and now - quiet_since >= IDLE_RECORD_S
             ):
-                spool.sync(confirmed)  # quiet: record what the broker confirmed (tiny batch)
+                # quiet: record what the broker confirmed (tiny batch); a full disk refusing
+                # it costs nothing but a later release: tried again on the next quiet pass
+                with contextlib.suppress(SpoolFull):
+                    spool.sync(confirmed)
             if now >= next_release:
                 self._release(spool)
                 next_release = now + RELEASE_EVERY_S
@@ -744,7 +748,9 @@ class Tap:
                     self._consume(main, dead)  # more came: go on draining
                     cancelled = False
         if proofs.through > spool.acked_through and not spool.pending:
-            spool.sync(proofs.through)  # record the last proven ack: the next run releases more
+            # record the last proven ack: the next run releases more (a full disk: it does not)
+            with contextlib.suppress(SpoolFull):
+                spool.sync(proofs.through)
         self.status.idle = True
 
     def _backlog(self, chan: Any, settle_s: float = 30.0) -> int:
@@ -811,8 +817,10 @@ class Tap:
                 return
             if seen == POSSIBLE_DUPLICATE:
                 # byte-identical messages: this may be a twin, not the spooled one. Kept
-                # (never lost) and marked: red sees it may duplicate an earlier seq
+                # (never lost) and marked: red sees it may duplicate an earlier seq. A pause
+                # may hand it back unspooled: then nothing on this connection is settled
                 note = POSSIBLE_DUPLICATE
+                self._unsettled = True
         if note != POSSIBLE_DUPLICATE:
             self._fresh.add(d.channel)
         exchange, rk = d.exchange, d.routing_key
@@ -836,8 +844,10 @@ class Tap:
             return
         if seen == POSSIBLE_DUPLICATE:
             # equal to several recorded dead letters: record it again rather than risk
-            # leaving a loss out (the count may then be too high, never too low)
+            # leaving a loss out (the count may then be too high, never too low); a pause may
+            # hand it back unspooled: then nothing on this connection is settled
             self._group_records["dead_possible_duplicate"] += 1
+            self._unsettled = True
         else:
             self._fresh.add(d.channel)
         death = _death(d.properties_raw, self.queue)

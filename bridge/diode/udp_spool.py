@@ -482,14 +482,19 @@ class Reassembler:
             return  # complete (its files closed) or given up
         live = sum(d.received for d in obj.decoders.values()) * (_REC.size + obj.h.symbol_size)
         if obj.logged - live >= max(live, self.compact_log_bytes):
-            self._compact(obj, live)
+            try:
+                self._compact(obj, live)
+            except OSError as e:  # the old log is whole: keep it, the object goes on
+                (obj.path / _LOG_TMP).unlink(missing_ok=True)
+                log_event(log, 30, "symbols.log compaction failed: the log is kept whole",
+                          path=str(obj.path), error=str(e))  # fmt: skip
 
     def _compact(self, obj: _Open, live: int) -> None:
         """Rewrite ``symbols.log`` with the unfinished blocks' symbols only (they are all in
         their decoders, flushed or pending). The rebuilt blocks' data and indices are made
         durable first: their symbols are never dropped before. Temp file, fsync, rename: a
-        crash leaves the old log or the new one. An OSError (a full disk) gives the object
-        up, as any other spool write does (its directory, the temp file with it, is removed)."""
+        crash leaves the old log or the new one. An OSError (a full disk) leaves the old log
+        in use (the caller removes the temp file): compaction only saves space."""
         os.fdatasync(obj.data_fd)
         os.fdatasync(obj.done_fd)
         tmp = obj.path / _LOG_TMP

@@ -649,6 +649,14 @@ class Landing:
             if error is None and isinstance(doc, dict) and _QUARANTINE_KEYS <= doc.keys():
                 found.append((p, doc))
                 continue
+            try:
+                json.loads(p.read_bytes())
+            except OSError as e:  # this host's trouble (EMFILE, EACCES): kept, read next tick
+                log_event(log, 30, "intake quarantine record not readable now: retried",
+                          path=str(p), error=str(e))  # fmt: skip
+                continue
+            except ValueError:
+                pass
             why = error or f"not a record with {sorted(_QUARANTINE_KEYS)}"
             log_event(log, 40, "intake quarantine record unreadable: set aside, not audited",
                       path=str(p), error=why)  # fmt: skip

@@ -32,7 +32,7 @@ from bridge.diode.udp_sender import envelope_prefix
 from bridge.diode.udp_spool import Reassembler
 from bridge.metrics import REGISTRY, UDP
 from bridge.protocol.datagram import DatagramCodec, LinkHeartbeat, ObjectHeader, ObjectKind
-from tests.support import json_lines
+from tests.support import json_lines, small_tmpfs
 
 T = 256
 K = 16
@@ -519,7 +519,12 @@ def test_a_receiver_killed_9_after_compacting_its_spool_completes_the_object(
         while (read_json(spool / "status.json") or {}).get("datagrams", 0) < len(first):
             assert time.monotonic() < deadline, "the receiver did not take every datagram"
             time.sleep(0.05)
-        time.sleep(0.5)  # the last symbols flushed (every 0.2 s)
+        # the last symbols flushed (every 0.2 s): the log holds blocks 70 and 71's 40 each
+        logs = list((spool / "objects").glob("*/symbols.log"))
+        while not logs or logs[0].stat().st_size < 80 * (8 + t):
+            assert time.monotonic() < deadline, "the receiver did not flush its symbols"
+            time.sleep(0.05)
+            logs = list((spool / "objects").glob("*/symbols.log"))
         rx.kill9()
         assert _blocks_done(spool) == 70
         rebuilt = 70 * t * k
@@ -572,20 +577,10 @@ def test_an_object_larger_than_half_the_spool_disk_is_delivered(
 
 
 @pytest.fixture
-def small_disk(tmp_path: Path) -> Iterator[Path]:
-    """A real 2 MB filesystem (tmpfs) for the receiver's spool; needs root to mount."""
-    mnt = tmp_path / "smalldisk"
-    mnt.mkdir()
-    if os.geteuid() != 0:
-        pytest.skip("mounting a small tmpfs for the spool needs root")
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m,mode=0700", "tmpfs", str(mnt)],
-                       capture_output=True, text=True)  # fmt: skip
-    if r.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {r.stderr.strip()}")
-    try:
-        yield mnt
-    finally:
-        subprocess.run(["umount", "-l", str(mnt)], check=False)
+def small_disk() -> Iterator[Path]:
+    """A real 2 MB filesystem (tmpfs) for the receiver's spool."""
+    with small_tmpfs("2m", "udpfs") as d:
+        yield d
 
 
 def test_a_full_spool_disk_makes_a_gap_and_the_receiver_goes_on(

@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import errno
 import os
-import subprocess
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -20,6 +18,7 @@ import pytest
 
 from bridge.black.spool import SpoolReader, SpoolWriter, segment_name
 from bridge.errors import SpoolFull
+from tests.support import small_tmpfs
 
 CH = "orders"
 BODY = 4096
@@ -31,25 +30,9 @@ def body_of(pos: int) -> bytes:
 
 @pytest.fixture
 def small_fs() -> Iterator[Path]:
-    """A fresh 2 MiB tmpfs, unmounted afterwards."""
-    if os.geteuid() != 0:
-        pytest.skip("mounting a tmpfs needs root")
-    d = Path(tempfile.mkdtemp(prefix="spoolfs", dir="/tmp"))
-    r = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "size=2m,mode=0700", "tmpfs", str(d)],
-        capture_output=True,
-        text=True,
-        check=False,
-    )
-    if r.returncode != 0:
-        d.rmdir()
-        pytest.skip(f"cannot mount a tmpfs here (needs CAP_SYS_ADMIN): {r.stderr.strip()}")
-    try:
+    """A fresh 2 MiB tmpfs."""
+    with small_tmpfs("2m", "spoolfs") as d:
         yield d
-    finally:
-        if subprocess.run(["umount", str(d)], check=False).returncode != 0:
-            subprocess.run(["umount", "-l", str(d)], check=False)
-        d.rmdir()
 
 
 def append_group(w: SpoolWriter, n: int) -> list[int]:
