@@ -51,6 +51,7 @@ import pyarrow as pa
 
 from bridge.black.spool_read import (
     ACKED_KEY,
+    FINGERPRINT_BYTES,
     FORMAT,
     FORMAT_KEY,
     KIND_LOST,
@@ -92,7 +93,7 @@ log = get_logger("bridge.black.spool")
 
 MAX_BATCH_BYTES = 64 * 1024 * 1024
 """A sync larger than this is written as several batches (bounds the extra copy in memory)."""
-DEAD_LETTER_BYTES = 16
+DEAD_LETTER_BYTES = FINGERPRINT_BYTES
 """Size of the dead letter ``fingerprint`` a lost record may carry in ``properties_raw``."""
 MAX_DAMAGED = 10_000_000
 """More positions than this missing behind TAIL means TAIL itself is damaged, not the data."""
@@ -426,7 +427,9 @@ class SpoolWriter:
         if not reason:
             raise ValueError("spool append_lost: a lost record needs a reason")
         if dead_letter and (count != 1 or len(dead_letter) != DEAD_LETTER_BYTES):
-            raise ValueError("spool append_lost: one dead letter, one 16-byte fingerprint")
+            raise ValueError(
+                f"spool append_lost: one dead letter, one {DEAD_LETTER_BYTES}-byte fingerprint"
+            )
         first = self._durable_end + len(self._bodies)
         i = len(self._bodies)
         self._ex.extend([exchange] * count)
@@ -469,7 +472,7 @@ class SpoolWriter:
             )
             full = self._room_problem(need)
             if full is not None:
-                self._when_full(acked)
+                self.make_releasable(acked)  # so that the pause cannot last forever
                 raise full
             if self._roll_due():
                 self._roll()
@@ -514,10 +517,6 @@ class SpoolWriter:
                 free_bytes=free,
             )
         return None
-
-    def _when_full(self, acked: int) -> None:
-        """Before reporting SpoolFull: let release make room, so the pause cannot last forever."""
-        self.make_releasable(acked)
 
     def make_releasable(self, acked_through: int) -> bool:
         """Let ``release_through`` free everything durable up to ``acked_through``: record it

@@ -59,6 +59,8 @@ FORMAT_KEY = b"diode_spool"
 FORMAT = b"1"
 ACKED_KEY = b"acked_through"
 TAIL_FILE = "TAIL"
+FINGERPRINT_BYTES = 16
+"""Size of a ``fingerprint``."""
 _SEGMENT_RE = re.compile(r"seg-(\d{16})\.arrow")
 
 
@@ -72,7 +74,8 @@ def fingerprint(exchange: str, routing_key: str, properties_raw: bytes, body: by
     ex = exchange.encode()
     rk = routing_key.encode()
     h = hashlib.blake2b(
-        struct.pack("<IIII", len(ex), len(rk), len(properties_raw), len(body)), digest_size=16
+        struct.pack("<IIII", len(ex), len(rk), len(properties_raw), len(body)),
+        digest_size=FINGERPRINT_BYTES,
     )
     h.update(ex)
     h.update(rk)

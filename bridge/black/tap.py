@@ -139,13 +139,12 @@ def tap_status(cfg: Config, channel: str) -> TapStatus | None:
         return None
 
 
-def _header(props_raw: bytes, name: str) -> Any:
-    """Value of top-level header ``name`` (None if absent or undecodable)."""
+def _headers(props_raw: bytes) -> Any:
+    """The decoded header table (None if absent or undecodable)."""
     try:
-        props = decode_properties(props_raw)
+        return decode_properties(props_raw).headers
     except ProtocolError:
         return None
-    return _field(props.headers, name)
 
 
 def _field(table: Any, name: str) -> Any:
@@ -156,13 +155,13 @@ def _field(table: Any, name: str) -> Any:
     return None
 
 
-def _death(props_raw: bytes, queue: str) -> tuple[str, str, str] | None:
+def _death(headers: Any, queue: str) -> tuple[str, str, str] | None:
     """``(exchange, routing key, reason)`` the broker wrote into ``x-death`` when ``queue``
     dead-lettered the message: where it was published to, the routing key it was published
     with (the first of ``routing-keys``; the rest are CC keys), and why it was dropped. The
     entry of ``queue`` (the newest is first); else the first entry. None without ``x-death``;
     a missing field is ``""``."""
-    deaths = _header(props_raw, "x-death")
+    deaths = _field(headers, "x-death")
     if not isinstance(deaths, tuple):
         return None
     entries = [f[1] for f in deaths if isinstance(f, tuple) and len(f) == 2 and f[0] == "F"]
@@ -407,7 +406,7 @@ class Tap:
         acked (it is durable; its proof is asked for), anything else is handed back."""
         chan = chans[0] if d.channel == chans[0].number else chans[1]
         dead = chan is chans[1]
-        seen = self._spooled(d, dead)
+        seen = self._spooled(d, dead, self._kept(d))
         if seen is None:
             self._fresh.add(chan.number)
             return
@@ -774,7 +773,7 @@ class Tap:
         return True
 
     # -- deliveries -------------------------------------------------------------------------
-    def _spooled(self, d: Delivery, dead: bool) -> str | None:
+    def _spooled(self, d: Delivery, dead: bool, props: bytes) -> str | None:
         """Whether delivery ``d`` is a redelivery of a record the spool holds after
         ``acked_through``: ``"skip"`` (it is; the record is used up), ``POSSIBLE_DUPLICATE``
         (it may be: several records are equal to it) or None (it is not)."""
@@ -787,18 +786,25 @@ class Tap:
         )
         if not candidates:
             return None
-        fp = self._fingerprint(d)
+        fp = self._fingerprint(d, props)
         if candidates[fp] <= 0:
             return None
         candidates[fp] -= 1
         return POSSIBLE_DUPLICATE if fp in ambiguous else "skip"
 
-    def _fingerprint(self, d: Delivery) -> bytes:
-        """``d``'s identity as the spool remembers it (a quorum queue's additions removed)."""
-        props = d.properties_raw
-        if self.quorum:
-            props = order_free(strip_delivery_count(props) if d.redelivered else props)
-        return fingerprint(d.exchange, d.routing_key, props, d.body)
+    def _kept(self, d: Delivery) -> bytes:
+        """``d``'s property bytes as the spool keeps them (a quorum redelivery's
+        ``x-delivery-count`` removed)."""
+        if self.quorum and d.redelivered:
+            return strip_delivery_count(d.properties_raw)
+        return d.properties_raw
+
+    def _fingerprint(self, d: Delivery, props: bytes) -> bytes:
+        """``d``'s identity as the spool remembers it, from its kept property bytes (``_kept``;
+        a quorum queue's header order ignored)."""
+        return fingerprint(
+            d.exchange, d.routing_key, order_free(props) if self.quorum else props, d.body
+        )
 
     def _take(self, spool: SpoolWriter, d: Delivery) -> None:
         props = d.properties_raw
@@ -810,7 +816,7 @@ class Tap:
                     # the broker re-encoded the header table (keys sorted) to add its count:
                     # the values are exact, their order may not be. Counted, never silent.
                     props, note = stripped, REENCODED
-            seen = self._spooled(d, dead=False)
+            seen = self._spooled(d, False, props)  # props: the kept bytes, count stripped
             if seen == "skip":
                 self._group_skips["redelivered_skipped"] += 1
                 self._skip_tags.append((d.channel, d.delivery_tag))
@@ -837,7 +843,8 @@ class Tap:
         """A dead letter: the mirror queue dropped a message. Recorded as lost, with the
         original exchange and routing key (``x-death``), once: a redelivery of a dead letter
         already recorded (a crash before its ack) is skipped."""
-        seen = self._spooled(d, dead=True)
+        props = self._kept(d)
+        seen = self._spooled(d, True, props)
         if seen == "skip":
             self._group_skips["dead_redelivered_skipped"] += 1
             self._skip_tags.append((d.channel, d.delivery_tag))
@@ -850,14 +857,13 @@ class Tap:
             self._unsettled = True
         else:
             self._fresh.add(d.channel)
-        death = _death(d.properties_raw, self.queue)
+        headers = _headers(d.properties_raw)  # decoded once for every field read below
+        death = _death(headers, self.queue)
         exchange, rk, reason = death if death is not None else ("", d.routing_key, "")
-        exchange = exchange or _text(_header(d.properties_raw, "x-first-death-exchange"))
-        reason = (
-            reason or _text(_header(d.properties_raw, "x-first-death-reason")) or "dead-lettered"
-        )
+        exchange = exchange or _text(_field(headers, "x-first-death-exchange"))
+        reason = reason or _text(_field(headers, "x-first-death-reason")) or "dead-lettered"
         exchange, rk, _ = _text_names(exchange, rk)
-        spool.append_lost(exchange, rk, reason, dead_letter=self._fingerprint(d))
+        spool.append_lost(exchange, rk, reason, dead_letter=self._fingerprint(d, props))
         self._group_records[f"lost_{reason}"] += 1
         log_event(
             log, 40, "the broker dropped a message from the mirror queue: recorded as a gap",

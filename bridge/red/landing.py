@@ -137,15 +137,15 @@ _QUARANTINE_KEYS = frozenset({"raw_name", "raw_name_hex", "stored_as", "reason"}
 """What an intake quarantine record must hold to be audited (bridge.red.intake)."""
 
 
-def _json_files(d: Path) -> list[tuple[Path, Any, str | None]]:
-    """``(path, parsed document, None)`` of each ``d/*.json`` by name, or ``(path, None, why)``
-    for one that cannot be read or parsed."""
-    out: list[tuple[Path, Any, str | None]] = []
+def _json_files(d: Path) -> list[tuple[Path, Any, OSError | ValueError | None]]:
+    """``(path, parsed document, None)`` of each ``d/*.json`` by name, or ``(path, None,
+    error)`` for one that cannot be read (OSError) or parsed (ValueError)."""
+    out: list[tuple[Path, Any, OSError | ValueError | None]] = []
     for p in sorted(d.glob("*.json")) if d.exists() else []:
         try:
             out.append((p, json.loads(p.read_bytes()), None))
         except (OSError, ValueError) as e:
-            out.append((p, None, str(e)))
+            out.append((p, None, e))
     return out
 
 
@@ -604,7 +604,7 @@ class Landing:
         for p, doc, error in _json_files(self.work_dir / REQUESTS_DIR):
             if error is not None:
                 log_event(log, 40, "operator request unreadable: ignored", path=str(p),
-                          error=error)  # fmt: skip
+                          error=str(error))  # fmt: skip
             docs.append({} if doc is None else doc)
             paths.append(str(p))
         return docs, paths
@@ -649,15 +649,11 @@ class Landing:
             if error is None and isinstance(doc, dict) and _QUARANTINE_KEYS <= doc.keys():
                 found.append((p, doc))
                 continue
-            try:
-                json.loads(p.read_bytes())
-            except OSError as e:  # this host's trouble (EMFILE, EACCES): kept, read next tick
+            if isinstance(error, OSError):  # this host's trouble (EMFILE, EACCES): read next tick
                 log_event(log, 30, "intake quarantine record not readable now: retried",
-                          path=str(p), error=str(e))  # fmt: skip
+                          path=str(p), error=str(error))  # fmt: skip
                 continue
-            except ValueError:
-                pass
-            why = error or f"not a record with {sorted(_QUARANTINE_KEYS)}"
+            why = str(error) if error else f"not a record with {sorted(_QUARANTINE_KEYS)}"
             log_event(log, 40, "intake quarantine record unreadable: set aside, not audited",
                       path=str(p), error=why)  # fmt: skip
             with contextlib.suppress(OSError):
