@@ -120,6 +120,19 @@ def _candidate(folder: Path, name: str, n: int) -> Path:
     return folder / (name if n == 0 else f"{name}.{n}")
 
 
+def _earlier_link(root: Path, name: str, st: os.stat_result) -> Path | None:
+    """The entry an interrupted earlier move left for ``st``'s inode in any day folder under
+    ``root`` (``name``, ``name.1``, ... up to the first free name), or None."""
+    for day in sorted((d for d in root.iterdir() if d.is_dir()), reverse=True):
+        for n in itertools.count():
+            dst = _candidate(day, name, n)
+            if _same_entry(dst, st):
+                return dst
+            if not dst.exists() and not dst.is_symlink():
+                break
+    return None
+
+
 def _same_entry(path: Path, st: os.stat_result) -> bool:
     try:
         return os.path.samestat(os.lstat(path), st)
@@ -269,8 +282,13 @@ class Evidence:
         """Give ``src``'s entry the first free name ``name``, ``name.1``, ... in ``folder``.
 
         Hard link when possible (``src`` stays until :meth:`_drop_source`), else rename; a link
-        left by an interrupted earlier call (same inode) is reused."""
+        left by an interrupted earlier call (same inode) is reused, whichever day's folder it is
+        in (a retry after midnight UTC must not place the file a second time)."""
         linkable = not stat.S_ISDIR(st.st_mode)
+        if linkable and st.st_nlink > 1:
+            earlier = _earlier_link(folder.parent, name, st)
+            if earlier is not None:
+                return earlier
         for n in itertools.count():
             dst = _candidate(folder, name, n)
             if linkable:

@@ -7,7 +7,7 @@ import hashlib
 import json
 import os
 import socket
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import pytest
@@ -100,6 +100,40 @@ def test_processed_resumes_after_crash_between_link_and_unlink(
     assert dst == day / BUNDLE
     assert sorted(p.name for p in day.iterdir()) == [BUNDLE]
     assert not src.exists()
+
+
+@pytest.mark.parametrize("kind", ["processed", "quarantine"])
+def test_a_retry_after_midnight_reuses_the_earlier_days_link(
+    ev: Evidence, tmp_path: Path, kind: str
+) -> None:
+    """A crash between the link and the source's drop, retried after midnight UTC: the file
+    stays where the first attempt put it (yesterday), not placed a second time today."""
+    src = _file(tmp_path / "in", b"data")
+    root = tmp_path / kind
+    (root / DAY).mkdir(exist_ok=True)
+    (root / DAY / BUNDLE).write_bytes(b"another file of that name")
+    os.link(src, root / DAY / f"{BUNDLE}.1")  # what the interrupted call left behind
+    later = AT + timedelta(seconds=2)  # the next UTC day
+    if kind == "processed":
+        dst = ev.processed(src, BUNDLE, later)
+    else:
+        dst = ev.quarantine(src, BUNDLE, "malformed", {}, later)
+    assert dst == root / DAY / f"{BUNDLE}.1" and not src.exists()
+    next_day = root / "2024-05-07"
+    assert not next_day.exists() or list(next_day.iterdir()) == []
+    if kind == "quarantine":
+        reason = json.loads(dst.with_name(dst.name + REASON_SUFFIX).read_text())
+        assert reason["stored_as"] == dst.name
+
+
+def test_a_file_linked_elsewhere_is_placed_as_usual(ev: Evidence, tmp_path: Path) -> None:
+    """A source with another link outside the evidence folders (a mover's own copy) is not
+    mistaken for an interrupted move."""
+    src = _file(tmp_path / "in", b"data")
+    os.link(src, tmp_path / "movers-copy")
+    dst = ev.processed(src, BUNDLE, AT)
+    assert dst == tmp_path / "processed" / DAY / BUNDLE and not src.exists()
+    assert (tmp_path / "movers-copy").read_bytes() == b"data"
 
 
 def test_processed_unsafe_name_is_made_safe(ev: Evidence, tmp_path: Path) -> None:
