@@ -120,16 +120,40 @@ def _candidate(folder: Path, name: str, n: int) -> Path:
     return folder / (name if n == 0 else f"{name}.{n}")
 
 
-def _earlier_link(root: Path, name: str, st: os.stat_result) -> Path | None:
-    """The entry an interrupted earlier move left for ``st``'s inode in any day folder under
-    ``root`` (``name``, ``name.1``, ... up to the first free name), or None."""
+def _inode(st: os.stat_result) -> str:
+    return f"{st.st_dev}:{st.st_ino}"
+
+
+def _reserved_for(dst: Path, st: os.stat_result) -> bool | None:
+    """Whether the reason file of ``dst`` (an absent entry) reserves that name for ``st``'s
+    inode: True, False (another entry's, or unreadable), None (no reason file)."""
+    try:
+        rec = json.loads(dst.with_name(dst.name + REASON_SUFFIX).read_bytes())
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError):
+        return False
+    return isinstance(rec, dict) and rec.get("inode") == _inode(st)
+
+
+def _earlier_place(root: Path, name: str, st: os.stat_result) -> Path | None:
+    """Where an interrupted earlier move put ``st``'s inode, in any day folder under ``root``:
+    its link (same inode), or a name whose reason file reserved it before a rename that never
+    happened (then the entry is absent). None if there is neither."""
+    if not root.is_dir():
+        return None
     for day in sorted((d for d in root.iterdir() if d.is_dir()), reverse=True):
         for n in itertools.count():
             dst = _candidate(day, name, n)
-            if _same_entry(dst, st):
-                return dst
-            if not dst.exists() and not dst.is_symlink():
+            if os.path.lexists(dst):
+                if _same_entry(dst, st):
+                    return dst
+                continue
+            mine = _reserved_for(dst, st)
+            if mine is None:
                 break
+            if mine:
+                return dst
     return None
 
 
@@ -242,9 +266,12 @@ class Evidence:
         write ``<that name>.reason.json`` beside it (reason, detail, original name, at, file
         type, size, sha256 of a regular file). None when ``src`` is gone already.
 
-        ``placed(dst)`` runs once the file and its reason file are in place and before ``src``
-        is dropped: what it records durably is never missing for a quarantined file (a crash
-        before the drop leaves ``src``, and the next call reuses ``dst`` and calls it again)."""
+        ``placed(dst)`` runs once the reason file is in place and before ``src`` is dropped:
+        what it records durably is never missing for a quarantined file. A hard link comes
+        first (a crash before the drop leaves ``src``, and the next call reuses the link); an
+        entry that must be renamed (a directory, a file ``protected_hardlinks`` will not link)
+        gets its reason file and ``placed`` before the rename, and the reason file's ``inode``
+        reserves the name for the next call if a crash comes between."""
         src = Path(src)
         try:
             st = os.lstat(src)
@@ -260,15 +287,23 @@ class Evidence:
             "file_type": file_kind(st.st_mode),
             "size": st.st_size,
             "sha256": digest,
+            "inode": _inode(st),
         }
         if stat.S_ISLNK(st.st_mode):
             record["link_target"] = ascii(os.readlink(os.fsencode(src)))
-        dst = self._place(src, st, folder, _stored_name(name))
-        record["stored_as"] = dst.name
-        data = json.dumps(record, sort_keys=True, default=str, indent=1).encode()
-        atomic_write_bytes(dst.with_name(dst.name + REASON_SUFFIX), data)
-        if placed is not None:
-            placed(dst)
+        recorded: list[Path] = []
+
+        def record_at(dst: Path) -> None:
+            record["stored_as"] = dst.name
+            data = json.dumps(record, sort_keys=True, default=str, indent=1).encode()
+            atomic_write_bytes(dst.with_name(dst.name + REASON_SUFFIX), data)
+            if placed is not None:
+                placed(dst)
+            recorded.append(dst)
+
+        dst = self._place(src, st, folder, _stored_name(name), before_rename=record_at)
+        if recorded[-1:] != [dst]:  # linked: the reason and the record follow the link
+            record_at(dst)
         crash_point("red.quarantine_before_drop")
         self._drop_source(src, st)
         log_event(
@@ -278,17 +313,28 @@ class Evidence:
         return dst
 
     # -- moves ----------------------------------------------------------------------------
-    def _place(self, src: Path, st: os.stat_result, folder: Path, name: str) -> Path:
+    def _place(
+        self,
+        src: Path,
+        st: os.stat_result,
+        folder: Path,
+        name: str,
+        *,
+        before_rename: Callable[[Path], None] | None = None,
+    ) -> Path:
         """Give ``src``'s entry the first free name ``name``, ``name.1``, ... in ``folder``.
 
-        Hard link when possible (``src`` stays until :meth:`_drop_source`), else rename; a link
-        left by an interrupted earlier call (same inode) is reused, whichever day's folder it is
+        Hard link when possible (``src`` stays until :meth:`_drop_source`), else rename, with
+        ``before_rename(dst)`` first. What an interrupted earlier call left (a link to the same
+        inode, or a name reserved by its reason file) is reused, whichever day's folder it is
         in (a retry after midnight UTC must not place the file a second time)."""
         linkable = not stat.S_ISDIR(st.st_mode)
-        if linkable and st.st_nlink > 1:
-            earlier = _earlier_link(folder.parent, name, st)
+        if not linkable or st.st_nlink > 1:
+            earlier = _earlier_place(folder.parent, name, st)
             if earlier is not None:
-                return earlier
+                if os.path.lexists(earlier):
+                    return earlier
+                return self._rename(src, earlier, before_rename)
         for n in itertools.count():
             dst = _candidate(folder, name, n)
             if linkable:
@@ -302,19 +348,34 @@ class Evidence:
                     if e.errno not in (errno.EPERM, errno.EACCES, errno.EMLINK, errno.ENOTSUP):
                         raise _move_error(src, dst, e) from e
                     linkable = False  # protected_hardlinks, a foreign owner: rename instead
+                    earlier = _earlier_place(folder.parent, name, st)
+                    if earlier is not None:  # a name reserved before an interrupted rename
+                        return self._rename(src, earlier, before_rename)
                 else:
                     fsync_dir(folder)
                     return dst
+            if os.path.lexists(dst) or _reserved_for(dst, st) is not None:
+                continue  # taken, or reserved by another entry's interrupted rename
             try:
-                rename_noreplace(src, dst)
+                return self._rename(src, dst, before_rename)
             except FileExistsError:
                 continue
-            except OSError as e:
-                raise _move_error(src, dst, e) from e
-            fsync_dir(folder)
-            fsync_dir(src.parent)
-            return dst
         raise AssertionError("unreachable")  # pragma: no cover
+
+    @staticmethod
+    def _rename(src: Path, dst: Path, before: Callable[[Path], None] | None) -> Path:
+        if before is not None:
+            before(dst)
+            crash_point("red.evidence_before_rename")
+        try:
+            rename_noreplace(src, dst)
+        except FileExistsError:
+            raise
+        except OSError as e:
+            raise _move_error(src, dst, e) from e
+        fsync_dir(dst.parent)
+        fsync_dir(src.parent)
+        return dst
 
     @staticmethod
     def _drop_source(src: Path, st: os.stat_result) -> None:

@@ -548,6 +548,34 @@ def test_a_kill_inside_a_quarantine_leaves_its_audit_record_once(dirs: Dirs) -> 
     assert {**again, "at": None} == {**doc, "at": None}  # one record: overwritten, not added
 
 
+def test_a_kill_before_an_entrys_rename_leaves_its_reason_and_record(dirs: Dirs) -> None:
+    """An inbox entry that cannot be hard-linked (a directory) is renamed into quarantine:
+    kill -9 just before the rename (``red.evidence_before_rename``) finds its reason file and
+    audit record already durable, and the next scan renames it into the reserved name."""
+    dirs.intake()  # the folders
+    (dirs.inbox / "a-directory").mkdir()
+    mark = dirs.root / "crash.mark"
+    env = {**os.environ, **crash_env("red.evidence_before_rename", mark), "PYTHONPATH": str(REPO)}
+    r = subprocess.run(
+        [sys.executable, "-c", _SCAN_AND_DIE, str(dirs.root)], env=env, timeout=60, check=False
+    )
+    assert r.returncode == -signal.SIGKILL and crash_marks(mark) == ["red.evidence_before_rename"]
+    assert (dirs.inbox / "a-directory").is_dir(), "the crash did not hit the window"
+    (doc,) = _records(dirs)
+    assert doc["reason"] == REASON_NOT_REGULAR
+    reserved = Path(doc["stored_as"])
+    assert not reserved.exists() and reserved.with_name(reserved.name + REASON_SUFFIX).exists()
+
+    res = dirs.intake().scan(0.0)
+    assert [x.stored_as for x in res.quarantined] == [reserved]
+    assert reserved.is_dir() and not (dirs.inbox / "a-directory").exists()
+    (again,) = _records(dirs)
+    assert {**again, "at": None} == {**doc, "at": None}
+    assert dirs.quarantined() == [reserved]
+    reason = json.loads(reserved.with_name(reserved.name + REASON_SUFFIX).read_bytes())
+    assert reason["reason"] == REASON_NOT_REGULAR and reason["stored_as"] == reserved.name
+
+
 def test_a_non_regular_entry_left_in_intake_is_audited(dirs: Dirs) -> None:
     """A crash inside a take can leave a non-regular entry under an intake name: ``pending``
     quarantines it, and its audit record is written like any other."""

@@ -212,6 +212,59 @@ def test_quarantine_directory_and_fifo(ev: Evidence, tmp_path: Path) -> None:
     assert kinds == ["directory", "fifo"]
 
 
+class _Interrupted(Exception):
+    """Stands for a crash right after the audit record, before the entry moves."""
+
+
+def _interrupt(dst: Path) -> None:
+    raise _Interrupted(str(dst))
+
+
+@pytest.mark.parametrize("later", [AT, AT + timedelta(seconds=2)], ids=["same_day", "next_day"])
+def test_a_renamed_entry_is_recorded_before_the_rename_and_resumed(
+    ev: Evidence, tmp_path: Path, later: datetime
+) -> None:
+    """An entry that cannot be linked (a directory) gets its reason file and record first; a
+    crash before the rename leaves the name reserved, and the next call (that day or the
+    next) renames into it: one entry, one reason file, the record written for the same path."""
+    d = _mkdir(tmp_path / "adir")
+    (tmp_path / "quarantine" / DAY).mkdir()
+    _mkdir(tmp_path / "quarantine" / DAY / "adir")  # another entry holds the plain name
+    with pytest.raises(_Interrupted) as hit:
+        ev.quarantine(d, "adir", "not_regular_file", {}, AT, placed=_interrupt)
+    reserved = tmp_path / "quarantine" / DAY / "adir.1"
+    assert str(hit.value) == str(reserved)  # the crash hit the window: record before rename
+    assert d.is_dir() and not reserved.exists()
+    assert reserved.with_name("adir.1" + REASON_SUFFIX).exists()
+
+    seen: list[Path] = []
+    dst = ev.quarantine(d, "adir", "not_regular_file", {}, later, placed=seen.append)
+    assert dst == reserved and seen == [reserved] and reserved.is_dir() and not d.exists()
+    entries = sorted(
+        str(p.relative_to(tmp_path / "quarantine"))
+        for p in (tmp_path / "quarantine").rglob("*")
+        if p.parent.parent == tmp_path / "quarantine"
+    )
+    assert entries == [
+        f"{DAY}/adir",
+        f"{DAY}/adir.1",
+        f"{DAY}/adir.1{REASON_SUFFIX}",
+    ]
+    reason = json.loads(reserved.with_name("adir.1" + REASON_SUFFIX).read_text())
+    assert reason["stored_as"] == "adir.1" and reason["file_type"] == "directory"
+
+
+def test_a_name_reserved_by_another_entry_is_not_taken(ev: Evidence, tmp_path: Path) -> None:
+    """A reason file without its entry (another entry's interrupted rename) keeps its name."""
+    day = tmp_path / "quarantine" / DAY
+    day.mkdir()
+    other = {"inode": "1:1", "reason": "not_regular_file"}
+    (day / ("adir" + REASON_SUFFIX)).write_text(json.dumps(other))
+    dst = ev.quarantine(_mkdir(tmp_path / "adir"), "adir", "not_regular_file", {}, AT)
+    assert dst == day / "adir.1"
+    assert json.loads((day / ("adir" + REASON_SUFFIX)).read_text()) == other
+
+
 def _mkdir(p: Path) -> Path:
     p.mkdir()
     return p
