@@ -72,7 +72,7 @@ from bridge.red.approvals import Approvals
 from bridge.red.holdback import GapView, out_of_order, plan_release, publish_order
 from bridge.red.landing import STATE_FILE, read_saved_state
 from bridge.red.replay_plan import FileStat, plan_upper
-from bridge.red.replay_results import ReplaySummary, StepResult
+from bridge.red.replay_results import ReplaySummary, StepResult, bound_unsunk
 from bridge.red.replay_state import (
     FORMAT,
     LIVE_FILE,
@@ -116,6 +116,7 @@ RETRY_SECONDS = 60.0
 BACKOFF_FIRST, BACKOFF_MAX = 1.0, 30.0
 SAVE_EVERY = 1.0  # seconds between progress saves while publishing
 REPLAYED_EVERY = 60.0  # seconds between `replayed` events of an exchange still catching up
+UNSUNK_CAP = 10_000  # events other than `replayed` kept while the audit sink fails
 DRAIN_SECONDS = 30.0  # how long a pass waits for outstanding confirms
 PUBLISH_CHUNK = 128  # messages per socket write
 CLOSE_DRAIN_SECONDS = 5.0
@@ -1165,9 +1166,10 @@ class Replayer:
         try:
             self.sink(list(batch))
         except Exception as e:  # the events stay in the results; retried with the next ones
+            self._unsunk, dropped = bound_unsunk(batch, UNSUNK_CAP)
             log_event(log, 40, "replay events not written by the sink; retrying later",
-                      events=len(batch), error=str(e))  # fmt: skip
-            self._unsunk = batch[-10_000:]
+                      events=len(batch), kept=len(self._unsunk), dropped=dropped,
+                      error=str(e))  # fmt: skip
             return
         self._unsunk = []
 

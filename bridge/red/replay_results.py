@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["ReplaySummary", "StepResult"]
+__all__ = ["ReplaySummary", "StepResult", "bound_unsunk"]
 
 
 @dataclass
@@ -84,3 +85,40 @@ class ReplaySummary:
             "seconds": round(self.seconds, 3),
             "confirmed_per_second": round(self.rate, 1),
         }
+
+
+def _merge_replayed(into: dict[str, Any], e: dict[str, Any]) -> None:
+    a, b = json.loads(into["detail"]), json.loads(e["detail"])
+    into["seq_first"] = min(into["seq_first"], e["seq_first"])
+    into["seq_last"] = max(into["seq_last"], e["seq_last"])
+    a["rows"] += b["rows"]
+    a["land_seq_first"] = min(a["land_seq_first"], b["land_seq_first"])
+    a["land_seq_last"] = max(a["land_seq_last"], b["land_seq_last"])
+    if b.get("without_id_header"):
+        a["without_id_header"] = a.get("without_id_header", 0) + b["without_id_header"]
+    into["detail"] = json.dumps(a, sort_keys=True)
+
+
+def bound_unsunk(events: list[dict[str, Any]], cap: int) -> tuple[list[dict[str, Any]], int]:
+    """Events a failing audit sink has not taken, kept within about ``cap``: ``replayed``
+    ranges are folded into one per (exchange, channel) (rows summed, seq and land_seq spans
+    widened, as the saved progress's ``unaudited`` does), so no published row leaves the audit
+    trail; of the other events the newest ``cap`` are kept. Returns the kept events (in the
+    order they came) and how many were dropped."""
+    if len(events) <= cap:
+        return events, 0
+    folded: dict[tuple[str, str], dict[str, Any]] = {}
+    others: list[tuple[int, dict[str, Any]]] = []
+    for i, e in enumerate(events):
+        if e["event"] != "replayed":
+            others.append((i, e))
+            continue
+        key = (e["exchange"], e["channel"])
+        if key in folded:
+            _merge_replayed(folded[key], e)
+        else:
+            folded[key] = {**e, "_at": i}
+    kept_others = others[-cap:]
+    merged = [(f.pop("_at"), f) for f in folded.values()]
+    out = [e for _, e in sorted(kept_others + merged, key=lambda t: t[0])]
+    return out, len(others) - len(kept_others)
