@@ -97,15 +97,23 @@ def _pending(pending: Any, running: bool) -> RenderableType:
 
 
 def _link_view(link: Mapping[str, Any]) -> RenderableType:
-    t = _table(f"UDP link ({link.get('gaps_total', 0)} gap record(s))", "end", "state",
-               "age s", "counters")  # fmt: skip
+    """The UDP link as this host's sender and/or receiver last wrote it (status files)."""
+    gaps = link.get("gaps_total", 0)
+    title = f"UDP link ({gaps} gap record(s): diode red gaps)" if gaps else "UDP link (no gap)"
+    t = _table(title, "end", "epoch", "status age s", "heartbeat age s", "counters")
     for end in ("sender", "receiver"):
         doc = link.get(end)
         if not isinstance(doc, Mapping):
-            t.add_row(end, "no status file", _NONE, _NONE)
+            t.add_row(end, "no status file", _NONE, _NONE, _NONE)
             continue
         counters = {k: v for k, v in doc.items() if isinstance(v, int) and not isinstance(v, bool)}
-        t.add_row(end, _v(doc.get("state") or doc.get("epoch")), _v(doc.get("age_seconds")),
+        counters.pop("epoch", None)
+        counters.pop("pid", None)
+        heard: Text | str = _NONE
+        if end == "receiver":
+            age = doc.get("heartbeat_age_seconds")
+            heard = _warn("never heard") if age is None else _v(age)
+        t.add_row(end, _v(doc.get("epoch")), _v(doc.get("age_seconds")), heard,
                   _counts(counters))  # fmt: skip
     return t
 
@@ -173,6 +181,9 @@ def red_status_view(st: Mapping[str, Any]) -> RenderableType:
     elif st.get("landing_running"):
         parts.append(Text("a red job (or an operator command) is landing now"))
     parts.append(_replay_view(st.get("replay")))
+    udp = st.get("link")
+    if isinstance(udp, Mapping) and udp.get("transport") == "udp":
+        parts.append(_link_view(udp))
     return Group(*parts)
 
 

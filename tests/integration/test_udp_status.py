@@ -1,0 +1,143 @@
+"""Diode, UDP: `diode udp status` and `diode status` show the link as a real sender and a
+real receiver (each its own `diode` process, loopback) last reported it."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from bridge.demo.udp_link import free_udp_port, stop_process
+from bridge.diode.udp_key import generate_key_file
+from tests.support import REPO
+
+NAME = "u1.000000000001.0123456789abcdef0123456789abcdef.dbundle"
+
+
+def _config(tmp: Path, port: int) -> Path:
+    path = tmp / "diode.toml"
+    path.write_text(f"""
+[[channels]]
+name = "u1"
+encrypt = false
+transport = "udp"
+
+[black]
+outbox = "black/outbox"
+state_dir = "black/state"
+
+[red]
+inbox = "red/inbox"
+state_dir = "red/state"
+
+[udp]
+key_file = "udp.key"
+
+[udp.send]
+destination = "127.0.0.1:{port}"
+heartbeat_seconds = 0.3
+scan_seconds = 0.05
+
+[udp.receive]
+bind = "127.0.0.1:{port}"
+""")
+    return path
+
+
+def _diode(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-c", "from bridge.cli import main; main()", *args],
+        cwd=REPO, capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+
+
+def _start(cfg: Path, what: str, log: Path) -> subprocess.Popen[bytes]:
+    with open(log, "wb") as out:
+        return subprocess.Popen(
+            [sys.executable, "-c", "from bridge.cli import main; main()",
+             "udp", what, "--config", str(cfg)],
+            cwd=REPO, stdout=out, stderr=subprocess.STDOUT,
+            env=dict(os.environ, DIODE_LOG_FORMAT="json"),
+        )  # fmt: skip
+
+
+def _link(cfg: Path) -> dict[str, Any]:
+    r = _diode("udp", "status", "--config", str(cfg))
+    assert r.returncode == 0, r.stderr
+    doc: dict[str, Any] = json.loads(r.stdout)
+    return doc
+
+
+def _wait(what: str, ok: Callable[[], bool], procs: list[subprocess.Popen[bytes]]) -> None:
+    deadline = time.monotonic() + 60
+    while not ok():
+        assert all(p.poll() is None for p in procs), f"a process died waiting for {what}"
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.1)
+
+
+@pytest.fixture
+def link(tmp_path: Path) -> Iterator[tuple[Path, list[subprocess.Popen[bytes]]]]:
+    generate_key_file(tmp_path / "udp.key")
+    cfg = _config(tmp_path, free_udp_port())
+    (tmp_path / "black" / "outbox").mkdir(parents=True)
+    procs = [_start(cfg, "receive", tmp_path / "rx.log")]
+    _wait("the receiver's status", lambda: (tmp_path / "red/udp-spool/status.json").exists(), procs)
+    procs.append(_start(cfg, "send", tmp_path / "tx.log"))
+    try:
+        yield cfg, procs
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                stop_process(p, timeout=30)
+
+
+def test_status_shows_both_ends_of_a_live_link_then_a_dead_sender(
+    tmp_path: Path, link: tuple[Path, list[subprocess.Popen[bytes]]]
+) -> None:
+    cfg, (rx, tx) = link
+    body = os.urandom(300_000)
+    (tmp_path / "black" / "outbox" / NAME).write_bytes(body)
+    inbox = tmp_path / "red" / "inbox" / NAME
+    _wait("the file in red's inbox", inbox.exists, [rx, tx])
+    assert inbox.read_bytes() == body
+
+    def settled() -> bool:
+        doc = _link(cfg)
+        s, r = doc["sender"] or {}, doc["receiver"] or {}
+        hb = r.get("heartbeat") or {}
+        done = r.get("objects_completed") == 1 and s.get("files") == 1  # written every 1 s
+        return done and hb.get("epoch") == s.get("epoch") is not None
+
+    _wait("both status files to tell of the file and a heartbeat", settled, [rx, tx])
+    doc = _link(cfg)
+    send, recv = doc["sender"], doc["receiver"]
+    assert doc["transport"] == "udp" and doc["channels"] == ["u1"]
+    assert doc["gaps_total"] == 0 and doc["gaps"] == []
+    assert recv["epoch"] == send["epoch"] and recv["heartbeat_age_seconds"] < 5
+    assert send["age_seconds"] < 5 and recv["age_seconds"] < 5
+    assert send["datagrams"] >= 300_000 // 1500 and recv["datagrams"] >= 300_000 // 1500
+    assert send["channels"]["u1"] == {"last_seq": 1, "objects": 1}
+
+    for side in ("black", "red"):  # the tables name both ends, with the epoch
+        r = _diode("status", "--config", str(cfg), "--side", side)
+        assert r.returncode == 0, r.stderr
+        assert "UDP link (no gap)" in r.stdout and str(send["epoch"]) in r.stdout, r.stdout
+    r = _diode("status", "--config", str(cfg), "--side", "red", "--json")
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["link"]["receiver"]["epoch"] == send["epoch"]
+
+    tx.send_signal(signal.SIGKILL)  # the sender dies: its status file ages, heartbeats stop
+    tx.wait(30)
+    time.sleep(2.5)
+    doc = _link(cfg)
+    assert doc["sender"]["age_seconds"] >= 2 and doc["receiver"]["age_seconds"] < 2
+    assert doc["receiver"]["heartbeat_age_seconds"] >= 2
