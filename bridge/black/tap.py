@@ -22,6 +22,12 @@ Exactly once into the spool, whatever crashes:
   and ``acked_through`` counts only once the acks on *both* AMQP channels (mirror queue, dead
   queue) are proven; a redelivered dead letter equal to a lost record after it is skipped,
   so a loss is recorded once (``dead_redelivered_skipped``).
+* after a restart or reconnect, a channel that may still redeliver such records proves
+  nothing until it has *caught up*: every record it could redeliver came back, or it
+  delivered a message that is none of them while no other consumer held its queue (the
+  broker redelivers returned messages first), or its queue was empty with no consumer. The
+  two channels' deliveries are not ordered with each other: the other channel's traffic
+  proves nothing for it (``_Proofs``).
 
 The tap pauses when the spool is full (quota or file system): it stops acking, waits for the
 proofs of the acks it sent, drops what is not durable and closes its connection, so the
@@ -30,11 +36,12 @@ group that did not fit would. Segments are released once black's journal says th
 bundles holding them are durably in the outbox. While it waits it retries what a full disk
 may have refused (recording ``acked_through``, closing the current segment). Records after
 ``acked_through`` are never released; if they are what keeps the spool full (acks whose proof
-never came: a crash or a broker that went quiet), the paused tap *settles* them on a fresh
-connection — it hands back everything new and takes the first delivery that is not a
-redelivery of such a record, with no other consumer on the queues, as the sign that the
-broker holds none of them (it redelivers returned messages first) — or, failing that,
-reconnects every ``PROOF_RETRY_S`` to try again.
+never came: a crash or a broker that went quiet), the paused tap *settles* them: it proves
+the broker holds none of them, as a channel that caught up does, before it lets go of its
+connection — or, failing that, every ``PROOF_RETRY_S`` on a short connection of its own. That
+one takes as few messages as it can (a quorum queue counts every message handed back toward
+its delivery limit): none from a queue that owes nothing or has another consumer, else one at
+a time until the first that is not such a redelivery, the only one it hands back.
 
 Crash points (bridge.faults): ``tap.after_sync`` (a group durable, nothing acked),
 ``tap.before_dead_ack`` (durable, the mirror queue's ack sent, the dead queue's not) and
@@ -51,6 +58,7 @@ import signal
 import threading
 import time
 from collections import Counter
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -233,11 +241,21 @@ class _Proofs:
     dead queue) covering it are proven: the broker applied every ack that channel sent before
     the answer to a sync (``request_sync``). A channel with nothing unacked when a group is
     acked owes nothing for it: its last sync (or none) covers the group's records too.
+
+    Except a channel *behind*: records of an earlier connection (after ``start``) may still
+    come back on it, and no proof counts for it until one sent once it had caught up (every
+    such redelivery arrived: ``Tap._caught_up``). The two channels' deliveries are not ordered
+    with each other, so the other channel's traffic proves nothing for it: crediting it would
+    let ``acked_through`` pass a record whose redelivery is still to come, and after the next
+    restart that redelivery would no longer be recognised (a loss counted twice, a message
+    spooled twice).
     """
 
-    def __init__(self, start: int, channels: tuple[int, ...]) -> None:
+    def __init__(self, start: int, channels: tuple[int, ...], behind: Iterable[int] = ()) -> None:
         self.proven = dict.fromkeys(channels, start)
-        self.tokens: dict[int, tuple[int, int]] = {}  # token -> (channel, position it proves)
+        self.behind = set(behind)
+        # token -> (channel, position it proves, sent once the channel had caught up)
+        self.tokens: dict[int, tuple[int, int, bool]] = {}
         self.latest: dict[int, int] = {}  # channel -> its newest unanswered token
 
     @property
@@ -248,27 +266,33 @@ class _Proofs:
     def owed(self) -> bool:
         return bool(self.tokens)
 
-    def sent(self, channel: int, token: int, pos: int) -> None:
-        """``channel`` acked what it holds through ``pos`` and asked for the proof ``token``."""
-        self.tokens[token] = (channel, pos)
+    def sent(self, channel: int, token: int, pos: int, *, caught_up: bool = False) -> None:
+        """``channel`` acked what it holds through ``pos`` and asked for the proof ``token``;
+        ``caught_up``: every redelivery it was behind on had arrived (and is acked by now)."""
+        self.tokens[token] = (channel, pos, caught_up)
         self.latest[channel] = token
 
     def nothing_owed(self, channel: int, pos: int) -> None:
-        """``channel`` has nothing unacked: once its last sync is answered, ``pos`` is proven."""
+        """``channel`` has nothing unacked: once its last sync is answered, ``pos`` is proven
+        (if it is not behind)."""
         token = self.latest.get(channel)
-        if token is None:
+        if token is not None:
+            _, old, caught_up = self.tokens[token]
+            self.tokens[token] = (channel, max(pos, old), caught_up)
+        elif channel not in self.behind:
             self.proven[channel] = max(self.proven[channel], pos)
-        else:
-            self.tokens[token] = (channel, max(pos, self.tokens[token][1]))
 
     def answered(self, token: int) -> None:
         got = self.tokens.pop(token, None)
         if got is None:
             return
-        channel, pos = got
-        self.proven[channel] = max(self.proven[channel], pos)
+        channel, pos, caught_up = got
         if self.latest.get(channel) == token:
             del self.latest[channel]
+        if caught_up:
+            self.behind.discard(channel)
+        if channel not in self.behind:
+            self.proven[channel] = max(self.proven[channel], pos)
 
 
 class Tap:
@@ -298,7 +322,7 @@ class Tap:
         self._group_skips: Counter[str] = Counter()
         self._skip_tags: list[tuple[int, int]] = []  # (AMQP channel, tag) skipped, not acked
         # settling acks never proven (see the module doc), per connection:
-        self._alone = False  # no other consumer on either queue when this connection began
+        self._alone: set[int] = set()  # AMQP channels whose queue had no other consumer at start
         self._fresh: set[int] = set()  # AMQP channels that delivered a message not spooled yet
         self._unsettled = False  # a delivery while paused may be a redelivery: settle nothing
 
@@ -407,11 +431,12 @@ class Tap:
         chan = chans[0] if d.channel == chans[0].number else chans[1]
         dead = chan is chans[1]
         seen = self._spooled(d, dead, self._kept(d))
-        if seen is None:
-            self._fresh.add(chan.number)
-            return
-        if seen == POSSIBLE_DUPLICATE:
-            self._unsettled = True  # handed back: it may be a record's redelivery
+        if seen is None or seen == POSSIBLE_DUPLICATE:
+            self._bump("handed_back")  # the broker requeues it when the connection closes
+            if seen is None:
+                self._fresh.add(chan.number)
+            else:
+                self._unsettled = True  # it may be a record's redelivery
             return
         chan.ack(d.delivery_tag)
         proofs.sent(chan.number, chan.request_sync(), proofs.proven[chan.number])
@@ -422,15 +447,14 @@ class Tap:
     ) -> str | None:
         """Paused with records the broker may still redeliver (acks of an earlier connection
         never proven: a crash, a broker gone quiet): prove it holds none of them, so that the
-        spool can release them. The broker redelivers returned messages before any other, so
-        once a queue (with no other consumer since this connection began) delivered a message
-        that is not one of them, or holds none at all once the consumers are cancelled, it
-        redelivered every one it still had — and the tap acked each. Then one more sync per
-        channel proves all of them. Anything doubtful (another consumer, a redelivery equal to
-        several records) settles nothing: the tap tries again later (``PROOF_RETRY_S``).
-        Returns why it could not, or None."""
-        if not self._alone:
-            return "another consumer held the mirror or dead queue when the tap connected"
+        spool can release them. A channel that is not behind (``_Proofs``) owes none; one
+        behind must have caught up (``_caught_up``: the broker redelivers returned messages
+        before any other), or its queue hold nothing and have no consumer once the tap's
+        consumers are cancelled: either way it redelivered every one it still had — and the
+        tap acked each. Then one more sync per channel proves all of them. Anything doubtful
+        (another consumer, a redelivery equal to several records handed back) settles
+        nothing: the tap tries again later (``PROOF_RETRY_S``). Returns why it could not, or
+        None."""
         main, dead = chans
         if self._consuming:
             self._cancel(main, dead)
@@ -446,14 +470,17 @@ class Tap:
         if self._unsettled:
             return "a redelivery equal to several spooled records was handed back"
         for chan, queue in ((main, self.queue), (dead, self.dead_queue)):
-            if chan.number in self._fresh:
+            if self._caught_up(chan.number, chan is dead, proofs):
                 continue
             info = chan.queue_declare(queue, passive=True)
             if info.message_count or info.consumer_count:
-                return f"{queue!r} delivered nothing new but is not empty or has a consumer"
+                return (
+                    f"{queue!r} may still redeliver spooled records: it holds "
+                    f"{info.message_count} messages and has {info.consumer_count} consumers"
+                )
         end = spool.durable_end - 1
         for chan in chans:
-            proofs.sent(chan.number, chan.request_sync(), end)
+            proofs.sent(chan.number, chan.request_sync(), end, caught_up=True)
         self._await_proofs(conn, chans, proofs)
         if proofs.through < end:
             return "the broker did not answer"
@@ -487,12 +514,7 @@ class Tap:
         self._write_status(spool, force=True)
         self._await_proofs(conn, chans, proofs)
         if proofs.through < spool.durable_end - 1 and not proofs.owed:
-            why = self._settle(conn, chans, proofs, spool)
-            if why is not None:
-                log_event(
-                    log, 20, f"spooled records whose acks were never proven stay unreleased: {why}",
-                    channel=self.channel, acked_through=proofs.through, retry_in_s=PROOF_RETRY_S,
-                )  # fmt: skip
+            self._log_unsettled(self._settle(conn, chans, proofs, spool), proofs)
         spool.make_releasable(proofs.through)  # a full disk may refuse: retried while waiting
         return proofs.through
 
@@ -501,30 +523,112 @@ class Tap:
     ) -> None:
         """Paused on a full spool, disconnected: release shipped segments until the group
         that did not fit (``need`` bytes) would. Retries what a full disk refused (recording
-        ``confirmed``, closing the current segment); reconnects every ``PROOF_RETRY_S`` to
-        settle records whose acks were never proven if they are what keeps the spool full."""
+        ``confirmed``, closing the current segment) until it succeeded; settles records whose
+        acks were never proven every ``PROOF_RETRY_S`` if they are what keeps the spool full."""
         settle_at = time.monotonic() + PROOF_RETRY_S
+        releasable = False  # make_releasable(confirmed) done: only shipping frees more now
         while not self._stop.is_set():
             self._stop.wait(RETRY_FULL_S)
             self._release(spool)  # black may have shipped meanwhile: room comes back
-            if spool.make_releasable(confirmed):
+            if not releasable and spool.make_releasable(confirmed):
+                releasable = True
                 self._release(spool)
             self._write_status(spool)
             if spool.room_for(need) is None:
                 break
             if time.monotonic() >= settle_at and self._unproven_hold_room(spool):
                 log_event(
-                    log, 30, "tap reconnecting to settle acks the broker never proved: their "
-                    "records keep the spool full", channel=self.channel,
-                    acked_through=spool.acked_through,
+                    log, 30, "tap settling acks the broker never proved: their records keep the "
+                    "spool full", channel=self.channel, acked_through=spool.acked_through,
                 )  # fmt: skip
-                return  # still paused: the next group that does not fit settles them
+                proven = self._resettle(spool)
+                if proven > confirmed:
+                    confirmed, releasable = proven, False
+                settle_at = time.monotonic() + PROOF_RETRY_S
         else:
             return
         log_event(log, 30, "tap resumed: the spool has room again", channel=self.channel,
                   paused_for=str(full)[:200])  # fmt: skip
         self.status.paused = None
         self._write_status(spool, force=True)
+
+    def _resettle(self, spool: SpoolWriter) -> int:
+        """Paused and disconnected: settle records whose acks were never proven (``_settle``)
+        on a connection of its own that takes as few messages as it can — a quorum queue
+        counts each one handed back toward its delivery limit. A channel that is not behind
+        consumes nothing; one behind consumes one message at a time (prefetch 1: a redelivery
+        of a spooled record is acked, and the next comes) until it caught up, so the first
+        message that is none of them is the only one handed back; and if its queue has
+        another consumer, nothing is consumed (that message would prove nothing). Returns the
+        position proven acked."""
+        self._load_candidates(spool)
+        proven = spool.acked_through
+        try:
+            conn = Connection.open(
+                self.cfg.black.amqp_url.get_secret_value(), client_name=f"diode-tap-{self.channel}"
+            )
+            try:
+                main, dead = conn.channel(), conn.channel()
+                for chan in (main, dead):
+                    chan.basic_qos(1)
+                proofs = _Proofs(proven, (main.number, dead.number), self._connected(main, dead))
+                why = self._catch_up(conn, (main, dead), proofs)
+                if why is None:
+                    why = self._settle(conn, (main, dead), proofs, spool)
+                self._log_unsettled(why, proofs)
+                proven = proofs.through
+            finally:
+                self._consuming = False
+                conn.close()  # what it did not ack goes back to the queues
+        except AmqpAccessRefused as e:
+            raise ConfigError(str(e)) from None
+        except (OSError, BrokerError) as e:
+            if not getattr(e, "retryable", True):
+                raise
+            log_event(log, 30, f"settling acks the broker never proved failed: {e}",
+                      channel=self.channel, retry_in_s=PROOF_RETRY_S)  # fmt: skip
+        return proven
+
+    def _catch_up(
+        self, conn: Connection, chans: tuple[Channel, Channel], proofs: _Proofs
+    ) -> str | None:
+        """Settling on a connection of its own (``_resettle``): consume the queues of the
+        channels behind, prefetch 1, until each caught up or went quiet (then ``_settle``
+        looks at the queue). Returns why settling cannot succeed now (nothing consumed), or
+        None."""
+        main, dead = chans
+        queues = ((main, self.queue), (dead, self.dead_queue))
+        for chan, queue in queues:
+            if chan.number in proofs.behind and chan.number not in self._alone:
+                return f"another consumer held {queue!r} when the tap connected"
+        self._tags = (
+            main.basic_consume(self.queue) if main.number in proofs.behind else "",
+            dead.basic_consume(self.dead_queue) if dead.number in proofs.behind else "",
+        )
+        self._consuming = any(self._tags)
+        quiet = time.monotonic()
+        deadline = quiet + PROOF_WAIT_S
+        while (
+            not self._unsettled
+            and not all(self._caught_up(c.number, c is dead, proofs) for c in chans)
+            and time.monotonic() - quiet < SETTLE_QUIET_S
+            and time.monotonic() < deadline
+            and not self._stop.is_set()
+        ):
+            events = conn.poll(0.1)
+            for d in events.deliveries:
+                quiet = time.monotonic()
+                self._while_paused(d, chans, proofs)
+            for token in events.syncs:
+                proofs.answered(token)
+        return None
+
+    def _log_unsettled(self, why: str | None, proofs: _Proofs) -> None:
+        if why is not None:
+            log_event(
+                log, 20, f"spooled records whose acks were never proven stay unreleased: {why}",
+                channel=self.channel, acked_through=proofs.through, retry_in_s=PROOF_RETRY_S,
+            )  # fmt: skip
 
     def _unproven_hold_room(self, spool: SpoolWriter) -> bool:
         """Shipped records stay in the spool because their acks were never proven."""
@@ -596,33 +700,67 @@ class Tap:
             if self.until_empty and self._budget is None:
                 # a scheduled run drains the backlog it found, not producers that never pause
                 self._budget = self._backlog(main)
-            self._alone = all(
-                main.queue_declare(q, passive=True).consumer_count == 0
-                for q in (self.queue, self.dead_queue)
-            )
-            self._fresh.clear()
-            self._unsettled = False
+            behind = self._connected(main, dead)
             self._consume(main, dead)
-            self._loop(conn, main, dead, spool)
+            self._loop(conn, main, dead, spool, behind)
         finally:
             self._consuming = False
             conn.close()
+
+    def _connected(self, main: Channel, dead: Channel) -> set[int]:
+        """A new connection, before it consumes: which queues have no other consumer
+        (``_alone``) and which AMQP channels are *behind* (see ``_Proofs``): those that may
+        still redeliver records after ``acked_through``. A channel is not, if the spool holds
+        none it could redeliver, or if its queue is empty with no consumer: nothing held back
+        can come any more."""
+        self._fresh.clear()
+        self._unsettled = False
+        self._alone.clear()
+        behind = set()
+        for chan, queue, candidates in (
+            (main, self.queue, self._candidates),
+            (dead, self.dead_queue, self._dead_candidates),
+        ):
+            info = main.queue_declare(queue, passive=True)
+            if info.consumer_count == 0:
+                self._alone.add(chan.number)
+            if candidates and (info.message_count or info.consumer_count):
+                behind.add(chan.number)
+        return behind
+
+    def _caught_up(self, chan: int, dead: bool, proofs: _Proofs) -> bool:
+        """AMQP channel ``chan`` (``dead``: the dead queue's) is not behind, or it delivered
+        every redelivery it owed: each record it could redeliver was recognised (none left,
+        none ambiguous), or — the only consumer of its queue since the connection began — it
+        delivered a message that is none of them (the broker redelivers returned messages
+        first)."""
+        if chan not in proofs.behind or (chan in self._fresh and chan in self._alone):
+            return True
+        candidates, ambiguous = (
+            (self._dead_candidates, self._dead_ambiguous)
+            if dead
+            else (self._candidates, self._ambiguous)
+        )
+        return not ambiguous and not any(n > 0 for n in candidates.values())
 
     def _consume(self, main: Any, dead: Any) -> None:
         self._tags = (main.basic_consume(self.queue), dead.basic_consume(self.dead_queue))
         self._consuming = True
 
     def _cancel(self, main: Any, dead: Any) -> None:
-        """Stop both consumers; deliveries the broker sent before cancel-ok still arrive."""
-        main.basic_cancel(self._tags[0])
-        dead.basic_cancel(self._tags[1])
+        """Stop the consumers; deliveries the broker sent before cancel-ok still arrive."""
+        for chan, tag in zip((main, dead), self._tags, strict=True):
+            if tag:
+                chan.basic_cancel(tag)
         self._consuming = False
 
-    def _loop(self, conn: Connection, main: Channel, dead: Channel, spool: SpoolWriter) -> None:
+    def _loop(
+        self, conn: Connection, main: Channel, dead: Channel, spool: SpoolWriter, behind: set[int]
+    ) -> None:
         tap = self.cfg.black.tap
         last_main = last_dead = 0  # highest delivery tag received, per AMQP channel
         acked_main = acked_dead = 0
-        proofs = _Proofs(spool.acked_through, (main.number, dead.number))
+        proofs = _Proofs(spool.acked_through, (main.number, dead.number), behind)
         first_unsynced: float | None = None
         next_release = time.monotonic() + RELEASE_EVERY_S
         quiet_since = time.monotonic()
@@ -689,14 +827,16 @@ class Tap:
                 if last_main > acked_main:
                     main.ack(last_main, multiple=True)
                     acked_main = last_main
-                    proofs.sent(main.number, main.request_sync(), durable - 1)
+                    caught_up = self._caught_up(main.number, False, proofs)
+                    proofs.sent(main.number, main.request_sync(), durable - 1, caught_up=caught_up)
                 else:
                     proofs.nothing_owed(main.number, durable - 1)
                 if last_dead > acked_dead:
                     crash_point("tap.before_dead_ack")
                     dead.ack(last_dead, multiple=True)
                     acked_dead = last_dead
-                    proofs.sent(dead.number, dead.request_sync(), durable - 1)
+                    caught_up = self._caught_up(dead.number, True, proofs)
+                    proofs.sent(dead.number, dead.request_sync(), durable - 1, caught_up=caught_up)
                 else:
                     proofs.nothing_owed(dead.number, durable - 1)
                 crash_point("tap.after_ack")

@@ -5,6 +5,7 @@ property bytes kept exactly as delivered)."""
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 import subprocess
@@ -535,6 +536,107 @@ def test_a_crash_before_the_dead_letters_ack_records_each_loss_once(
     assert queue_depth(black_vhost.amqp_url, QUEUE + ".dead") == 0
 
 
+def _drop_policy(vhost: str, queue: str = QUEUE) -> None:
+    """Remove ``_limit_policy`` and wait until the broker no longer applies it to the queue."""
+    vh = urllib.parse.quote(vhost, safe="")
+    r = requests.delete(f"{MGMT}/api/policies/{vh}/limit-mirror", auth=AUTH, timeout=10)
+    assert r.status_code == 204, r.text
+    url = f"{MGMT}/api/queues/{vh}?disable_stats=true&enable_queue_totals=true"
+    deadline = time.monotonic() + 20
+    while any(
+        q.get("name") == queue and q.get("policy") == "limit-mirror"
+        for q in requests.get(url, auth=AUTH, timeout=10).json()
+    ):
+        assert time.monotonic() < deadline, "the policy was never removed"
+        time.sleep(0.1)
+
+
+def _hold(url: str, queue: str, *, prefetch: int = 1000) -> tuple[Connection, int]:
+    """Another connection consuming ``queue`` without acking: once no other consumer is left
+    (a killed tap's is dropped by the broker), it takes every message ready and holds them
+    until it is closed (they go back to the queue then). Returns it and how many it holds."""
+    conn = Connection.open(url)
+    ch = conn.channel()
+    deadline = time.monotonic() + 20
+    while (info := ch.queue_declare(queue, passive=True)).consumer_count:
+        assert time.monotonic() < deadline, f"a consumer stayed on {queue}"
+        time.sleep(0.05)
+    ch.basic_qos(prefetch)
+    ch.basic_consume(queue)
+    held = 0
+    while held < min(info.message_count, prefetch):
+        assert time.monotonic() < deadline, f"{queue}: {held} of {info.message_count} delivered"
+        held += len(conn.poll(0.5).deliveries)
+    return conn, held
+
+
+@pytest.mark.parametrize("queue_type", ["classic", "quorum"])
+def test_dead_letters_redelivered_after_other_traffic_are_still_recorded_once(
+    black_vhost: Any, tmp_path: Path, queue_type: str
+) -> None:
+    """The mirror queue's and the dead queue's deliveries are not ordered with each other.
+    SIGKILL before the dead letters' ack (``tap.before_dead_ack``), and their redeliveries
+    come back late: here another connection holds them (as a connection of a tap the broker
+    has not dropped yet would). Meanwhile the restarted tap spools, acks and proves new
+    messages, and stops. Those proofs say nothing of the dead queue: the lost records stay
+    after ``acked_through``, so the next run still recognises their dead letters and each
+    loss is counted once (before, the second run recorded them all again)."""
+    cfg = write_config(tmp_path, black_vhost.amqp_url, queue_type, group_messages=4, prefetch=50)
+    setup_mirror(cfg, black_vhost.amqp_url)
+    _limit_policy(black_vhost.name, **{"max-length": 10})
+    _wait_policy(black_vhost.name)
+    sent = messages(25)
+    keys = [f"k{i}" for i in range(25)]
+    publish_raw(black_vhost.amqp_url, sent, keys)  # the broker drops the oldest 15
+    mark = tmp_path / "crash.mark"
+    env = dict(os.environ, **crash_env("tap.before_dead_ack", mark), PYTHONPATH=str(REPO))
+    first = _tap_process(cfg, env)
+    assert first.returncode == -9, first.stderr.decode(errors="replace")[-2000:]
+    assert crash_marks(mark) == ["tap.before_dead_ack"], "the crash must hit the window"
+    recorded = [r["pos"] for r in spooled(cfg) if r["kind"] == KIND_LOST]
+    assert recorded  # durable, their dead letters never acked
+    _drop_policy(black_vhost.name)
+    holder, held = _hold(black_vhost.amqp_url, QUEUE + ".dead")
+    assert held == 15  # every dead letter, those recorded among them
+    more = [(encode_properties(Properties(message_id=f"more{i}")), f"more-{i}".encode())
+            for i in range(6)]  # fmt: skip
+    publish_raw(black_vhost.amqp_url, more, [f"more{i}" for i in range(6)])
+    tap = Tap(cfg, "main")
+    th = threading.Thread(target=tap.run, daemon=True)
+    th.start()
+    try:
+        deadline = time.monotonic() + 30
+        while sum(r["kind"] == KIND_MESSAGE for r in spooled(cfg)) < 16:
+            assert th.is_alive() and time.monotonic() < deadline, "the kept messages never spooled"
+            time.sleep(0.1)
+        time.sleep(0.5)  # the acks of the last group are proven meanwhile
+    finally:
+        tap.stop()
+        th.join(timeout=30)
+    second = tap_status(cfg, "main")
+    assert second is not None
+    # the window: new messages durable, acked and proven; no dead letter came back to the tap
+    assert queue_depth(black_vhost.amqp_url, QUEUE) == 0
+    assert [r["pos"] for r in spooled(cfg) if r["kind"] == KIND_LOST] == recorded
+    assert second.counters.get("dead_redelivered_skipped", 0) == 0, second.counters
+    assert second.acked_through < recorded[0], "a loss whose dead letter may come back is proven"
+    holder.close()  # the dead letters go back to the dead queue
+    Tap(cfg, "main", until_empty=True).run()
+    rows = spooled(cfg)
+    assert [r["pos"] for r in rows] == list(range(len(rows)))
+    lost = [r for r in rows if r["kind"] == KIND_LOST]
+    assert len(lost) == 15, f"{len(lost)} losses recorded for 15 dropped messages"
+    assert [(r["exchange"], r["routing_key"], r["reason"]) for r in lost] == [
+        ("ev", k, "maxlen") for k in keys[:15]
+    ]
+    kept = [r["body"] for r in rows if r["kind"] == KIND_MESSAGE]
+    assert kept == [b for _, b in sent[15:]] + [b for _, b in more]
+    st = tap_status(cfg, "main")
+    assert st is not None
+    assert st.counters.get("dead_redelivered_skipped") == len(recorded), st.counters
+    assert queue_depth(black_vhost.amqp_url, QUEUE + ".dead") == 0
+
+
 def _await_status(cfg: Config, th: threading.Thread, cond: Any, what: str, timeout: float) -> Any:
     deadline = time.monotonic() + timeout
     while True:
@@ -596,6 +698,76 @@ def test_a_tap_restarted_after_acks_never_proven_does_not_stay_paused(
     assert [(x["pos"], x["body"]) for x in rows] == [(i + 12, b) for i, (_, b) in
                                                      enumerate(sent[12:])]  # fmt: skip
     assert queue_depth(black_vhost.amqp_url, QUEUE) == 0
+
+
+UNSETTLED = "spooled records whose acks were never proven stay unreleased"
+
+
+def test_a_paused_tap_settles_without_taking_messages_it_would_hand_back(
+    black_vhost: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:  # fmt: skip
+    """A quorum queue counts every message handed back toward its delivery limit (2 here). A
+    tap paused at its quota by records whose acks were never proven (``tap.after_ack``)
+    tries to settle them every ``PROOF_RETRY_S`` — in vain while another consumer holds the
+    mirror queue. Those attempts take no message; once the other consumer is gone, the next
+    one takes a single message (prefetch 1), hands it back, settles, and the tap resumes.
+    Nothing reaches the delivery limit: every message is spooled once, none dropped (before,
+    each attempt took and handed back a whole prefetch window, and after two attempts the
+    broker dead-lettered every waiting message as ``delivery_limit``)."""
+    monkeypatch.setattr("bridge.black.tap.PROOF_RETRY_S", 0.5)
+    caplog.set_level(logging.INFO, logger="bridge.black.tap")
+    cfg = write_config(
+        tmp_path, black_vhost.amqp_url, "quorum", group_messages=12, group_seconds=1,
+        prefetch=100, spool={"max_bytes": 16 << 20, "segment_bytes": 1 << 20},
+    )  # fmt: skip
+    setup_mirror(cfg, black_vhost.amqp_url)
+    _limit_policy(black_vhost.name, **{"delivery-limit": 2})
+    _wait_policy(black_vhost.name)
+    sent = [(encode_properties(Properties(message_id=f"m{i}")), bytes([i]) * 1_000_000)
+            for i in range(24)]  # fmt: skip
+    publish_raw(black_vhost.amqp_url, sent[:12])
+    mark = tmp_path / "crash.mark"
+    env = dict(os.environ, **crash_env("tap.after_ack", mark), PYTHONPATH=str(REPO))
+    first = _tap_process(cfg, env)
+    assert first.returncode == -9, first.stderr.decode(errors="replace")[-2000:]
+    assert crash_marks(mark) == ["tap.after_ack"], "the crash must hit the window"
+    assert SpoolReader(Path(cfg.black.spool_dir), "main").durable_end() == 12
+    StateStore(Path(cfg.black.state_dir)).save(ChannelState("main", last_seq=11))  # shipped
+    publish_raw(black_vhost.amqp_url, sent[12:])
+    holder, held = _hold(black_vhost.amqp_url, QUEUE, prefetch=1)
+    assert held == 1
+    tap = Tap(cfg, "main")
+    th = threading.Thread(target=tap.run, daemon=True)
+    th.start()
+    try:
+        deadline = time.monotonic() + 30
+        while sum(UNSETTLED in r.getMessage() for r in caplog.records) < 4:
+            st = tap_status(cfg, "main")
+            assert st is None or not any(k.startswith("lost_") for k in st.counters), (
+                f"the broker dropped messages of the paused tap: {st.counters}"
+            )
+            assert th.is_alive() and time.monotonic() < deadline, "the tap never settled again"
+            time.sleep(0.1)
+        # at the pause, then at least three times more: each attempt failed
+        st = tap_status(cfg, "main")
+        assert st is not None and st.paused and st.durable_end == 12, st
+        holder.close()  # its message goes back to the queue
+        st = _await_status(cfg, th, lambda s: s.durable_end == 24, "the tap resumed", 30)
+    finally:
+        tap.stop()
+        th.join(timeout=30)
+    assert not st.paused and st.acked_through >= 11
+    assert st.counters.get("delivered") == 12, st.counters
+    assert not any(k.startswith("lost_") for k in st.counters), st.counters
+    # the group at the pause (the 11 not held), then one message: the failed attempts took none
+    assert st.counters.get("handed_back") == 11 + 1, st.counters
+    rows = spooled(cfg)
+    assert [x["pos"] for x in rows] == list(range(12, 24))
+    assert all(x["kind"] == KIND_MESSAGE for x in rows)
+    assert sorted(x["body"] for x in rows) == [b for _, b in sent[12:]]  # once each
+    assert queue_depth(black_vhost.amqp_url, QUEUE) == 0
+    assert queue_depth(black_vhost.amqp_url, QUEUE + ".dead") == 0
 
 
 @pytest.fixture
