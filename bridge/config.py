@@ -510,7 +510,9 @@ class UdpReceiveConfig(_Strict):
     """Durable reassembly spool (survives kill -9); on the inbox's file system."""
 
     expire_seconds: float = Field(default=120.0, gt=0)
-    """An object with no new symbol for this long is expired: logged and recorded as a gap."""
+    """An object with no new symbol for this long is expired: logged and recorded as a gap. Also
+    the grace before an object id known to exist (a later id seen, or the sender's heartbeat)
+    with no datagram of it at all is recorded as an ``unseen`` gap."""
 
     rcvbuf_bytes: int = Field(default=8 * 1024 * 1024, ge=65_536)
     """Socket receive buffer asked for (SO_RCVBUFFORCE as root, else capped by rmem_max)."""

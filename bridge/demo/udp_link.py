@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from bridge.config import Config
-from bridge.diode.link_status import read_gap_records
+from bridge.diode.link_status import gap_objects, read_gap_records
 from bridge.errors import TransportError
 
 __all__ = ["UdpLink", "free_udp_port", "last_json", "stop_process", "udp_config_toml"]
@@ -125,7 +125,7 @@ class UdpLink:
             missing = want - present
             if not missing or time.monotonic() > deadline:
                 return {"delivered": len(want & present), "missing": len(missing), "gaps": gaps}
-            if len(missing) <= len(gaps):
+            if len(missing) <= gap_objects(gaps):
                 return {"delivered": len(want & present), "missing": len(missing), "gaps": gaps}
             time.sleep(0.2)
 

@@ -10,7 +10,7 @@ from typing import Any
 
 from bridge.config import Config
 
-__all__ = ["link_status", "read_json", "read_gap_records", "read_new_gap_records"]
+__all__ = ["gap_objects", "link_status", "read_json", "read_gap_records", "read_new_gap_records"]
 
 
 def read_json(path: Path) -> dict[str, Any] | None:
@@ -38,6 +38,16 @@ def read_gap_records(spool_dir: Path) -> list[dict[str, Any]]:
         if isinstance(doc, dict):
             out.append(doc)
     return out
+
+
+def gap_objects(records: list[dict[str, Any]]) -> int:
+    """How many objects ``records`` give up: one a record, except an ``unseen`` range record,
+    which names its count (``objects``)."""
+    n = 0
+    for r in records:
+        count = r.get("objects")
+        n += count if type(count) is int and count > 0 else 1
+    return n
 
 
 MAX_GAP_RECORD_BYTES = 1 << 16
@@ -103,4 +113,5 @@ def link_status(cfg: Config) -> dict[str, Any]:
         "receiver": recv,
         "gaps": gaps[-100:],
         "gaps_total": len(gaps),
+        "gap_objects_total": gap_objects(gaps),
     }

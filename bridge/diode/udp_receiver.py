@@ -80,6 +80,10 @@ class ReceiveSummary:
     dropped: dict[str, int] = field(default_factory=dict)
     objects_completed: int = 0
     objects_expired: int = 0
+    objects_unseen: int = 0
+    """Object ids no datagram ever came for, recorded as ``unseen`` gaps."""
+    unseen_arrived_late: int = 0
+    """Objects recorded ``unseen`` whose datagrams came after all (delivered all the same)."""
     duplicate_objects: int = 0
     repair_symbols_used: int = 0
     goodput_bytes: int = 0
@@ -207,7 +211,7 @@ class _Receiver:
                   repairs_used=d.repairs_used)  # fmt: skip
 
     # -- the loop -------------------------------------------------------------------------
-    def _on_heartbeat(self, hb: LinkHeartbeat) -> str | None:
+    def _on_heartbeat(self, hb: LinkHeartbeat, ra: Reassembler) -> str | None:
         """Take a link heartbeat; the reason it is dropped instead, if it is: ``stale_epoch``
         (an older sender session's straggler says nothing about the link now) or
         ``replayed`` (a packet number not above the last heartbeat's of its epoch)."""
@@ -219,6 +223,9 @@ class _Receiver:
         self.summary.heartbeats += 1
         self._epoch(hb.epoch)
         self.heard = time.time()
+        started = hb.counters.get("objects_started")  # absent from an older sender's
+        ra.heard(hb.epoch, started if type(started) is int and started >= 0 else None,
+                 hb.channels)  # fmt: skip
         self.heartbeat = {
             "epoch": hb.epoch,
             "sender_time": hb.sender_time,
@@ -253,6 +260,7 @@ class _Receiver:
             for reason, n in ra.dropped.items():
                 s.dropped[reason] = n
             s.objects_expired = ra.expired  # every gap: timeout, eviction, spool or digest error
+            s.objects_unseen, s.unseen_arrived_late = ra.unseen_recorded, ra.unseen_arrived
             doc = {
                 "written_at": time.time(),
                 "pid": os.getpid(),
@@ -378,7 +386,7 @@ class _Receiver:
                             dropped[e.reason] = dropped.get(e.reason, 0) + 1
                             continue
                         if type(dg) is LinkHeartbeat:
-                            why = self._on_heartbeat(dg)
+                            why = self._on_heartbeat(dg, ra)
                             if why is not None:
                                 dropped[why] = dropped.get(why, 0) + 1
                             continue
@@ -404,7 +412,9 @@ class _Receiver:
                     last_expire = now
                     with self.lock:
                         ra.expire_idle(now, self.u.expire_seconds)
+                        ra.report_unseen(time.time(), self.u.expire_seconds)
                         ra.write_gaps()
+                        ra.save_unseen(time.time())
                 if now - last_status >= _STATUS_EVERY:
                     last_status = now
                     self._status(ra)
@@ -420,6 +430,7 @@ class _Receiver:
                 with self.lock:
                     ra.flush_all()
                     self._count_decodes(ra)
+                    ra.save_unseen(time.time(), force=True)
             while ra.ready:
                 self.work.put(ra.ready.popleft())
             self.work.put(None)

@@ -178,6 +178,8 @@ class _Object:
     blocks_open: int = 0
     failed: bool = False
     mtime_ns: int = 0
+    started: bool = False
+    """A datagram of it was handed to the socket (heartbeats count it in objects_started)."""
 
 
 @dataclass
@@ -225,6 +227,8 @@ class _Sender:
         self.il: Interleaver[_Block] = Interleaver(self.u.interleave_datagrams)
         self.packet = 0
         self.object_id = 0
+        self.unstarted: dict[int, None] = {}
+        """Ids given to objects no datagram of which was sent yet, lowest first."""
         self.per_channel: dict[str, dict[str, int | None]] = {
             c: {"last_seq": None, "objects": 0} for c in sorted(self.channels)
         }
@@ -332,6 +336,7 @@ class _Sender:
             block_symbols=self.u.block_symbols,
         )
         self.object_id += 1
+        self.unstarted[header.object_id] = None
         obj = _Object(
             path, name, channel, header, self.codec.symbol_sealer(self.epoch, header), fd,
             st.st_ino, size, mtime_ns=st.st_mtime_ns,
@@ -421,8 +426,10 @@ class _Sender:
         return True
 
     def _abandon(self, obj: _Object) -> None:
-        """Give up on a file that changed under us: no "sent", left in the outbox."""
+        """Give up on a file that changed under us: no "sent", left in the outbox (its id
+        counts as started: the receiver records it ``unseen`` if no datagram of it went)."""
         obj.failed = True
+        self.unstarted.pop(obj.header.object_id, None)
         self._forget(obj.name, skipped=True)
         if not obj.blocks_open:
             os.close(obj.fd)
@@ -478,6 +485,16 @@ class _Sender:
         for blk in done:
             self._block_done(blk)
 
+    def _start(self, obj: _Object) -> None:
+        """The object's first datagram is in the batch (out before the next heartbeat)."""
+        obj.started = True
+        self.unstarted.pop(obj.header.object_id, None)
+
+    def objects_started(self) -> int:
+        """Every object id below this had a datagram sent in this epoch (ids are numbered
+        before their first datagram, and interleaving may send a later one's first)."""
+        return next(iter(self.unstarted), self.object_id)
+
     def _heartbeat(self, now: float) -> None:
         self.last_heartbeat = now
         s = self.summary
@@ -485,7 +502,7 @@ class _Sender:
             self.epoch, self.packet, time.time(), self.u.heartbeat_seconds,
             {c: dict(v) for c, v in self.per_channel.items()},
             {"datagrams": s.datagrams, "bytes": s.bytes, "objects": len(s.files),
-             "skipped": s.skipped},
+             "skipped": s.skipped, "objects_started": self.objects_started()},
         )  # fmt: skip
         data = self.codec.seal_heartbeat(hb)
         self.batch.add(data)  # joins or follows what is collected, and all of it goes now
@@ -595,6 +612,8 @@ class _Sender:
                     esi, payload = blk.symbols[i]
                     sealer = blk.obj.sealer
                     waited = batch.add_symbol(sealer, self.packet, blk.index, esi, payload)
+                    if not blk.obj.started:
+                        self._start(blk.obj)
                     self.packet += 1
                     s.datagrams += 1
                     s.bytes += sealer.size

@@ -9,7 +9,9 @@
     <spool>/tmp/      a delivered file is written here, fsynced, renamed into the inbox (when the
                       inbox is on another filesystem: ``.<inbox name>.udp-tmp`` beside it)
     <spool>/done.jsonl  objects delivered (epoch, object id, digest): later symbols are late
-    <spool>/gaps.jsonl  objects given up, with the reason (red's `diode red gaps` lists them)
+    <spool>/gaps.jsonl  objects given up, with the reason (red's `diode red gaps` lists them),
+                        and object ids no datagram ever came for (``unseen``, ``udp_unseen``)
+    <spool>/unseen.json what the receiver knows of each tracked epoch's object ids
 
 Writes are buffered and not fsynced until delivery: the page cache survives kill -9, so a
 restarted receiver rebuilds its decoders from the spool and an object whose symbols keep
@@ -37,6 +39,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from bridge.diode.link_status import read_new_gap_records
 from bridge.diode.udp_decode import DecoderPool
 from bridge.diode.udp_fec import (
     BlockDecoder,
@@ -45,6 +48,8 @@ from bridge.diode.udp_fec import (
     decode_symbols,
     fits_one_block,
 )
+from bridge.diode.udp_unseen import UnseenTracker
+from bridge.faults import crash_point
 from bridge.fsutil import atomic_write_bytes, durable_mkdir, fsync_dir, pwritev_all, write_all
 from bridge.logs import get_logger, log_event
 from bridge.metrics import UDP
@@ -221,6 +226,12 @@ class Reassembler:
         self._unwritten_gaps: list[dict[str, Any]] = []
         """Gap records the disk refused (full, I/O error): written first at the next chance."""
         self._load_done()
+        self.unseen = UnseenTracker(self.root)
+        """Object ids no datagram came for (touched by the receive loop only)."""
+        self.unseen_recorded = 0
+        """Object ids recorded as ``unseen`` gaps by this receiver run."""
+        self.unseen_arrived = 0
+        """Objects whose first datagram came after they were recorded ``unseen``."""
 
     # -- bookkeeping --------------------------------------------------------------------
     def _drop(self, reason: str) -> None:
@@ -294,13 +305,21 @@ class Reassembler:
         """In memory: the object's digest is delivered (under the receive loop's lock)."""
         self._remember((d.epoch, d.header.object_id), d.header.digest.hex())
 
-    def gap(self, rec: dict[str, Any], reason: str) -> None:
-        """Append a gap record (fsynced) and log it. A disk that refuses the write (full, I/O
-        error) keeps the record in memory until a later write succeeds: never lost silently,
-        never a crash."""
+    def gap(
+        self,
+        rec: dict[str, Any],
+        reason: str,
+        *,
+        count: int = 1,
+        msg: str = "udp object given up: recorded as a gap",
+    ) -> None:
+        """Append a gap record (fsynced) and log it; ``count`` objects go to the metric (a
+        range of unseen ids is one record). A disk that refuses the write (full, I/O error)
+        keeps the record in memory until a later write succeeds: never lost silently, never a
+        crash."""
         rec = {**rec, "reason": reason, "time": round(time.time(), 3)}
-        UDP.objects_expired.labels(str(rec.get("channel", "?")), reason).inc()
-        log_event(log, 30, "udp object given up: recorded as a gap", **rec)
+        UDP.objects_expired.labels(str(rec.get("channel", "?")), reason).inc(count)
+        log_event(log, 30, msg, **rec)
         self._unwritten_gaps.append(rec)
         self.write_gaps()
 
@@ -364,6 +383,8 @@ class Reassembler:
             if key in self._gone:
                 self._drop("expired")
                 return
+            if key not in self._refused:
+                self._first_seen(sym.epoch, h)  # once an object: not a cost of every datagram
             if h.length > self.max_object_bytes or not _decodable(h):
                 self._drop("too_large")
                 if key not in self._refused:
@@ -406,6 +427,64 @@ class Reassembler:
                 self._decode_elsewhere(obj, b, dec)
             if self.held > self.max_held:
                 self._evict_oldest("evicted")
+
+    def _first_seen(self, epoch: int, h: ObjectHeader) -> None:
+        """The first datagram of an object (since this receiver started): its id is seen."""
+        if self.unseen.seen(epoch, h.object_id, time.time()):
+            self.unseen_arrived += 1
+            log_event(log, 30, "udp object arrived after it was recorded unseen: taken, the gap "
+                      "record stands", epoch=epoch, object_id=h.object_id, channel=h.channel,
+                      kind=h.kind.name.lower(), seq=h.seq, length=h.length)  # fmt: skip
+
+    def heard(self, epoch: int, started: int | None, channels: dict[str, Any]) -> None:
+        """A link heartbeat taken: ``started`` is its ``objects_started`` counter, if any."""
+        self.unseen.heard(epoch, started, channels, time.time())
+
+    def report_unseen(self, now: float, grace: float) -> int:
+        """Record as ``unseen`` gaps the object ids claimed at least ``grace`` seconds ago
+        that no datagram came for (one record a range); returns how many ids."""
+        n = 0
+        for rec in self.unseen.due(now, grace):
+            self.gap(rec, "unseen", count=rec["objects"],
+                     msg="udp objects never seen: recorded as a gap")  # fmt: skip
+            n += rec["objects"]
+        self.unseen_recorded += n
+        return n
+
+    def save_unseen(self, now: float, *, force: bool = False) -> None:
+        """Save the unseen-object state when due (at once after ``unseen`` records): with the
+        size of ``gaps.jsonl`` it accounts for, so a restart reads only the records after."""
+        if not self.unseen.save_due(now, force=force):
+            return
+        if self.unseen.urgent:
+            crash_point("udp.before_unseen_saved")  # records written, the state not yet saved
+        try:
+            offset = (self.root / GAPS).stat().st_size
+        except FileNotFoundError:
+            offset = 0
+        self.unseen.save(now, offset)
+
+    def _recover_unseen(self) -> None:
+        """Tell the unseen-object tracker what the journals and the spool hold: every object
+        delivered, open or given up since its state was saved was seen (superseded ones too,
+        if the state was saved since), and ``unseen`` records written after it was saved are
+        not written again."""
+        seen = [*self.done, *self.open, *((d.epoch, d.header.object_id) for d in self.ready)]
+        reported: list[tuple[int, int, int]] = []
+        offset = self.unseen.gaps_offset
+        while True:
+            recs, offset, _ = read_new_gap_records(self.root, offset)
+            if not recs:
+                break
+            for r in recs:
+                e, first, last = r.get("epoch"), r.get("object_id"), r.get("object_id_last")
+                if type(e) is not int or type(first) is not int:
+                    continue
+                if r.get("reason") == "unseen" and type(last) is int and last >= first:
+                    reported.append((e, first, last))
+                else:
+                    seen.append((e, first))
+        self.unseen.recovered(seen, reported, time.time())
 
     # -- decoding in workers ------------------------------------------------------------
     def _decode_elsewhere(self, obj: _Open, b: int, dec: BlockDecoder) -> None:
@@ -606,6 +685,8 @@ class Reassembler:
         rec = obj.record()
         if rec["digest"] in self.done_digests:
             reason = "superseded"  # the same bytes were delivered under another object id
+            self.unseen.urgent = True  # no journal tells it was seen: the state must, before
+            self.save_unseen(time.time())  # the spooled files that told it go
             log_event(log, 20, "udp object superseded by an identical delivered one", **rec)
         else:
             self.gap(rec, reason)
@@ -616,6 +697,8 @@ class Reassembler:
         obj = self.open.pop(key)
         self._close(obj)
         self._forget_later(key)
+        self.unseen.urgent = True  # no journal tells it was seen: the state must, before
+        self.save_unseen(time.time())  # the spooled files that told it go
         log_event(log, 20, "udp object superseded: the sender resent it under a new epoch",
                   new_epoch=epoch, **obj.record())  # fmt: skip
         shutil.rmtree(obj.path, ignore_errors=True)
@@ -679,6 +762,7 @@ class Reassembler:
                 self.done[key] = h.digest.hex()  # later symbols are late, as in _block_done
                 self.ready.append(Delivery(epoch, h, path, obj.repairs_used))
             n += 1
+        self._recover_unseen()
         return n
 
     def _reopen(self, epoch: int, h: ObjectHeader, path: Path, now: float) -> _Open:

@@ -174,7 +174,9 @@ class LinkHeartbeat:
     """The sender's periodic word on the link: what it sent, per channel, in this epoch.
 
     ``channels`` maps a channel to ``{"last_seq": <last object seq sent or None>,
-    "objects": <objects sent>}``; ``counters`` are the sender's totals (datagrams, bytes...).
+    "objects": <objects sent>}``; ``counters`` are the sender's totals (datagrams, bytes...),
+    among them ``objects_started``: every object id below it had a datagram sent before this
+    heartbeat (absent from older senders' heartbeats; a receiver must accept both).
     """
 
     epoch: int
