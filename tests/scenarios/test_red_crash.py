@@ -25,6 +25,7 @@ copy); the journal's intent, ``work_dir/plain`` and ``work_dir/landing`` are emp
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
@@ -43,9 +44,12 @@ from typing import Any
 import pytest
 from deltalake import DeltaTable
 
+from bridge.amqp.client import Connection
 from bridge.config import Config, load_config
 from bridge.faults import CRASH_ENV, MARK_ENV, SLOW_ENV
 from bridge.red.evidence import REASON_SUFFIX
+from bridge.red.replay import Replayer
+from tests.conftest import Vhost
 from tests.red_factory import (
     RED_DIRS_TOML,
     BundleMade,
@@ -68,7 +72,14 @@ JOB_TIMEOUT = 240.0
 # --------------------------------------------------------------------------- setup
 
 
-def write_config(root: Path, keys: RedKeys, channels: dict[str, bool], **red: Any) -> Config:
+def write_config(
+    root: Path,
+    keys: RedKeys,
+    channels: dict[str, bool],
+    *,
+    replay: dict[str, Any] | None = None,
+    **red: Any,
+) -> Config:
     chans = "\n".join(
         f'[[channels]]\nname = "{n}"\nencrypt = {str(enc).lower()}\n'
         f"recipients = {json.dumps(keys.recipients)}\n"
@@ -85,6 +96,8 @@ black_signers = ["{keys.black_fpr}"]
 gnupg_home = "{keys.red_home}"
 {RED_DIRS_TOML}{extra}
 """
+    if replay is not None:
+        text += "\n[red.replay]\n" + "\n".join(f"{k} = {json.dumps(v)}" for k, v in replay.items())
     root.mkdir(parents=True, exist_ok=True)
     p = root / "diode.toml"
     p.write_text(text)
@@ -184,9 +197,36 @@ class RedJob:
         assert lines, f"red job {self.tag} printed no summary:\n{self.tail()}"
         return dict(json.loads(lines[-1]))
 
+    def errors(self, n: int = 15) -> str:
+        """The first error lines of the job's stderr (its log and Python's tracebacks)."""
+        text = self.stderr_path.read_text(errors="replace") if self.stderr_path.exists() else ""
+        hits = [x[:600] for x in text.splitlines() if "rror" in x or "xception" in x]
+        return "\n".join(hits[:n])
+
     def tail(self, n: int = 40) -> str:
         text = self.stderr_path.read_text(errors="replace") if self.stderr_path.exists() else ""
         return "\n".join(text.splitlines()[-n:])
+
+
+class Publisher:
+    """``diode red replay`` (the replay publisher) in its own process group."""
+
+    def __init__(self, cfg: Config, tag: str) -> None:
+        assert cfg.source is not None
+        log = Path(cfg.source).parent / "logs" / f"{tag}.log"
+        log.parent.mkdir(exist_ok=True)
+        env = dict(os.environ, PYTHONPATH=str(REPO), DIODE_LOG_FORMAT="json")
+        with open(log, "wb") as out:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-c", "from bridge.cli import main; main()",
+                 "red", "replay", "--config", str(cfg.source)],
+                cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+            )  # fmt: skip
+
+    def kill(self) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait(timeout=30)
 
 
 def run_clean(cfg: Config, tag: str) -> dict[str, Any]:
@@ -204,7 +244,8 @@ def wait_until(cond: Callable[[], bool], timeout: float, what: str, job: RedJob)
             return
         if not job.running():
             pytest.fail(
-                f"red job {job.tag} exited ({job.proc.poll()}) before {what}:\n{job.tail()}"
+                f"red job {job.tag} exited ({job.proc.poll()}) before {what}:\n{job.errors()}\n"
+                f"...\n{job.tail()}"
             )
         time.sleep(0.1)
     pytest.fail(f"timed out after {timeout}s waiting for {what}:\n{job.tail()}")
@@ -496,13 +537,22 @@ def test_kill_9_while_a_committed_batch_is_still_being_applied(
     check_exactly_once(cfg, template.alpha + template.beta, [template.junk], [template.heartbeat])
 
 
-def test_random_kill_9_of_a_continuous_run_while_files_arrive(keys: RedKeys) -> None:
+def test_random_kill_9_of_the_job_and_the_publisher_while_files_arrive(
+    keys: RedKeys, red_vhost: Vhost
+) -> None:
     """Waves of bundles of two channels (shuffled, so out of order), each wave landed by a
-    continuous run that is SIGKILLed at a random moment after its first landing; a final
-    available-now run finishes. At least one kill must have interrupted work in progress."""
+    continuous run while the replay publisher tails ``messages`` into red RabbitMQ; both are
+    SIGKILLed at random moments after the wave's first landing, and restarted with the next
+    wave; a final available-now run and a final publisher run finish. At least one job kill
+    must have interrupted work in progress and one publisher kill must have left rows to
+    publish. Every landed message reaches red's exchange at least once (the publisher's order
+    under hold-back and restarts is tested in test_red_replay)."""
     rng = random.Random(20261122)
     root = keys.root / "random"
-    cfg = write_config(root, keys, CHANNELS, max_files_per_batch=2, settle_seconds=0.2)
+    replay = {"amqp_url": red_vhost.amqp_url, "approved": ["orders"], "in_flight": 32,
+              "batch_rows": 40}  # fmt: skip
+    cfg = write_config(root, keys, CHANNELS, replay=replay, max_files_per_batch=2,
+                       settle_seconds=0.2)  # fmt: skip
     made = root / "made"
     made.mkdir(parents=True)
     alpha = make_chain(made, keys, "alpha", 10, 30, encrypt=True)
@@ -511,18 +561,52 @@ def test_random_kill_9_of_a_continuous_run_while_files_arrive(keys: RedKeys) -> 
     order = list(bundles)
     rng.shuffle(order)
     waves = [order[i : i + 5] for i in range(0, len(order), 5)]
-    interrupted = 0
+    with Connection.open(red_vhost.amqp_url) as admin:  # as the rows declare it
+        admin.channel().exchange_declare("orders", "topic", durable=True,
+                                         arguments={"alternate-exchange": "unrouted"})  # fmt: skip
+        admin.channel().queue_declare("replayed", durable=True)  # the vhost goes with the test
+        admin.channel().queue_bind("replayed", "orders", "#")  # before anything is published
+    interrupted = publisher_cut = 0
     for i, wave in enumerate(waves):
         drop(cfg, *(b.path for b in wave))
         before = saved_land_seq(cfg)
         job = RedJob(cfg, "continuous", tag=f"kill{i}", timeout=JOB_TIMEOUT)
-        wait_until(lambda b=before: saved_land_seq(cfg) > b, 120, "a first landing", job)
-        time.sleep(rng.uniform(0.0, 1.5))
-        job.kill()
+        pub = Publisher(cfg, tag=f"publisher{i}")
+        try:
+            wait_until(lambda b=before: saved_land_seq(cfg) > b, 120, "a first landing", job)
+            time.sleep(rng.uniform(0.0, 1.5))
+            job.kill()
+            time.sleep(rng.uniform(0.0, 0.3))
+        finally:
+            pub.kill()
         intake = [p for p in (Path(cfg.red.work_dir) / "intake").iterdir() if p.name != "NEXT"]
         if intake or intent_path(cfg).exists() or list(Path(cfg.red.inbox).iterdir()):
             interrupted += 1
-    assert interrupted >= 1, "no kill hit a run with work in progress: the test proved nothing"
+        if Replayer(cfg).status()["exchanges"]["orders"]["lag_rows"]:
+            publisher_cut += 1
+    assert interrupted >= 1, "no job kill hit a run with work in progress: proved nothing"
+    assert publisher_cut >= 1, "no publisher kill left rows to publish: proved nothing"
     s = run_clean(cfg, "final")
     assert s["rejected"] == 0, s
     check_exactly_once(cfg, bundles, [], [])
+
+    final = Replayer(cfg).run(until_caught_up=True, timeout=120)
+    assert final.caught_up and not final.errors, final
+    want = Counter((m["channel"], m["seq"]) for m in table(cfg, "messages", ["channel", "seq"]))
+    got: Counter[tuple[str, int]] = Counter()
+    with Connection.open(red_vhost.amqp_url, client_name="test-red-consumer") as sink:
+        sink.channel().basic_consume("replayed", no_ack=True)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and set(got) != set(want):
+            got.update(body_key(d.body) for d in sink.poll(0.2).deliveries)
+        got.update(body_key(d.body) for d in sink.poll(0.5).deliveries)  # any stragglers
+    missing = sorted(set(want) - set(got))
+    assert not missing, f"{len(missing)} landed messages never published: {missing[:10]}"
+    assert set(got) == set(want), "published something that never landed"
+    print(f"published {got.total()} for {len(want)} rows; {interrupted} job kills mid-work, "
+          f"{publisher_cut} publisher kills with rows left")  # fmt: skip
+
+
+def body_key(body: bytes) -> tuple[str, int]:
+    doc = json.loads(body)
+    return doc["channel"], doc["seq"]
