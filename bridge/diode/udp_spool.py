@@ -454,8 +454,8 @@ class Reassembler:
     def save_unseen(self, now: float, *, force: bool = False) -> None:
         """Save the unseen-object state when due (at once after ``unseen`` records): with the
         size of ``gaps.jsonl`` it accounts for, so a restart reads only the records after."""
-        if not self.unseen.save_due(now, force=force):
-            return
+        if self._unwritten_gaps or not self.unseen.save_due(now, force=force):
+            return  # a state that settles ids whose records the disk refused would lose them
         if self.unseen.urgent:
             crash_point("udp.before_unseen_saved")  # records written, the state not yet saved
         try:

@@ -338,6 +338,8 @@ class Evidence:
         for n in itertools.count():
             dst = _candidate(folder, name, n)
             if linkable:
+                if not os.path.lexists(dst) and _reserved_for(dst, st) is False:
+                    continue  # reserved by another entry's interrupted rename
                 try:
                     os.link(src, dst, follow_symlinks=False)
                 except FileExistsError:

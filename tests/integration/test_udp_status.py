@@ -137,7 +137,7 @@ def test_status_shows_both_ends_of_a_live_link_then_a_dead_sender(
 
     tx.send_signal(signal.SIGKILL)  # the sender dies: its status file ages, heartbeats stop
     tx.wait(30)
-    time.sleep(2.5)
-    doc = _link(cfg)
-    assert doc["sender"]["age_seconds"] >= 2 and doc["receiver"]["age_seconds"] < 2
-    assert doc["receiver"]["heartbeat_age_seconds"] >= 2
+    time.sleep(4.0)
+    doc = _link(cfg)  # the receiver rewrites its status every second, the dead sender never
+    assert doc["sender"]["age_seconds"] >= 4 > doc["receiver"]["age_seconds"]
+    assert doc["receiver"]["heartbeat_age_seconds"] >= 2  # none since the kill

@@ -254,13 +254,18 @@ def test_a_renamed_entry_is_recorded_before_the_rename_and_resumed(
     assert reason["stored_as"] == "adir.1" and reason["file_type"] == "directory"
 
 
-def test_a_name_reserved_by_another_entry_is_not_taken(ev: Evidence, tmp_path: Path) -> None:
-    """A reason file without its entry (another entry's interrupted rename) keeps its name."""
+@pytest.mark.parametrize("kind", ["directory", "regular"])
+def test_a_name_reserved_by_another_entry_is_not_taken(
+    ev: Evidence, tmp_path: Path, kind: str
+) -> None:
+    """A reason file without its entry (another entry's interrupted rename) keeps its name,
+    whether the newcomer is renamed (a directory) or hard-linked (a file)."""
     day = tmp_path / "quarantine" / DAY
     day.mkdir()
     other = {"inode": "1:1", "reason": "not_regular_file"}
     (day / ("adir" + REASON_SUFFIX)).write_text(json.dumps(other))
-    dst = ev.quarantine(_mkdir(tmp_path / "adir"), "adir", "not_regular_file", {}, AT)
+    src = _mkdir(tmp_path / "adir") if kind == "directory" else _file(tmp_path / "adir", b"x")
+    dst = ev.quarantine(src, "adir", "not_regular_file", {}, AT)
     assert dst == day / "adir.1"
     assert json.loads((day / ("adir" + REASON_SUFFIX)).read_text()) == other
 
