@@ -58,7 +58,7 @@ import signal
 import threading
 import time
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -458,15 +458,7 @@ class Tap:
         main, dead = chans
         if self._consuming:
             self._cancel(main, dead)
-        quiet = time.monotonic()
-        deadline = quiet + PROOF_WAIT_S
-        while time.monotonic() - quiet < SETTLE_QUIET_S and time.monotonic() < deadline:
-            events = conn.poll(0.1)
-            for d in events.deliveries:
-                quiet = time.monotonic()
-                self._while_paused(d, chans, proofs)
-            for token in events.syncs:
-                proofs.answered(token)
+        self._pump_paused(conn, chans, proofs, lambda: False)
         if self._unsettled:
             return "a redelivery equal to several spooled records was handed back"
         for chan, queue in ((main, self.queue), (dead, self.dead_queue)):
@@ -606,14 +598,31 @@ class Tap:
             dead.basic_consume(self.dead_queue) if dead.number in proofs.behind else "",
         )
         self._consuming = any(self._tags)
+        self._pump_paused(
+            conn,
+            chans,
+            proofs,
+            lambda: (
+                self._unsettled
+                or all(self._caught_up(c.number, c is dead, proofs) for c in chans)
+                or self._stop.is_set()
+            ),
+        )
+        return None
+
+    def _pump_paused(
+        self,
+        conn: Connection,
+        chans: tuple[Channel, Channel],
+        proofs: _Proofs,
+        done: Callable[[], bool],
+    ) -> None:
+        """Paused: take deliveries (``_while_paused``) and proofs until ``done()``, or no
+        delivery for ``SETTLE_QUIET_S``, or ``PROOF_WAIT_S`` in all."""
         quiet = time.monotonic()
         deadline = quiet + PROOF_WAIT_S
         while (
-            not self._unsettled
-            and not all(self._caught_up(c.number, c is dead, proofs) for c in chans)
-            and time.monotonic() - quiet < SETTLE_QUIET_S
-            and time.monotonic() < deadline
-            and not self._stop.is_set()
+            not done() and time.monotonic() - quiet < SETTLE_QUIET_S and time.monotonic() < deadline
         ):
             events = conn.poll(0.1)
             for d in events.deliveries:
@@ -621,7 +630,6 @@ class Tap:
                 self._while_paused(d, chans, proofs)
             for token in events.syncs:
                 proofs.answered(token)
-        return None
 
     def _log_unsettled(self, why: str | None, proofs: _Proofs) -> None:
         if why is not None:
