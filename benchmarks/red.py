@@ -95,6 +95,7 @@ from bridge.red.job import RedRun  # noqa: E402
 from bridge.red.landing import Landing  # noqa: E402
 from bridge.red.tables import RedTables  # noqa: E402
 from bridge.red.verify import VerifyContext, verify_file  # noqa: E402
+from bridge.signals import exit_now  # noqa: E402
 from bridge.spark import get_spark  # noqa: E402
 
 KB = 1024
@@ -1161,7 +1162,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    code = main()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)  # delta-rs can abort at interpreter exit (NOTES.md): never fail a run on it
+    exit_now(main())

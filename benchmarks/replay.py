@@ -43,6 +43,7 @@ from bridge.logs import setup_logging  # noqa: E402
 from bridge.protocol.exchange import ExchangeDecl  # noqa: E402
 from bridge.red.replay import Replayer  # noqa: E402
 from bridge.red.tables import RedTables  # noqa: E402
+from bridge.signals import exit_now  # noqa: E402
 from tests.integration.test_red_replay import PLAIN, land, make_cfg, rows  # noqa: E402
 
 TARGET = 0.8
@@ -194,7 +195,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    code = main()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)  # delta-rs can abort at interpreter exit (NOTES.md): never fail a run on it
+    exit_now(main())

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -12,6 +11,7 @@ from typing import Any
 import click
 
 from bridge.errors import ConfigError, DiodeError
+from bridge.signals import exit_now
 
 __all__ = ["main", "cli"]
 
@@ -808,7 +808,7 @@ def demo(
 
 
 def main() -> None:
-    """Console entry point. Exits with os._exit after flushing (delta-rs can abort at exit)."""
+    """Console entry point; exits through ``exit_now`` (delta-rs can abort at interpreter exit)."""
     code = 0
     try:
         cli.main(standalone_mode=False)
@@ -819,9 +819,7 @@ def main() -> None:
     except click.ClickException as e:
         e.show()
         code = e.exit_code
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+    exit_now(code)
 
 
 if __name__ == "__main__":

@@ -1,14 +1,16 @@
-"""Both sides: stop a long-running loop cleanly on SIGTERM / SIGINT (main thread only)."""
+"""Both sides, process life: stop a loop cleanly on SIGTERM / SIGINT; exit without teardown."""
 
 from __future__ import annotations
 
+import os
 import signal
+import sys
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-__all__ = ["stop_on_signals"]
+__all__ = ["exit_now", "stop_on_signals"]
 
 
 @contextmanager
@@ -26,3 +28,11 @@ def stop_on_signals(stop: threading.Event) -> Iterator[threading.Event]:
     finally:
         for signum, handler in saved.items():
             signal.signal(signum, handler)
+
+
+def exit_now(code: int) -> None:
+    """Flush stdout and stderr, then end the process with ``code`` and no interpreter teardown:
+    delta-rs can abort at interpreter exit (NOTES.md), which must never fail a finished run."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 
 
@@ -51,7 +50,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    code = main()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)  # delta-rs can abort at interpreter exit (NOTES.md): never fail a run on it
+    from bridge.signals import exit_now
+
+    exit_now(main())
