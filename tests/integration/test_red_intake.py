@@ -520,6 +520,17 @@ Intake(root / "inbox", root / "work", ev, 0.0).scan(0.0)
 """
 
 
+def _scan_and_die(dirs: Dirs, point: str) -> None:
+    """One intake scan in its own process with crash point ``point`` armed: it must die there
+    by SIGKILL."""
+    mark = dirs.root / "crash.mark"
+    env = {**os.environ, **crash_env(point, mark), "PYTHONPATH": str(REPO)}
+    r = subprocess.run(
+        [sys.executable, "-c", _SCAN_AND_DIE, str(dirs.root)], env=env, timeout=60, check=False
+    )
+    assert r.returncode == -signal.SIGKILL and crash_marks(mark) == [point]
+
+
 def _records(dirs: Dirs) -> list[dict[str, str]]:
     return [json.loads(p.read_bytes()) for p in sorted((dirs.work / "audit-pending").iterdir())]
 
@@ -530,12 +541,7 @@ def test_a_kill_inside_a_quarantine_leaves_its_audit_record_once(dirs: Dirs) -> 
     scan finishes the move and writes the same record, not a second one."""
     dirs.intake()  # the folders
     dirs.put("junk name.txt")
-    mark = dirs.root / "crash.mark"
-    env = {**os.environ, **crash_env("red.quarantine_before_drop", mark), "PYTHONPATH": str(REPO)}
-    r = subprocess.run(
-        [sys.executable, "-c", _SCAN_AND_DIE, str(dirs.root)], env=env, timeout=60, check=False
-    )
-    assert r.returncode == -signal.SIGKILL and crash_marks(mark) == ["red.quarantine_before_drop"]
+    _scan_and_die(dirs, "red.quarantine_before_drop")
     assert (dirs.inbox / "junk name.txt").exists(), "the crash did not hit the window"
     (q,) = dirs.quarantined()
     (doc,) = _records(dirs)
@@ -554,12 +560,7 @@ def test_a_kill_before_an_entrys_rename_leaves_its_reason_and_record(dirs: Dirs)
     audit record already durable, and the next scan renames it into the reserved name."""
     dirs.intake()  # the folders
     (dirs.inbox / "a-directory").mkdir()
-    mark = dirs.root / "crash.mark"
-    env = {**os.environ, **crash_env("red.evidence_before_rename", mark), "PYTHONPATH": str(REPO)}
-    r = subprocess.run(
-        [sys.executable, "-c", _SCAN_AND_DIE, str(dirs.root)], env=env, timeout=60, check=False
-    )
-    assert r.returncode == -signal.SIGKILL and crash_marks(mark) == ["red.evidence_before_rename"]
+    _scan_and_die(dirs, "red.evidence_before_rename")
     assert (dirs.inbox / "a-directory").is_dir(), "the crash did not hit the window"
     (doc,) = _records(dirs)
     assert doc["reason"] == REASON_NOT_REGULAR

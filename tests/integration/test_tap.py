@@ -493,6 +493,42 @@ def test_lost_spool_becomes_a_gap_not_silence(black_vhost: Any, tmp_path: Path) 
     assert st is not None and st.counters.get("lost_spool_lost") == 50
 
 
+def _crash_before_the_dead_letters_ack(
+    vhost: Any, tmp_path: Path, queue_type: str
+) -> tuple[Config, list[tuple[bytes, bytes]], list[str], dict[str, str]]:
+    """25 messages into a mirror queue limited to 10 (the broker dead-letters the oldest 15),
+    then a tap process killed after a group holding dead letters is durable and its mirror
+    ack sent, before the dead queue's ack (``tap.before_dead_ack``, asserted). Returns the
+    config, what was published, the routing keys and the env that armed the point (its mark
+    now disarms it)."""
+    cfg = write_config(tmp_path, vhost.amqp_url, queue_type, group_messages=4, prefetch=50)
+    setup_mirror(cfg, vhost.amqp_url)
+    _limit_policy(vhost.name, **{"max-length": 10})
+    _wait_policy(vhost.name)
+    sent = messages(25)
+    keys = [f"k{i}" for i in range(25)]
+    publish_raw(vhost.amqp_url, sent, keys)  # the broker drops the oldest 15
+    mark = tmp_path / "crash.mark"
+    env = dict(os.environ, **crash_env("tap.before_dead_ack", mark), PYTHONPATH=str(REPO))
+    first = _tap_process(cfg, env)
+    assert first.returncode == -9, first.stderr.decode(errors="replace")[-2000:]
+    assert crash_marks(mark) == ["tap.before_dead_ack"], "the crash must hit the window"
+    return cfg, sent, keys, env
+
+
+def _each_loss_recorded_once(cfg: Config, keys: list[str]) -> list[dict[str, Any]]:
+    """The spool's rows, gapless, with one lost record per dropped message (the first 15
+    keys), each with its own exchange, routing key and reason."""
+    rows = spooled(cfg)
+    assert [r["pos"] for r in rows] == list(range(len(rows)))
+    lost = [r for r in rows if r["kind"] == KIND_LOST]
+    assert len(lost) == 15, f"{len(lost)} losses recorded for 15 dropped messages"
+    assert [(r["exchange"], r["routing_key"], r["reason"]) for r in lost] == [
+        ("ev", k, "maxlen") for k in keys[:15]
+    ]
+    return rows
+
+
 @pytest.mark.parametrize("queue_type", ["classic", "quorum"])
 def test_a_crash_before_the_dead_letters_ack_records_each_loss_once(
     black_vhost: Any, tmp_path: Path, queue_type: str
@@ -502,30 +538,13 @@ def test_a_crash_before_the_dead_letters_ack_records_each_loss_once(
     recognises each from the fingerprint its lost record keeps and skips it. The loss is
     counted exactly (15 dropped, 15 lost seqs), with each message's own exchange and routing
     key (from x-death), not the dead-letter routing key."""
-    cfg = write_config(tmp_path, black_vhost.amqp_url, queue_type, group_messages=4, prefetch=50)
-    setup_mirror(cfg, black_vhost.amqp_url)
-    _limit_policy(black_vhost.name, **{"max-length": 10})
-    _wait_policy(black_vhost.name)
-    sent = messages(25)
-    keys = [f"k{i}" for i in range(25)]
-    publish_raw(black_vhost.amqp_url, sent, keys)  # the broker drops the oldest 15
-    mark = tmp_path / "crash.mark"
-    env = dict(os.environ, **crash_env("tap.before_dead_ack", mark), PYTHONPATH=str(REPO))
-    first = _tap_process(cfg, env)
-    assert first.returncode == -9, first.stderr.decode(errors="replace")[-2000:]
-    assert crash_marks(mark) == ["tap.before_dead_ack"], "the crash must hit the window"
+    cfg, sent, keys, env = _crash_before_the_dead_letters_ack(black_vhost, tmp_path, queue_type)
     recorded = sum(1 for r in spooled(cfg) if r["kind"] == KIND_LOST)
     assert recorded >= 1  # durable, their ack never sent
     second = _tap_process(cfg, env)  # the mark disarms the point: this run drains the rest
     assert second.returncode == 0, second.stderr.decode(errors="replace")[-2000:]
-    rows = spooled(cfg)
-    assert [r["pos"] for r in rows] == list(range(len(rows)))
-    lost = [r for r in rows if r["kind"] == KIND_LOST]
+    rows = _each_loss_recorded_once(cfg, keys)
     kept = [r for r in rows if r["kind"] == KIND_MESSAGE]
-    assert len(lost) == 15, f"{len(lost)} losses recorded for 15 dropped messages"
-    assert [(r["exchange"], r["routing_key"], r["reason"]) for r in lost] == [
-        ("ev", k, "maxlen") for k in keys[:15]
-    ]
     assert [(r["routing_key"], r["body"]) for r in kept] == [
         (k, b) for k, (_, b) in zip(keys[15:], sent[15:], strict=True)
     ]
@@ -581,18 +600,7 @@ def test_dead_letters_redelivered_after_other_traffic_are_still_recorded_once(
     messages, and stops. Those proofs say nothing of the dead queue: the lost records stay
     after ``acked_through``, so the next run still recognises their dead letters and each
     loss is counted once (before, the second run recorded them all again)."""
-    cfg = write_config(tmp_path, black_vhost.amqp_url, queue_type, group_messages=4, prefetch=50)
-    setup_mirror(cfg, black_vhost.amqp_url)
-    _limit_policy(black_vhost.name, **{"max-length": 10})
-    _wait_policy(black_vhost.name)
-    sent = messages(25)
-    keys = [f"k{i}" for i in range(25)]
-    publish_raw(black_vhost.amqp_url, sent, keys)  # the broker drops the oldest 15
-    mark = tmp_path / "crash.mark"
-    env = dict(os.environ, **crash_env("tap.before_dead_ack", mark), PYTHONPATH=str(REPO))
-    first = _tap_process(cfg, env)
-    assert first.returncode == -9, first.stderr.decode(errors="replace")[-2000:]
-    assert crash_marks(mark) == ["tap.before_dead_ack"], "the crash must hit the window"
+    cfg, sent, keys, _ = _crash_before_the_dead_letters_ack(black_vhost, tmp_path, queue_type)
     recorded = [r["pos"] for r in spooled(cfg) if r["kind"] == KIND_LOST]
     assert recorded  # durable, their dead letters never acked
     _drop_policy(black_vhost.name)
@@ -622,13 +630,7 @@ def test_dead_letters_redelivered_after_other_traffic_are_still_recorded_once(
     assert second.acked_through < recorded[0], "a loss whose dead letter may come back is proven"
     holder.close()  # the dead letters go back to the dead queue
     Tap(cfg, "main", until_empty=True).run()
-    rows = spooled(cfg)
-    assert [r["pos"] for r in rows] == list(range(len(rows)))
-    lost = [r for r in rows if r["kind"] == KIND_LOST]
-    assert len(lost) == 15, f"{len(lost)} losses recorded for 15 dropped messages"
-    assert [(r["exchange"], r["routing_key"], r["reason"]) for r in lost] == [
-        ("ev", k, "maxlen") for k in keys[:15]
-    ]
+    rows = _each_loss_recorded_once(cfg, keys)
     kept = [r["body"] for r in rows if r["kind"] == KIND_MESSAGE]
     assert kept == [b for _, b in sent[15:]] + [b for _, b in more]
     st = tap_status(cfg, "main")

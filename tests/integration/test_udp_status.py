@@ -17,37 +17,25 @@ import pytest
 
 from bridge.demo.udp_link import free_udp_port, stop_process
 from bridge.diode.udp_key import generate_key_file
+from tests.integration.test_udp_receive import receiver_config
 from tests.support import REPO
 
 NAME = "u1.000000000001.0123456789abcdef0123456789abcdef.dbundle"
 
 
 def _config(tmp: Path, port: int) -> Path:
-    path = tmp / "diode.toml"
-    path.write_text(f"""
-[[channels]]
-name = "u1"
-encrypt = false
-transport = "udp"
-
+    """The receiver's config (``receiver_config``) plus black's outbox and the sender's
+    section: both ends of the link from one file, as on this one machine."""
+    path = receiver_config(tmp, port)
+    with open(path, "a") as f:
+        f.write(f"""
 [black]
 outbox = "black/outbox"
-state_dir = "black/state"
-
-[red]
-inbox = "red/inbox"
-state_dir = "red/state"
-
-[udp]
-key_file = "udp.key"
 
 [udp.send]
 destination = "127.0.0.1:{port}"
 heartbeat_seconds = 0.3
 scan_seconds = 0.05
-
-[udp.receive]
-bind = "127.0.0.1:{port}"
 """)
     return path
 
