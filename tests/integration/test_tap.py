@@ -28,7 +28,6 @@ from bridge.black.spool import KIND_LOST, KIND_MESSAGE, SpoolReader
 from bridge.black.state import ChannelState, StateStore
 from bridge.black.tap import POSSIBLE_DUPLICATE, REENCODED, Tap, order_free, tap_status
 from bridge.config import Config, load_config
-from bridge.faults import CRASH_ENV, MARK_ENV
 from bridge.metrics import REGISTRY
 from bridge.protocol.properties import (
     ByteArray,
@@ -170,6 +169,18 @@ def _tap_process(cfg: Config, env: dict[str, str]) -> subprocess.CompletedProces
     )  # fmt: skip
 
 
+def _tap_killed_at(cfg: Config, tmp_path: Path, point: str, nth: int = 1) -> dict[str, str]:
+    """Run ``black tap --until-empty`` with crash point ``point`` armed for its ``nth`` hit:
+    it must die there by SIGKILL (asserted). Returns the env that armed it; the mark it left
+    disarms the point, so a process run with it again drains normally."""
+    mark = tmp_path / "crash.mark"
+    env = dict(os.environ, **crash_env(point, mark, nth), PYTHONPATH=str(REPO))
+    first = _tap_process(cfg, env)
+    assert first.returncode == -9, first.stderr.decode(errors="replace")[-2000:]
+    assert crash_marks(mark) == [point], "the crash must hit the window it names"
+    return env
+
+
 @pytest.mark.parametrize(
     "point,queue_type",
     [("tap.after_sync", "classic"), ("tap.after_ack", "classic"), ("tap.after_sync", "quorum")],
@@ -184,12 +195,7 @@ def test_kill_between_fsync_and_ack_duplicates_nothing(
     setup_mirror(cfg, black_vhost.amqp_url)
     sent = messages(500)
     publish_raw(black_vhost.amqp_url, sent)
-    mark = tmp_path / "crash.mark"
-    env = dict(os.environ, **{CRASH_ENV: f"{point}:3", MARK_ENV: str(mark)})
-    env["PYTHONPATH"] = str(REPO)
-    first = _tap_process(cfg, env)
-    assert first.returncode == -9, first.stderr.decode(errors="replace")[-2000:]
-    assert mark.read_text().split() == [point], "the crash must hit the window it names"
+    env = _tap_killed_at(cfg, tmp_path, point, nth=3)
     assert len(spooled(cfg)) >= 150  # three groups were durable before the kill
     second = _tap_process(cfg, env)  # the mark disarms the point: this run drains the rest
     assert second.returncode == 0, second.stderr.decode(errors="replace")[-2000:]
@@ -219,12 +225,7 @@ def test_a_crash_among_byte_identical_messages_loses_none_and_marks_possible_dup
     setup_mirror(cfg, black_vhost.amqp_url)
     same = (encode_properties(Properties(delivery_mode=2)), b"ping")
     publish_raw(black_vhost.amqp_url, [same] * 500)
-    mark = tmp_path / "crash.mark"
-    env = dict(os.environ, **{CRASH_ENV: "tap.after_sync:3", MARK_ENV: str(mark)})
-    env["PYTHONPATH"] = str(REPO)
-    first = _tap_process(cfg, env)
-    assert first.returncode == -9, first.stderr.decode(errors="replace")[-2000:]
-    assert mark.read_text().split() == ["tap.after_sync"], "the crash must hit the window"
+    env = _tap_killed_at(cfg, tmp_path, "tap.after_sync", nth=3)
     durable = len(spooled(cfg))
     assert durable >= 150
     second = _tap_process(cfg, env)
@@ -508,11 +509,7 @@ def _crash_before_the_dead_letters_ack(
     sent = messages(25)
     keys = [f"k{i}" for i in range(25)]
     publish_raw(vhost.amqp_url, sent, keys)  # the broker drops the oldest 15
-    mark = tmp_path / "crash.mark"
-    env = dict(os.environ, **crash_env("tap.before_dead_ack", mark), PYTHONPATH=str(REPO))
-    first = _tap_process(cfg, env)
-    assert first.returncode == -9, first.stderr.decode(errors="replace")[-2000:]
-    assert crash_marks(mark) == ["tap.before_dead_ack"], "the crash must hit the window"
+    env = _tap_killed_at(cfg, tmp_path, "tap.before_dead_ack")
     return cfg, sent, keys, env
 
 
@@ -668,11 +665,7 @@ def test_a_tap_restarted_after_acks_never_proven_does_not_stay_paused(
     sent = [(encode_properties(Properties(message_id=f"m{i}")), bytes([i]) * 1_000_000)
             for i in range(24)]  # fmt: skip
     publish_raw(black_vhost.amqp_url, sent[:12])
-    mark = tmp_path / "crash.mark"
-    env = dict(os.environ, **crash_env("tap.after_ack", mark), PYTHONPATH=str(REPO))
-    first = _tap_process(cfg, env)
-    assert first.returncode == -9, first.stderr.decode(errors="replace")[-2000:]
-    assert crash_marks(mark) == ["tap.after_ack"], "the crash must hit the window"
+    _tap_killed_at(cfg, tmp_path, "tap.after_ack")
     deadline = time.monotonic() + 20
     while True:  # the broker dropped the dead tap's consumer; it had applied the ack
         with Connection.open(black_vhost.amqp_url) as conn:
@@ -729,11 +722,7 @@ def test_a_paused_tap_settles_without_taking_messages_it_would_hand_back(
     sent = [(encode_properties(Properties(message_id=f"m{i}")), bytes([i]) * 1_000_000)
             for i in range(24)]  # fmt: skip
     publish_raw(black_vhost.amqp_url, sent[:12])
-    mark = tmp_path / "crash.mark"
-    env = dict(os.environ, **crash_env("tap.after_ack", mark), PYTHONPATH=str(REPO))
-    first = _tap_process(cfg, env)
-    assert first.returncode == -9, first.stderr.decode(errors="replace")[-2000:]
-    assert crash_marks(mark) == ["tap.after_ack"], "the crash must hit the window"
+    _tap_killed_at(cfg, tmp_path, "tap.after_ack")
     assert SpoolReader(Path(cfg.black.spool_dir), "main").durable_end() == 12
     StateStore(Path(cfg.black.state_dir)).save(ChannelState("main", last_seq=11))  # shipped
     publish_raw(black_vhost.amqp_url, sent[12:])
