@@ -146,10 +146,17 @@ def test_authentic_but_inconsistent_symbols_are_malformed() -> None:
         assert "epoch=9 packet=1" in str(e.value)
 
 
-@given(u64, u64, st.dictionaries(channels, st.tuples(st.none() | st.integers(0, 10**12), u64)))
+@given(
+    u64,
+    u64,
+    st.dictionaries(channels, st.tuples(st.none() | st.integers(0, 10**12), u64)),
+    u64,
+)
 def test_link_heartbeat_round_trip(
-    epoch: int, packet: int, chans: dict[str, tuple[int | None, int]]
+    epoch: int, packet: int, chans: dict[str, tuple[int | None, int]], started: int
 ) -> None:
+    """The counters include ``objects_started`` (protocol §12.2), the receiver's evidence of
+    which object ids exist."""
     chans = dict(list(chans.items())[:20])
     hb = LinkHeartbeat(
         epoch,
@@ -157,7 +164,7 @@ def test_link_heartbeat_round_trip(
         1.7e9,
         2.0,
         {c: {"last_seq": last, "objects": n} for c, (last, n) in chans.items()},
-        {"datagrams": 5, "bytes": 7},
+        {"datagrams": 5, "bytes": 7, "objects_started": started},
     )
     assert CODEC.open(CODEC.seal_heartbeat(hb)) == hb
 
