@@ -27,7 +27,11 @@ Exactly once into the spool, whatever crashes:
   delivered a message that is none of them while no other consumer held its queue (the
   broker redelivers returned messages first), or its queue was empty with no consumer. The
   two channels' deliveries are not ordered with each other: the other channel's traffic
-  proves nothing for it (``_Proofs``).
+  proves nothing for it (``_Proofs``). A channel still behind is looked at again every
+  ``RECHECK_S`` (``Tap._recheck``): its consumer is cancelled and its queue checked, so a
+  queue whose records will never come back (the broker applied their acks before the crash)
+  and that gets no new message — typically the dead queue — does not hold ``acked_through``
+  until the spool is full, nor does another consumer that has gone since the tap connected.
 
 The tap pauses when the spool is full (quota or file system): it stops acking, waits for the
 proofs of the acks it sent, drops what is not durable and closes its connection, so the
@@ -113,6 +117,9 @@ reconnects to settle them."""
 SETTLE_QUIET_S = 0.3
 """Settling: consumers cancelled, how long no delivery must arrive before the tap looks at the
 queues."""
+RECHECK_S = 5.0
+"""Running, with an AMQP channel still behind (``_Proofs``): how often the tap looks again
+whether its queue can still redeliver (``Tap._recheck``)."""
 SPOOL_LOST = "spool_lost"
 MAX_LOST_SPOOL = 10_000_000
 IDLE_RECORD_S = 1.0
@@ -324,6 +331,7 @@ class Tap:
         # settling acks never proven (see the module doc), per connection:
         self._alone: set[int] = set()  # AMQP channels whose queue had no other consumer at start
         self._fresh: set[int] = set()  # AMQP channels that delivered a message not spooled yet
+        self._drained: set[int] = set()  # AMQP channels whose queue was seen unable to redeliver
         self._unsettled = False  # a delivery while paused may be a redelivery: settle nothing
 
     def stop(self) -> None:
@@ -433,10 +441,10 @@ class Tap:
         seen = self._spooled(d, dead, self._kept(d))
         if seen is None or seen == POSSIBLE_DUPLICATE:
             self._bump("handed_back")  # the broker requeues it when the connection closes
-            if seen is None:
-                self._fresh.add(chan.number)
-            else:
+            if seen is not None:
                 self._unsettled = True  # it may be a record's redelivery
+            elif d.consumer_tag in self._tags:  # not one a cancelled consumer had been sent
+                self._fresh.add(chan.number)
             return
         chan.ack(d.delivery_tag)
         proofs.sent(chan.number, chan.request_sync(), proofs.proven[chan.number])
@@ -722,6 +730,7 @@ class Tap:
         none it could redeliver, or if its queue is empty with no consumer: nothing held back
         can come any more."""
         self._fresh.clear()
+        self._drained.clear()
         self._unsettled = False
         self._alone.clear()
         behind = set()
@@ -739,10 +748,14 @@ class Tap:
     def _caught_up(self, chan: int, dead: bool, proofs: _Proofs) -> bool:
         """AMQP channel ``chan`` (``dead``: the dead queue's) is not behind, or it delivered
         every redelivery it owed: each record it could redeliver was recognised (none left,
-        none ambiguous), or — the only consumer of its queue since the connection began — it
+        none ambiguous), or — the only consumer of its queue since its consumer began — it
         delivered a message that is none of them (the broker redelivers returned messages
-        first)."""
-        if chan not in proofs.behind or (chan in self._fresh and chan in self._alone):
+        first), or its queue was seen empty with no consumer (``_recheck``)."""
+        if (
+            chan not in proofs.behind
+            or chan in self._drained
+            or (chan in self._fresh and chan in self._alone)
+        ):
             return True
         candidates, ambiguous = (
             (self._dead_candidates, self._dead_ambiguous)
@@ -750,6 +763,50 @@ class Tap:
             else (self._candidates, self._ambiguous)
         )
         return not ambiguous and not any(n > 0 for n in candidates.values())
+
+    def _recheck(self, chans: tuple[Channel, Channel], proofs: _Proofs) -> None:
+        """Running, consuming: look again at each channel still behind. Its consumer is
+        cancelled (what the broker sent before cancel-ok is read by the next poll) and its
+        queue checked. Empty with no consumer: nothing it holds can come back any more (a
+        record's ack the broker applied before a crash, its proof never recorded, leaves
+        nothing to wait for) — it is *drained*, and proven by its next sync. No other
+        consumer (the one there when the tap connected has gone, its messages back in the
+        queue): the new consumer is the queue's only one, so its first delivery that is no
+        spooled record proves it caught up (the broker redelivers returned messages first).
+        Then it consumes again."""
+        for i, (chan, queue) in enumerate(((chans[0], self.queue), (chans[1], self.dead_queue))):
+            n = chan.number
+            if self._caught_up(n, i == 1, proofs) or not self._tags[i]:
+                continue
+            chan.basic_cancel(self._tags[i])
+            info = chan.queue_declare(queue, passive=True)
+            if info.message_count == 0 and info.consumer_count == 0:
+                self._drained.add(n)
+                log_event(
+                    log, 20, "a queue that could still redeliver spooled records is empty with "
+                    "no consumer: none can come back", channel=self.channel, queue=queue,
+                    acked_through=proofs.through,
+                )  # fmt: skip
+            elif info.consumer_count == 0 and n not in self._alone:
+                self._alone.add(n)
+                self._fresh.discard(n)  # only the new consumer's deliveries count
+                log_event(
+                    log, 20, "the other consumer of a queue that could still redeliver spooled "
+                    "records has gone: the tap is its only consumer now", channel=self.channel,
+                    queue=queue, acked_through=proofs.through,
+                )  # fmt: skip
+            tags = list(self._tags)
+            tags[i] = chan.basic_consume(queue)
+            self._tags = (tags[0], tags[1])
+
+    def _prove_drained(
+        self, chan: Channel, unacked: bool, proofs: _Proofs, spool: SpoolWriter
+    ) -> None:
+        """A drained channel (``_recheck``) with nothing unacked and no proof on its way: ask
+        for the one that proves it caught up (its acks all sent before it)."""
+        n = chan.number
+        if n in proofs.behind and n in self._drained and not unacked and n not in proofs.latest:
+            proofs.sent(n, chan.request_sync(), spool.durable_end - 1, caught_up=True)
 
     def _consume(self, main: Any, dead: Any) -> None:
         self._tags = (main.basic_consume(self.queue), dead.basic_consume(self.dead_queue))
@@ -771,6 +828,7 @@ class Tap:
         proofs = _Proofs(spool.acked_through, (main.number, dead.number), behind)
         first_unsynced: float | None = None
         next_release = time.monotonic() + RELEASE_EVERY_S
+        recheck_at = time.monotonic() + RECHECK_S
         quiet_since = time.monotonic()
         cancelled = False  # until_empty: consumers stopped to see the queues settle
         while not self._stop.is_set():
@@ -860,6 +918,12 @@ class Tap:
                 # it costs nothing but a later release: tried again on the next quiet pass
                 with contextlib.suppress(SpoolFull):
                     spool.sync(confirmed)
+            self._prove_drained(main, last_main > acked_main, proofs, spool)
+            self._prove_drained(dead, last_dead > acked_dead, proofs, spool)
+            if now >= recheck_at:
+                if self._consuming and proofs.behind:
+                    self._recheck((main, dead), proofs)
+                recheck_at = now + RECHECK_S
             if now >= next_release:
                 self._release(spool)
                 next_release = now + RELEASE_EVERY_S
@@ -975,7 +1039,7 @@ class Tap:
                 # may hand it back unspooled: then nothing on this connection is settled
                 note = POSSIBLE_DUPLICATE
                 self._unsettled = True
-        if note != POSSIBLE_DUPLICATE:
+        if note != POSSIBLE_DUPLICATE and d.consumer_tag in self._tags:
             self._fresh.add(d.channel)
         exchange, rk = d.exchange, d.routing_key
         if not (exchange.isascii() and rk.isascii()):
@@ -1003,7 +1067,7 @@ class Tap:
             # hand it back unspooled: then nothing on this connection is settled
             self._group_records["dead_possible_duplicate"] += 1
             self._unsettled = True
-        else:
+        elif d.consumer_tag in self._tags:
             self._fresh.add(d.channel)
         headers = _headers(d.properties_raw)  # decoded once for every field read below
         death = _death(headers, self.queue)

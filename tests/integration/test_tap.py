@@ -695,6 +695,118 @@ def test_a_tap_restarted_after_acks_never_proven_does_not_stay_paused(
     assert queue_depth(black_vhost.amqp_url, QUEUE) == 0
 
 
+def _consumers_gone(url: str, *queues: str) -> None:
+    """Until the broker dropped a killed tap's consumers of ``queues``; asserts it had applied
+    the acks that tap sent (nothing left to redeliver)."""
+    deadline = time.monotonic() + 20
+    for queue in queues:
+        while True:
+            with Connection.open(url) as conn:
+                q = conn.channel().queue_declare(queue, passive=True)
+            if q.consumer_count == 0 or time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
+        assert (q.consumer_count, q.message_count) == (0, 0), (queue, q)
+
+
+def test_a_quiet_queue_that_will_never_redeliver_does_not_hold_acked_through(
+    black_vhost: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:  # fmt: skip
+    """SIGKILL after the acks of a group holding every dead letter, before their proof
+    (``tap.after_ack``): the broker applied them, so none comes back. When the tap restarts,
+    another consumer holds the dead queue (as a dead tap's connection the broker has not
+    dropped yet would), so the dead queue is *behind*; then that consumer goes and no dead
+    letter ever comes again. The tap looks again (``RECHECK_S``), finds the queue empty with no
+    consumer and proves it: ``acked_through`` follows the new messages (before, it stayed
+    where the crash left it until the spool filled, and the paused tap settled it)."""
+    monkeypatch.setattr("bridge.black.tap.RECHECK_S", 0.5)
+    caplog.set_level(logging.INFO, logger="bridge.black.tap")
+    cfg = write_config(
+        tmp_path, black_vhost.amqp_url, group_messages=100, group_seconds=2, prefetch=100
+    )
+    setup_mirror(cfg, black_vhost.amqp_url)
+    _limit_policy(black_vhost.name, **{"max-length": 10})
+    _wait_policy(black_vhost.name)
+    sent = messages(25)
+    keys = [f"k{i}" for i in range(25)]
+    publish_raw(black_vhost.amqp_url, sent, keys)  # the broker drops the oldest 15
+    _tap_killed_at(cfg, tmp_path, "tap.after_ack")
+    assert len(spooled(cfg)) == 25  # one group: the 10 kept and the 15 lost
+    _consumers_gone(black_vhost.amqp_url, QUEUE, QUEUE + ".dead")
+    holder, held = _hold(black_vhost.amqp_url, QUEUE + ".dead")
+    assert held == 0
+    more = [(encode_properties(Properties(message_id=f"more{i}")), f"more-{i}".encode())
+            for i in range(6)]  # fmt: skip
+    tap = Tap(cfg, "main")
+    th = threading.Thread(target=tap.run, daemon=True)
+    th.start()
+    try:
+        publish_raw(black_vhost.amqp_url, more[:3], ["more0", "more1", "more2"])
+        st = _await_status(cfg, th, lambda s: s.durable_end == 28, "new messages spooled", 20)
+        time.sleep(1.5)  # rechecks meanwhile: the other consumer is still there
+        st = tap_status(cfg, "main")
+        assert st is not None and st.acked_through < 24, "a queue another consumer holds proved"
+        holder.close()
+        publish_raw(black_vhost.amqp_url, more[3:], ["more3", "more4", "more5"])
+        st = _await_status(
+            cfg, th, lambda s: s.acked_through == 30, "acked_through followed", 20
+        )  # fmt: skip
+    finally:
+        tap.stop()
+        th.join(timeout=30)
+    assert any("empty with no consumer" in r.getMessage() for r in caplog.records)
+    assert not st.paused and st.counters.get("handed_back", 0) == 0, st
+    rows = _each_loss_recorded_once(cfg, keys)
+    kept = [r["body"] for r in rows if r["kind"] == KIND_MESSAGE]
+    assert kept == [b for _, b in sent[15:]] + [b for _, b in more]
+
+
+def test_a_behind_queue_whose_other_consumer_left_catches_up_while_busy(
+    black_vhost: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:  # fmt: skip
+    """SIGKILL after a group's acks, before their proof (``tap.after_ack``); the broker applied
+    them. The tap restarts while another consumer holds the mirror queue's backlog, so no
+    delivery can prove the queue caught up. Then that consumer goes, its backlog back in the
+    queue: never empty while it drains, but the tap looks again (``RECHECK_S``), sees it is
+    the only consumer, consumes afresh, and its next new message proves it. ``acked_through``
+    follows (before, it stayed where the crash left it until the spool filled)."""
+    monkeypatch.setattr("bridge.black.tap.RECHECK_S", 0.2)
+    caplog.set_level(logging.INFO, logger="bridge.black.tap")
+    # a message per group, fsynced and proven before the next: the backlog drains for a while
+    cfg = write_config(tmp_path, black_vhost.amqp_url, group_messages=1, prefetch=1)
+    setup_mirror(cfg, black_vhost.amqp_url)
+    sent = messages(1)
+    publish_raw(black_vhost.amqp_url, sent)
+    _tap_killed_at(cfg, tmp_path, "tap.after_ack")
+    assert len(spooled(cfg)) == 1
+    _consumers_gone(black_vhost.amqp_url, QUEUE)
+    backlog = [(encode_properties(Properties(message_id=f"b{i}")), f"b-{i}".encode())
+               for i in range(3000)]  # fmt: skip
+    publish_raw(black_vhost.amqp_url, backlog)
+    holder, held = _hold(black_vhost.amqp_url, QUEUE, prefetch=5000)
+    assert held == 3000
+    tap = Tap(cfg, "main")
+    th = threading.Thread(target=tap.run, daemon=True)
+    th.start()
+    try:
+        time.sleep(1.0)  # rechecks meanwhile: the other consumer is still there
+        st = tap_status(cfg, "main")
+        assert st is not None and st.durable_end == 1 and st.acked_through < 0, st
+        holder.close()  # the backlog goes back to the queue
+        st = _await_status(
+            cfg, th, lambda s: s.acked_through >= 20, "acked_through followed", 20
+        )  # fmt: skip
+        st = _await_status(cfg, th, lambda s: s.durable_end == 3001, "the backlog drained", 120)
+    finally:
+        tap.stop()
+        th.join(timeout=30)
+    assert any("the tap is its only consumer now" in r.getMessage() for r in caplog.records)
+    rows = spooled(cfg)
+    assert sorted(r["body"] for r in rows) == sorted(b for _, b in sent + backlog)
+
+
 UNSETTLED = "spooled records whose acks were never proven stay unreleased"
 
 
