@@ -542,16 +542,17 @@ def test_random_kill_9_of_the_job_and_the_publisher_while_files_arrive(
 ) -> None:
     """Waves of bundles of two channels (shuffled, so out of order), each wave landed by a
     continuous run while the replay publisher tails ``messages`` into red RabbitMQ; both are
-    SIGKILLed at random moments after the wave's first landing, and restarted with the next
-    wave; a final available-now run and a final publisher run finish. At least one job kill
-    must have interrupted work in progress and one publisher kill must have left rows to
-    publish. Every landed message reaches red's exchange at least once (the publisher's order
-    under hold-back and restarts is tested in test_red_replay)."""
+    SIGKILLed at random moments after the wave's first landing (the publisher first, while the
+    job may still land), and restarted with the next wave; a final available-now run and a
+    final publisher run finish. At least one job kill must have interrupted work in progress,
+    and one publisher kill must have hit it mid-replay: it had confirmed rows in that wave and
+    left landed rows unpublished. Every landed message reaches red's exchange at least once
+    (the publisher's order under hold-back and restarts is tested in test_red_replay)."""
     rng = random.Random(20261122)
     root = keys.root / "random"
     replay = {"amqp_url": red_vhost.amqp_url, "approved": ["orders"], "in_flight": 32,
               "batch_rows": 40}  # fmt: skip
-    cfg = write_config(root, keys, CHANNELS, replay=replay, max_files_per_batch=2,
+    cfg = write_config(root, keys, CHANNELS, replay=replay, max_files_per_batch=1,
                        settle_seconds=0.2)  # fmt: skip
     made = root / "made"
     made.mkdir(parents=True)
@@ -570,22 +571,26 @@ def test_random_kill_9_of_the_job_and_the_publisher_while_files_arrive(
     for i, wave in enumerate(waves):
         drop(cfg, *(b.path for b in wave))
         before = saved_land_seq(cfg)
+        confirmed = replayed(cfg)[0]
         job = RedJob(cfg, "continuous", tag=f"kill{i}", timeout=JOB_TIMEOUT)
         pub = Publisher(cfg, tag=f"publisher{i}")
         try:
             wait_until(lambda b=before: saved_land_seq(cfg) > b, 120, "a first landing", job)
-            time.sleep(rng.uniform(0.0, 1.5))
-            job.kill()
-            time.sleep(rng.uniform(0.0, 0.3))
+            wait_until(lambda c=confirmed: replayed(cfg)[0] > c, 60, "a first replay", job)
+            time.sleep(rng.uniform(0.0, 1.0))
+            pub.kill()
+            cut = replayed(cfg)
+            time.sleep(rng.uniform(0.0, 0.5))
         finally:
             pub.kill()
+            job.kill()
         intake = [p for p in (Path(cfg.red.work_dir) / "intake").iterdir() if p.name != "NEXT"]
         if intake or intent_path(cfg).exists() or list(Path(cfg.red.inbox).iterdir()):
             interrupted += 1
-        if Replayer(cfg).status()["exchanges"]["orders"]["lag_rows"]:
+        if cut[0] > confirmed and replayed(cfg)[1]:  # it had published; rows were left
             publisher_cut += 1
     assert interrupted >= 1, "no job kill hit a run with work in progress: proved nothing"
-    assert publisher_cut >= 1, "no publisher kill left rows to publish: proved nothing"
+    assert publisher_cut >= 1, "no publisher kill hit it mid-replay: proved nothing"
     s = run_clean(cfg, "final")
     assert s["rejected"] == 0, s
     check_exactly_once(cfg, bundles, [], [])
@@ -604,7 +609,15 @@ def test_random_kill_9_of_the_job_and_the_publisher_while_files_arrive(
     assert not missing, f"{len(missing)} landed messages never published: {missing[:10]}"
     assert set(got) == set(want), "published something that never landed"
     print(f"published {got.total()} for {len(want)} rows; {interrupted} job kills mid-work, "
-          f"{publisher_cut} publisher kills with rows left")  # fmt: skip
+          f"{publisher_cut} publisher kills mid-replay")  # fmt: skip
+
+
+def replayed(cfg: Config) -> tuple[int, int]:
+    """Exchange ``orders``: rows the publisher confirmed (its saved progress) and rows landed
+    after them (lag)."""
+    st = Replayer(cfg).status()["exchanges"].get("orders", {})
+    progress = st.get("progress") or {}
+    return int(progress.get("confirmed_rows") or 0), int(st.get("lag_rows") or 0)
 
 
 def body_key(body: bytes) -> tuple[str, int]:
