@@ -105,6 +105,10 @@ def link_status(cfg: Config) -> dict[str, Any]:
     for doc in (send, recv):
         if doc is not None and isinstance(doc.get("written_at"), int | float):
             doc["age_seconds"] = round(now - doc["written_at"], 1)
+    heard = recv.get("heartbeat_age_seconds") if recv is not None else None
+    if recv is not None and isinstance(heard, int | float) and "age_seconds" in recv:
+        # as of now, not of the receiver's last status write (a dead receiver writes none)
+        recv["heartbeat_age_seconds"] = round(heard + max(recv["age_seconds"], 0.0), 1)
     gaps = read_gap_records(Path(cfg.udp.receive.spool_dir))
     return {
         "transport": "udp",

@@ -129,3 +129,10 @@ def test_status_shows_both_ends_of_a_live_link_then_a_dead_sender(
     doc = _link(cfg)  # the receiver rewrites its status every second, the dead sender never
     assert doc["sender"]["age_seconds"] >= 4 > doc["receiver"]["age_seconds"]
     assert doc["receiver"]["heartbeat_age_seconds"] >= 2  # none since the kill
+
+    rx.send_signal(signal.SIGKILL)  # the receiver dies too: ages count on, as of now
+    rx.wait(30)
+    time.sleep(3.0)
+    later = _link(cfg)["receiver"]
+    assert later["age_seconds"] >= 3
+    assert later["heartbeat_age_seconds"] >= doc["receiver"]["heartbeat_age_seconds"] + 3
