@@ -243,11 +243,14 @@ def red_gaps_view(gaps: Mapping[str, Any]) -> RenderableType:
     udp = gaps.get("udp_transport_gaps")
     if udp:
         u = _table(f"UDP receiver gap records (last 50 of {len(udp)})", "channel", "kind",
-                   "seq", "reason", "blocks done")  # fmt: skip
+                   "seq", "reason", "blocks done", "epoch", "object ids")  # fmt: skip
         for r in udp[-50:]:
-            done = f"{r.get('blocks_done')}/{r.get('blocks_total')}"
+            total = r.get("blocks_total")
+            done = _NONE if total is None else f"{r.get('blocks_done')}/{total}"
+            last = r.get("object_id_last", r.get("object_id"))  # unseen: a range of ids
+            ids = _ranges([{"lo": r.get("object_id"), "hi": last}], "lo", "hi")
             u.add_row(_v(r.get("channel")), _v(r.get("kind")), _v(r.get("seq")),
-                      _v(r.get("reason")), done)  # fmt: skip
+                      _v(r.get("reason")), done, _v(r.get("epoch")), ids)  # fmt: skip
         parts.append(u)
     return Group(*parts)
 

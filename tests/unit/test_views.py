@@ -110,10 +110,16 @@ def test_red_gaps_lists_each_kind_of_gap() -> None:
         "declared_by_black": [{"channel": "ops", "seq_first": 100, "seq_last": 109,
                                "messages": 10, "reason": "maxlen", "bundle_seq": 3}],
         "udp_transport_gaps": [{"channel": "ops", "kind": "bundle", "seq": 6,
-                                "reason": "timeout", "blocks_done": 1, "blocks_total": 4}],
+                                "reason": "timeout", "blocks_done": 1, "blocks_total": 4,
+                                "epoch": 1795000000123, "object_id": 41},
+                               {"channel": None, "kind": None, "reason": "unseen",
+                                "epoch": 1795000000123, "object_id": 57,
+                                "object_id_last": 63, "objects": 7}],
     }  # fmt: skip
     out = _text(views.red_gaps_view(gaps))
-    for text in ("5-8", "CHG-1 [/rollback] [see ticket]", "100-109", "maxlen", "timeout", "1/4"):
+    for text in ("5-8", "CHG-1 [/rollback] [see ticket]", "100-109", "maxlen", "timeout", "1/4",
+                 "1795000000123", "41", "unseen", "57-63"):  # fmt: skip
         assert text in out, (text, out)
+    assert "None/None" not in out, out  # an unseen object had no blocks
     bare = _text(views.red_gaps_view({"open_transit_gaps": [], "declared_by_black": []}))
     assert "written off" not in bare and "UDP" not in bare
