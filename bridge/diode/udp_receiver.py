@@ -429,6 +429,7 @@ class _Receiver:
             finally:
                 with self.lock:
                     ra.flush_all()
+                    ra.wait_compactions()  # a stop leaves the new log in place, not a .tmp
                     self._count_decodes(ra)
                     ra.save_unseen(time.time(), force=True)
             while ra.ready:

@@ -20,9 +20,14 @@ object's SHA-256 check: the object is then expired as a gap, never delivered cor
 
 An open object takes about its size plus its unfinished blocks' symbols on disk, not twice its
 size: once the records of rebuilt blocks are most of ``symbols.log`` (and at least
-``compact_log_bytes``), ``data`` and ``blocks.done`` are fsynced, the unfinished blocks' symbols
-(held in their decoders) are written to ``symbols.log.tmp``, fsynced and renamed over the log.
-A crash at any point leaves the old log or the new one, each enough to go on with.
+``compact_log_bytes``), the log is compacted. The receive loop only takes a snapshot of the
+unfinished blocks' symbols (held in their decoders) and opens ``symbols.log.tmp``; a background
+thread fsyncs ``data`` and ``blocks.done`` (the rebuilt blocks' symbols are never dropped
+before), writes the snapshot to the temp file and fsyncs it, while the loop goes on appending to
+the old log (an fsync there would stall it long enough for the socket buffer to overflow). Then
+the loop copies over what it appended to the old log meanwhile and renames the temp file over
+the log. A crash at any point leaves the old log or the new one, each enough to go on with; a
+``symbols.log.tmp`` left behind is removed at the next start.
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ import json
 import os
 import shutil
 import struct
+import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -49,7 +55,7 @@ from bridge.diode.udp_fec import (
     fits_one_block,
 )
 from bridge.diode.udp_unseen import UnseenTracker
-from bridge.faults import crash_point
+from bridge.faults import crash_point, slow_point
 from bridge.fsutil import atomic_write_bytes, durable_mkdir, fsync_dir, pwritev_all, write_all
 from bridge.logs import get_logger, log_event
 from bridge.metrics import UDP
@@ -80,7 +86,8 @@ _FAILED_REMEMBERED = 10_000
 """Objects given up, superseded or refused that are remembered (their later symbols dropped)."""
 _COMPACT_LOG_BYTES = 16 << 20
 """An open object's ``symbols.log`` is compacted once its rebuilt blocks' records reach this
-many bytes and outweigh the unfinished blocks' (each compaction fsyncs about this much)."""
+many bytes and outweigh the unfinished blocks' (each compaction fsyncs about this much, on a
+background thread)."""
 _LOG = "symbols.log"
 _LOG_TMP = "symbols.log.tmp"
 
@@ -129,13 +136,86 @@ def _remember_bounded(seen: dict[tuple[int, int], None], key: tuple[int, int], c
         del seen[next(iter(seen))]
 
 
-def _log_records(decoders: dict[int, BlockDecoder]) -> list[bytes]:
-    """The ``symbols.log`` records of every symbol the decoders hold (unfinished blocks)."""
+def _log_records(snapshot: list[tuple[int, dict[int, bytes]]]) -> list[bytes]:
+    """The ``symbols.log`` records of the symbols in a snapshot of unfinished blocks."""
     out: list[bytes] = []
-    for b, dec in decoders.items():
-        for esi, payload in dec.symbols().items():
+    for b, syms in snapshot:
+        for esi, payload in syms.items():
             out += (_REC.pack(b, esi), payload)
     return out
+
+
+@dataclass(eq=False)
+class _Compaction:
+    """A rewrite of an object's ``symbols.log`` in flight. Until ``finished`` the background
+    thread owns ``data_fd`` and ``done_fd`` (duplicates: closing the object does not pull them
+    away), writes ``fd`` (``symbols.log.tmp``) and reads ``src`` (the old log) up to
+    ``readable``, which the receive loop moves on after each flush to the old log; then the
+    loop copies the little that is left and renames."""
+
+    obj: _Open
+    fd: int
+    src: int
+    data_fd: int
+    done_fd: int
+    snapshot: list[tuple[int, dict[int, bytes]]]
+    """Every symbol of the unfinished blocks when it began (payloads are immutable bytes)."""
+    start: int
+    """Bytes of the old log when it began: the snapshot replaces them."""
+    began: float
+    readable: int = 0
+    """Bytes of the old log written whole (set by the receive loop)."""
+    copied: int = 0
+    """Bytes of the old log in the new one: ``start``, then what the thread carried over."""
+    end: int = 0
+    """Bytes of the new log: the snapshot's records, then those carried over."""
+    error: Exception | None = None
+    finished: bool = False
+    thread: threading.Thread | None = None
+
+    def run(self) -> None:
+        """The background thread: fsyncs, writes the snapshot and fsyncs it, then carries over
+        what the loop appended to the old log meanwhile (not fsynced, as any append) until
+        what is left is small; touches only this job."""
+        try:
+            slow_point("udp.compaction")
+            os.fdatasync(self.data_fd)  # the rebuilt blocks, before their symbols go
+            os.fdatasync(self.done_fd)
+            self.end = pwritev_all(self.fd, _log_records(self.snapshot), 0)
+            self.snapshot = []
+            os.fsync(self.fd)
+            os.lseek(self.fd, self.end, os.SEEK_SET)
+            while (upto := self.readable) - self.copied >= _FLUSH_BYTES:
+                _copy_range(self.src, self.fd, self.copied, upto - self.copied, self.obj.path)
+                self.end += upto - self.copied
+                self.copied = upto
+        except Exception as e:  # reported by the receive loop, which keeps the old log
+            self.error = e
+        finally:
+            for fd in (self.data_fd, self.done_fd):
+                try:
+                    os.close(fd)
+                except OSError:
+                    pass
+            self.snapshot = []
+            self.finished = True
+
+
+def _close_in_background(*fds: int) -> None:
+    """Close descriptors on a short-lived thread: the last close of a file renamed over or
+    unlinked frees its blocks, milliseconds for a large log (not in the receive loop)."""
+
+    def close() -> None:
+        for fd in fds:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+
+    try:
+        threading.Thread(target=close, name="udp-close", daemon=True).start()
+    except RuntimeError:  # no thread to be had: close them here
+        close()
 
 
 @dataclass
@@ -158,6 +238,8 @@ class _Open:
     """Bytes of ``symbols.log``, with those still in ``pending``."""
     symbols: int = 0
     repairs_used: int = 0
+    compaction: _Compaction | None = None
+    """Its ``symbols.log`` compaction in flight, if one is."""
 
     def record(self) -> dict[str, Any]:
         return {
@@ -203,7 +285,9 @@ class Reassembler:
         self.remembered = _FAILED_REMEMBERED
         """Objects given up, superseded or refused whose keys are kept (each set apart)."""
         self.compacted = 0
-        """Compactions of a ``symbols.log``."""
+        """Compactions of a ``symbols.log`` (completed: the new log renamed into place)."""
+        self._compactions: list[_Compaction] = []
+        """Compactions in flight (or finished, not yet taken in), of open objects or not."""
         self.open: dict[tuple[int, int], _Open] = {}
         self.held = 0
         self.done: dict[tuple[int, int], str] = {}  # (epoch, oid) -> digest hex
@@ -423,6 +507,8 @@ class Reassembler:
             obj.logged += _REC.size + h.symbol_size
             if len(obj.pending) >= _FLUSH_BYTES:
                 self._flush(obj)
+                if obj.compaction is not None:
+                    self._compact_if_due(obj)  # its compaction may be done: take it in
             if self.decoder is not None and dec.needs_decode():  # else add() decoded it
                 self._decode_elsewhere(obj, b, dec)
             if self.held > self.max_held:
@@ -552,45 +638,98 @@ class Reassembler:
 
     # -- compaction of symbols.log ------------------------------------------------------
     def _compact_if_due(self, obj: _Open) -> None:
-        """Compact the object's ``symbols.log`` once the rebuilt blocks' records in it reach
-        ``compact_log_bytes`` and outweigh the unfinished blocks' (amortized: each byte logged
-        is copied at most about once more)."""
+        """Start compacting the object's ``symbols.log`` once the rebuilt blocks' records in it
+        reach ``compact_log_bytes`` and outweigh the unfinished blocks' (amortized: each byte
+        logged is copied at most about once more); take in its compaction once finished."""
+        if obj.compaction is not None:
+            if obj.compaction.finished:
+                self._finish_compaction(obj.compaction)
+            return  # one at a time; the next is judged at the next rebuilt block
         if obj.logged < self.compact_log_bytes:
             return  # the cheap test first: most objects never log this much
         if self.open.get((obj.epoch, obj.h.object_id)) is not obj:
             return  # complete (its files closed) or given up
         live = sum(d.received for d in obj.decoders.values()) * (_REC.size + obj.h.symbol_size)
         if obj.logged - live >= max(live, self.compact_log_bytes):
-            try:
-                self._compact(obj, live)
-            except OSError as e:  # the old log is whole: keep it, the object goes on
-                (obj.path / _LOG_TMP).unlink(missing_ok=True)
-                log_event(log, 30, "symbols.log compaction failed: the log is kept whole",
-                          path=str(obj.path), error=str(e))  # fmt: skip
+            self._start_compaction(obj)
 
-    def _compact(self, obj: _Open, live: int) -> None:
-        """Rewrite ``symbols.log`` with the unfinished blocks' symbols only (they are all in
-        their decoders, flushed or pending). The rebuilt blocks' data and indices are made
-        durable first: their symbols are never dropped before. Temp file, fsync, rename: a
-        crash leaves the old log or the new one. An OSError (a full disk) leaves the old log
-        in use (the caller removes the temp file): compaction only saves space."""
-        os.fdatasync(obj.data_fd)
-        os.fdatasync(obj.done_fd)
+    def _start_compaction(self, obj: _Open) -> None:
+        """Snapshot the unfinished blocks' symbols (all in their decoders once ``pending`` is
+        flushed: the old log is then exactly ``obj.logged`` bytes) and hand the fsyncs and the
+        writing of ``symbols.log.tmp`` to a background thread. A flush the disk refuses raises
+        (the caller gives the object up, as for any flush); any other failure keeps the old
+        log: compaction only saves space."""
+        self._flush(obj)
         tmp = obj.path / _LOG_TMP
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+        fds: list[int] = []
         try:
-            end = pwritev_all(fd, _log_records(obj.decoders), 0)
-            os.lseek(fd, end, os.SEEK_SET)  # later records are appended after these
-            os.fsync(fd)
-            os.replace(tmp, obj.path / _LOG)
-        except BaseException:
-            os.close(fd)
-            raise
-        old, obj.log_fd = obj.log_fd, fd
-        obj.pending = bytearray()
-        obj.logged = end
-        self.compacted += 1
-        os.close(old)
+            fds.append(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600))
+            fds.append(os.open(obj.path / _LOG, os.O_RDONLY | os.O_CLOEXEC))
+            fds += (os.dup(obj.data_fd), os.dup(obj.done_fd))
+            job = _Compaction(
+                obj, fd=fds[0], src=fds[1], data_fd=fds[2], done_fd=fds[3],
+                snapshot=[(b, d.symbols()) for b, d in obj.decoders.items()],
+                start=obj.logged, began=time.monotonic(), readable=obj.logged, copied=obj.logged,
+            )  # fmt: skip
+            job.thread = threading.Thread(target=job.run, name="udp-compaction", daemon=True)
+            job.thread.start()
+        except (OSError, RuntimeError) as e:  # EMFILE, ENOSPC, no thread: keep the old log
+            for fd in fds:
+                os.close(fd)
+            tmp.unlink(missing_ok=True)
+            log_event(log, 30, "symbols.log compaction failed: the log is kept whole",
+                      path=str(obj.path), error=str(e))  # fmt: skip
+            return
+        obj.compaction = job
+        self._compactions.append(job)
+
+    def _finish_compaction(self, job: _Compaction) -> None:
+        """Take in a finished compaction (receive loop): copy what was appended to the old log
+        since it began (whole records: pending symbols stay pending, for the new log) after
+        the snapshot, rename the temp file over the log, append to it from now on. Its object
+        closed meanwhile (complete or given up): the temp file is removed. An OSError (a full
+        disk) keeps the old log in use: compaction only saves space."""
+        self._compactions.remove(job)
+        obj, tmp = job.obj, job.obj.path / _LOG_TMP
+        if obj.compaction is job:
+            obj.compaction = None
+        error: Exception | None = job.error
+        if error is None and self.open.get((obj.epoch, obj.h.object_id)) is obj:
+            rest = obj.logged - len(obj.pending) - job.copied  # appended since the thread's copy
+            try:
+                os.lseek(job.fd, job.end, os.SEEK_SET)  # later records are appended after
+                _copy_range(job.src, job.fd, job.copied, rest, obj.path / _LOG)
+                os.replace(tmp, obj.path / _LOG)
+            except OSError as e:
+                error = e
+            else:
+                old, obj.log_fd = obj.log_fd, job.fd
+                obj.logged = job.end + rest + len(obj.pending)
+                self.compacted += 1
+                _close_in_background(old, job.src)  # the old log's blocks are freed there
+                carried = job.copied - job.start + rest
+                log_event(log, 20, "symbols.log compacted", path=str(obj.path),
+                          kept_bytes=job.end + rest - carried, carried_bytes=carried,
+                          seconds=round(time.monotonic() - job.began, 3))  # fmt: skip
+                crash_point("udp.after_symbols_log_compacted")  # the new log in use
+                return
+        tmp.unlink(missing_ok=True)  # its object's folder may be gone already: nothing to do
+        _close_in_background(job.fd, job.src)
+        if error is not None:
+            log_event(log, 30, "symbols.log compaction failed: the log is kept whole",
+                      path=str(obj.path), error=str(error))  # fmt: skip
+
+    def _take_compactions(self, *, wait: bool = False) -> None:
+        """Take in every finished compaction (waiting for those in flight if ``wait``)."""
+        for job in list(self._compactions):
+            if wait and job.thread is not None:
+                job.thread.join()
+            if job.finished:
+                self._finish_compaction(job)
+
+    def wait_compactions(self) -> None:
+        """Wait for the compactions in flight and take them in (recovery, tests, a stop)."""
+        self._take_compactions(wait=True)
 
     def _create(self, epoch: int, h: ObjectHeader, now: float) -> _Open:
         for key, o in list(self.open.items()):  # a restarted sender resends what was in flight
@@ -646,13 +785,17 @@ class Reassembler:
         if obj.pending:
             write_all(obj.log_fd, obj.pending)  # a full disk raises: the object is given up
             obj.pending = bytearray()
+            if obj.compaction is not None:
+                obj.compaction.readable = obj.logged  # whole records: the thread may copy them
 
     def flush_all(self) -> None:
+        """Write every object's pending symbols; take in the compactions that finished."""
         for obj in list(self.open.values()):
             try:
                 self._flush(obj)
             except OSError as e:
                 self.give_up(obj.epoch, obj.h, e)
+        self._take_compactions()
 
     def _close(self, obj: _Open) -> None:
         """Close the object's files; symbols not yet flushed are dropped: a closed object is
@@ -762,6 +905,7 @@ class Reassembler:
                 self.done[key] = h.digest.hex()  # later symbols are late, as in _block_done
                 self.ready.append(Delivery(epoch, h, path, obj.repairs_used))
             n += 1
+        self.wait_compactions()  # started while reopening: settled before the loop begins
         self._recover_unseen()
         return n
 
@@ -893,9 +1037,11 @@ def deliver(d: Delivery, name: str, offset: int, tmp_dir: Path, inbox: Path) -> 
 
 
 def _copy_range(fi: int, fo: int, offset: int, length: int, src: Path) -> None:
-    """``length`` bytes of ``fi`` from ``offset`` to ``fo``: in the kernel when it can (the
-    same filesystem), else read/write (copy_file_range refuses some cross-filesystem pairs)."""
+    """``length`` bytes of ``fi`` from ``offset`` to ``fo`` at its position: in the kernel
+    when it can (the same filesystem), else read/write (copy_file_range refuses some
+    cross-filesystem pairs). ``fo`` must end where it is written from."""
     left, pos = length, offset
+    base = os.lseek(fo, 0, os.SEEK_CUR)  # fo is written from its position on
     while left > 0:
         try:
             sent = os.copy_file_range(fi, fo, min(left, 1 << 26), pos)
@@ -914,7 +1060,7 @@ def _copy_range(fi: int, fo: int, offset: int, length: int, src: Path) -> None:
         write_all(fo, chunk)  # a short write (a full disk) never passes unnoticed
         pos += len(chunk)
         left -= len(chunk)
-    if (got := os.fstat(fo).st_size) != length:  # what is linked into the inbox is whole
+    if (got := os.fstat(fo).st_size - base) != length:  # what is linked into the inbox is whole
         raise OSError(f"copy of {src} is {got} bytes, not {length}")
 
 

@@ -30,9 +30,10 @@ from bridge.diode.udp_key import generate_key_file, load_key
 from bridge.diode.udp_receiver import ReceiveSummary, run_receiver
 from bridge.diode.udp_sender import envelope_prefix
 from bridge.diode.udp_spool import Reassembler
+from bridge.faults import SLOW_ENV
 from bridge.metrics import REGISTRY, UDP
 from bridge.protocol.datagram import DatagramCodec, LinkHeartbeat, ObjectHeader, ObjectKind
-from tests.support import json_lines, small_tmpfs
+from tests.support import crash_env, crash_marks, json_lines, small_tmpfs
 
 T = 256
 K = 16
@@ -370,10 +371,10 @@ def test_replayed_datagrams_of_a_delivered_file_are_late_and_deliver_nothing(rx:
 class RxProc:
     """`diode udp receive` as its own process, its output in a log file."""
 
-    def __init__(self, cfg_path: Path, log: Path) -> None:
+    def __init__(self, cfg_path: Path, log: Path, env: dict[str, str] | None = None) -> None:
         self.log = log
         (cfg_path.parent / "red" / "udp-spool" / "status.json").unlink(missing_ok=True)
-        env = dict(os.environ, DIODE_LOG_FORMAT="json", DIODE_LOG_LEVEL="INFO")
+        env = dict(os.environ, DIODE_LOG_FORMAT="json", DIODE_LOG_LEVEL="INFO", **(env or {}))
         with open(log, "wb") as out:
             self.proc = subprocess.Popen(
                 [sys.executable, "-c", "from bridge.cli import main; main()",
@@ -551,6 +552,67 @@ def test_a_receiver_killed_9_after_compacting_its_spool_completes_the_object(
     assert list((spool / "objects").iterdir()) == []
 
 
+def test_a_receiver_killed_9_right_after_a_slow_compaction_loses_nothing_it_took_meanwhile(
+    tmp_path: Path,
+) -> None:
+    """The object's first compaction takes 2 s (a slow disk, DIODE_SLOW_AT): the receive loop
+    goes on taking datagrams and appending them to the old log meanwhile, and carries them
+    into the new one. Killed -9 just after the new log is renamed into place, the restarted
+    receiver completes the object from it: blocks half received before the compaction (in
+    its snapshot) and while it ran (carried over)."""
+    port = free_udp_port()
+    generate_key_file(tmp_path / "udp.key")
+    cfg_path = receiver_config(tmp_path, port, expire_seconds=60.0)
+    codec = DatagramCodec(load_key(tmp_path / "udp.key"))
+    name = "u1.000000000001.0123456789abcdef0123456789abcdef.dbundle"
+    t, k, n = 8192, 64, 71  # 512 KiB blocks of 64 symbols and 7 repair symbols
+    body = os.urandom(64 * t * k - len(envelope_prefix(name)))
+    dg = datagrams(codec, 70, 1, name, body, repair=0.1, t=t, k=k)
+    block = [dg[b * n : (b + 1) * n] for b in range(64)]
+    # blocks 0-44 whole (the compaction begins after about 33, when the rebuilt blocks'
+    # records reach 16 MiB), the first 40 symbols of block 45 before blocks 30-44 and of
+    # block 46 after, all within the 2 s; the rest after the restart
+    first = [d for b in range(30) for d in block[b]] + block[45][:40]
+    first += [d for b in range(30, 45) for d in block[b]] + block[46][:40]
+    rest = block[45][40:] + block[46][40:] + [d for b in range(47, 64) for d in block[b]]
+    spool, inbox = tmp_path / "red" / "udp-spool", tmp_path / "red" / "inbox"
+    mark = tmp_path / "crash.marks"
+    crash = {**crash_env("udp.after_symbols_log_compacted", mark), SLOW_ENV: "udp.compaction:2"}
+    sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    rx = RxProc(cfg_path, tmp_path / "rx1.log", crash)
+    try:
+        _send_slowly(sock, port, first)
+        rx.proc.wait(timeout=60)  # the crash point, once the compaction is taken in
+        assert crash_marks(mark) == ["udp.after_symbols_log_compacted"]
+        (ev,) = [e for e in rx.events() if e.get("msg") == "symbols.log compacted"]
+        rec = 8 + t
+        assert ev["seconds"] >= 2 and ev["kept_bytes"] == 40 * rec, ev  # block 45's
+        # what the loop took during those 2 s, carried into the new log: blocks rebuilt
+        # meanwhile (their records dead now, 63 each) and block 46's 40 symbols
+        assert ev["carried_bytes"] >= (10 * 63 + 40) * rec, ev
+        assert _blocks_done(spool) == 45
+        (log,) = (spool / "objects").glob("*/symbols.log")
+        assert log.stat().st_size == ev["kept_bytes"] + ev["carried_bytes"]
+        assert not list((spool / "objects").glob("*/symbols.log.tmp"))
+
+        rx = RxProc(cfg_path, tmp_path / "rx2.log", crash)
+        started = [e for e in rx.events() if e.get("msg") == "udp receiver listening"]
+        assert started and started[0]["objects_rebuilt"] == 1
+        _send_slowly(sock, port, rest)
+        deadline = time.monotonic() + 30
+        while not (inbox / name).exists():
+            assert rx.proc.poll() is None, rx.log.read_text()[-3000:]
+            assert time.monotonic() < deadline, "the object did not complete after the restart"
+            time.sleep(0.05)
+        summary = rx.stop()
+    finally:
+        sock.close()
+        if rx.proc.poll() is None:
+            rx.kill9()
+    assert (inbox / name).read_bytes() == body
+    assert summary["objects_completed"] == 1 and read_gap_records(spool) == []
+
+
 def _send_slowly(sock: socket.socket, port: int, items: list[bytes]) -> None:
     """About 40 MB/s of 8 KiB datagrams: well below what the receiver takes."""
     for i, d in enumerate(items):
@@ -571,6 +633,7 @@ def test_an_object_larger_than_half_the_spool_disk_is_delivered(
     codec = DatagramCodec(os.urandom(32))
     for raw in datagrams(codec, 1, 1, "raw:", env, t=1024, k=64):
         ra.add(codec.open(raw), 1.0)  # type: ignore[arg-type]
+        ra.wait_compactions()  # a disk fast next to the link: each taken in at once
     assert read_gap_records(spool) == [] and ra.compacted > 0
     (d,) = ra.ready
     assert (d.path / "data").read_bytes() == env

@@ -7,12 +7,15 @@ from __future__ import annotations
 import hashlib
 import os
 import random
+import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from bridge.diode import udp_spool
 from bridge.diode.link_status import read_gap_records, read_new_gap_records
 from bridge.diode.udp_fec import block_count, block_plan, encode_block
 from bridge.diode.udp_sender import envelope_prefix
@@ -25,6 +28,7 @@ from bridge.diode.udp_spool import (
     verify_and_read_name,
 )
 from bridge.protocol.datagram import ObjectHeader, ObjectKind, Symbol
+from tests.support import small_tmpfs
 
 T = 64
 K = 8
@@ -64,6 +68,14 @@ def reassembler(root: Path, **kw: int) -> Reassembler:
 def feed(ra: Reassembler, syms: list[Symbol], now: float = 1.0) -> None:
     for s in syms:
         ra.add(s, now)
+
+
+def feed_settled(ra: Reassembler, syms: list[Symbol], now: float = 1.0) -> None:
+    """As ``feed``, each compaction taken in before the next symbol (a disk fast next to the
+    link: no record appended while one is in flight)."""
+    for s in syms:
+        ra.add(s, now)
+        ra.wait_compactions()
 
 
 def delivered(ra: Reassembler) -> list[bytes]:
@@ -537,7 +549,14 @@ def test_bytes_held_in_decoders_are_capped_by_evicting_the_oldest(tmp_path: Path
 
 
 def _close_files(ra: Reassembler) -> None:
-    """What a kill -9 does to the open files (the page cache keeps what was written)."""
+    """What a kill -9 does to the open files (the page cache keeps what was written). A
+    compaction in flight never gets its rename: its thread is let finish (nothing of it is
+    taken in), its ``symbols.log.tmp`` left behind."""
+    for job in ra._compactions:
+        assert job.thread is not None
+        job.thread.join()
+        os.close(job.fd)
+        os.close(job.src)
     for o in ra.open.values():
         for fd in (o.data_fd, o.done_fd, o.log_fd):
             os.close(fd)
@@ -711,7 +730,7 @@ def test_an_open_object_takes_about_its_rebuilt_bytes_on_disk_not_twice(tmp_path
     env, h, syms = _big_object(1)
     ra = reassembler(tmp_path, compact_log_bytes=256 << 10)
     cut = len(syms) * 9 // 10  # most blocks rebuilt, the last window half received
-    feed(ra, syms[:cut])
+    feed_settled(ra, syms[:cut])
     ra.flush_all()  # the worst case: every symbol received so far is on disk
     (obj,) = ra.open.values()
     assert 0.8 * h.block_count < len(obj.done) < h.block_count
@@ -733,7 +752,7 @@ def test_a_compacted_object_is_rebuilt_after_a_kill_and_completes(tmp_path: Path
     env, h, syms = _big_object(2)
     ra = reassembler(tmp_path, compact_log_bytes=256 << 10)
     cut = len(syms) * 2 // 3
-    feed(ra, syms[:cut])
+    feed_settled(ra, syms[:cut])
     ra.flush_all()
     assert ra.compacted > 0
     (obj,) = ra.open.values()
@@ -766,7 +785,7 @@ def test_a_kill_right_after_a_compaction_loses_no_symbol_it_kept(
     ra = reassembler(tmp_path, compact_log_bytes=256 << 10)
     i = 0
     while ra.compacted < compactions:
-        ra.add(order[i], 1.0)
+        feed_settled(ra, [order[i]])
         i += 1
     ra.flush_all()
     before = _state(ra)
@@ -803,6 +822,140 @@ def test_a_compaction_cut_short_by_a_kill_leaves_the_old_log_to_go_on_with(
     assert (obj_dir / "symbols.log").stat().st_size == sum(received.values()) * BIG_REC
     feed(ra2, syms[cut:])
     assert delivered(ra2) == [env]
+
+
+@pytest.fixture
+def held_compaction(monkeypatch: pytest.MonkeyPatch) -> Iterator[threading.Event]:
+    """Compactions stay in flight (their thread waits before its first fsync, as on a slow
+    disk) until the event is set."""
+    release = threading.Event()
+    real = udp_spool.slow_point
+
+    def slow(name: str) -> None:
+        if name == "udp.compaction":
+            release.wait(30)
+        real(name)
+
+    monkeypatch.setattr(udp_spool, "slow_point", slow)
+    yield release
+    release.set()
+
+
+def _until_compacting(ra: Reassembler, syms: list[Symbol]) -> int:
+    """Feed until a compaction is in flight; returns how many symbols that took."""
+    i = 0
+    while not ra._compactions:
+        ra.add(syms[i], 1.0)
+        i += 1
+    return i
+
+
+@pytest.mark.parametrize("kill", ["before_its_rename", "after_it"])
+def test_symbols_taken_while_a_compaction_is_in_flight_survive_a_kill(
+    tmp_path: Path, held_compaction: threading.Event, kill: str
+) -> None:
+    """The receive loop does not wait for a compaction: it goes on rebuilding blocks and
+    appending to the old log, and what it appended is carried into the new log (part by the
+    compaction's thread, the rest when the loop takes it in). Killed before the rename (the
+    old log holds everything) or after it (the new one does), nothing is lost."""
+    env, h, syms = _big_object(6)
+    ra = reassembler(tmp_path, compact_log_bytes=256 << 10)
+    i = _until_compacting(ra, syms)
+    (job,) = ra._compactions
+    (obj,) = ra.open.values()
+    log, tmp = obj.path / "symbols.log", obj.path / "symbols.log.tmp"
+    done_then = len(obj.done)
+    few: list[Symbol] = []
+    j = i + len(syms) // 4
+    feed(ra, syms[i:j])
+    ra.flush_all()  # as the loop does every 0.2 s; the compaction is still in flight
+    assert not job.finished and ra.compacted == 0 and tmp.exists()
+    assert len(obj.done) > done_then + 8  # blocks rebuilt meanwhile
+    assert log.stat().st_size == obj.logged > 2 * job.start  # every record in the old log
+    if kill == "after_it":
+        held_compaction.set()
+        assert job.thread is not None
+        job.thread.join()  # it carried what was flushed; what comes next, the loop carries
+        assert job.finished and job.error is None and job.copied == obj.logged > job.start
+        started = set(obj.done) | set(obj.decoders)
+        few = [s for s in syms[j:] if s.block not in started][:5]  # logged, none completes
+        feed(ra, few)  # pending, then flushed to the old log: the loop carries them over
+        ra.flush_all()
+        assert ra.compacted == 1 and job not in ra._compactions
+        assert log.stat().st_size == job.end + 5 * BIG_REC
+        ra.wait_compactions()  # the carried records are mostly dead: the next may be due
+        assert log.stat().st_size == obj.logged and not tmp.exists()
+    before = _state(ra)
+    held_compaction.set()  # before_its_rename: its thread finishes, its rename never comes
+    _close_files(ra)
+    if kill == "before_its_rename":
+        assert tmp.exists()
+    ra2 = reassembler(tmp_path, compact_log_bytes=256 << 10)
+    assert ra2.recover(1.0) == 1
+    assert _state(ra2) == before and not tmp.exists()
+    feed(ra2, [s for s in syms[j:] if s not in few])  # one lost in the swap stalls its block
+    assert delivered(ra2) == [env]
+
+
+@pytest.mark.parametrize("end", ["completed", "expired"])
+def test_an_object_that_ends_while_its_log_is_compacted_leaves_no_temp_file(
+    tmp_path: Path, held_compaction: threading.Event, end: str
+) -> None:
+    env, h, syms = _big_object(7)
+    ra = reassembler(tmp_path, compact_log_bytes=256 << 10)
+    i = _until_compacting(ra, syms)
+    (obj,) = ra.open.values()
+    if end == "completed":
+        feed(ra, syms[i:])
+        assert delivered(ra) == [env]
+    else:
+        assert ra.expire_idle(100.0, 60.0) == 1
+        assert not obj.path.exists()
+    assert not ra.open and ra._compactions
+    held_compaction.set()
+    ra.wait_compactions()
+    assert not ra._compactions and ra.compacted == 0
+    if end == "completed":
+        assert sorted(p.name for p in obj.path.iterdir()) == [
+            "blocks.done",
+            "data",
+            "meta.json",
+            "symbols.log",
+        ]
+        (d,) = ra.ready
+        assert verify_and_read_name(d) == (NAME, 2 + len(NAME))
+    else:
+        assert not obj.path.exists()  # nothing written back into the removed folder
+        assert [g["reason"] for g in read_gap_records(tmp_path)] == ["timeout"]
+
+
+def test_a_compaction_the_disk_refuses_keeps_the_old_log_and_the_object_goes_on(
+    held_compaction: threading.Event,
+) -> None:
+    """On a real small disk filled up while the compaction is in flight, its temp file cannot
+    be written: the old log stays in use, the object completes once there is room again."""
+    env = envelope(random.Random(8).randbytes(1536 << 10))  # 24 blocks of 64 KiB
+    h = header(31, env, t=BIG_T)
+    h = ObjectHeader(h.object_id, h.kind, h.channel, h.seq, h.length, h.digest, BIG_T, BIG_K)
+    syms = interleaved(9, h, env)
+    with small_tmpfs("4m", "udpspool") as disk:
+        ra = reassembler(disk / "spool", compact_log_bytes=128 << 10)
+        i = _until_compacting(ra, syms)
+        (job,) = ra._compactions
+        (obj,) = ra.open.values()
+        live = sum(d.received for d in obj.decoders.values()) * BIG_REC
+        st = os.statvfs(disk)
+        filler = disk / "filler"
+        filler.write_bytes(b"\0" * (st.f_bavail * st.f_frsize - live // 2))
+        held_compaction.set()
+        ra.wait_compactions()
+        assert isinstance(job.error, OSError) and "No space left" in str(job.error)
+        assert ra.compacted == 0 and not (obj.path / "symbols.log.tmp").exists()
+        assert (obj.path / "symbols.log").stat().st_size == obj.logged  # the old log, whole
+        filler.unlink()
+        feed_settled(ra, syms[i:])
+        assert delivered(ra) == [env] and ra.compacted > 0  # compacted once there was room
+        assert read_gap_records(disk / "spool") == []
 
 
 @settings(
