@@ -28,10 +28,10 @@ Exactly once into the spool, whatever crashes:
   broker redelivers returned messages first), or its queue was empty with no consumer. The
   two channels' deliveries are not ordered with each other: the other channel's traffic
   proves nothing for it (``_Proofs``). A channel still behind is looked at again every
-  ``RECHECK_S`` (``Tap._recheck``): its consumer is cancelled and its queue checked, so a
-  queue whose records will never come back (the broker applied their acks before the crash)
-  and that gets no new message — typically the dead queue — does not hold ``acked_through``
-  until the spool is full, nor does another consumer that has gone since the tap connected.
+  ``RECHECK_S`` (``Tap._recheck``), so neither another consumer that has gone since the tap
+  connected nor a queue whose records will never come back (the broker applied their acks
+  before the crash) and that gets no new message — typically the dead queue — holds
+  ``acked_through`` until the spool is full.
 
 The tap pauses when the spool is full (quota or file system): it stops acking, waits for the
 proofs of the acks it sent, drops what is not durable and closes its connection, so the
@@ -120,6 +120,10 @@ queues."""
 RECHECK_S = 5.0
 """Running, with an AMQP channel still behind (``_Proofs``): how often the tap looks again
 whether its queue can still redeliver (``Tap._recheck``)."""
+DRAINED_HOLD_S = 70.0
+"""How long a queue must stay empty with no consumer, read at every recheck, before nothing
+can come back from it: twice the AMQP heartbeat (30 s) and a margin. A connection the broker
+has not found dead yet may hold messages no count shows (a consumer it cancelled)."""
 SPOOL_LOST = "spool_lost"
 MAX_LOST_SPOOL = 10_000_000
 IDLE_RECORD_S = 1.0
@@ -329,9 +333,10 @@ class Tap:
         self._group_skips: Counter[str] = Counter()
         self._skip_tags: list[tuple[int, int]] = []  # (AMQP channel, tag) skipped, not acked
         # settling acks never proven (see the module doc), per connection:
-        self._alone: set[int] = set()  # AMQP channels whose queue had no other consumer at start
+        self._alone: set[int] = set()  # AMQP channels whose consumer is its queue's only one
         self._fresh: set[int] = set()  # AMQP channels that delivered a message not spooled yet
         self._drained: set[int] = set()  # AMQP channels whose queue was seen unable to redeliver
+        self._empty_since: dict[int, float] = {}  # AMQP channel -> first of its empty readings
         self._unsettled = False  # a delivery while paused may be a redelivery: settle nothing
 
     def stop(self) -> None:
@@ -731,6 +736,7 @@ class Tap:
         can come any more."""
         self._fresh.clear()
         self._drained.clear()
+        self._empty_since.clear()
         self._unsettled = False
         self._alone.clear()
         behind = set()
@@ -764,40 +770,57 @@ class Tap:
         )
         return not ambiguous and not any(n > 0 for n in candidates.values())
 
-    def _recheck(self, chans: tuple[Channel, Channel], proofs: _Proofs) -> None:
-        """Running, consuming: look again at each channel still behind. Its consumer is
-        cancelled (what the broker sent before cancel-ok is read by the next poll) and its
-        queue checked. Empty with no consumer: nothing it holds can come back any more (a
-        record's ack the broker applied before a crash, its proof never recorded, leaves
-        nothing to wait for) — it is *drained*, and proven by its next sync. No other
-        consumer (the one there when the tap connected has gone, its messages back in the
-        queue): the new consumer is the queue's only one, so its first delivery that is no
-        spooled record proves it caught up (the broker redelivers returned messages first).
-        Then it consumes again."""
+    def _recheck(
+        self, chans: tuple[Channel, Channel], unacked: tuple[bool, bool], proofs: _Proofs,
+        now: float,
+    ) -> None:  # fmt: skip
+        """Running (not ``until_empty``): look again at each channel still behind that holds
+        no unacked delivery. If its queue has no consumer but the tap's, the other one has
+        gone (its messages back in the queue): the tap's consumer is cancelled (what the
+        broker sent before cancel-ok is read by the next poll) and, once those deliveries are
+        acked, a new one starts (``_consume_again``): the queue's only consumer, so its first
+        delivery that is no spooled record proves it caught up (the broker redelivers returned
+        messages first). If the queue then reads empty with no consumer, at every recheck for
+        ``DRAINED_HOLD_S``, nothing can come back (a record's ack the broker applied before a
+        crash, its proof never recorded, leaves nothing to wait for): it is *drained*, proven
+        by its next sync (``_prove_drained``)."""
         for i, (chan, queue) in enumerate(((chans[0], self.queue), (chans[1], self.dead_queue))):
             n = chan.number
-            if self._caught_up(n, i == 1, proofs) or not self._tags[i]:
+            if self._caught_up(n, i == 1, proofs) or not self._tags[i] or unacked[i]:
+                continue
+            if chan.queue_declare(queue, passive=True).consumer_count != 1:
+                self._empty_since.pop(n, None)
+                log_event(log, 10, "another consumer still holds a queue that could redeliver "
+                          "spooled records", channel=self.channel, queue=queue)  # fmt: skip
                 continue
             chan.basic_cancel(self._tags[i])
-            info = chan.queue_declare(queue, passive=True)
-            if info.message_count == 0 and info.consumer_count == 0:
-                self._drained.add(n)
-                log_event(
-                    log, 20, "a queue that could still redeliver spooled records is empty with "
-                    "no consumer: none can come back", channel=self.channel, queue=queue,
-                    acked_through=proofs.through,
-                )  # fmt: skip
-            elif info.consumer_count == 0 and n not in self._alone:
+            self._tags = (self._tags[0], "") if i else ("", self._tags[1])
+            if n not in self._alone:
                 self._alone.add(n)
-                self._fresh.discard(n)  # only the new consumer's deliveries count
+                self._fresh.discard(n)  # only the next consumer's deliveries count
                 log_event(
                     log, 20, "the other consumer of a queue that could still redeliver spooled "
                     "records has gone: the tap is its only consumer now", channel=self.channel,
                     queue=queue, acked_through=proofs.through,
                 )  # fmt: skip
-            tags = list(self._tags)
-            tags[i] = chan.basic_consume(queue)
-            self._tags = (tags[0], tags[1])
+            info = chan.queue_declare(queue, passive=True)
+            if info.message_count or info.consumer_count:
+                self._empty_since.pop(n, None)
+            elif now - self._empty_since.setdefault(n, now) >= DRAINED_HOLD_S:
+                self._drained.add(n)
+                log_event(
+                    log, 20, "a queue that could still redeliver spooled records is empty with "
+                    "no consumer: none can come back", channel=self.channel, queue=queue,
+                    acked_through=proofs.through, empty_for_s=round(now - self._empty_since[n]),
+                )  # fmt: skip
+
+    def _consume_again(self, chans: tuple[Channel, Channel], unacked: tuple[bool, bool]) -> None:
+        """A consumer ``_recheck`` cancelled: once the deliveries it had been sent are acked
+        (so that no more than a prefetch window is ever unacked), a new one starts."""
+        for i, (chan, queue) in enumerate(((chans[0], self.queue), (chans[1], self.dead_queue))):
+            if not self._tags[i] and not unacked[i]:
+                tag = chan.basic_consume(queue)
+                self._tags = (self._tags[0], tag) if i else (tag, self._tags[1])
 
     def _prove_drained(
         self, chan: Channel, unacked: bool, proofs: _Proofs, spool: SpoolWriter
@@ -918,12 +941,15 @@ class Tap:
                 # it costs nothing but a later release: tried again on the next quiet pass
                 with contextlib.suppress(SpoolFull):
                     spool.sync(confirmed)
-            self._prove_drained(main, last_main > acked_main, proofs, spool)
-            self._prove_drained(dead, last_dead > acked_dead, proofs, spool)
-            if now >= recheck_at:
-                if self._consuming and proofs.behind:
-                    self._recheck((main, dead), proofs)
-                recheck_at = now + RECHECK_S
+            held = (last_main > acked_main, last_dead > acked_dead)
+            self._prove_drained(main, held[0], proofs, spool)
+            self._prove_drained(dead, held[1], proofs, spool)
+            if not self.until_empty:  # a scheduled run cancels and consumes on its own
+                self._consume_again((main, dead), held)
+                if now >= recheck_at:
+                    if proofs.behind:
+                        self._recheck((main, dead), held, proofs, now)
+                    recheck_at = now + RECHECK_S
             if now >= next_release:
                 self._release(spool)
                 next_release = now + RELEASE_EVERY_S

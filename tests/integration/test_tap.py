@@ -709,22 +709,36 @@ def _consumers_gone(url: str, *queues: str) -> None:
         assert (q.consumer_count, q.message_count) == (0, 0), (queue, q)
 
 
+STILL_HELD = "another consumer still holds a queue that could redeliver"
+DRAINED = "empty with no consumer: none can come back"
+ALONE = "the tap is its only consumer now"
+
+
+def _own_status(cfg: Config, th: threading.Thread) -> Any:
+    """The status this process's tap wrote (not the one a killed tap process left)."""
+    return _await_status(cfg, th, lambda s: s.pid == os.getpid(), "the tap's status", 20)
+
+
+@pytest.mark.parametrize("queue_type", ["classic", "quorum"])
 def test_a_quiet_queue_that_will_never_redeliver_does_not_hold_acked_through(
     black_vhost: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-    caplog: pytest.LogCaptureFixture,
+    caplog: pytest.LogCaptureFixture, queue_type: str,
 ) -> None:  # fmt: skip
     """SIGKILL after the acks of a group holding every dead letter, before their proof
     (``tap.after_ack``): the broker applied them, so none comes back. When the tap restarts,
     another consumer holds the dead queue (as a dead tap's connection the broker has not
     dropped yet would), so the dead queue is *behind*; then that consumer goes and no dead
     letter ever comes again. The tap looks again (``RECHECK_S``), finds the queue empty with no
-    consumer and proves it: ``acked_through`` follows the new messages (before, it stayed
-    where the crash left it until the spool filled, and the paused tap settled it)."""
-    monkeypatch.setattr("bridge.black.tap.RECHECK_S", 0.5)
-    caplog.set_level(logging.INFO, logger="bridge.black.tap")
+    consumer for ``DRAINED_HOLD_S`` and proves it: ``acked_through`` follows the new messages
+    (before, it stayed where the crash left it until the spool filled, and the paused tap
+    settled it)."""
+    monkeypatch.setattr("bridge.black.tap.RECHECK_S", 0.3)
+    monkeypatch.setattr("bridge.black.tap.DRAINED_HOLD_S", 1.0)
+    caplog.set_level(logging.DEBUG, logger="bridge.black.tap")
     cfg = write_config(
-        tmp_path, black_vhost.amqp_url, group_messages=100, group_seconds=2, prefetch=100
-    )
+        tmp_path, black_vhost.amqp_url, queue_type, group_messages=100, group_seconds=2,
+        prefetch=100,
+    )  # fmt: skip
     setup_mirror(cfg, black_vhost.amqp_url)
     _limit_policy(black_vhost.name, **{"max-length": 10})
     _wait_policy(black_vhost.name)
@@ -742,11 +756,14 @@ def test_a_quiet_queue_that_will_never_redeliver_does_not_hold_acked_through(
     th = threading.Thread(target=tap.run, daemon=True)
     th.start()
     try:
+        _own_status(cfg, th)
         publish_raw(black_vhost.amqp_url, more[:3], ["more0", "more1", "more2"])
         st = _await_status(cfg, th, lambda s: s.durable_end == 28, "new messages spooled", 20)
-        time.sleep(1.5)  # rechecks meanwhile: the other consumer is still there
+        time.sleep(1.5)  # rechecks meanwhile (asserted): the other consumer is still there
         st = tap_status(cfg, "main")
-        assert st is not None and st.acked_through < 24, "a queue another consumer holds proved"
+        assert st is not None and st.acked_through == -1, "a queue another consumer holds proved"
+        assert any(STILL_HELD in r.getMessage() for r in caplog.records)
+        assert not any(DRAINED in r.getMessage() for r in caplog.records)
         holder.close()
         publish_raw(black_vhost.amqp_url, more[3:], ["more3", "more4", "more5"])
         st = _await_status(
@@ -755,27 +772,29 @@ def test_a_quiet_queue_that_will_never_redeliver_does_not_hold_acked_through(
     finally:
         tap.stop()
         th.join(timeout=30)
-    assert any("empty with no consumer" in r.getMessage() for r in caplog.records)
+    assert any(DRAINED in r.getMessage() for r in caplog.records)
     assert not st.paused and st.counters.get("handed_back", 0) == 0, st
     rows = _each_loss_recorded_once(cfg, keys)
     kept = [r["body"] for r in rows if r["kind"] == KIND_MESSAGE]
     assert kept == [b for _, b in sent[15:]] + [b for _, b in more]
 
 
+@pytest.mark.parametrize("queue_type", ["classic", "quorum"])
 def test_a_behind_queue_whose_other_consumer_left_catches_up_while_busy(
     black_vhost: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-    caplog: pytest.LogCaptureFixture,
+    caplog: pytest.LogCaptureFixture, queue_type: str,
 ) -> None:  # fmt: skip
     """SIGKILL after a group's acks, before their proof (``tap.after_ack``); the broker applied
     them. The tap restarts while another consumer holds the mirror queue's backlog, so no
     delivery can prove the queue caught up. Then that consumer goes, its backlog back in the
     queue: never empty while it drains, but the tap looks again (``RECHECK_S``), sees it is
     the only consumer, consumes afresh, and its next new message proves it. ``acked_through``
-    follows (before, it stayed where the crash left it until the spool filled)."""
+    follows while the backlog drains (a queue that is never empty proves nothing else: the
+    drained check needs ``DRAINED_HOLD_S``, 70 s, of empty readings)."""
     monkeypatch.setattr("bridge.black.tap.RECHECK_S", 0.2)
-    caplog.set_level(logging.INFO, logger="bridge.black.tap")
+    caplog.set_level(logging.DEBUG, logger="bridge.black.tap")
     # a message per group, fsynced and proven before the next: the backlog drains for a while
-    cfg = write_config(tmp_path, black_vhost.amqp_url, group_messages=1, prefetch=1)
+    cfg = write_config(tmp_path, black_vhost.amqp_url, queue_type, group_messages=1, prefetch=1)
     setup_mirror(cfg, black_vhost.amqp_url)
     sent = messages(1)
     publish_raw(black_vhost.amqp_url, sent)
@@ -791,18 +810,22 @@ def test_a_behind_queue_whose_other_consumer_left_catches_up_while_busy(
     th = threading.Thread(target=tap.run, daemon=True)
     th.start()
     try:
-        time.sleep(1.0)  # rechecks meanwhile: the other consumer is still there
+        _own_status(cfg, th)
+        time.sleep(1.0)  # rechecks meanwhile (asserted): the other consumer is still there
         st = tap_status(cfg, "main")
-        assert st is not None and st.durable_end == 1 and st.acked_through < 0, st
+        assert st is not None and st.durable_end == 1 and st.acked_through == -1, st
+        assert any(STILL_HELD in r.getMessage() for r in caplog.records)
         holder.close()  # the backlog goes back to the queue
         st = _await_status(
             cfg, th, lambda s: s.acked_through >= 20, "acked_through followed", 20
         )  # fmt: skip
+        assert st.durable_end < 3001, "the backlog had drained: the proof came from elsewhere"
         st = _await_status(cfg, th, lambda s: s.durable_end == 3001, "the backlog drained", 120)
     finally:
         tap.stop()
         th.join(timeout=30)
-    assert any("the tap is its only consumer now" in r.getMessage() for r in caplog.records)
+    assert any(ALONE in r.getMessage() for r in caplog.records)
+    assert not any(DRAINED in r.getMessage() for r in caplog.records)
     rows = spooled(cfg)
     assert sorted(r["body"] for r in rows) == sorted(b for _, b in sent + backlog)
 
