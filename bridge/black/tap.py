@@ -27,7 +27,7 @@ Exactly once into the spool, whatever crashes:
   delivered a message that is none of them while no other consumer held its queue (the
   broker redelivers returned messages first), or its queue was empty with no consumer. The
   two channels' deliveries are not ordered with each other: the other channel's traffic
-  proves nothing for it (``_Proofs``). A channel still behind is looked at again every
+  proves nothing for it (``AckProofs``). A channel still behind is looked at again every
   ``RECHECK_S`` (``Tap._recheck``), so neither another consumer that has gone since the tap
   connected nor a queue whose records will never come back (the broker applied their acks
   before the crash) and that gets no new message — typically the dead queue — holds
@@ -55,14 +55,13 @@ Crash points (bridge.faults): ``tap.after_sync`` (a group durable, nothing acked
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import json
 import os
 import signal
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -71,6 +70,17 @@ from bridge.amqp.client import Channel, Connection, Delivery
 from bridge.black.plan import dead_queue_name, mirror_queue_name
 from bridge.black.spool import DEAD_LETTER_BYTES, SpoolWriter, fingerprint
 from bridge.black.state import StateStore
+from bridge.black.tap_delivery import (
+    DELIVERY_COUNT_HEADER,
+    as_text,
+    death_of,
+    field_of,
+    headers_of,
+    order_free,
+    strip_delivery_count,
+    text_names,
+)
+from bridge.black.tap_proofs import AckProofs
 from bridge.config import Config
 from bridge.errors import (
     AmqpAccessRefused,
@@ -78,14 +88,12 @@ from bridge.errors import (
     BrokerError,
     ConfigError,
     DiodeError,
-    ProtocolError,
     SpoolFull,
     StateError,
 )
 from bridge.faults import crash_point
 from bridge.fsutil import atomic_write_bytes
 from bridge.logs import get_logger, log_event
-from bridge.protocol.properties import decode_properties, encode_properties
 
 __all__ = ["Tap", "TapStatus", "tap_status", "DELIVERY_COUNT_HEADER"]
 
@@ -100,8 +108,6 @@ POSSIBLE_DUPLICATE = "possible-duplicate"
 """Why a spooled message may not be exactly once: a redelivery after a crash that equals
 several spooled records byte for byte may be one of them (its ack not applied) or a twin the
 producer sent (theirs applied). Kept, never skipped: a duplicate, not a silent loss."""
-DELIVERY_COUNT_HEADER = "x-delivery-count"
-"""Added by quorum queues to every redelivery: stripped so redelivered values stay unchanged."""
 RELEASE_EVERY_S = 2.0
 STATUS_EVERY_S = 1.0
 RETRY_FULL_S = 1.0
@@ -118,7 +124,7 @@ SETTLE_QUIET_S = 0.3
 """Settling: consumers cancelled, how long no delivery must arrive before the tap looks at the
 queues."""
 RECHECK_S = 5.0
-"""Running, with an AMQP channel still behind (``_Proofs``): how often the tap looks again
+"""Running, with an AMQP channel still behind (``AckProofs``): how often the tap looks again
 whether its queue can still redeliver (``Tap._recheck``)."""
 DRAINED_HOLD_S = 70.0
 """How long a queue must stay empty with no consumer, read at every recheck, before nothing
@@ -156,154 +162,6 @@ def tap_status(cfg: Config, channel: str) -> TapStatus | None:
         return TapStatus(**d)
     except (FileNotFoundError, ValueError, TypeError):
         return None
-
-
-def _headers(props_raw: bytes) -> Any:
-    """The decoded header table (None if absent or undecodable)."""
-    try:
-        return decode_properties(props_raw).headers
-    except ProtocolError:
-        return None
-
-
-def _field(table: Any, name: str) -> Any:
-    """Value of the first entry ``name`` of a decoded field table (None if absent)."""
-    for key, (_tag, value) in table or ():
-        if _key_text(key) == name:
-            return value
-    return None
-
-
-def _death(headers: Any, queue: str) -> tuple[str, str, str] | None:
-    """``(exchange, routing key, reason)`` the broker wrote into ``x-death`` when ``queue``
-    dead-lettered the message: where it was published to, the routing key it was published
-    with (the first of ``routing-keys``; the rest are CC keys), and why it was dropped. The
-    entry of ``queue`` (the newest is first); else the first entry. None without ``x-death``;
-    a missing field is ``""``."""
-    deaths = _field(headers, "x-death")
-    if not isinstance(deaths, tuple):
-        return None
-    entries = [f[1] for f in deaths if isinstance(f, tuple) and len(f) == 2 and f[0] == "F"]
-    if not entries:
-        return None
-    entry = next((e for e in entries if _text(_field(e, "queue")) == queue), entries[0])
-    keys = _field(entry, "routing-keys")
-    first = keys[0] if isinstance(keys, tuple) and keys else None
-    key = first[1] if isinstance(first, tuple) and len(first) == 2 else None
-    return _text(_field(entry, "exchange")), _text(key), _text(_field(entry, "reason"))
-
-
-def _text(v: Any) -> str:
-    if isinstance(v, bytes):
-        return v.decode("utf-8", "replace")
-    return "" if v is None else str(v)
-
-
-def _utf8(name: str) -> tuple[str, bool]:
-    """``name`` as storable text; True if its wire bytes were not UTF-8 (U+FFFD instead)."""
-    try:
-        name.encode("utf-8")
-        return name, False
-    except UnicodeEncodeError:  # the client hands non-UTF-8 bytes over as surrogate escapes
-        return name.encode("utf-8", "surrogateescape").decode("utf-8", "replace"), True
-
-
-def _text_names(exchange: str, routing_key: str) -> tuple[str, str, bool]:
-    ex, a = _utf8(exchange)
-    rk, b = _utf8(routing_key)
-    return ex, rk, a or b
-
-
-def _key_text(k: bytes | str) -> str:
-    return k.decode("utf-8", "replace") if isinstance(k, bytes) else k
-
-
-def strip_delivery_count(props_raw: bytes) -> bytes:
-    """``props_raw`` without the broker-added ``x-delivery-count`` header (quorum redeliveries)."""
-    try:
-        props = decode_properties(props_raw)
-    except ProtocolError:
-        return props_raw
-    if not props.headers:
-        return props_raw
-    kept = tuple((k, v) for k, v in props.headers if _key_text(k) != DELIVERY_COUNT_HEADER)
-    if len(kept) == len(props.headers):
-        return props_raw
-    return encode_properties(dataclasses.replace(props, headers=kept or None))
-
-
-def order_free(props_raw: bytes) -> bytes:
-    """``props_raw`` with header keys sorted: how a quorum queue re-encodes a redelivery's table
-    (when it adds x-delivery-count), so a first delivery and its redelivery compare equal."""
-    try:
-        props = decode_properties(props_raw)
-    except ProtocolError:
-        return props_raw
-    if not props.headers:
-        return props_raw
-    table = tuple(sorted(props.headers, key=lambda kv: _key_text(kv[0])))
-    return encode_properties(dataclasses.replace(props, headers=table))
-
-
-class _Proofs:
-    """Which spool positions the broker has proven acked, per AMQP channel of a connection.
-
-    A position counts as acked (``through``) once the acks of *both* channels (mirror queue,
-    dead queue) covering it are proven: the broker applied every ack that channel sent before
-    the answer to a sync (``request_sync``). A channel with nothing unacked when a group is
-    acked owes nothing for it: its last sync (or none) covers the group's records too.
-
-    Except a channel *behind*: records of an earlier connection (after ``start``) may still
-    come back on it, and no proof counts for it until one sent once it had caught up (every
-    such redelivery arrived: ``Tap._caught_up``). The two channels' deliveries are not ordered
-    with each other, so the other channel's traffic proves nothing for it: crediting it would
-    let ``acked_through`` pass a record whose redelivery is still to come, and after the next
-    restart that redelivery would no longer be recognised (a loss counted twice, a message
-    spooled twice).
-    """
-
-    def __init__(self, start: int, channels: tuple[int, ...], behind: Iterable[int] = ()) -> None:
-        self.proven = dict.fromkeys(channels, start)
-        self.behind = set(behind)
-        # token -> (channel, position it proves, sent once the channel had caught up)
-        self.tokens: dict[int, tuple[int, int, bool]] = {}
-        self.latest: dict[int, int] = {}  # channel -> its newest unanswered token
-
-    @property
-    def through(self) -> int:
-        return min(self.proven.values())
-
-    @property
-    def owed(self) -> bool:
-        return bool(self.tokens)
-
-    def sent(self, channel: int, token: int, pos: int, *, caught_up: bool = False) -> None:
-        """``channel`` acked what it holds through ``pos`` and asked for the proof ``token``;
-        ``caught_up``: every redelivery it was behind on had arrived (and is acked by now)."""
-        self.tokens[token] = (channel, pos, caught_up)
-        self.latest[channel] = token
-
-    def nothing_owed(self, channel: int, pos: int) -> None:
-        """``channel`` has nothing unacked: once its last sync is answered, ``pos`` is proven
-        (if it is not behind)."""
-        token = self.latest.get(channel)
-        if token is not None:
-            _, old, caught_up = self.tokens[token]
-            self.tokens[token] = (channel, max(pos, old), caught_up)
-        elif channel not in self.behind:
-            self.proven[channel] = max(self.proven[channel], pos)
-
-    def answered(self, token: int) -> None:
-        got = self.tokens.pop(token, None)
-        if got is None:
-            return
-        channel, pos, caught_up = got
-        if self.latest.get(channel) == token:
-            del self.latest[channel]
-        if caught_up:
-            self.behind.discard(channel)
-        if channel not in self.behind:
-            self.proven[channel] = max(self.proven[channel], pos)
 
 
 class Tap:
@@ -423,7 +281,7 @@ class Tap:
         self._bump(f"lost_{SPOOL_LOST}", n)
 
     def _await_proofs(
-        self, conn: Connection, chans: tuple[Channel, Channel], proofs: _Proofs
+        self, conn: Connection, chans: tuple[Channel, Channel], proofs: AckProofs
     ) -> None:
         """Before the tap lets go of its connection: collect the answers proving the acks it
         sent were applied (they queue behind the deliveries already on the wire), so the
@@ -438,7 +296,7 @@ class Tap:
             for token in events.syncs:
                 proofs.answered(token)
 
-    def _while_paused(self, d: Delivery, chans: tuple[Channel, Channel], proofs: _Proofs) -> None:
+    def _while_paused(self, d: Delivery, chans: tuple[Channel, Channel], proofs: AckProofs) -> None:
         """A delivery that arrives while the tap pauses: a redelivery of a spooled record is
         acked (it is durable; its proof is asked for), anything else is handed back."""
         chan = chans[0] if d.channel == chans[0].number else chans[1]
@@ -456,11 +314,15 @@ class Tap:
         self._bump("dead_redelivered_skipped" if dead else "redelivered_skipped")
 
     def _settle(
-        self, conn: Connection, chans: tuple[Channel, Channel], proofs: _Proofs, spool: SpoolWriter
+        self,
+        conn: Connection,
+        chans: tuple[Channel, Channel],
+        proofs: AckProofs,
+        spool: SpoolWriter,
     ) -> str | None:
         """Paused with records the broker may still redeliver (acks of an earlier connection
         never proven: a crash, a broker gone quiet): prove it holds none of them, so that the
-        spool can release them. A channel that is not behind (``_Proofs``) owes none; one
+        spool can release them. A channel that is not behind (``AckProofs``) owes none; one
         behind must have caught up (``_caught_up``: the broker redelivers returned messages
         before any other), or its queue hold nothing and have no consumer once the tap's
         consumers are cancelled: either way it redelivered every one it still had — and the
@@ -497,7 +359,7 @@ class Tap:
 
     def _pause(
         self, conn: Connection, chans: tuple[Channel, Channel], spool: SpoolWriter,
-        proofs: _Proofs, e: SpoolFull, handed: int,
+        proofs: AckProofs, e: SpoolFull, handed: int,
     ) -> int:  # fmt: skip
         """The spool is full: hand back what is not durable (stop acking), collect the proofs
         of the acks sent, settle records a crash left unproven, and let the spool release
@@ -576,7 +438,7 @@ class Tap:
                 main, dead = conn.channel(), conn.channel()
                 for chan in (main, dead):
                     chan.basic_qos(1)
-                proofs = _Proofs(proven, (main.number, dead.number), self._connected(main, dead))
+                proofs = AckProofs(proven, (main.number, dead.number), self._connected(main, dead))
                 why = self._catch_up(conn, (main, dead), proofs)
                 if why is None:
                     why = self._settle(conn, (main, dead), proofs, spool)
@@ -595,7 +457,7 @@ class Tap:
         return proven
 
     def _catch_up(
-        self, conn: Connection, chans: tuple[Channel, Channel], proofs: _Proofs
+        self, conn: Connection, chans: tuple[Channel, Channel], proofs: AckProofs
     ) -> str | None:
         """Settling on a connection of its own (``_resettle``): consume the queues of the
         channels behind, prefetch 1, until each caught up or went quiet (then ``_settle``
@@ -627,7 +489,7 @@ class Tap:
         self,
         conn: Connection,
         chans: tuple[Channel, Channel],
-        proofs: _Proofs,
+        proofs: AckProofs,
         done: Callable[[], bool],
     ) -> None:
         """Paused: take deliveries (``_while_paused``) and proofs until ``done()``, or no
@@ -644,7 +506,7 @@ class Tap:
             for token in events.syncs:
                 proofs.answered(token)
 
-    def _log_unsettled(self, why: str | None, proofs: _Proofs) -> None:
+    def _log_unsettled(self, why: str | None, proofs: AckProofs) -> None:
         if why is not None:
             log_event(
                 log, 20, f"spooled records whose acks were never proven stay unreleased: {why}",
@@ -730,7 +592,7 @@ class Tap:
 
     def _connected(self, main: Channel, dead: Channel) -> set[int]:
         """A new connection, before it consumes: which queues have no other consumer
-        (``_alone``) and which AMQP channels are *behind* (see ``_Proofs``): those that may
+        (``_alone``) and which AMQP channels are *behind* (see ``AckProofs``): those that may
         still redeliver records after ``acked_through``. A channel is not, if the spool holds
         none it could redeliver, or if its queue is empty with no consumer: nothing held back
         can come any more."""
@@ -751,7 +613,7 @@ class Tap:
                 behind.add(chan.number)
         return behind
 
-    def _caught_up(self, chan: int, dead: bool, proofs: _Proofs) -> bool:
+    def _caught_up(self, chan: int, dead: bool, proofs: AckProofs) -> bool:
         """AMQP channel ``chan`` (``dead``: the dead queue's) is not behind, or it delivered
         every redelivery it owed: each record it could redeliver was recognised (none left,
         none ambiguous), or — the only consumer of its queue since its consumer began — it
@@ -771,7 +633,7 @@ class Tap:
         return not ambiguous and not any(n > 0 for n in candidates.values())
 
     def _recheck(
-        self, chans: tuple[Channel, Channel], unacked: tuple[bool, bool], proofs: _Proofs,
+        self, chans: tuple[Channel, Channel], unacked: tuple[bool, bool], proofs: AckProofs,
         now: float,
     ) -> None:  # fmt: skip
         """Running (not ``until_empty``): look again at each channel still behind that holds
@@ -823,7 +685,7 @@ class Tap:
                 self._tags = (self._tags[0], tag) if i else (tag, self._tags[1])
 
     def _prove_drained(
-        self, chan: Channel, unacked: bool, proofs: _Proofs, spool: SpoolWriter
+        self, chan: Channel, unacked: bool, proofs: AckProofs, spool: SpoolWriter
     ) -> None:
         """A drained channel (``_recheck``) with nothing unacked and no proof on its way: ask
         for the one that proves it caught up (its acks all sent before it)."""
@@ -848,7 +710,7 @@ class Tap:
         tap = self.cfg.black.tap
         last_main = last_dead = 0  # highest delivery tag received, per AMQP channel
         acked_main = acked_dead = 0
-        proofs = _Proofs(spool.acked_through, (main.number, dead.number), behind)
+        proofs = AckProofs(spool.acked_through, (main.number, dead.number), behind)
         first_unsynced: float | None = None
         next_release = time.monotonic() + RELEASE_EVERY_S
         recheck_at = time.monotonic() + RECHECK_S
@@ -1069,7 +931,7 @@ class Tap:
             self._fresh.add(d.channel)
         exchange, rk = d.exchange, d.routing_key
         if not (exchange.isascii() and rk.isascii()):
-            exchange, rk, renamed = _text_names(exchange, rk)
+            exchange, rk, renamed = text_names(exchange, rk)
             if renamed and note != POSSIBLE_DUPLICATE:  # one reason a row: the weightier
                 note = NON_UTF8_NAME
         spool.append_one(exchange, rk, d.redelivered, props, d.body, note)
@@ -1095,12 +957,12 @@ class Tap:
             self._unsettled = True
         elif d.consumer_tag in self._tags:
             self._fresh.add(d.channel)
-        headers = _headers(d.properties_raw)  # decoded once for every field read below
-        death = _death(headers, self.queue)
+        headers = headers_of(d.properties_raw)  # decoded once for every field read below
+        death = death_of(headers, self.queue)
         exchange, rk, reason = death if death is not None else ("", d.routing_key, "")
-        exchange = exchange or _text(_field(headers, "x-first-death-exchange"))
-        reason = reason or _text(_field(headers, "x-first-death-reason")) or "dead-lettered"
-        exchange, rk, _ = _text_names(exchange, rk)
+        exchange = exchange or as_text(field_of(headers, "x-first-death-exchange"))
+        reason = reason or as_text(field_of(headers, "x-first-death-reason")) or "dead-lettered"
+        exchange, rk, _ = text_names(exchange, rk)
         spool.append_lost(exchange, rk, reason, dead_letter=self._fingerprint(d, props))
         self._group_records[f"lost_{reason}"] += 1
         log_event(

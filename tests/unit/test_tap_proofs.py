@@ -1,16 +1,16 @@
-"""Unit: black's tap — which spool positions count as proven acked (``_Proofs``), above all
+"""Unit: black's tap — which spool positions count as proven acked (``AckProofs``), above all
 for an AMQP channel *behind* (it may still redeliver records of an earlier connection): the
 other channel's traffic, and its own acks before it caught up, prove nothing for it."""
 
 from __future__ import annotations
 
-from bridge.black.tap import _Proofs
+from bridge.black.tap_proofs import AckProofs
 
 MAIN, DEAD = 1, 2
 
 
 def test_a_channel_with_nothing_unacked_owes_nothing_for_a_group() -> None:
-    p = _Proofs(9, (MAIN, DEAD))
+    p = AckProofs(9, (MAIN, DEAD))
     p.sent(MAIN, 1, 19)
     p.nothing_owed(DEAD, 19)  # no dead letter in the group, none unproven before it
     assert p.through == 9 and p.owed
@@ -23,7 +23,7 @@ def test_the_other_channels_traffic_proves_nothing_for_a_channel_behind() -> Non
     have its dead letter redelivered; the mirror queue's groups are acked and proven, the dead
     queue delivers nothing yet. Crediting it would record ``acked_through`` past 10, and the
     redelivery, after the next restart, would be recorded as a loss again."""
-    p = _Proofs(9, (MAIN, DEAD), behind={DEAD})
+    p = AckProofs(9, (MAIN, DEAD), behind={DEAD})
     for token, end in ((1, 19), (2, 29)):
         p.sent(MAIN, token, end, caught_up=True)
         p.nothing_owed(DEAD, end)
@@ -44,7 +44,7 @@ def test_acks_sent_before_a_channel_caught_up_prove_nothing_for_it() -> None:
     """A channel acking redeliveries it recognised (not all of them yet) is still behind: a
     later one may still be on its way. Only a proof asked for once it caught up counts, and
     ``nothing_owed`` then waits for that proof."""
-    p = _Proofs(4, (MAIN, DEAD), behind={MAIN})
+    p = AckProofs(4, (MAIN, DEAD), behind={MAIN})
     p.nothing_owed(DEAD, 14)
     p.sent(MAIN, 1, 14)  # skips only
     p.answered(1)
