@@ -7,7 +7,7 @@ import dataclasses
 from typing import Any
 
 from bridge.errors import ProtocolError
-from bridge.protocol.properties import decode_properties, encode_properties
+from bridge.protocol.properties import Properties, decode_properties, encode_properties
 
 __all__ = [
     "DELIVERY_COUNT_HEADER", "as_text", "death_of", "field_of", "headers_of", "key_text",
@@ -78,13 +78,19 @@ def key_text(k: bytes | str) -> str:
     return k.decode("utf-8", "replace") if isinstance(k, bytes) else k
 
 
-def strip_delivery_count(props_raw: bytes) -> bytes:
-    """``props_raw`` without the broker-added ``x-delivery-count`` header (quorum redeliveries)."""
+def _with_headers(props_raw: bytes) -> Properties | None:
+    """``props_raw`` decoded, if it decodes and has a header table; else None."""
     try:
         props = decode_properties(props_raw)
     except ProtocolError:
-        return props_raw
-    if not props.headers:
+        return None
+    return props if props.headers else None
+
+
+def strip_delivery_count(props_raw: bytes) -> bytes:
+    """``props_raw`` without the broker-added ``x-delivery-count`` header (quorum redeliveries)."""
+    props = _with_headers(props_raw)
+    if props is None or props.headers is None:
         return props_raw
     kept = tuple((k, v) for k, v in props.headers if key_text(k) != DELIVERY_COUNT_HEADER)
     if len(kept) == len(props.headers):
@@ -95,11 +101,8 @@ def strip_delivery_count(props_raw: bytes) -> bytes:
 def order_free(props_raw: bytes) -> bytes:
     """``props_raw`` with header keys sorted: how a quorum queue re-encodes a redelivery's table
     (when it adds x-delivery-count), so a first delivery and its redelivery compare equal."""
-    try:
-        props = decode_properties(props_raw)
-    except ProtocolError:
-        return props_raw
-    if not props.headers:
+    props = _with_headers(props_raw)
+    if props is None or props.headers is None:
         return props_raw
     table = tuple(sorted(props.headers, key=lambda kv: key_text(kv[0])))
     return encode_properties(dataclasses.replace(props, headers=table))
