@@ -494,22 +494,23 @@ def test_lost_spool_becomes_a_gap_not_silence(black_vhost: Any, tmp_path: Path) 
     assert st is not None and st.counters.get("lost_spool_lost") == 50
 
 
-def _crash_before_the_dead_letters_ack(
-    vhost: Any, tmp_path: Path, queue_type: str
+def _dead_letters_then_killed(
+    vhost: Any, tmp_path: Path, queue_type: str, point: str = "tap.before_dead_ack", **tap: Any
 ) -> tuple[Config, list[tuple[bytes, bytes]], list[str], dict[str, str]]:
     """25 messages into a mirror queue limited to 10 (the broker dead-letters the oldest 15),
     then a tap process killed after a group holding dead letters is durable and its mirror
-    ack sent, before the dead queue's ack (``tap.before_dead_ack``, asserted). Returns the
-    config, what was published, the routing keys and the env that armed the point (its mark
-    now disarms it)."""
-    cfg = write_config(tmp_path, vhost.amqp_url, queue_type, group_messages=4, prefetch=50)
+    ack sent, before the dead queue's ack (``point``, asserted; ``tap``: its [black.tap]
+    keys). Returns the config, what was published, the routing keys and the env that armed
+    the point (its mark now disarms it)."""
+    tap = tap or {"group_messages": 4, "prefetch": 50}
+    cfg = write_config(tmp_path, vhost.amqp_url, queue_type, **tap)
     setup_mirror(cfg, vhost.amqp_url)
     _limit_policy(vhost.name, **{"max-length": 10})
     _wait_policy(vhost.name)
     sent = messages(25)
     keys = [f"k{i}" for i in range(25)]
     publish_raw(vhost.amqp_url, sent, keys)  # the broker drops the oldest 15
-    env = _tap_killed_at(cfg, tmp_path, "tap.before_dead_ack")
+    env = _tap_killed_at(cfg, tmp_path, point)
     return cfg, sent, keys, env
 
 
@@ -535,7 +536,7 @@ def test_a_crash_before_the_dead_letters_ack_records_each_loss_once(
     recognises each from the fingerprint its lost record keeps and skips it. The loss is
     counted exactly (15 dropped, 15 lost seqs), with each message's own exchange and routing
     key (from x-death), not the dead-letter routing key."""
-    cfg, sent, keys, env = _crash_before_the_dead_letters_ack(black_vhost, tmp_path, queue_type)
+    cfg, sent, keys, env = _dead_letters_then_killed(black_vhost, tmp_path, queue_type)
     recorded = sum(1 for r in spooled(cfg) if r["kind"] == KIND_LOST)
     assert recorded >= 1  # durable, their ack never sent
     second = _tap_process(cfg, env)  # the mark disarms the point: this run drains the rest
@@ -597,7 +598,7 @@ def test_dead_letters_redelivered_after_other_traffic_are_still_recorded_once(
     messages, and stops. Those proofs say nothing of the dead queue: the lost records stay
     after ``acked_through``, so the next run still recognises their dead letters and each
     loss is counted once (before, the second run recorded them all again)."""
-    cfg, sent, keys, _ = _crash_before_the_dead_letters_ack(black_vhost, tmp_path, queue_type)
+    cfg, sent, keys, _ = _dead_letters_then_killed(black_vhost, tmp_path, queue_type)
     recorded = [r["pos"] for r in spooled(cfg) if r["kind"] == KIND_LOST]
     assert recorded  # durable, their dead letters never acked
     _drop_policy(black_vhost.name)
@@ -735,17 +736,10 @@ def test_a_quiet_queue_that_will_never_redeliver_does_not_hold_acked_through(
     monkeypatch.setattr("bridge.black.tap.RECHECK_S", 0.3)
     monkeypatch.setattr("bridge.black.tap.DRAINED_HOLD_S", 1.0)
     caplog.set_level(logging.DEBUG, logger="bridge.black.tap")
-    cfg = write_config(
-        tmp_path, black_vhost.amqp_url, queue_type, group_messages=100, group_seconds=2,
+    cfg, sent, keys, _ = _dead_letters_then_killed(
+        black_vhost, tmp_path, queue_type, "tap.after_ack", group_messages=100, group_seconds=2,
         prefetch=100,
     )  # fmt: skip
-    setup_mirror(cfg, black_vhost.amqp_url)
-    _limit_policy(black_vhost.name, **{"max-length": 10})
-    _wait_policy(black_vhost.name)
-    sent = messages(25)
-    keys = [f"k{i}" for i in range(25)]
-    publish_raw(black_vhost.amqp_url, sent, keys)  # the broker drops the oldest 15
-    _tap_killed_at(cfg, tmp_path, "tap.after_ack")
     assert len(spooled(cfg)) == 25  # one group: the 10 kept and the 15 lost
     _consumers_gone(black_vhost.amqp_url, QUEUE, QUEUE + ".dead")
     holder, held = _hold(black_vhost.amqp_url, QUEUE + ".dead")
