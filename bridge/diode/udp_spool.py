@@ -8,6 +8,7 @@
                       without the rebuilt blocks' records once those are most of it
     <spool>/tmp/      a delivered file is written here, fsynced, renamed into the inbox (when the
                       inbox is on another filesystem: ``.<inbox name>.udp-tmp`` beside it)
+    <spool>/trash/    folders of objects that ended, moved out of objects/ to be removed
     <spool>/done.jsonl  objects delivered (epoch, object id, digest): later symbols are late
     <spool>/gaps.jsonl  objects given up, with the reason (red's `diode red gaps` lists them),
                         and object ids no datagram ever came for (``unseen``, ``udp_unseen``)
@@ -28,15 +29,29 @@ the old log (an fsync there would stall it long enough for the socket buffer to 
 the loop copies over what it appended to the old log meanwhile and renames the temp file over
 the log. A crash at any point leaves the old log or the new one, each enough to go on with; a
 ``symbols.log.tmp`` left behind is removed at the next start.
+
+An object that ends (delivered, expired, evicted, superseded, given up) leaves ``objects/`` by
+one rename of its folder into ``trash/`` (the same filesystem: atomic, a fraction of a ms),
+which is all the receive loop does; a background thread then removes it (freeing the blocks of
+a data file of 100s of MB takes tens of ms: the socket buffer would overflow meanwhile; a large
+file is cut down a slice at a time, so that the loop's fsyncs never wait long behind it).
+``objects/`` thus only ever holds whole folders: a removal a crash cut short is in ``trash/``,
+never taken for an object to rebuild or deliver, and whatever is in ``trash/`` at start is
+removed (in the background too). Gap records are written where they were: before the rename
+for an object expired or evicted, after it for one whose spool write failed (a record the full
+disk refuses then waits for the room the folder's removal frees, and is written).
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import hashlib
+import itertools
 import json
 import os
 import shutil
+import stat
 import struct
 import threading
 import time
@@ -218,6 +233,147 @@ def _close_in_background(*fds: int) -> None:
         close()
 
 
+_TRASH_SEQ = itertools.count()
+"""Tells apart the names in ``trash/`` of one process (their pid, those of others)."""
+_NO_ROOM = (errno.ENOSPC, errno.EDQUOT)
+_ROOM_WAIT = 60.0
+"""Longest a gap record the full disk refused waits for the trash to be emptied."""
+_SLICE = 4 << 20
+"""A large file in the trash is cut down this much at a time before it is unlinked: each cut
+is a short journal transaction, so an fsync of the receive loop's (a gap record) waits for one
+cut, not for all the blocks of a data file of 100s of MB (ext4: at most ~4 ms, not ~30)."""
+
+
+def _remove_folder(path: Path) -> None:
+    """Remove an object's folder: ``meta.json`` first (what is left of a removal a crash cut
+    short could not pass for an object, even outside the trash), ``data`` next (most of its
+    room), each large file a slice at a time (``_SLICE``)."""
+    try:
+        names = sorted(os.listdir(path), key=lambda n: (n != "meta.json", n != "data", n))
+    except FileNotFoundError:
+        return
+    except NotADirectoryError:
+        os.unlink(path)
+        return
+    for name in names:
+        try:
+            _unlink_sliced(path / name)
+        except FileNotFoundError:
+            pass
+        crash_point("udp.object_half_removed")  # some of its files gone, not all
+    os.rmdir(path)
+
+
+def _unlink_sliced(path: Path) -> None:
+    """Unlink a file, a large one cut down ``_SLICE`` at a time first."""
+    st = os.lstat(path)
+    if stat.S_ISDIR(st.st_mode):  # nothing the receiver makes: removed all the same
+        shutil.rmtree(path)
+        return
+    if stat.S_ISREG(st.st_mode) and st.st_size > _SLICE:
+        fd = os.open(path, os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        try:
+            size = st.st_size
+            while size > _SLICE:
+                size -= _SLICE
+                os.ftruncate(fd, size)
+        finally:
+            os.close(fd)
+    os.unlink(path)
+
+
+def _to_trash(path: Path, trash: Path) -> Path | None:
+    """Move an object's folder out of ``objects/`` into ``trash`` (one rename); its new path,
+    or None: nothing to move, or it could not be moved (then it is removed where it is)."""
+    dest = trash / f"{path.name}.{os.getpid()}-{next(_TRASH_SEQ)}"
+    try:
+        os.rename(path, dest)
+        return dest
+    except OSError as e:
+        if not os.path.lexists(path):
+            return None  # never created, or gone already
+        log_event(log, 30, "spooled object not moved to the trash: removed in place",
+                  path=str(path), error=_os_error(e))  # fmt: skip
+    try:
+        _remove_folder(path)
+    except OSError as e:
+        log_event(log, 30, "spooled object not removed", path=str(path), error=_os_error(e))
+    return None
+
+
+class _Trash:
+    """Folders of objects that ended, in ``<spool>/trash/``: the receive loop moves a folder
+    there (one rename), a background thread removes it (started when there is work, ended when
+    there is none left)."""
+
+    def __init__(self, root: Path) -> None:
+        self.dir = durable_mkdir(root / "trash")
+        self._todo: deque[Path] = deque()
+        self._held: list[Path] = []
+        """Moved, their removal not begun yet (see ``put``)."""
+        self._cond = threading.Condition()
+        self._running = False
+
+    def put(self, path: Path, *, hold: bool = False) -> None:
+        """Move an object's folder out of ``objects/`` and have it removed (the receive loop
+        waits for the rename only). ``hold``: not before ``release`` (or the next ``put`` or
+        ``wait``), so that a gap record fsynced meanwhile does not wait behind the removal."""
+        dest = _to_trash(path, self.dir)
+        if dest is not None:
+            crash_point("udp.after_object_trashed")  # out of objects/, nothing removed yet
+            self._held.append(dest)
+        if not hold:
+            self.release()
+
+    def release(self) -> None:
+        """Begin removing the folders held."""
+        held, self._held = self._held, []
+        for path in held:
+            self._queue(path)
+
+    def sweep(self) -> int:
+        """Have what a crash left in the trash removed (at start); returns how many."""
+        left = sorted(self.dir.iterdir())
+        for path in left:
+            self._queue(path)
+        return len(left)
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Wait until the trash is emptied; False if ``timeout`` passed first."""
+        self.release()
+        with self._cond:
+            return self._cond.wait_for(lambda: not self._todo, timeout)
+
+    def _queue(self, path: Path) -> None:
+        with self._cond:
+            self._todo.append(path)
+            if self._running:
+                return
+            self._running = True
+        try:
+            threading.Thread(target=self._run, name="udp-trash", daemon=True).start()
+        except RuntimeError:  # no thread to be had: removed here
+            self._run()
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                if not self._todo:
+                    self._running = False
+                    self._cond.notify_all()
+                    return
+                path = self._todo[0]
+            slow_point("udp.trash")
+            try:
+                _remove_folder(path)
+            except Exception as e:  # an I/O error: left for the next start's sweep
+                log_event(log, 30, "spool trash not removed: tried again at the next start",
+                          path=str(path), error=str(e))  # fmt: skip
+            with self._cond:
+                self._todo.popleft()
+                self._cond.notify_all()
+
+
 @dataclass
 class _Open:
     """An object being reassembled."""
@@ -278,6 +434,8 @@ class Reassembler:
         """Worker processes for blocks that lost a source symbol (None: decoded here)."""
         self.objects_dir = durable_mkdir(self.root / "objects")
         durable_mkdir(self.root / "tmp")
+        self._trash = _Trash(self.root)
+        """Folders of objects that ended, removed on a background thread."""
         self.max_object_bytes = max_object_bytes
         self.max_open = max_open_objects
         self.max_held = max_held_bytes
@@ -396,32 +554,33 @@ class Reassembler:
         *,
         count: int = 1,
         msg: str = "udp object given up: recorded as a gap",
+        write: bool = True,
     ) -> None:
         """Append a gap record (fsynced) and log it; ``count`` objects go to the metric (a
         range of unseen ids is one record). A disk that refuses the write (full, I/O error)
         keeps the record in memory until a later write succeeds: never lost silently, never a
-        crash."""
+        crash. ``write`` False: in memory only, the caller writes it."""
         rec = {**rec, "reason": reason, "time": round(time.time(), 3)}
         UDP.objects_expired.labels(str(rec.get("channel", "?")), reason).inc(count)
         log_event(log, 30, msg, **rec)
         self._unwritten_gaps.append(rec)
-        self.write_gaps()
+        if write:
+            self.write_gaps()
 
     def write_gaps(self) -> int:
         """Write the gap records still in memory; returns how many are left unwritten."""
         if not self._unwritten_gaps:
             return 0
-        text = "".join(json.dumps(r, sort_keys=True) + "\n" for r in self._unwritten_gaps)
         try:
-            with open(self.root / GAPS, "ab+") as f:
-                end = f.seek(0, os.SEEK_END)
-                if end > 0:  # a torn last record (a crash mid-write) must end its own line
-                    f.seek(end - 1)
-                    if f.read(1) != b"\n":
-                        text = "\n" + text
-                f.write(text.encode())
-                f.flush()
-                os.fsync(f.fileno())
+            try:
+                self._append_gaps()
+            except OSError as e:
+                if e.errno not in _NO_ROOM:
+                    raise
+                # a full disk, its room perhaps being freed (the folder of an object given up,
+                # in the trash): the record waits for that, as it waited for the removal before
+                self._trash.wait(_ROOM_WAIT)
+                self._append_gaps()
         except OSError as e:
             log_event(log, 40, "gap records not written yet: kept in memory, retried",
                       pending=len(self._unwritten_gaps), error=_os_error(e),
@@ -430,11 +589,26 @@ class Reassembler:
         self._unwritten_gaps.clear()
         return 0
 
+    def _append_gaps(self) -> None:
+        text = "".join(json.dumps(r, sort_keys=True) + "\n" for r in self._unwritten_gaps)
+        with open(self.root / GAPS, "ab+") as f:
+            end = f.seek(0, os.SEEK_END)
+            if end > 0:  # a torn last record (a crash mid-write) must end its own line
+                f.seek(end - 1)
+                if f.read(1) != b"\n":
+                    text = "\n" + text
+            f.write(text.encode())
+            f.flush()
+            os.fsync(f.fileno())
+
     def give_up(self, epoch: int, h: ObjectHeader, err: OSError) -> None:
         """A spool write for this object failed (disk full, quota, I/O error): the object
-        becomes a ``spool_error`` gap, its files are removed to free the space and its later
-        symbols are dropped. The receiver goes on; the next objects are spooled again as soon
-        as the disk has room (a sender restart resends the object under a new epoch)."""
+        becomes a ``spool_error`` gap, recorded before its files are removed to free the space
+        (moved to the trash here, removed on its thread; a record the full disk refuses is
+        written once that freed room: a kill in between, and only then, loses the record), and
+        its later symbols are dropped. The receiver goes on; the next objects are spooled
+        again as soon as the disk has room (a sender restart resends the object under a new
+        epoch)."""
         self._drop("spool_error")
         key = (epoch, h.object_id)
         obj = self.open.pop(key, None)
@@ -443,13 +617,17 @@ class Reassembler:
             rec, path = obj.record(), obj.path
         else:
             rec, path = _header_record(epoch, h), self.objects_dir / _obj_dir_name(epoch, key[1])
-        shutil.rmtree(path, ignore_errors=True)
         _remember_bounded(self._failed, key, self.remembered)
         self.held = sum(
             d.received * o.h.symbol_size for o in self.open.values() for d in o.decoders.values()
         )
         self.expired += 1
-        self.gap({**rec, "error": _os_error(err)}, "spool_error")
+        self.gap({**rec, "error": _os_error(err)}, "spool_error", write=False)
+        with contextlib.suppress(OSError):  # a full disk: written below, once there is room
+            self._append_gaps()  # before the files go: a kill now leaves both (no loss)
+            self._unwritten_gaps.clear()
+        self._trash.put(path, hold=True)  # removed once its gap record is written
+        self.write_gaps()  # what the disk refused: it waits for the folder's room
 
     # -- the hot path -------------------------------------------------------------------
     def add(self, sym: Symbol, now: float) -> None:
@@ -821,7 +999,7 @@ class Reassembler:
         key = min(self.open, key=lambda k: self.open[k].last_seen)
         self._expire(key, reason)
 
-    def _expire(self, key: tuple[int, int], reason: str) -> None:
+    def _expire(self, key: tuple[int, int], reason: str, *, hold: bool = False) -> None:
         obj = self.open.pop(key)
         self._close(obj)
         self._forget_later(key)
@@ -834,7 +1012,7 @@ class Reassembler:
         else:
             self.gap(rec, reason)
             self.expired += 1
-        shutil.rmtree(obj.path, ignore_errors=True)
+        self._trash.put(obj.path, hold=hold)  # after its gap record (or the unseen state)
 
     def _supersede(self, key: tuple[int, int], epoch: int) -> None:
         obj = self.open.pop(key)
@@ -844,14 +1022,15 @@ class Reassembler:
         self.save_unseen(time.time())  # the spooled files that told it go
         log_event(log, 20, "udp object superseded: the sender resent it under a new epoch",
                   new_epoch=epoch, **obj.record())  # fmt: skip
-        shutil.rmtree(obj.path, ignore_errors=True)
+        self._trash.put(obj.path)
 
     def expire_idle(self, now: float, expire_seconds: float) -> int:
         """Give up objects that got no new symbol for ``expire_seconds``."""
         stale = [k for k, o in self.open.items() if now - o.last_seen >= expire_seconds]
         gaps = self.expired
         for key in stale:
-            self._expire(key, "timeout")
+            self._expire(key, "timeout", hold=True)  # each gap record fsynced before removals
+        self._trash.release()
         return self.expired - gaps
 
     def fail(self, d: Delivery, reason: str) -> None:
@@ -864,11 +1043,15 @@ class Reassembler:
 
     # -- restart ------------------------------------------------------------------------
     def recover(self, now: float, tmp_dir: Path | None = None) -> int:
-        """Rebuild every open object from the spool (after a crash or a restart)."""
+        """Rebuild every open object from the spool (after a crash or a restart); what the
+        trash holds (folders a crash left half removed, or not yet) is removed meanwhile."""
         for d in {self.root / "tmp", tmp_dir or self.root / "tmp"}:
             for tmp in d.iterdir():
                 if tmp.name.endswith(".tmp"):
                     tmp.unlink(missing_ok=True)  # a delivery interrupted before its rename
+        if left := self._trash.sweep():
+            log_event(log, 20, "spool trash left by the last run: removed in the background",
+                      folders=left, path=str(self._trash.dir))  # fmt: skip
         n = 0
         for path in sorted(self.objects_dir.iterdir()):
             try:
@@ -881,11 +1064,11 @@ class Reassembler:
                 epoch = int(meta["epoch"])
             except (OSError, ValueError, KeyError, TypeError):
                 log_event(log, 30, "unreadable spooled object removed", path=str(path))
-                shutil.rmtree(path, ignore_errors=True)
+                self._trash.put(path)
                 continue
             key = (epoch, h.object_id)
             if key in self.done:
-                shutil.rmtree(path, ignore_errors=True)
+                self._trash.put(path)
                 continue
             try:
                 obj = self._reopen(epoch, h, path, now)
@@ -896,7 +1079,7 @@ class Reassembler:
                 rec = _header_record(epoch, h)
                 self.expired += 1
                 self._forget_later(key)
-                shutil.rmtree(path, ignore_errors=True)
+                self._trash.put(path)
                 self.gap({**rec, "error": str(e)}, "spool_error")
                 continue
             if len(obj.done) == obj.n_blocks and key in self.open:
@@ -908,6 +1091,11 @@ class Reassembler:
         self.wait_compactions()  # started while reopening: settled before the loop begins
         self._recover_unseen()
         return n
+
+    def wait_trash(self, timeout: float | None = None) -> bool:
+        """Wait until the folders of objects that ended are removed (tests); False if
+        ``timeout`` passed first."""
+        return self._trash.wait(timeout)
 
     def _reopen(self, epoch: int, h: ObjectHeader, path: Path, now: float) -> _Open:
         """One spooled object, its decoders rebuilt. A record torn by a crash (or a full disk)
@@ -961,10 +1149,18 @@ class Reassembler:
 
 def discard_spooled(d: Delivery) -> None:
     """Remove a delivered or failed object's spool directory (its ``data`` may be 100s of MB:
-    the delivery thread does it outside the receive loop's lock). A crash before it leaves
-    the directory behind: recovery removes a delivered one (it is in ``done.jsonl``) and
+    the delivery thread does it outside the receive loop's lock), moved into the trash first,
+    so that a removal a crash cut short is never taken for an object. A crash before the move
+    leaves the directory behind: recovery removes a delivered one (it is in ``done.jsonl``) and
     checks a failed one again, which fails again (a second gap record, never a delivery)."""
-    shutil.rmtree(d.path, ignore_errors=True)
+    dest = _to_trash(d.path, d.path.parent.parent / "trash")
+    if dest is None:
+        return
+    try:
+        _remove_folder(dest)
+    except OSError as e:  # left for the next start's sweep
+        log_event(log, 30, "spool trash not removed: tried again at the next start",
+                  path=str(dest), error=_os_error(e))  # fmt: skip
 
 
 def verify_and_read_name(d: Delivery) -> tuple[str, int] | str:

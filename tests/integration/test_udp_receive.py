@@ -613,6 +613,67 @@ def test_a_receiver_killed_9_right_after_a_slow_compaction_loses_nothing_it_took
     assert summary["objects_completed"] == 1 and read_gap_records(spool) == []
 
 
+@pytest.mark.parametrize("point", ["udp.after_object_trashed", "udp.object_half_removed"])
+def test_a_receiver_killed_9_while_removing_an_expired_object_cleans_it_up_at_restart(
+    tmp_path: Path, point: str
+) -> None:
+    """An object expires: its gap record is written, its folder renamed into trash/, then
+    removed on a background thread. Killed -9 right after the rename or part way through the
+    removal, the restarted receiver never takes what is left for an object (nothing rebuilt,
+    delivered or recorded again), removes it, and goes on."""
+    port = free_udp_port()
+    generate_key_file(tmp_path / "udp.key")
+    cfg_path = receiver_config(tmp_path, port, expire_seconds=1.0)
+    codec = DatagramCodec(load_key(tmp_path / "udp.key"))
+    t, k = 1024, 64
+    name = "u1.000000000002.0123456789abcdef0123456789abcdef.dbundle"
+    dg = datagrams(codec, 80, 1, name, os.urandom(16 * t * k), repair=0, t=t, k=k)
+    spool, inbox = tmp_path / "red" / "udp-spool", tmp_path / "red" / "inbox"
+    mark = tmp_path / "crash.marks"
+    sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    rx = RxProc(cfg_path, tmp_path / "rx1.log", crash_env(point, mark))
+    try:
+        _send_slowly(sock, port, dg[: len(dg) // 2])  # 8 of 17 blocks: it can only expire
+        rx.proc.wait(timeout=30)  # the crash point, once it has expired
+        assert crash_marks(mark) == [point]
+        (gap,) = read_gap_records(spool)  # written before the folder went
+        assert (gap["object_id"], gap["reason"], gap["blocks_done"]) == (1, "timeout", 8)
+        assert list((spool / "objects").iterdir()) == []
+        (left,) = (spool / "trash").iterdir()
+        files = sorted(f.name for f in left.iterdir())
+        if point == "udp.after_object_trashed":
+            assert files == ["blocks.done", "data", "meta.json", "symbols.log"]
+            assert (left / "data").stat().st_size >= 8 * t * k
+        else:
+            assert files == ["blocks.done", "data", "symbols.log"]  # meta.json went first
+
+        rx = RxProc(cfg_path, tmp_path / "rx2.log")
+        started = [e for e in rx.events() if e.get("msg") == "udp receiver listening"]
+        assert started and started[0]["objects_rebuilt"] == 0
+        swept = [e for e in rx.events() if e.get("msg", "").startswith("spool trash left")]
+        assert swept and swept[0]["folders"] == 1
+        deadline = time.monotonic() + 10
+        while list((spool / "trash").iterdir()):
+            assert time.monotonic() < deadline, "the trash was not emptied"
+            time.sleep(0.05)
+        other = "u1.000000000003.0123456789abcdef0123456789abcdef.dbundle"
+        body = os.urandom(50_000)
+        _send_slowly(sock, port, datagrams(codec, 81, 1, other, body))
+        deadline = time.monotonic() + 30
+        while not (inbox / other).exists():
+            assert time.monotonic() < deadline, "the next object was not delivered"
+            time.sleep(0.05)
+        summary = rx.stop()
+    finally:
+        sock.close()
+        if rx.proc.poll() is None:
+            rx.kill9()
+    assert [p.name for p in inbox.iterdir()] == [other] and (inbox / other).read_bytes() == body
+    assert summary["objects_completed"] == 1 and summary["objects_expired"] == 0
+    assert read_gap_records(spool) == [gap]  # not recorded again
+    assert list((spool / "objects").iterdir()) == [] and list((spool / "trash").iterdir()) == []
+
+
 def _send_slowly(sock: socket.socket, port: int, items: list[bytes]) -> None:
     """About 40 MB/s of 8 KiB datagrams: well below what the receiver takes."""
     for i, d in enumerate(items):

@@ -1,6 +1,7 @@
 """UDP receiver's reassembly (``udp_spool``) without sockets: crafted symbols in, spool files,
 gap records and inbox files out — order, duplicates, loss within and beyond the repair budget,
-supersede, bad names, digest mismatch, name clashes, rebuild after kill -9, memory caps."""
+supersede, bad names, digest mismatch, name clashes, rebuild after kill -9, memory caps, the
+folders of objects that ended removed off the receive loop."""
 
 from __future__ import annotations
 
@@ -1011,3 +1012,137 @@ def test_objects_refused_as_too_large_are_remembered_up_to_a_cap(tmp_path: Path)
     feed(ra, symbols(1, header(0, env), env)[:3])  # forgotten long ago
     assert len(read_gap_records(tmp_path)) == 121 and len(ra._refused) == 50
     assert ra.dropped == {"too_large": 122 * 3}
+
+
+# -- objects that end: out of objects/ by a rename, removed off the receive loop ------------
+
+
+@pytest.fixture
+def held_trash(monkeypatch: pytest.MonkeyPatch) -> Iterator[threading.Event]:
+    """The trash's thread waits before each removal (a slow disk) until the event is set."""
+    release = threading.Event()
+    real = udp_spool.slow_point
+
+    def slow(name: str) -> None:
+        if name == "udp.trash":
+            release.wait(30)
+        real(name)
+
+    monkeypatch.setattr(udp_spool, "slow_point", slow)
+    yield release
+    release.set()
+
+
+def _trashed(root: Path) -> dict[str, list[str]]:
+    """What the trash holds: each folder's files."""
+    return {p.name: sorted(f.name for f in p.iterdir()) for p in (root / "trash").iterdir()}
+
+
+@pytest.mark.parametrize("end", ["timeout", "evicted", "superseded", "spool_error"])
+def test_an_object_that_ends_is_renamed_out_of_objects_and_removed_off_the_loop(
+    tmp_path: Path, held_trash: threading.Event, end: str
+) -> None:
+    """The call that ends an object only renames its folder into trash/ (its gap record is
+    written all the same: never silent); the slow removal runs on another thread, here held
+    as if on a slow disk, and the call has returned meanwhile."""
+    env = envelope(os.urandom(T * K * 4))
+    h = header(1, env)
+    syms = symbols(3, h, env, repair=0)
+    ra = reassembler(tmp_path, max_open_objects=1)
+    feed(ra, syms[: 2 * K + 3], now=1.0)  # two blocks rebuilt: data written
+    ra.flush_all()
+    (obj,) = ra.open.values()
+    name = obj.path.name
+    if end == "timeout":
+        assert ra.expire_idle(100.0, 30.0) == 1
+    elif end == "evicted":
+        other = envelope(os.urandom(T * K), "u1.000000000009.x.dbundle")
+        feed(ra, symbols(3, header(2, other), other)[:1], now=2.0)  # one open object at most
+    elif end == "superseded":
+        feed(ra, symbols(4, header(0, env), env)[:1], now=2.0)  # the restarted sender's copy
+    else:
+        ra.give_up(3, h, OSError(5, "Input/output error"))
+    assert not (tmp_path / "objects" / name).exists() and (3, 1) not in ra.open
+    (folder,) = _trashed(tmp_path).items()
+    assert folder[0].startswith(name + ".")
+    assert folder[1] == ["blocks.done", "data", "meta.json", "symbols.log"]  # not removed yet
+    gaps = [(g["object_id"], g["reason"]) for g in read_gap_records(tmp_path)]
+    assert gaps == ([] if end == "superseded" else [(1, end)])
+    assert not ra.wait_trash(0.2)  # the removal really is held
+    feed(ra, syms[2 * K + 3 :], now=3.0)  # the loop goes on meanwhile (later symbols dropped)
+    held_trash.set()
+    assert ra.wait_trash(10)
+    assert _trashed(tmp_path) == {} and not ra.ready
+    assert [(g["object_id"], g["reason"]) for g in read_gap_records(tmp_path)] == gaps
+
+
+def test_what_a_crash_left_in_the_trash_is_removed_at_restart_never_rebuilt_or_delivered(
+    tmp_path: Path,
+) -> None:
+    """Killed after a folder was moved into the trash (whole, even complete and awaiting its
+    delivery) or part way through its removal: the restarted receiver neither rebuilds nor
+    delivers nor records it again, and removes it; the objects in objects/ go on."""
+    env = envelope(os.urandom(T * K * 2))
+    complete = symbols(2, header(1, env), env)
+    ra = reassembler(tmp_path)
+    feed(ra, complete)  # complete, awaiting delivery...
+    (d,) = ra.ready
+    assert udp_spool._to_trash(d.path, tmp_path / "trash") is not None  # ...killed in discard
+    half = envelope(os.urandom(T * K * 2), "u1.000000000005.h.dbundle")
+    feed(ra, symbols(2, header(5, half), half)[: K + 2])  # one block rebuilt
+    live = envelope(os.urandom(T * K * 2), "u1.000000000007.l.dbundle")
+    live_syms = symbols(2, header(7, live), live)
+    feed(ra, live_syms[:5])
+    ra.flush_all()
+    _close_files(ra)  # killed: one object moved, its removal under way...
+    gone = udp_spool._to_trash(ra.open[(2, 5)].path, tmp_path / "trash")
+    assert gone is not None
+    (gone / "data").unlink()  # ...its data removed, not yet its other files
+    assert len(_trashed(tmp_path)) == 2
+    gaps = read_gap_records(tmp_path)
+
+    ra2 = reassembler(tmp_path)
+    assert ra2.recover(1.0) == 1 and list(ra2.open) == [(2, 7)]
+    assert not ra2.ready and read_gap_records(tmp_path) == gaps
+    assert ra2.wait_trash(10) and _trashed(tmp_path) == {}
+    feed(ra2, live_syms[5:])
+    assert delivered(ra2) == [live]
+
+
+def test_a_gap_record_the_full_disk_refuses_waits_for_the_room_of_the_folder_given_up() -> None:
+    """On a real full disk, the spool_error record cannot be written until the given-up
+    object's folder is removed: tried first (a record before the files go, when it can), it
+    then waits for the trash, and is on disk when give_up returns, not left in memory."""
+    with small_tmpfs("2m", "udptrash") as disk:
+        root = disk / "spool"
+        env = envelope(os.urandom(T * K))
+        h = header(1, env)
+        ra = reassembler(root)
+        feed(ra, symbols(1, h, env)[:2])
+        ra.flush_all()
+        (obj,) = ra.open.values()
+        with open(obj.path / "data", "r+b") as f:  # rebuilt blocks: 512 KiB of the disk
+            f.write(os.urandom(512 << 10))
+        fd = os.open(disk / "filler", os.O_WRONLY | os.O_CREAT, 0o600)
+        with pytest.raises(OSError, match="No space"):
+            while True:
+                os.write(fd, bytes(4096))  # the disk full to its last page
+        os.close(fd)
+        tried: list[int | None] = []
+        real = ra._append_gaps
+
+        def append() -> None:
+            try:
+                real()
+            except OSError as e:
+                tried.append(e.errno)
+                raise
+            tried.append(None)
+
+        ra._append_gaps = append  # type: ignore[method-assign]
+        ra.give_up(1, h, OSError(28, "No space left on device"))
+        # refused for lack of room (before the folder goes, then once more in the trash),
+        # then written once its room is freed
+        assert tried == [28, 28, None]
+        assert [g["reason"] for g in read_gap_records(root)] == ["spool_error"]
+        assert not ra._unwritten_gaps and _trashed(root) == {}
