@@ -457,18 +457,12 @@ def test_a_receiver_killed_9_mid_object_completes_it_from_its_spool(tmp_path: Pa
         assert _spooled_symbol_bytes(spool) == half * (8 + t)  # every one, none decoded
         assert not inbox.exists() or list(inbox.iterdir()) == []
 
-        rx = RxProc(cfg_path, tmp_path / "rx2.log")
-        started = [e for e in rx.events() if e.get("msg") == "udp receiver listening"]
-        assert started and started[0]["objects_rebuilt"] == 1
+        rx = _restarted(cfg_path, tmp_path / "rx2.log", 1)
         for i, d in enumerate(dg[half:]):
             sock.sendto(d, ("127.0.0.1", port))
             if not i % 64:
                 time.sleep(0.001)
-        deadline = time.monotonic() + 30
-        while not (inbox / name).exists():
-            assert rx.proc.poll() is None, rx.log.read_text()[-3000:]
-            assert time.monotonic() < deadline, "the object did not complete after the restart"
-            time.sleep(0.05)
+        _await_delivery(rx, inbox / name, "the object did not complete after the restart")
         summary = rx.stop()
     finally:
         sock.close()
@@ -488,6 +482,24 @@ def _blocks_done(spool: Path) -> int:
     return sum(p.stat().st_size // 4 for p in spool.glob("objects/*/blocks.done"))
 
 
+def _big_object(
+    tmp_path: Path, blocks: int, epoch: int
+) -> tuple[int, Path, str, bytes, list[list[bytes]]]:
+    """A receiver config (expiry 60 s) and an object of ``blocks`` blocks of 64 symbols of 8
+    KiB (512 KiB each) and 7 repair symbols, sent in ``epoch``: the port, the config, the
+    file's name, its body and its datagrams block by block."""
+    port = free_udp_port()
+    generate_key_file(tmp_path / "udp.key")
+    cfg_path = receiver_config(tmp_path, port, expire_seconds=60.0)
+    codec = DatagramCodec(load_key(tmp_path / "udp.key"))
+    name = "u1.000000000001.0123456789abcdef0123456789abcdef.dbundle"
+    t, k, n = 8192, 64, 71
+    body = os.urandom(blocks * t * k - len(envelope_prefix(name)))
+    dg = datagrams(codec, epoch, 1, name, body, repair=0.1, t=t, k=k)
+    assert len(dg) == blocks * n
+    return port, cfg_path, name, body, [dg[b * n : (b + 1) * n] for b in range(blocks)]
+
+
 def test_a_receiver_killed_9_after_compacting_its_spool_completes_the_object(
     tmp_path: Path,
 ) -> None:
@@ -495,16 +507,8 @@ def test_a_receiver_killed_9_after_compacting_its_spool_completes_the_object(
     rest (and reach 16 MiB), the receiver compacts the object's symbols.log, so the spool
     holds about the rebuilt bytes, not twice them. Killed -9 then, the restarted receiver
     completes the object from that spool, blocks half received before a compaction too."""
-    port = free_udp_port()
-    generate_key_file(tmp_path / "udp.key")
-    cfg_path = receiver_config(tmp_path, port, expire_seconds=60.0)
-    codec = DatagramCodec(load_key(tmp_path / "udp.key"))
-    name = "u1.000000000001.0123456789abcdef0123456789abcdef.dbundle"
-    t, k, n = 8192, 64, 71  # 512 KiB blocks of 64 symbols and 7 repair symbols
-    body = os.urandom(96 * t * k - len(envelope_prefix(name)))
-    dg = datagrams(codec, 60, 1, name, body, repair=0.1, t=t, k=k)
-    block = [dg[b * n : (b + 1) * n] for b in range(96)]
-    assert len(dg) == 96 * n
+    port, cfg_path, name, body, block = _big_object(tmp_path, 96, 60)
+    t, k = 8192, 64
     # blocks 0-69 whole (a compaction after about 33, and 66, rebuilt blocks), with the first
     # 40 symbols of block 70 before blocks 60-69 (the second compaction must keep them) and of
     # block 71 after; the rest after the restart: blocks 70 and 71 need what was spooled
@@ -533,15 +537,9 @@ def test_a_receiver_killed_9_after_compacting_its_spool_completes_the_object(
         # without compaction: the rebuilt bytes plus all their symbols again (2x)
         assert rebuilt < used <= rebuilt + (16 << 20) + (2 << 20), used
 
-        rx = RxProc(cfg_path, tmp_path / "rx2.log")
-        started = [e for e in rx.events() if e.get("msg") == "udp receiver listening"]
-        assert started and started[0]["objects_rebuilt"] == 1
+        rx = _restarted(cfg_path, tmp_path / "rx2.log", 1)
         _send_slowly(sock, port, rest)
-        deadline = time.monotonic() + 30
-        while not (inbox / name).exists():
-            assert rx.proc.poll() is None, rx.log.read_text()[-3000:]
-            assert time.monotonic() < deadline, "the object did not complete after the restart"
-            time.sleep(0.05)
+        _await_delivery(rx, inbox / name, "the object did not complete after the restart")
         summary = rx.stop()
     finally:
         sock.close()
@@ -560,15 +558,8 @@ def test_a_receiver_killed_9_right_after_a_slow_compaction_loses_nothing_it_took
     into the new one. Killed -9 just after the new log is renamed into place, the restarted
     receiver completes the object from it: blocks half received before the compaction (in
     its snapshot) and while it ran (carried over)."""
-    port = free_udp_port()
-    generate_key_file(tmp_path / "udp.key")
-    cfg_path = receiver_config(tmp_path, port, expire_seconds=60.0)
-    codec = DatagramCodec(load_key(tmp_path / "udp.key"))
-    name = "u1.000000000001.0123456789abcdef0123456789abcdef.dbundle"
-    t, k, n = 8192, 64, 71  # 512 KiB blocks of 64 symbols and 7 repair symbols
-    body = os.urandom(64 * t * k - len(envelope_prefix(name)))
-    dg = datagrams(codec, 70, 1, name, body, repair=0.1, t=t, k=k)
-    block = [dg[b * n : (b + 1) * n] for b in range(64)]
+    port, cfg_path, name, body, block = _big_object(tmp_path, 64, 70)
+    t = 8192
     # blocks 0-44 whole (the compaction begins after about 33, when the rebuilt blocks'
     # records reach 16 MiB), the first 40 symbols of block 45 before blocks 30-44 and of
     # block 46 after, all within the 2 s; the rest after the restart
@@ -595,15 +586,9 @@ def test_a_receiver_killed_9_right_after_a_slow_compaction_loses_nothing_it_took
         assert log.stat().st_size == ev["kept_bytes"] + ev["carried_bytes"]
         assert not list((spool / "objects").glob("*/symbols.log.tmp"))
 
-        rx = RxProc(cfg_path, tmp_path / "rx2.log", crash)
-        started = [e for e in rx.events() if e.get("msg") == "udp receiver listening"]
-        assert started and started[0]["objects_rebuilt"] == 1
+        rx = _restarted(cfg_path, tmp_path / "rx2.log", 1, crash)
         _send_slowly(sock, port, rest)
-        deadline = time.monotonic() + 30
-        while not (inbox / name).exists():
-            assert rx.proc.poll() is None, rx.log.read_text()[-3000:]
-            assert time.monotonic() < deadline, "the object did not complete after the restart"
-            time.sleep(0.05)
+        _await_delivery(rx, inbox / name, "the object did not complete after the restart")
         summary = rx.stop()
     finally:
         sock.close()
@@ -647,9 +632,7 @@ def test_a_receiver_killed_9_while_removing_an_expired_object_cleans_it_up_at_re
         else:
             assert files == ["blocks.done", "data", "symbols.log"]  # meta.json went first
 
-        rx = RxProc(cfg_path, tmp_path / "rx2.log")
-        started = [e for e in rx.events() if e.get("msg") == "udp receiver listening"]
-        assert started and started[0]["objects_rebuilt"] == 0
+        rx = _restarted(cfg_path, tmp_path / "rx2.log", 0)
         swept = [e for e in rx.events() if e.get("msg", "").startswith("spool trash left")]
         assert swept and swept[0]["folders"] == 1
         deadline = time.monotonic() + 10
@@ -672,6 +655,25 @@ def test_a_receiver_killed_9_while_removing_an_expired_object_cleans_it_up_at_re
     assert summary["objects_completed"] == 1 and summary["objects_expired"] == 0
     assert read_gap_records(spool) == [gap]  # not recorded again
     assert list((spool / "objects").iterdir()) == [] and list((spool / "trash").iterdir()) == []
+
+
+def _restarted(
+    cfg_path: Path, log: Path, rebuilt: int, env: dict[str, str] | None = None
+) -> RxProc:
+    """A receiver process started again; it must say it rebuilt ``rebuilt`` spooled objects."""
+    rx = RxProc(cfg_path, log, env)
+    started = [e for e in rx.events() if e.get("msg") == "udp receiver listening"]
+    assert started and started[0]["objects_rebuilt"] == rebuilt
+    return rx
+
+
+def _await_delivery(rx: RxProc, path: Path, what: str) -> None:
+    """Until ``path`` is in the inbox (30 s); the receiver must stay up meanwhile."""
+    deadline = time.monotonic() + 30
+    while not path.exists():
+        assert rx.proc.poll() is None, rx.log.read_text()[-3000:]
+        assert time.monotonic() < deadline, what
+        time.sleep(0.05)
 
 
 def _send_slowly(sock: socket.socket, port: int, items: list[bytes]) -> None:

@@ -825,21 +825,26 @@ def test_a_compaction_cut_short_by_a_kill_leaves_the_old_log_to_go_on_with(
     assert delivered(ra2) == [env]
 
 
-@pytest.fixture
-def held_compaction(monkeypatch: pytest.MonkeyPatch) -> Iterator[threading.Event]:
-    """Compactions stay in flight (their thread waits before its first fsync, as on a slow
-    disk) until the event is set."""
+def _held_at(monkeypatch: pytest.MonkeyPatch, point: str) -> Iterator[threading.Event]:
+    """Slow point ``point`` of udp_spool waits (as on a slow disk) until the event is set."""
     release = threading.Event()
     real = udp_spool.slow_point
 
     def slow(name: str) -> None:
-        if name == "udp.compaction":
+        if name == point:
             release.wait(30)
         real(name)
 
     monkeypatch.setattr(udp_spool, "slow_point", slow)
     yield release
     release.set()
+
+
+@pytest.fixture
+def held_compaction(monkeypatch: pytest.MonkeyPatch) -> Iterator[threading.Event]:
+    """Compactions stay in flight (their thread waits before its first fsync, as on a slow
+    disk) until the event is set."""
+    yield from _held_at(monkeypatch, "udp.compaction")
 
 
 def _until_compacting(ra: Reassembler, syms: list[Symbol]) -> int:
@@ -1020,17 +1025,7 @@ def test_objects_refused_as_too_large_are_remembered_up_to_a_cap(tmp_path: Path)
 @pytest.fixture
 def held_trash(monkeypatch: pytest.MonkeyPatch) -> Iterator[threading.Event]:
     """The trash's thread waits before each removal (a slow disk) until the event is set."""
-    release = threading.Event()
-    real = udp_spool.slow_point
-
-    def slow(name: str) -> None:
-        if name == "udp.trash":
-            release.wait(30)
-        real(name)
-
-    monkeypatch.setattr(udp_spool, "slow_point", slow)
-    yield release
-    release.set()
+    yield from _held_at(monkeypatch, "udp.trash")
 
 
 def _trashed(root: Path) -> dict[str, list[str]]:
