@@ -37,9 +37,10 @@ a data file of 100s of MB takes tens of ms: the socket buffer would overflow mea
 file is cut down a slice at a time, so that the loop's fsyncs never wait long behind it).
 ``objects/`` thus only ever holds whole folders: a removal a crash cut short is in ``trash/``,
 never taken for an object to rebuild or deliver, and whatever is in ``trash/`` at start is
-removed (in the background too). Gap records are written where they were: before the rename
-for an object expired or evicted, after it for one whose spool write failed (a record the full
-disk refuses then waits for the room the folder's removal frees, and is written).
+removed (in the background too). An object's gap record is written before the rename (a kill
+between leaves the folder: judged again at the restart, a second record, never none); a
+record the full disk refuses (a spool write failed) waits for the room the folder's removal
+frees, and is written then.
 """
 
 from __future__ import annotations
@@ -622,12 +623,21 @@ class Reassembler:
             d.received * o.h.symbol_size for o in self.open.values() for d in o.decoders.values()
         )
         self.expired += 1
-        self.gap({**rec, "error": _os_error(err)}, "spool_error", write=False)
+        self._spool_error(rec, _os_error(err), path)
+
+    def _spool_error(self, rec: dict[str, Any], error: str, path: Path) -> None:
+        """The ``spool_error`` gap record of an object, then its folder into the trash: the
+        record first, so that a kill between leaves the folder (judged again at the restart:
+        a second record, never none). A record the full disk refuses is written once the
+        folder's room is freed (``write_gaps`` waits for the trash): a kill in that window,
+        and only there, loses it."""
+        self.gap({**rec, "error": error}, "spool_error", write=False)
         with contextlib.suppress(OSError):  # a full disk: written below, once there is room
-            self._append_gaps()  # before the files go: a kill now leaves both (no loss)
+            self._append_gaps()
             self._unwritten_gaps.clear()
-        self._trash.put(path, hold=True)  # removed once its gap record is written
-        self.write_gaps()  # what the disk refused: it waits for the folder's room
+        self._trash.put(path, hold=True)  # a record still to write is not fsynced behind it
+        self.write_gaps()  # refused for room: waits for the trash (which releases the folder)
+        self._trash.release()
 
     # -- the hot path -------------------------------------------------------------------
     def add(self, sym: Symbol, now: float) -> None:
@@ -1076,11 +1086,9 @@ class Reassembler:
                 half = self.open.pop(key, None)
                 if half is not None:
                     self._close(half)
-                rec = _header_record(epoch, h)
                 self.expired += 1
                 self._forget_later(key)
-                self._trash.put(path)
-                self.gap({**rec, "error": str(e)}, "spool_error")
+                self._spool_error(_header_record(epoch, h), str(e), path)
                 continue
             if len(obj.done) == obj.n_blocks and key in self.open:
                 self._close(obj)

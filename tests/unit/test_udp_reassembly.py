@@ -9,6 +9,7 @@ import hashlib
 import os
 import random
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -1066,9 +1067,62 @@ def test_an_object_that_ends_is_renamed_out_of_objects_and_removed_off_the_loop(
     assert not ra.wait_trash(0.2)  # the removal really is held
     feed(ra, syms[2 * K + 3 :], now=3.0)  # the loop goes on meanwhile (later symbols dropped)
     held_trash.set()
+    deadline = time.monotonic() + 10
+    while _trashed(tmp_path):  # removed by itself: nothing left held until a later call
+        assert time.monotonic() < deadline, f"{end}: the folder stayed in the trash"
+        time.sleep(0.02)
     assert ra.wait_trash(10)
     assert _trashed(tmp_path) == {} and not ra.ready
     assert [(g["object_id"], g["reason"]) for g in read_gap_records(tmp_path)] == gaps
+
+
+def _records_when_trashed(monkeypatch: pytest.MonkeyPatch, root: Path) -> list[list[str]]:
+    """The gap records' reasons on disk each time a folder is moved into the trash (at the
+    crash point there: what a kill at that moment would leave)."""
+    seen: list[list[str]] = []
+    real = udp_spool.crash_point
+
+    def spy(name: str) -> None:
+        if name == "udp.after_object_trashed":
+            seen.append([g["reason"] for g in read_gap_records(root)])
+        real(name)
+
+    monkeypatch.setattr(udp_spool, "crash_point", spy)
+    return seen
+
+
+def test_a_spool_error_is_recorded_before_its_folder_leaves_objects(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A spool write that fails (give_up) and a spooled object that cannot be reopened at a
+    restart (here its blocks.done is a directory) are each recorded before their folder goes
+    to the trash: a kill in between leaves the folder, never a folder gone without a record.
+    The folder is then removed by itself (before, a give_up whose record was written at once
+    left it held in the trash until another object ended)."""
+    seen = _records_when_trashed(monkeypatch, tmp_path)
+    env = envelope(os.urandom(T * K * 2))
+    ra = reassembler(tmp_path)
+    feed(ra, symbols(3, header(1, env), env)[:3])
+    ra.give_up(3, header(1, env), OSError(5, "Input/output error"))
+    assert seen == [["spool_error"]]
+    deadline = time.monotonic() + 10
+    while _trashed(tmp_path):  # removed by itself, not held until some later call
+        assert time.monotonic() < deadline, "the given-up folder stayed in the trash"
+        time.sleep(0.02)
+    other = envelope(os.urandom(T * K * 2), "u1.000000000009.x.dbundle")
+    feed(ra, symbols(3, header(2, other), other)[:3])
+    ra.flush_all()
+    (obj,) = ra.open.values()
+    (obj.path / "blocks.done").unlink()
+    (obj.path / "blocks.done").mkdir()
+    ra2 = reassembler(tmp_path)
+    assert ra2.recover(5.0) == 0
+    assert seen == [["spool_error"], ["spool_error", "spool_error"]]
+    assert [(g["object_id"], g["reason"]) for g in read_gap_records(tmp_path)] == [
+        (1, "spool_error"), (2, "spool_error")
+    ]  # fmt: skip
+    assert list((tmp_path / "objects").iterdir()) == []
+    assert ra2.wait_trash(10) and _trashed(tmp_path) == {}
 
 
 def test_what_a_crash_left_in_the_trash_is_removed_at_restart_never_rebuilt_or_delivered(
