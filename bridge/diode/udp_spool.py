@@ -208,30 +208,24 @@ class _Compaction:
         except Exception as e:  # reported by the receive loop, which keeps the old log
             self.error = e
         finally:
-            for fd in (self.data_fd, self.done_fd):
-                try:
-                    os.close(fd)
-                except OSError:
-                    pass
+            _close_all(self.data_fd, self.done_fd)
             self.snapshot = []
             self.finished = True
+
+
+def _close_all(*fds: int) -> None:
+    for fd in fds:
+        with contextlib.suppress(OSError):
+            os.close(fd)
 
 
 def _close_in_background(*fds: int) -> None:
     """Close descriptors on a short-lived thread: the last close of a file renamed over or
     unlinked frees its blocks, milliseconds for a large log (not in the receive loop)."""
-
-    def close() -> None:
-        for fd in fds:
-            try:
-                os.close(fd)
-            except OSError:
-                pass
-
     try:
-        threading.Thread(target=close, name="udp-close", daemon=True).start()
+        threading.Thread(target=_close_all, args=fds, name="udp-close", daemon=True).start()
     except RuntimeError:  # no thread to be had: close them here
-        close()
+        _close_all(*fds)
 
 
 _TRASH_SEQ = itertools.count()
@@ -263,6 +257,16 @@ def _remove_folder(path: Path) -> None:
             pass
         crash_point("udp.object_half_removed")  # some of its files gone, not all
     os.rmdir(path)
+
+
+def _remove_trashed(path: Path) -> None:
+    """Remove a folder in the trash; one an I/O error leaves is removed at the next start."""
+    try:
+        _remove_folder(path)
+    except Exception as e:
+        error = _os_error(e) if isinstance(e, OSError) else str(e)
+        log_event(log, 30, "spool trash not removed: tried again at the next start",
+                  path=str(path), error=error)  # fmt: skip
 
 
 def _unlink_sliced(path: Path) -> None:
@@ -365,11 +369,7 @@ class _Trash:
                     return
                 path = self._todo[0]
             slow_point("udp.trash")
-            try:
-                _remove_folder(path)
-            except Exception as e:  # an I/O error: left for the next start's sweep
-                log_event(log, 30, "spool trash not removed: tried again at the next start",
-                          path=str(path), error=str(e))  # fmt: skip
+            _remove_trashed(path)
             with self._cond:
                 self._todo.popleft()
                 self._cond.notify_all()
@@ -1162,13 +1162,8 @@ def discard_spooled(d: Delivery) -> None:
     leaves the directory behind: recovery removes a delivered one (it is in ``done.jsonl``) and
     checks a failed one again, which fails again (a second gap record, never a delivery)."""
     dest = _to_trash(d.path, d.path.parent.parent / "trash")
-    if dest is None:
-        return
-    try:
-        _remove_folder(dest)
-    except OSError as e:  # left for the next start's sweep
-        log_event(log, 30, "spool trash not removed: tried again at the next start",
-                  path=str(dest), error=_os_error(e))  # fmt: skip
+    if dest is not None:
+        _remove_trashed(dest)
 
 
 def verify_and_read_name(d: Delivery) -> tuple[str, int] | str:
