@@ -738,6 +738,13 @@ class Reassembler:
             offset = 0
         self.unseen.save(now, offset)
 
+    def _save_seen_before_files_go(self) -> None:
+        """A superseded object's id was seen, and no journal will tell it (neither done.jsonl
+        nor gaps.jsonl): the unseen-object state must, saved before the spooled files that
+        told it go (else a restart in between could record it ``unseen``)."""
+        self.unseen.urgent = True
+        self.save_unseen(time.time())
+
     def _recover_unseen(self) -> None:
         """Tell the unseen-object tracker what the journals and the spool hold: every object
         delivered, open or given up since its state was saved was seen (superseded ones too,
@@ -1016,8 +1023,7 @@ class Reassembler:
         rec = obj.record()
         if rec["digest"] in self.done_digests:
             reason = "superseded"  # the same bytes were delivered under another object id
-            self.unseen.urgent = True  # no journal tells it was seen: the state must, before
-            self.save_unseen(time.time())  # the spooled files that told it go
+            self._save_seen_before_files_go()
             log_event(log, 20, "udp object superseded by an identical delivered one", **rec)
         else:
             self.gap(rec, reason)
@@ -1028,8 +1034,7 @@ class Reassembler:
         obj = self.open.pop(key)
         self._close(obj)
         self._forget_later(key)
-        self.unseen.urgent = True  # no journal tells it was seen: the state must, before
-        self.save_unseen(time.time())  # the spooled files that told it go
+        self._save_seen_before_files_go()
         log_event(log, 20, "udp object superseded: the sender resent it under a new epoch",
                   new_epoch=epoch, **obj.record())  # fmt: skip
         self._trash.put(obj.path)
