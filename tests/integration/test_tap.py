@@ -4,6 +4,7 @@ property bytes kept exactly as delivered)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -142,6 +143,20 @@ def queue_depth(url: str, queue: str) -> int:
         conn.close()
 
 
+@contextlib.contextmanager
+def _tap_running(cfg: Config) -> Iterator[threading.Thread]:
+    """A continuous ``Tap`` of channel main on a thread of this process, stopped and joined
+    when the block ends."""
+    tap = Tap(cfg, "main")
+    th = threading.Thread(target=tap.run, daemon=True)
+    th.start()
+    try:
+        yield th
+    finally:
+        tap.stop()
+        th.join(timeout=30)
+
+
 def test_drain_keeps_property_bytes_exactly(black_vhost: Any, tmp_path: Path) -> None:
     cfg = write_config(tmp_path, black_vhost.amqp_url, group_messages=40, prefetch=100)
     setup_mirror(cfg, black_vhost.amqp_url)
@@ -259,17 +274,14 @@ def test_a_full_spool_pauses_the_tap_with_the_backlog_left_in_the_broker(
     sent = [(encode_properties(Properties(message_id=f"m{i}")), bytes([i]) * 1_000_000)
             for i in range(40)]  # fmt: skip
     publish_raw(black_vhost.amqp_url, sent)
-    tap = Tap(cfg, "main")
-    th = threading.Thread(target=tap.run, daemon=True)
-    th.start()
     store = StateStore(Path(cfg.black.state_dir))
+    with _tap_running(cfg) as th:
 
-    def status() -> Any:
-        st = tap_status(cfg, "main")
-        assert th.is_alive() and st is not None
-        return st
+        def status() -> Any:
+            st = tap_status(cfg, "main")
+            assert th.is_alive() and st is not None
+            return st
 
-    try:
         deadline = time.monotonic() + 60
         while tap_status(cfg, "main") is None or not status().paused:
             assert time.monotonic() < deadline, "the tap never paused"
@@ -288,9 +300,6 @@ def test_a_full_spool_pauses_the_tap_with_the_backlog_left_in_the_broker(
             store.save(ChannelState("main", last_seq=status().durable_end - 1))
             assert time.monotonic() < deadline + 60, "the tap did not resume"
             time.sleep(0.3)
-    finally:
-        tap.stop()
-        th.join(timeout=30)
     assert queue_depth(black_vhost.amqp_url, QUEUE) == 0
     r = SpoolReader(Path(cfg.black.spool_dir), "main")
     first = r.first_pos()
@@ -607,18 +616,12 @@ def test_dead_letters_redelivered_after_other_traffic_are_still_recorded_once(
     more = [(encode_properties(Properties(message_id=f"more{i}")), f"more-{i}".encode())
             for i in range(6)]  # fmt: skip
     publish_raw(black_vhost.amqp_url, more, [f"more{i}" for i in range(6)])
-    tap = Tap(cfg, "main")
-    th = threading.Thread(target=tap.run, daemon=True)
-    th.start()
-    try:
+    with _tap_running(cfg) as th:
         deadline = time.monotonic() + 30
         while sum(r["kind"] == KIND_MESSAGE for r in spooled(cfg)) < 16:
             assert th.is_alive() and time.monotonic() < deadline, "the kept messages never spooled"
             time.sleep(0.1)
         time.sleep(0.5)  # the acks of the last group are proven meanwhile
-    finally:
-        tap.stop()
-        th.join(timeout=30)
     second = tap_status(cfg, "main")
     assert second is not None
     # the window: new messages durable, acked and proven; no dead letter came back to the tap
@@ -679,14 +682,8 @@ def test_a_tap_restarted_after_acks_never_proven_does_not_stay_paused(
     assert r.durable_end() == 12
     StateStore(Path(cfg.black.state_dir)).save(ChannelState("main", last_seq=11))  # shipped
     publish_raw(black_vhost.amqp_url, sent[12:])
-    tap = Tap(cfg, "main")
-    th = threading.Thread(target=tap.run, daemon=True)
-    th.start()
-    try:
+    with _tap_running(cfg) as th:
         st = _await_status(cfg, th, lambda s: s.durable_end == 24, "the tap resumed", 15)
-    finally:
-        tap.stop()
-        th.join(timeout=30)
     assert st.acked_through >= 11 and not st.paused
     # it paused at least once (how many a group held depends on timing); spooled each once
     assert st.counters.get("handed_back", 0) >= 1 and st.counters.get("delivered") == 12
@@ -746,10 +743,7 @@ def test_a_quiet_queue_that_will_never_redeliver_does_not_hold_acked_through(
     assert held == 0
     more = [(encode_properties(Properties(message_id=f"more{i}")), f"more-{i}".encode())
             for i in range(6)]  # fmt: skip
-    tap = Tap(cfg, "main")
-    th = threading.Thread(target=tap.run, daemon=True)
-    th.start()
-    try:
+    with _tap_running(cfg) as th:
         _own_status(cfg, th)
         publish_raw(black_vhost.amqp_url, more[:3], ["more0", "more1", "more2"])
         st = _await_status(cfg, th, lambda s: s.durable_end == 28, "new messages spooled", 20)
@@ -763,9 +757,6 @@ def test_a_quiet_queue_that_will_never_redeliver_does_not_hold_acked_through(
         st = _await_status(
             cfg, th, lambda s: s.acked_through == 30, "acked_through followed", 20
         )  # fmt: skip
-    finally:
-        tap.stop()
-        th.join(timeout=30)
     assert any(DRAINED in r.getMessage() for r in caplog.records)
     assert not st.paused and st.counters.get("handed_back", 0) == 0, st
     rows = _each_loss_recorded_once(cfg, keys)
@@ -800,10 +791,7 @@ def test_a_behind_queue_whose_other_consumer_left_catches_up_while_busy(
     publish_raw(black_vhost.amqp_url, backlog)
     holder, held = _hold(black_vhost.amqp_url, QUEUE, prefetch=5000)
     assert held == 3000
-    tap = Tap(cfg, "main")
-    th = threading.Thread(target=tap.run, daemon=True)
-    th.start()
-    try:
+    with _tap_running(cfg) as th:
         _own_status(cfg, th)
         time.sleep(1.0)  # rechecks meanwhile (asserted): the other consumer is still there
         st = tap_status(cfg, "main")
@@ -815,9 +803,6 @@ def test_a_behind_queue_whose_other_consumer_left_catches_up_while_busy(
         )  # fmt: skip
         assert st.durable_end < 3001, "the backlog had drained: the proof came from elsewhere"
         st = _await_status(cfg, th, lambda s: s.durable_end == 3001, "the backlog drained", 120)
-    finally:
-        tap.stop()
-        th.join(timeout=30)
     assert any(ALONE in r.getMessage() for r in caplog.records)
     assert not any(DRAINED in r.getMessage() for r in caplog.records)
     rows = spooled(cfg)
@@ -857,10 +842,7 @@ def test_a_paused_tap_settles_without_taking_messages_it_would_hand_back(
     publish_raw(black_vhost.amqp_url, sent[12:])
     holder, held = _hold(black_vhost.amqp_url, QUEUE, prefetch=1)
     assert held == 1
-    tap = Tap(cfg, "main")
-    th = threading.Thread(target=tap.run, daemon=True)
-    th.start()
-    try:
+    with _tap_running(cfg) as th:
         deadline = time.monotonic() + 30
         while sum(UNSETTLED in r.getMessage() for r in caplog.records) < 4:
             st = tap_status(cfg, "main")
@@ -874,9 +856,6 @@ def test_a_paused_tap_settles_without_taking_messages_it_would_hand_back(
         assert st is not None and st.paused and st.durable_end == 12, st
         holder.close()  # its message goes back to the queue
         st = _await_status(cfg, th, lambda s: s.durable_end == 24, "the tap resumed", 30)
-    finally:
-        tap.stop()
-        th.join(timeout=30)
     assert not st.paused and st.acked_through >= 11
     assert st.counters.get("delivered") == 12, st.counters
     assert not any(k.startswith("lost_") for k in st.counters), st.counters
@@ -927,11 +906,8 @@ def test_a_tap_paused_while_the_disk_refused_its_segment_roll_resumes_once_there
     sent = [(encode_properties(Properties(message_id=f"m{i}")), bytes([i]) * 1_000_000)
             for i in range(18)]  # fmt: skip
     publish_raw(black_vhost.amqp_url, sent[:12])
-    tap = Tap(cfg, "main")
-    th = threading.Thread(target=tap.run, daemon=True)
-    th.start()
     filler = small_fs / "filler"
-    try:
+    with _tap_running(cfg) as th:
         _await_status(cfg, th, lambda s: s.durable_end == 12, "12 spooled", 15)
         _fill(filler)  # something else filled the disk
         publish_raw(black_vhost.amqp_url, sent[12:])  # 6 MB more would pass the quota
@@ -942,9 +918,6 @@ def test_a_tap_paused_while_the_disk_refused_its_segment_roll_resumes_once_there
         StateStore(Path(cfg.black.state_dir)).save(ChannelState("main", last_seq=11))
         filler.unlink()  # room on the disk again, and black shipped everything
         st = _await_status(cfg, th, lambda s: s.durable_end == 18, "the tap resumed", 15)
-    finally:
-        tap.stop()
-        th.join(timeout=30)
     assert not st.paused and st.counters.get("delivered") == 18
     rows = spooled(cfg)
     assert [(x["pos"], x["body"]) for x in rows] == [(i + 12, b) for i, (_, b) in
