@@ -469,6 +469,7 @@ class Reassembler:
         self._unwritten_gaps: list[dict[str, Any]] = []
         """Gap records the disk refused (full, I/O error): written first at the next chance."""
         self._load_done()
+        self._load_given_up()
         self.unseen = UnseenTracker(self.root)
         """Object ids no datagram came for (touched by the receive loop only)."""
         self.unseen_recorded = 0
@@ -490,6 +491,33 @@ class Reassembler:
                 self._remember((int(rec["epoch"]), int(rec["object_id"])), str(rec["digest"]))
             except (ValueError, KeyError, TypeError):
                 continue
+
+    def _load_given_up(self) -> None:
+        """The objects the last ``remembered`` gap records name (``gaps.jsonl`` is the journal
+        of what was given up): after a restart their later symbols are dropped as before it,
+        and a folder a kill (or a power loss undoing its rename) left behind its record is
+        removed, never rebuilt into a second record or a delivery. ``unseen`` records are not
+        objects given up: one that arrives late is still taken."""
+        path = self.root / GAPS
+        if not path.exists():
+            return
+        with open(path, "rb") as f:
+            tail = deque(f, maxlen=self.remembered)
+        into = {"spool_error": self._failed, "too_large": self._refused}
+        for line in tail:
+            try:
+                rec = json.loads(line)
+            except ValueError:
+                continue  # a record torn by a crash
+            if not isinstance(rec, dict) or rec.get("reason") == "unseen":
+                continue
+            epoch, oid = rec.get("epoch"), rec.get("object_id")
+            if type(epoch) is int and type(oid) is int:
+                seen = into.get(str(rec.get("reason")), self._gone)
+                _remember_bounded(seen, (epoch, oid), self.remembered)
+
+    def _given_up(self, key: tuple[int, int]) -> bool:
+        return key in self._gone or key in self._failed or key in self._refused
 
     def _remember(self, key: tuple[int, int], digest: str) -> None:
         self.done[key] = digest
@@ -627,10 +655,10 @@ class Reassembler:
 
     def _spool_error(self, rec: dict[str, Any], error: str, path: Path) -> None:
         """The ``spool_error`` gap record of an object, then its folder into the trash: the
-        record first, so that a kill between leaves the folder (judged again at the restart:
-        a second record, never none). A record the full disk refuses is written once the
-        folder's room is freed (``write_gaps`` waits for the trash): a kill in that window,
-        and only there, loses it."""
+        record first, so that a kill between leaves the folder (removed at the restart, which
+        reads the record: never a second record, never none). A record the full disk refuses
+        is written once the folder's room is freed (``write_gaps`` waits for the trash): a
+        kill in that window, and only there, loses it."""
         self.gap({**rec, "error": error}, "spool_error", write=False)
         with contextlib.suppress(OSError):  # a full disk: written below, once there is room
             self._append_gaps()
@@ -1083,6 +1111,11 @@ class Reassembler:
                 continue
             key = (epoch, h.object_id)
             if key in self.done:
+                self._trash.put(path)
+                continue
+            if self._given_up(key):
+                log_event(log, 20, "spooled object already recorded as a gap: removed",
+                          epoch=epoch, object_id=h.object_id, path=str(path))  # fmt: skip
                 self._trash.put(path)
                 continue
             try:

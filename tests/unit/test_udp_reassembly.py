@@ -8,6 +8,7 @@ from __future__ import annotations
 import hashlib
 import os
 import random
+import shutil
 import threading
 import time
 from collections.abc import Iterator
@@ -647,6 +648,84 @@ def test_an_object_given_up_is_not_reopened_by_its_later_symbols(tmp_path: Path)
     assert not ra.open and ra.dropped["expired"] == len(syms) - 20
     assert ra.expire_idle(400.0, 120.0) == 0
     assert [g["reason"] for g in read_gap_records(tmp_path)] == ["timeout"]
+
+
+def _given_up(kind: str, root: Path, env: bytes, syms: list[Symbol]) -> Reassembler:
+    """A receiver that gave up object (7, 1) the way ``kind`` says, its gap record written."""
+    if kind == "too_large":
+        ra = reassembler(root, max_object_bytes=len(env) - 1)
+        feed(ra, syms[:3])
+        return ra
+    ra = reassembler(root)
+    feed(ra, syms[:20], now=1.0)
+    if kind == "timeout":
+        assert ra.expire_idle(200.0, 120.0) == 1
+    else:
+        ra.give_up(7, syms[0].obj, OSError(28, "No space left on device"))
+    assert ra.wait_trash(10)
+    return ra
+
+
+@pytest.mark.parametrize("kind", ["timeout", "spool_error", "too_large"])
+def test_an_object_given_up_stays_given_up_across_a_restart(tmp_path: Path, kind: str) -> None:
+    """Its later symbols (the sender went on) are dropped by the restarted receiver as by the
+    one that gave it up: no object reopened, no second gap record for it."""
+    env = envelope(os.urandom(T * K * 4))
+    syms = symbols(7, header(1, env), env, repair=2)
+    ra = _given_up(kind, tmp_path, env, syms)
+    del ra  # restarted
+    ra2 = reassembler(tmp_path, max_object_bytes=len(env) - 1 if kind == "too_large" else 1 << 30)
+    assert ra2.recover(300.0) == 0
+    feed(ra2, syms[20:], now=301.0)
+    assert not ra2.open and not ra2.ready
+    dropped = {"timeout": "expired"}.get(kind, kind)
+    assert ra2.dropped == {dropped: len(syms) - 20}
+    assert ra2.expire_idle(900.0, 120.0) == 0
+    assert [g["reason"] for g in read_gap_records(tmp_path)] == [kind]
+
+
+@pytest.mark.parametrize("kind", ["timeout", "spool_error", "digest_mismatch"])
+def test_a_folder_left_behind_its_gap_record_is_removed_at_restart_not_recorded_again(
+    tmp_path: Path, kind: str
+) -> None:
+    """A kill after an object's gap record but before its folder left ``objects/`` (or a power
+    loss that undid that unsynced rename): the restarted receiver removes the folder, neither
+    rebuilding, delivering nor recording the object again; another object goes on."""
+    env = envelope(os.urandom(T * K * 4))
+    wrong = hashlib.sha256(b"other").digest() if kind == "digest_mismatch" else None
+    syms = symbols(7, header(1, env, digest=wrong), env, repair=2)
+    ra = reassembler(tmp_path)
+    live = envelope(os.urandom(T * K * 2), "u1.000000000005.l.dbundle")
+    live_syms = symbols(7, header(5, live), live)
+    feed(ra, live_syms[:5])
+    if kind == "digest_mismatch":
+        feed(ra, syms)
+        (d,) = ra.ready
+        ra.fail(d, verify_and_read_name(d))  # recorded; the kill comes before discard_spooled
+        folder = d.path
+    else:
+        feed(ra, syms[:20])
+        folder = ra.open[(7, 1)].path
+    ra.flush_all()
+    kept = tmp_path / "kept"
+    shutil.copytree(folder, kept)
+    if kind == "timeout":
+        ra._expire((7, 1), "timeout")
+    elif kind == "spool_error":
+        ra.give_up(7, syms[0].obj, OSError(5, "Input/output error"))
+    assert ra.wait_trash(10)
+    _close_files(ra)
+    if not folder.exists():
+        kept.rename(folder)  # the folder as the kill (or the power loss) left it
+    gaps = read_gap_records(tmp_path)
+    assert [g["reason"] for g in gaps] == [kind]
+
+    ra2 = reassembler(tmp_path)
+    assert ra2.recover(300.0) == 1 and list(ra2.open) == [(7, 5)] and not ra2.ready
+    assert ra2.wait_trash(10) and not folder.exists()
+    assert read_gap_records(tmp_path) == gaps
+    feed(ra2, live_syms[5:])
+    assert delivered(ra2) == [live]
 
 
 def test_a_short_copy_into_the_inbox_fails_the_delivery_and_leaves_nothing(
