@@ -191,7 +191,8 @@ class _Udp:
         self.datagrams_dropped = Counter(
             "bridge_udp_datagrams_dropped",
             "Datagrams dropped, by reason (short, magic, version, type, tag, malformed, "
-            "duplicate, surplus, late, expired, too_large, spool_error, stale_epoch, replayed)",
+            "duplicate, surplus, late, expired, too_large, spool_error, stale_epoch, replayed; "
+            "socket_overflow: dropped by the kernel, the receive buffer full)",
             ["reason"],
             registry=reg,
         )

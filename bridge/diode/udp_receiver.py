@@ -25,7 +25,7 @@ from typing import Any
 from bridge.config import Config
 from bridge.diode.udp_decode import DecoderPool
 from bridge.diode.udp_key import load_key
-from bridge.diode.udp_socket import set_rcvbuf
+from bridge.diode.udp_socket import SocketDrops, set_rcvbuf
 from bridge.diode.udp_spool import (
     Delivery,
     Reassembler,
@@ -101,6 +101,9 @@ class ReceiveSummary:
     blocks in hand, every slot busy and the queue full, or while rebuilding the spool at
     start."""
     decode_workers_lost: int = 0
+    socket_overflows: int | None = 0
+    """Datagrams the kernel dropped because the socket's receive buffer was full (the receiver
+    fell behind: not line loss); None where the kernel does not tell (no /proc/net/udp)."""
     seconds: float = 0.0
 
     def to_json(self) -> dict[str, Any]:
@@ -145,6 +148,7 @@ class _Receiver:
         self.work: queue.Queue[Delivery | None] = queue.Queue()
         self.lock = threading.Lock()
         self._pushed: dict[str, int] = {}
+        self._overflows = SocketDrops(self.sock)
 
     def _rcvbuf(self) -> int:
         want = self.u.rcvbuf_bytes
@@ -183,8 +187,9 @@ class _Receiver:
         h = d.header
         if isinstance(checked, str):
             with self.lock:
-                ra.fail(d, checked)
-            discard_spooled(d)
+                discard = ra.fail(d, checked)
+            if discard:  # else kept until the disk takes its gap record
+                discard_spooled(d)
             return
         name, offset = checked
         final, outcome = deliver(d, name, offset, tmp, self.inbox)
@@ -261,6 +266,7 @@ class _Receiver:
                 s.dropped[reason] = n
             s.objects_expired = ra.expired  # every gap: timeout, eviction, spool or digest error
             s.objects_unseen, s.unseen_arrived_late = ra.unseen_recorded, ra.unseen_arrived
+            s.socket_overflows = self._overflows.since_start()
             doc = {
                 "written_at": time.time(),
                 "pid": os.getpid(),
@@ -274,7 +280,10 @@ class _Receiver:
         pushed = self._pushed  # metrics in bulk: a labelled inc() per datagram costs too much
         UDP.datagrams_received.inc(s.datagrams - pushed.get("", 0))
         pushed[""] = s.datagrams
-        for reason, n in ra.dropped.items():
+        dropped = dict(ra.dropped)
+        if s.socket_overflows is not None:  # never read by the loop: the kernel dropped them
+            dropped["socket_overflow"] = s.socket_overflows
+        for reason, n in dropped.items():
             UDP.datagrams_dropped.labels(reason).inc(n - pushed.get(reason, 0))
             pushed[reason] = n
         UDP.heartbeat_age.set(time.time() - (self.heard or self.started))  # none yet: since start
@@ -436,6 +445,11 @@ class _Receiver:
                 self.work.put(ra.ready.popleft())
             self.work.put(None)
             worker.join(timeout=600)
+            with self.lock:
+                if left := ra.write_gaps():
+                    log_event(log, 40, "udp receiver stopped with gap records the disk refused: "
+                              "their objects' folders are kept in the spool and recorded again "
+                              "at the next start", pending=left, spool=str(self.root))  # fmt: skip
             s.seconds = round(time.monotonic() - t0, 3)
             self._status(ra)
         log_event(log, 20, "udp receiver stopped", **s.to_json())

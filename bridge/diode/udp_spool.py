@@ -37,10 +37,12 @@ a data file of 100s of MB takes tens of ms: the socket buffer would overflow mea
 file is cut down a slice at a time, so that the loop's fsyncs never wait long behind it).
 ``objects/`` thus only ever holds whole folders: a removal a crash cut short is in ``trash/``,
 never taken for an object to rebuild or deliver, and whatever is in ``trash/`` at start is
-removed (in the background too). An object's gap record is written before the rename (a kill
-between leaves the folder: judged again at the restart, a second record, never none); a
-record the full disk refuses (a spool write failed) waits for the room the folder's removal
-frees, and is written then.
+removed (in the background too). An object's gap record is written (fsynced) before the
+rename; a kill between leaves the folder, which the restart removes, reading the record in
+``gaps.jsonl``. A record the disk refuses (full, I/O error) keeps its folder in ``objects/``,
+emptied in place to give back its room, until the record is written: a kill or a stop
+meanwhile leaves the folder for the restart, which records the object again (as ``timeout``,
+once nothing more of it arrives) — never a gap without a record.
 """
 
 from __future__ import annotations
@@ -71,11 +73,13 @@ from bridge.diode.udp_fec import (
     fits_one_block,
 )
 from bridge.diode.udp_unseen import UnseenTracker
+from bridge.errors import ConfigError
 from bridge.faults import crash_point, slow_point
 from bridge.fsutil import atomic_write_bytes, durable_mkdir, fsync_dir, pwritev_all, write_all
 from bridge.logs import get_logger, log_event
 from bridge.metrics import UDP
 from bridge.protocol.datagram import ObjectHeader, ObjectKind, Symbol
+from bridge.protocol.naming import MAX_NAME
 
 __all__ = [
     "Reassembler",
@@ -100,6 +104,8 @@ _DONE_COMPACT_BYTES = 16 << 20
 """``done.jsonl`` beyond this size is cut back to its last ``_DONE_REMEMBERED`` records."""
 _FAILED_REMEMBERED = 10_000
 """Objects given up, superseded or refused that are remembered (their later symbols dropped)."""
+_GAPS_TAIL_BYTES = 8 << 20
+"""How much of the end of ``gaps.jsonl`` a restart reads (the file is never cut back)."""
 _COMPACT_LOG_BYTES = 16 << 20
 """An open object's ``symbols.log`` is compacted once its rebuilt blocks' records reach this
 many bytes and outweigh the unfinished blocks' (each compaction fsyncs about this much, on a
@@ -134,6 +140,27 @@ def _done_tail(path: Path) -> deque[bytes]:
     """The last ``_DONE_REMEMBERED`` lines of ``done.jsonl``, streamed (the file may be long)."""
     with open(path, "rb") as f:
         return deque(f, maxlen=_DONE_REMEMBERED)
+
+
+def _gap_tail(path: Path, limit: int) -> list[bytes]:
+    """The last ``limit`` complete lines within the last ``_GAPS_TAIL_BYTES`` of a file."""
+    with open(path, "rb") as f:
+        size = f.seek(0, os.SEEK_END)
+        start = max(0, size - _GAPS_TAIL_BYTES)
+        f.seek(start)
+        lines = f.read().split(b"\n")
+    if start > 0:
+        lines = lines[1:]  # cut by the window
+    return lines[-limit:]
+
+
+def _empty_in_place(path: Path) -> None:
+    """Give back an ended object's room without removing its folder: ``blocks.done`` first
+    (no rebuilt block is claimed over data that is gone), then ``symbols.log`` and ``data``;
+    ``meta.json`` stays, so a restart still finds the object."""
+    for name in ("blocks.done", _LOG_TMP, _LOG, "data"):
+        with contextlib.suppress(OSError):
+            os.truncate(path / name, 0)
 
 
 def _os_error(e: OSError) -> str:
@@ -468,6 +495,9 @@ class Reassembler:
         as ``expired`` instead of opening them again (one gap record each, not one a retry)."""
         self._unwritten_gaps: list[dict[str, Any]] = []
         """Gap records the disk refused (full, I/O error): written first at the next chance."""
+        self._awaiting: list[Path] = []
+        """Folders of objects whose gap record the disk refused: emptied in place, moved to the
+        trash once their records are written (kept for the restart if they never are)."""
         self._load_done()
         self._load_given_up()
         self.unseen = UnseenTracker(self.root)
@@ -501,10 +531,8 @@ class Reassembler:
         path = self.root / GAPS
         if not path.exists():
             return
-        with open(path, "rb") as f:
-            tail = deque(f, maxlen=self.remembered)
         into = {"spool_error": self._failed, "too_large": self._refused}
-        for line in tail:
+        for line in _gap_tail(path, self.remembered):
             try:
                 rec = json.loads(line)
             except ValueError:
@@ -584,17 +612,34 @@ class Reassembler:
         count: int = 1,
         msg: str = "udp object given up: recorded as a gap",
         write: bool = True,
-    ) -> None:
+    ) -> dict[str, Any]:
         """Append a gap record (fsynced) and log it; ``count`` objects go to the metric (a
         range of unseen ids is one record). A disk that refuses the write (full, I/O error)
         keeps the record in memory until a later write succeeds: never lost silently, never a
-        crash. ``write`` False: in memory only, the caller writes it."""
+        crash. ``write`` False: in memory only, the caller writes it. Returns the record."""
         rec = {**rec, "reason": reason, "time": round(time.time(), 3)}
         UDP.objects_expired.labels(str(rec.get("channel", "?")), reason).inc(count)
         log_event(log, 30, msg, **rec)
         self._unwritten_gaps.append(rec)
         if write:
             self.write_gaps()
+        return rec
+
+    def _kept_until_recorded(self, path: Path, rec: dict[str, Any]) -> bool:
+        """True if the gap record ``rec`` is not written yet (the disk refused it): the
+        object's folder is then emptied in place, its room given back at once, and kept in
+        ``objects/`` until the record is written (then moved to the trash); the record is
+        tried again in that room. False: the record is durable, the caller removes the
+        folder."""
+        if not any(r is rec for r in self._unwritten_gaps):
+            return False
+        _empty_in_place(path)
+        self._awaiting.append(path)
+        log_event(log, 30, "gap record not written yet: the object's folder is kept, emptied, "
+                  "until it is (a restart meanwhile records the object again)", path=str(path),
+                  epoch=rec.get("epoch"), object_id=rec.get("object_id"))  # fmt: skip
+        self.write_gaps()
+        return True
 
     def write_gaps(self) -> int:
         """Write the gap records still in memory; returns how many are left unwritten."""
@@ -616,19 +661,30 @@ class Reassembler:
                       path=str(self.root / GAPS))  # fmt: skip
             return len(self._unwritten_gaps)
         self._unwritten_gaps.clear()
+        awaiting, self._awaiting = self._awaiting, []
+        for path in awaiting:  # their records are durable now: the folders may go
+            self._trash.put(path)
         return 0
 
     def _append_gaps(self) -> None:
+        """Append the records in memory, fsynced, all or nothing: a write or fsync that fails
+        part way is cut back off (else the records, still in memory, would be written twice
+        at the next try)."""
         text = "".join(json.dumps(r, sort_keys=True) + "\n" for r in self._unwritten_gaps)
-        with open(self.root / GAPS, "ab+") as f:
-            end = f.seek(0, os.SEEK_END)
-            if end > 0:  # a torn last record (a crash mid-write) must end its own line
-                f.seek(end - 1)
-                if f.read(1) != b"\n":
-                    text = "\n" + text
-            f.write(text.encode())
-            f.flush()
-            os.fsync(f.fileno())
+        fd = os.open(self.root / GAPS, os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o600)
+        try:
+            end = os.lseek(fd, 0, os.SEEK_END)
+            if end > 0 and os.pread(fd, 1, end - 1) != b"\n":
+                text = "\n" + text  # a torn last record (a crash mid-write) ends its own line
+            try:
+                write_all(fd, text.encode())
+                os.fsync(fd)
+            except OSError:
+                with contextlib.suppress(OSError):
+                    os.ftruncate(fd, end)
+                raise
+        finally:
+            os.close(fd)
 
     def give_up(self, epoch: int, h: ObjectHeader, err: OSError) -> None:
         """A spool write for this object failed (disk full, quota, I/O error): the object
@@ -657,15 +713,11 @@ class Reassembler:
         """The ``spool_error`` gap record of an object, then its folder into the trash: the
         record first, so that a kill between leaves the folder (removed at the restart, which
         reads the record: never a second record, never none). A record the full disk refuses
-        is written once the folder's room is freed (``write_gaps`` waits for the trash): a
-        kill in that window, and only there, loses it."""
-        self.gap({**rec, "error": error}, "spool_error", write=False)
-        with contextlib.suppress(OSError):  # a full disk: written below, once there is room
-            self._append_gaps()
-            self._unwritten_gaps.clear()
-        self._trash.put(path, hold=True)  # a record still to write is not fsynced behind it
-        self.write_gaps()  # refused for room: waits for the trash (which releases the folder)
-        self._trash.release()
+        is tried again in the room the folder gives back, emptied in place (see
+        ``_kept_until_recorded``)."""
+        written = self.gap({**rec, "error": error}, "spool_error")
+        if not self._kept_until_recorded(path, written):
+            self._trash.put(path)
 
     # -- the hot path -------------------------------------------------------------------
     def add(self, sym: Symbol, now: float) -> None:
@@ -683,13 +735,14 @@ class Reassembler:
             if key in self._gone:
                 self._drop("expired")
                 return
-            if key not in self._refused:
-                self._first_seen(sym.epoch, h)  # once an object: not a cost of every datagram
+            if key in self._refused:  # recorded once; refused still if the limit was raised
+                self._drop("too_large")  # since (a restart removes what it had spooled)
+                return
+            self._first_seen(sym.epoch, h)  # once an object: not a cost of every datagram
             if h.length > self.max_object_bytes or not _decodable(h):
                 self._drop("too_large")
-                if key not in self._refused:
-                    _remember_bounded(self._refused, key, self.remembered)
-                    self.gap(_header_record(sym.epoch, h), "too_large")
+                _remember_bounded(self._refused, key, self.remembered)
+                self.gap(_header_record(sym.epoch, h), "too_large")
                 return
             obj = self._create(sym.epoch, h, now)
         elif obj.h is not h and obj.h != h:
@@ -1054,8 +1107,10 @@ class Reassembler:
             self._save_seen_before_files_go()
             log_event(log, 20, "udp object superseded by an identical delivered one", **rec)
         else:
-            self.gap(rec, reason)
+            written = self.gap(rec, reason)
             self.expired += 1
+            if self._kept_until_recorded(obj.path, written):
+                return
         self._trash.put(obj.path, hold=hold)  # after its gap record (or the unseen state)
 
     def _supersede(self, key: tuple[int, int], epoch: int) -> None:
@@ -1076,13 +1131,24 @@ class Reassembler:
         self._trash.release()
         return self.expired - gaps
 
-    def fail(self, d: Delivery, reason: str) -> None:
+    def fail(self, d: Delivery, reason: str) -> bool:
         """A rebuilt object that must not be delivered (digest mismatch, bad name): a gap.
-        Its spooled files stay until :func:`discard_spooled`, which the caller runs outside
-        the receive loop's lock."""
+        Its later symbols are dropped as ``expired`` (bounded, like every object given up).
+        Returns True if the caller is to remove its spooled files (:func:`discard_spooled`,
+        outside the receive loop's lock), False if they are kept until the gap record the
+        disk refused is written."""
+        key = (d.epoch, d.header.object_id)
+        self.done.pop(key, None)
+        self._forget_later(key)
         n = d.header.block_count
-        self.gap({**_header_record(d.epoch, d.header), "blocks_done": n}, reason)
+        rec = self.gap({**_header_record(d.epoch, d.header), "blocks_done": n}, reason)
         self.expired += 1
+        return not self._kept_until_recorded(d.path, rec)
+
+    def pending_gaps(self) -> int:
+        """Gap records the disk refused, still in memory (a stop logs them: their objects'
+        folders are kept, and the next start records those objects again)."""
+        return len(self._unwritten_gaps)
 
     # -- restart ------------------------------------------------------------------------
     def recover(self, now: float, tmp_dir: Path | None = None) -> int:
@@ -1105,9 +1171,8 @@ class Reassembler:
                     meta["block_symbols"],
                 )  # fmt: skip
                 epoch = int(meta["epoch"])
-            except (OSError, ValueError, KeyError, TypeError):
-                log_event(log, 30, "unreadable spooled object removed", path=str(path))
-                self._trash.put(path)
+            except (OSError, ValueError, KeyError, TypeError) as e:
+                self._unreadable(path, e)
                 continue
             key = (epoch, h.object_id)
             if key in self.done:
@@ -1137,6 +1202,26 @@ class Reassembler:
         self.wait_compactions()  # started while reopening: settled before the loop begins
         self._recover_unseen()
         return n
+
+    def _unreadable(self, path: Path, e: Exception) -> None:
+        """A spooled folder whose ``meta.json`` cannot be read (a power loss before its
+        unsynced write reached the disk): its name still says which object it was, which is
+        recorded as a ``spool_error`` gap (unless delivered or recorded already), then the
+        folder is removed."""
+        error = _os_error(e) if isinstance(e, OSError) else f"{type(e).__name__}: {e}"
+        try:
+            epoch_s, oid_s = path.name.split("-")
+            key = (int(epoch_s), int(oid_s))
+        except ValueError:
+            key = None
+        log_event(log, 30, "unreadable spooled object removed", path=str(path), error=error)
+        if key is None or key in self.done or self._given_up(key):
+            self._trash.put(path)
+            return
+        _remember_bounded(self._failed, key, self.remembered)
+        self.expired += 1
+        rec = {"epoch": key[0], "object_id": key[1], "kind": None, "channel": None, "seq": None}
+        self._spool_error(rec, f"meta.json unreadable: {error}", path)
 
     def wait_trash(self, timeout: float | None = None) -> bool:
         """Wait until the folders of objects that ended are removed (tests); False if
@@ -1197,8 +1282,8 @@ def discard_spooled(d: Delivery) -> None:
     """Remove a delivered or failed object's spool directory (its ``data`` may be 100s of MB:
     the delivery thread does it outside the receive loop's lock), moved into the trash first,
     so that a removal a crash cut short is never taken for an object. A crash before the move
-    leaves the directory behind: recovery removes a delivered one (it is in ``done.jsonl``) and
-    checks a failed one again, which fails again (a second gap record, never a delivery)."""
+    leaves the directory behind: recovery removes it (a delivered one is in ``done.jsonl``, a
+    failed one in ``gaps.jsonl``), never delivering or recording it again."""
     dest = _to_trash(d.path, d.path.parent.parent / "trash")
     if dest is not None:
         _remove_trashed(dest)
@@ -1216,11 +1301,11 @@ def verify_and_read_name(d: Delivery) -> tuple[str, int] | str:
         if size != d.header.length or digest.digest() != d.header.digest:
             return "digest_mismatch"
         f.seek(0)
-        head = f.read(2 + 255)
+        head = f.read(2 + MAX_NAME)
     n = int.from_bytes(head[:2], "big")
     raw = head[2 : 2 + n]
-    if not 0 < n <= 255 or len(raw) != n:
-        return "bad_name"
+    if not 0 < n <= MAX_NAME or len(raw) != n:  # the protocol's names are shorter: a longer
+        return "bad_name"  # one could not take the suffixes of its temp or clash name
     try:
         name = raw.decode("ascii")
     except UnicodeDecodeError:
@@ -1308,7 +1393,15 @@ def delivery_tmp_dir(spool: Path, inbox: Path) -> Path:
     tmp = durable_mkdir(spool / "tmp")
     if os.stat(tmp).st_dev == os.stat(inbox).st_dev:
         return tmp
-    return durable_mkdir(inbox.parent / f".{inbox.name}.udp-tmp")
+    beside = durable_mkdir(inbox.parent / f".{inbox.name}.udp-tmp")
+    if os.stat(beside).st_dev != os.stat(inbox).st_dev:
+        raise ConfigError(
+            f"the red inbox {inbox} is a mount point of its own: neither udp.receive.spool_dir "
+            f"({spool}) nor {beside} is on its filesystem, so no file could be renamed into it "
+            "whole; put the spool on the inbox's filesystem, or mount the filesystem one level "
+            "up and make the inbox a folder in it"
+        )
+    return beside
 
 
 def _same_bytes(src: Path, offset: int, other: Path) -> bool:

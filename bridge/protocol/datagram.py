@@ -388,6 +388,10 @@ def _parse_object(view: memoryview, end: int, epoch: int, packet: int) -> Object
     return obj
 
 
+def _u64(v: object) -> bool:
+    return type(v) is int and 0 <= v < 1 << 64
+
+
 def _parse_heartbeat(view: memoryview, end: int, epoch: int, packet: int) -> LinkHeartbeat:
     raw = bytes(view[HEARTBEAT_HEADER_LEN:end])
     try:
@@ -405,11 +409,12 @@ def _parse_heartbeat(view: memoryview, end: int, epoch: int, packet: int) -> Lin
             if not CHANNEL_RE.fullmatch(name) or not isinstance(info, dict):
                 raise ValueError(f"channel entry {name[:64]!r} is malformed")
             last, objs = info.get("last_seq"), info.get("objects")
-            if not (last is None or type(last) is int) or type(objs) is not int:
-                raise ValueError(f"channel {name!r}: last_seq / objects must be integers")
+            if not (last is None or _u64(last)) or not _u64(objs):
+                raise ValueError(f"channel {name!r}: last_seq / objects must be integers 0..2^64-1")
             clean[name] = {"last_seq": last, "objects": objs}
-        if not all(isinstance(c, str) and type(v) is int for c, v in counters.items()):
-            raise ValueError("counters must map names to integers")
-    except (ValueError, KeyError, TypeError, UnicodeDecodeError) as e:
+        if not all(isinstance(c, str) and _u64(v) for c, v in counters.items()):
+            raise ValueError("counters must map names to integers 0..2^64-1")
+    except (ValueError, KeyError, TypeError, OverflowError, RecursionError) as e:
+        # OverflowError: a number no float holds; RecursionError: JSON nested too deep
         raise _malformed(epoch, packet, f"link heartbeat: {e}") from None
     return LinkHeartbeat(epoch, packet, float(st), float(iv), clean, dict(counters))

@@ -21,6 +21,7 @@ __all__ = [
     "CHANNEL_RE",
     "BUNDLE_ID_RE",
     "MAX_SEQ",
+    "MAX_NAME",
     "BundleName",
     "HeartbeatName",
     "bundle_name",
@@ -39,7 +40,8 @@ BUNDLE_ID_RE = re.compile(r"[0-9a-f]{32}")
 MAX_SEQ = 10**12 - 1
 """Bundle and heartbeat seqs are 1..MAX_SEQ (12 digits on the wire)."""
 
-_MAX_NAME = 160  # longer than any valid name; refuse before running a regex
+MAX_NAME = 160
+"""Longer than any valid file name of the protocol: refused before running a regex."""
 _BUNDLE_RE = re.compile(r"([a-z0-9][a-z0-9_-]{0,62})\.([0-9]{12})\.([0-9a-f]{32})\.dbundle")
 _HEARTBEAT_RE = re.compile(r"([a-z0-9][a-z0-9_-]{0,62})\.([0-9]{12})\.dheartbeat")
 
@@ -130,7 +132,7 @@ def parse_heartbeat_name(name: str) -> HeartbeatName:
 def _match(pattern: re.Pattern[str], name: object, what: str) -> re.Match[str]:
     if not isinstance(name, str):
         raise BundleNameError(f"{what} name must be str, not {type(name).__name__}")
-    if len(name) > _MAX_NAME or not name.isascii():
+    if len(name) > MAX_NAME or not name.isascii():
         raise BundleNameError(f"{what} name {_shown(name)} is overlong or not ASCII")
     m = pattern.fullmatch(name)
     if m is None:

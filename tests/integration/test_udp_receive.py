@@ -163,6 +163,7 @@ def test_hostile_datagrams_are_counted_and_nothing_bad_is_delivered(rx: Rx) -> N
     assert s.dropped["tag"] == len(foreign) + 2  # + the truncated and the flipped symbol
     assert sorted(p.name for p in rx.inbox.iterdir()) == ["u1.000000000002.ok.dbundle"]
     assert s.objects_completed == 1
+    assert s.socket_overflows == 0  # the kernel tells (/proc/net/udp), and dropped none here
 
 
 def test_lying_objects_become_gaps_never_files(rx: Rx) -> None:

@@ -177,6 +177,25 @@ def test_link_heartbeat_with_bad_json_is_malformed() -> None:
         assert e.value.reason == "malformed"
 
 
+def test_link_heartbeat_with_numbers_or_nesting_past_any_limit_is_malformed() -> None:
+    """Authentic (sealed with the link key, which sits on black, the less trusted side) but
+    hostile: a number no float holds, JSON nested past the parser's depth, counters beyond
+    64 bits. Each is dropped as malformed; none raises anything else into the receive loop."""
+    head = MAGIC + bytes((1, 2)) + struct.pack(">QQ", 3, 4)
+    base = '"sender_time":1,"interval_seconds":2'
+    for body in (
+        '{"sender_time":1' + "0" * 400 + ',"interval_seconds":2,"channels":{},"counters":{}}',
+        "{" + base + ',"channels":{},"counters":{"x":' + "[" * 1500 + "]" * 1500 + "}}",
+        "{" + base + ',"channels":{},"counters":{"objects_started":' + str(1 << 64) + "}}",
+        "{" + base + ',"channels":{},"counters":{"objects_started":-1}}',
+        "{" + base + ',"channels":{"c":{"last_seq":null,"objects":' + "9" * 400 + "}},"
+        '"counters":{}}',
+    ):
+        with pytest.raises(DatagramError) as e:
+            CODEC.open(_forge(head + body.encode()))
+        assert e.value.reason == "malformed", body[:80]
+
+
 def test_symbol_size_fills_the_mtu() -> None:
     for mtu, v6 in ((1500, False), (1500, True), (9000, False), (576, False)):
         t = symbol_size_for(mtu, "orders", ipv6=v6)

@@ -5,6 +5,7 @@ folders of objects that ended removed off the receive loop."""
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import os
 import random
@@ -27,9 +28,11 @@ from bridge.diode.udp_spool import (
     Delivery,
     Reassembler,
     deliver,
+    delivery_tmp_dir,
     discard_spooled,
     verify_and_read_name,
 )
+from bridge.errors import ConfigError
 from bridge.protocol.datagram import ObjectHeader, ObjectKind, Symbol
 from tests.support import small_tmpfs
 
@@ -353,7 +356,7 @@ def test_a_digest_that_does_not_match_is_refused_and_recorded_as_a_gap(tmp_path:
 @pytest.mark.parametrize(
     "name",
     ["", ".hidden", "..", "a/b", "../etc/passwd", "nul\0byte", "tab\tname", "new\nline",
-     "sp ace", "é.dbundle", "x" * 256],
+     "sp ace", "é.dbundle", "x" * 161, "x" * 256],
 )  # fmt: skip
 def test_names_that_are_not_plain_file_names_are_refused(tmp_path: Path, name: str) -> None:
     raw = name.encode("utf-8")
@@ -378,7 +381,36 @@ def test_any_envelope_either_names_a_plain_file_or_is_bad_name(
     name, offset = got
     assert offset == 2 + len(name) and env[2:offset] == name.encode("ascii")
     assert name.isascii() and name.isprintable() and "/" not in name
-    assert not name.startswith(".") and 0 < len(name) <= 255
+    assert not name.startswith(".") and 0 < len(name) <= 160
+
+
+def test_the_longest_name_of_the_protocol_takes_its_clash_suffix_within_255(
+    tmp_path: Path,
+) -> None:
+    """160 characters (docs/protocol.md §1: longer than any valid name) are accepted, and
+    the delivery's temp and clash names built on them stay within a file name's 255 bytes;
+    161 are refused above."""
+    name = "n" * 160
+    inbox, tmp = tmp_path / "inbox", tmp_path / "spool" / "tmp"
+    inbox.mkdir()
+    (inbox / name).write_bytes(b"other bytes already there")
+    _, d = _complete(tmp_path, envelope(b"body", name))
+    got, offset = checked(d)
+    final, outcome = deliver(d, got, offset, tmp, inbox)
+    assert outcome == "renamed" and final == f"{name}~6.3" and len(final) <= 255
+    assert (inbox / final).read_bytes() == b"body"
+
+
+def test_an_inbox_that_is_a_mount_of_its_own_is_refused_at_start(tmp_path: Path) -> None:
+    """Neither the spool nor the folder beside the inbox shares the inbox's filesystem: no
+    file could be renamed into it whole, and every delivery would fail for ever. The
+    receiver refuses to start, saying how to fix it."""
+    with small_tmpfs("1m", "udpinbox") as inbox:
+        with pytest.raises(ConfigError, match="mount point of its own.*spool on the inbox"):
+            delivery_tmp_dir(tmp_path / "spool", inbox)
+        sub = inbox / "inbox"  # the fix it names: the inbox a folder in the mount
+        sub.mkdir()
+        assert delivery_tmp_dir(tmp_path / "spool", sub) == inbox / ".inbox.udp-tmp"
 
 
 def test_a_name_shorter_than_its_envelope_claims_is_bad_name(tmp_path: Path) -> None:
@@ -726,6 +758,131 @@ def test_a_folder_left_behind_its_gap_record_is_removed_at_restart_not_recorded_
     assert read_gap_records(tmp_path) == gaps
     feed(ra2, live_syms[5:])
     assert delivered(ra2) == [live]
+
+
+def _refusing(ra: Reassembler, errno_: int) -> list[int]:
+    """Make the disk refuse every gap record (a fault injected at the one write of the
+    journal); returns the list the refusals are counted in."""
+    refused: list[int] = []
+
+    def refuse() -> None:
+        refused.append(errno_)
+        raise OSError(errno_, os.strerror(errno_))
+
+    ra._append_gaps = refuse  # type: ignore[method-assign]
+    return refused
+
+
+@pytest.mark.parametrize("kind", ["timeout", "spool_error", "digest_mismatch"])
+def test_a_gap_record_the_disk_refuses_keeps_its_folder_until_written_or_the_restart(
+    tmp_path: Path, kind: str
+) -> None:
+    """An I/O error on gaps.jsonl when an object is given up: the folder stays in objects/
+    (emptied: its room given back) while the record waits in memory. Killed then, the
+    restart finds the object and records it (as ``timeout``: nothing of it is left); had the
+    disk come back first, the record is written and the folder goes."""
+    env = envelope(os.urandom(T * K * 4))
+    wrong = hashlib.sha256(b"other").digest() if kind == "digest_mismatch" else None
+    syms = symbols(7, header(1, env, digest=wrong), env, repair=2)
+    for restart in (True, False):
+        root = tmp_path / f"restart-{restart}"
+        ra = reassembler(root)
+        refused = _refusing(ra, errno.EIO)
+        if kind == "digest_mismatch":
+            feed(ra, syms)
+            (d,) = ra.ready
+            assert ra.fail(d, verify_and_read_name(d)) is False  # not to be discarded
+            folder = d.path
+        else:
+            feed(ra, syms[:20], now=1.0)
+            ra.flush_all()
+            folder = ra.open[(7, 1)].path
+            if kind == "timeout":
+                assert ra.expire_idle(200.0, 120.0) == 1
+            else:
+                ra.give_up(7, syms[0].obj, OSError(errno.EIO, "Input/output error"))
+        assert refused and ra.pending_gaps() == 1 and read_gap_records(root) == []
+        assert (folder / "meta.json").exists() and (folder / "data").stat().st_size == 0
+        assert (folder / "blocks.done").stat().st_size == 0
+        if restart:
+            _close_files(ra)
+            ra2 = reassembler(root)
+            assert ra2.recover(300.0) == 1 and list(ra2.open) == [(7, 1)]
+            assert ra2.expire_idle(300.0 + 120.0, 120.0) == 1
+            assert [g["reason"] for g in read_gap_records(root)] == ["timeout"]
+            assert ra2.wait_trash(10) and not folder.exists()
+        else:
+            del ra._append_gaps  # the disk is back
+            assert ra.write_gaps() == 0
+            assert [g["reason"] for g in read_gap_records(root)] == [kind]
+            assert ra.wait_trash(10) and not folder.exists()
+
+
+def test_an_append_of_gap_records_cut_short_by_a_full_disk_leaves_none_of_them() -> None:
+    """A real full disk that takes part of an append: the records (still in memory, retried)
+    are cut back off, so once there is room each is written once, whole."""
+    with small_tmpfs("1m", "udpgaps") as disk:
+        root = disk / "spool"
+        ra = reassembler(root)
+        recs = [{"epoch": 1, "object_id": i, "pad": "x" * 300} for i in range(40)]
+        fd = os.open(disk / "filler", os.O_WRONLY | os.O_CREAT, 0o600)
+        with pytest.raises(OSError, match="No space"):
+            while True:
+                os.write(fd, bytes(4096))
+        os.ftruncate(fd, os.fstat(fd).st_size - 4096)  # one page left: ~12 records of 40
+        for r in recs:
+            ra.gap(r, "timeout", write=False)
+        assert ra.write_gaps() == 40
+        assert (root / "gaps.jsonl").stat().st_size == 0  # what went in was cut back off
+        os.ftruncate(fd, 0)
+        os.close(fd)
+        assert ra.write_gaps() == 0
+        got = [g["object_id"] for g in read_gap_records(root)]
+        assert got == list(range(40))
+
+
+def test_a_spooled_object_whose_meta_was_lost_is_recorded_by_its_folder_name(
+    tmp_path: Path,
+) -> None:
+    """A power loss before meta.json (written once, never fsynced) reached the disk: the
+    restart cannot rebuild the object, and records it as a ``spool_error`` gap under the
+    epoch and id its folder is named by (no silent loss), then drops its later symbols."""
+    env = envelope(os.urandom(T * K * 4))
+    syms = symbols(7, header(3, env), env, repair=2)
+    ra = reassembler(tmp_path)
+    feed(ra, syms[:20])
+    ra.flush_all()
+    folder = ra.open[(7, 3)].path
+    _close_files(ra)
+    (folder / "meta.json").write_bytes(b"")
+    ra2 = reassembler(tmp_path)
+    assert ra2.recover(5.0) == 0
+    (gap,) = read_gap_records(tmp_path)
+    assert (gap["reason"], gap["epoch"], gap["object_id"]) == ("spool_error", 7, 3)
+    assert "meta.json unreadable" in gap["error"]
+    assert ra2.wait_trash(10) and not folder.exists()
+    feed(ra2, syms[20:])
+    assert not ra2.open and ra2.dropped == {"spool_error": len(syms) - 20}
+    ra3 = reassembler(tmp_path)  # recorded once, never again
+    assert ra3.recover(9.0) == 0 and len(read_gap_records(tmp_path)) == 1
+
+
+def test_a_failed_object_is_forgotten_like_any_given_up_not_kept_as_done(tmp_path: Path) -> None:
+    """Objects failed at delivery (digest mismatch, bad name) move from ``done`` to the bounded
+    set of objects given up: their later symbols are still dropped, memory stays bounded."""
+    ra = reassembler(tmp_path)
+    ra.remembered = 5
+    for oid in range(12):
+        env = envelope(os.urandom(T * 2))
+        h = header(oid, env, digest=hashlib.sha256(b"not it").digest())
+        feed(ra, symbols(2, h, env))
+        d = ra.ready.popleft()
+        assert ra.fail(d, "digest_mismatch") is True
+        discard_spooled(d)
+    assert not ra.done and len(ra._gone) == 5
+    late = symbols(2, h, env)[:1]
+    feed(ra, late)
+    assert ra.dropped.get("expired") == 1
 
 
 def test_a_short_copy_into_the_inbox_fails_the_delivery_and_leaves_nothing(
@@ -1109,8 +1266,15 @@ def held_trash(monkeypatch: pytest.MonkeyPatch) -> Iterator[threading.Event]:
 
 
 def _trashed(root: Path) -> dict[str, list[str]]:
-    """What the trash holds: each folder's files."""
-    return {p.name: sorted(f.name for f in p.iterdir()) for p in (root / "trash").iterdir()}
+    """What the trash holds: each folder's files (a folder its thread removes meanwhile is
+    left out: it is gone)."""
+    out: dict[str, list[str]] = {}
+    for p in (root / "trash").iterdir():
+        try:
+            out[p.name] = sorted(os.listdir(p))
+        except FileNotFoundError:
+            continue
+    return out
 
 
 @pytest.mark.parametrize("end", ["timeout", "evicted", "superseded", "spool_error"])
@@ -1237,10 +1401,12 @@ def test_what_a_crash_left_in_the_trash_is_removed_at_restart_never_rebuilt_or_d
     assert delivered(ra2) == [live]
 
 
-def test_a_gap_record_the_full_disk_refuses_waits_for_the_room_of_the_folder_given_up() -> None:
+def test_a_gap_record_the_full_disk_refuses_is_written_in_the_room_of_the_folder_given_up() -> None:
     """On a real full disk, the spool_error record cannot be written until the given-up
-    object's folder is removed: tried first (a record before the files go, when it can), it
-    then waits for the trash, and is on disk when give_up returns, not left in memory."""
+    object's folder gives back its room: tried first (a record before the files go, when it
+    can), then after waiting for the trash, then once the folder is emptied in place (still
+    in objects/, so a kill before the record is written leaves the object to be recorded at
+    the restart), it is on disk when give_up returns, and only then does the folder go."""
     with small_tmpfs("2m", "udptrash") as disk:
         root = disk / "spool"
         env = envelope(os.urandom(T * K))
@@ -1273,4 +1439,6 @@ def test_a_gap_record_the_full_disk_refuses_waits_for_the_room_of_the_folder_giv
         # then written once its room is freed
         assert tried == [28, 28, None]
         assert [g["reason"] for g in read_gap_records(root)] == ["spool_error"]
-        assert not ra._unwritten_gaps and _trashed(root) == {}
+        assert not ra._unwritten_gaps and not ra._awaiting
+        assert ra.wait_trash(10) and _trashed(root) == {}
+        assert list((root / "objects").iterdir()) == []
