@@ -87,10 +87,17 @@ class Transcript:
 
 
 def parse_status(stderr: str) -> tuple[list[StatusLine], list[str]]:
-    """Split gpg's stderr into ``[GNUPG:]`` status lines and the other (diagnostic) lines."""
+    """Split gpg's stderr into ``[GNUPG:]`` status lines and the other (diagnostic) lines.
+
+    Lines end at ``\n`` only: gpg quotes packet data in its diagnostics (an unknown signer's
+    ``issuer "..."``) without escaping U+2028, U+0085 or a form feed, which ``str.splitlines``
+    would take for line ends, so a hostile file could forge a status line."""
     status: list[StatusLine] = []
     diag: list[str] = []
-    for raw in stderr.splitlines():
+    for raw in stderr.split("\n"):
+        raw = raw.removesuffix("\r")
+        if not raw:
+            continue
         if raw.startswith(_STATUS_PREFIX):
             words = raw[len(_STATUS_PREFIX) :].split(" ")
             status.append((words[0], words[1:]))

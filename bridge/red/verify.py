@@ -6,7 +6,14 @@
 
 ``verify_file`` returns a ``Verdict``; it never raises for hostile input, only for faults of
 this host (gpg missing or hung, a locked key, a full disk, an unreadable intake file), so
-the job stops instead of quarantining good bundles. Everything here is picklable: the
+the job stops instead of quarantining good bundles. Which one it is, gpg's words never
+decide: its stderr quotes packet data (an unknown signer's user id is printed as
+``issuer "..."``, and Python splits lines on characters gpg does not escape, so even status
+lines can be forged), so a hostile file could say "no space left on device" and stop red
+for good. The transcript only picks the reject reason and which host checks to run
+(``_check_host``: a test decryption with every red key, the pinned keys in the keyring,
+room for the plaintext in ``plain_dir``); the file stays in intake only when one of them
+fails, and is rejected otherwise. Everything here is picklable: the
 ``VerifyContext`` carries paths, fingerprints and the passphrase's *source*, never a secret
 or a live object; the ``Gpg`` is built inside each call.
 
@@ -16,7 +23,9 @@ Reject reasons (``Verdict.reason``), in check order:
 ``bad_name``              the name is not a bundle or heartbeat name (§1); never opened
 ``unknown_channel``       the channel is not configured on red; never opened
 ``too_large``             bigger than a configured limit: a heartbeat file over 1 MiB, or a
-                          bundle whose plaintext would exceed ``max_plain_bytes``
+                          bundle whose plaintext would exceed ``max_plain_bytes``; or a
+                          bundle that needs more room than the whole file system of
+                          ``plain_dir`` has (it could never be verified here)
 ``signature``             bad, missing or several signatures, unknown key, wrong class, on
                           an intact envelope (signed-only, or decryption integrity-checked)
 ``unpinned_signer``       one valid signature, by a key that is not pinned
@@ -48,6 +57,7 @@ import errno
 import hashlib
 import logging
 import os
+import tempfile
 import uuid
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, fields
@@ -58,6 +68,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from bridge.config import Config
+from bridge.crypto.fingerprint import normalize_fingerprint
 from bridge.crypto.gpg import Gpg
 from bridge.crypto.passphrase import Passphrase, resolve_passphrase
 from bridge.crypto.verdict import Opened, Transcript
@@ -124,24 +135,9 @@ REASONS = (
 )
 """Every ``Verdict.reason`` of a reject (machine codes, stable: they land in the audit)."""
 
-# gpg diagnostics that mean THIS host is at fault, not the file (lower case)
-_ENV_MARKERS = (
-    "no space left on device",
-    "disk quota exceeded",
-    "read-only file system",
-    "permission denied",
-    "bad passphrase",
-    "can't get input",
-    "can't connect to the agent",
-    "no agent running",
-    "problem with the agent",
-    "error creating",
-    "error writing",
-    "error closing",
-    "error flushing",
-)
-_ENV_STATUS = ("BAD_PASSPHRASE", "MISSING_PASSPHRASE")
 _SIG_RESULTS = ("GOODSIG", "BADSIG", "EXPSIG", "EXPKEYSIG", "REVKEYSIG", "ERRSIG")
+# gpg's diagnostic when --max-output stopped it (it has no status line). A hostile file can
+# make it appear too; it only picks between two reject reasons, never a host fault.
 _MAX_OUTPUT_MARKER = "max-output"
 
 
@@ -208,7 +204,8 @@ class VerifyContext:
 
 
 class _RecordingGpg(Gpg):
-    """A Gpg that keeps the transcript it judged, to tell hostile input from host faults."""
+    """A Gpg that keeps the transcript it judged: it names the reject reason and the host
+    checks worth running (it may hold forged lines, so it never decides a host fault)."""
 
     last: Transcript | None = None
     pinned: set[str] = set()
@@ -426,11 +423,25 @@ def _open_limit(size: int, ctx: VerifyContext) -> tuple[int, bool]:
     return natural, False
 
 
-def _gpg_reject(gpg: _RecordingGpg, e: CryptoError, limit: int, configured: bool) -> _Reject:
-    """Check 3 failed: which reject, or raise when this host is at fault."""
+def _gpg_reject(
+    gpg: _RecordingGpg,
+    e: CryptoError,
+    name: str,
+    ctx: VerifyContext,
+    limit: int,
+    configured: bool,
+    room: tuple[Path, int, Path] | None = None,
+) -> _Reject:
+    """Check 3 failed: which reject, or raise when this host is at fault.
+
+    ``room`` is (intake file, bytes its plaintext may need, plaintext dir) for a bundle
+    (gpg wrote to disk), None for a heartbeat (gpg wrote to memory).
+    """
     res = gpg.last
     if res is None:  # gpg never judged anything: missing binary, timeout, unreadable input
         raise e
+    _check_host(gpg, res, name, ctx, room)
+    # this host is fine: the file is at fault; the transcript only picks the reason
     diag = " ".join(res.diag).lower()
     if _MAX_OUTPUT_MARKER in diag:
         if configured:
@@ -444,37 +455,54 @@ def _gpg_reject(gpg: _RecordingGpg, e: CryptoError, limit: int, configured: bool
             "(bundles are sealed uncompressed), refused as a compression bomb",
         )
     if res.has("NEED_PASSPHRASE_SYM"):
-        # a passphrase (symmetric) message: gpg then asks for input it cannot get, which
-        # reads like a locked key below, but the file is at fault: red is only ever encrypted
-        # to by public key (random junk parses as such a packet now and then)
+        # a passphrase (symmetric) message: gpg asks for input it cannot get; red is only
+        # ever encrypted to by public key (random junk parses as such a packet now and then)
         return _Reject("crypto", f"{e} (a passphrase-encrypted message: never a bundle)")
-    if any(m in diag for m in _ENV_MARKERS) or any(res.has(s) for s in _ENV_STATUS):
-        raise VerifyEnvironmentError(
-            f"cannot verify with GnuPG home {gpg.home}: {res.reason()}; fix this host "
-            "(disk space, key passphrase, gpg-agent) and restart: the file stays in intake"
-        )
     if res.has("BEGIN_DECRYPTION") and not res.has("DECRYPTION_OKAY"):
         # gpg stops at the first failure: a BADSIG here came before the integrity check, so
         # the envelope itself is unverified (damaged or forged ciphertext)
-        _maybe_locked(res, gpg)
         return _Reject("crypto", f"{e} (encrypted data not integrity-checked)")
     if isinstance(e, SignatureError):
         return _Reject("unpinned_signer" if _unpinned(res, gpg.pinned) else "signature", str(e))
-    _maybe_locked(res, gpg)
     return _Reject("crypto", str(e))
 
 
-def _maybe_locked(res: Transcript, gpg: Gpg) -> None:
-    """Hidden recipients: a key gpg could not unlock looks like a message for someone else."""
-    if res.has("NO_SECKEY") and not res.has("DECRYPTION_KEY"):
-        _require_unlockable(gpg)
+def _check_host(
+    gpg: Gpg,
+    res: Transcript,
+    name: str,
+    ctx: VerifyContext,
+    room: tuple[Path, int, Path] | None,
+) -> None:
+    """Raise (VerifyEnvironmentError, OSError) when this host could not verify ``name``.
+
+    Direct checks only, never gpg's words. The transcript says which checks could matter
+    (how far gpg got); a forged one costs at most a check that passes:
+
+    - a recipient slot but no key of ours opened it: a locked red key or a dead gpg-agent
+      looks exactly like a message for someone else (``_require_unlockable``);
+    - no key to check the signature: every pinned signer must be in the keyring;
+    - a bundle: its intake file must be readable; and once gpg began to write its plaintext,
+      ``plain_dir`` must hold what that plaintext may need (``_require_room``).
+    """
+    if res.has("ENC_TO") and not res.has("DECRYPTION_KEY"):
+        _require_unlockable(gpg, name)
+    if res.has("ERRSIG") or res.has("NO_PUBKEY"):
+        _require_pinned_keys(gpg, name, ctx)
+    if room is not None:
+        src, need, plain_dir = room
+        with open(src, "rb") as f:  # unreadable intake file: OSError, a fault of this host
+            f.read(1)
+        if res.has("PLAINTEXT"):
+            _require_room(plain_dir, need, name)
 
 
-def _require_unlockable(gpg: Gpg) -> None:
+def _require_unlockable(gpg: Gpg, name: str) -> None:
     """Raise VerifyEnvironmentError unless every red decryption key here decrypts unattended.
 
     With ``--throw-keyids`` gpg reports a key it could not unlock (wrong or missing
-    passphrase) exactly like a message for someone else; a test decryption tells them apart.
+    passphrase, gpg-agent unreachable) exactly like a message for someone else; a test
+    decryption tells them apart.
     """
     usable = 0
     try:
@@ -484,14 +512,74 @@ def _require_unlockable(gpg: Gpg) -> None:
                 usable += 1
     except CryptoError as e:
         raise VerifyEnvironmentError(
-            f"GnuPG home {gpg.home}: a red decryption key cannot be used: {e}; the file stays "
-            "in intake"
+            f"file {name}: GnuPG home {gpg.home}: a red decryption key cannot be used: {e}; "
+            "the file stays in intake"
         ) from None
     if not usable:
         raise VerifyEnvironmentError(
-            f"GnuPG home {gpg.home} holds no usable secret decryption key; the file stays in "
-            "intake (run `diode keys check`)"
+            f"file {name}: GnuPG home {gpg.home} holds no usable secret decryption key; the "
+            "file stays in intake (run `diode keys check`)"
         )
+
+
+def _require_pinned_keys(gpg: Gpg, name: str, ctx: VerifyContext) -> None:
+    """Raise VerifyEnvironmentError unless every pinned signer is in the keyring.
+
+    The job starts only when they all are (``decryption_gpg``); one missing now (keyring
+    unreadable or replaced) would turn every good bundle into an "unknown key" reject.
+    """
+    try:
+        have = set(gpg.fingerprints())
+    except CryptoError as e:
+        raise VerifyEnvironmentError(
+            f"file {name}: cannot list the keys of GnuPG home {gpg.home}: {e}; the file stays "
+            "in intake"
+        ) from None
+    missing = [f for f in ctx.pinned_signers if normalize_fingerprint(f) not in have]
+    if missing:
+        raise VerifyEnvironmentError(
+            f"file {name}: pinned black signer(s) {', '.join(missing)} (link.black_signers) "
+            f"not in GnuPG home {gpg.home} (keyring unreadable or replaced?); the file stays "
+            "in intake (run `diode keys check`)"
+        )
+
+
+def _require_room(plain_dir: Path, need: int, name: str) -> None:
+    """Raise VerifyEnvironmentError unless ``plain_dir`` can take ``need`` more bytes now.
+
+    Allocates them for real in a probe file (``.*.tmp``: swept after a crash), so a full
+    disk, an exhausted quota, a read-only or unwritable directory and a file-size limit all
+    show, whatever gpg said. Where there is no ``posix_fallocate``, free space is compared.
+    """
+    try:
+        fd, probe = tempfile.mkstemp(prefix=".room.", suffix=".tmp", dir=plain_dir)
+    except OSError as e:
+        raise VerifyEnvironmentError(
+            f"file {name}: cannot create files in {plain_dir}: {e.strerror}; fix this host "
+            "and restart: the file stays in intake"
+        ) from None
+    try:
+        if not hasattr(os, "posix_fallocate"):
+            st = os.statvfs(plain_dir)
+            if st.f_bavail * st.f_frsize < need:
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        elif need > 0:
+            os.posix_fallocate(fd, 0, need)
+    except OSError as e:
+        raise VerifyEnvironmentError(
+            f"file {name}: {plain_dir} has no room for its plaintext (up to {need} bytes): "
+            f"{e.strerror}; free space (or lower red.max_plain_bytes) and restart: the file "
+            "stays in intake"
+        ) from None
+    finally:
+        os.close(fd)
+        Path(probe).unlink(missing_ok=True)
+
+
+def _fs_capacity(d: Path) -> int:
+    """Bytes the file system of ``d`` holds for unprivileged files when empty."""
+    st = os.statvfs(d)
+    return (st.f_blocks - st.f_bfree + st.f_bavail) * st.f_frsize
 
 
 def _unpinned(res: Transcript, pinned: set[str]) -> bool:
@@ -546,11 +634,23 @@ def _verify_bundle(
             "too_large",
             f"{size} bytes on the wire, more than red.max_plain_bytes ({limit}) allows",
         )
+    # bundles are sealed uncompressed: an honest plaintext is never larger than its file
+    need = min(size, limit)
+    capacity = _fs_capacity(plain.parent)
+    if need > capacity:  # could never be verified here: a host fault forever, so reject
+        raise _Reject(
+            "too_large",
+            f"{size} bytes on the wire: its plaintext may need {need} bytes, more than the "
+            f"whole file system of {plain.parent} holds ({capacity}); set red.max_plain_bytes "
+            "or give red.work_dir more room",
+        )
     gpg = ctx.gpg()
     try:
         opened = gpg.open(path, plain, pinned_signers=ctx.pinned_signers, max_output=limit)
     except CryptoError as e:
-        raise _gpg_reject(gpg, e, limit, configured) from None
+        raise _gpg_reject(
+            gpg, e, str(parsed), ctx, limit, configured, (path, need, plain.parent)
+        ) from None
     _gpg_facts(opened, facts)
     _check_plaintext(plain, parsed, ctx, facts)
     facts["plaintext_path"] = str(plain)
@@ -646,7 +746,7 @@ def _verify_heartbeat(
             data, pinned_signers=ctx.pinned_signers, max_output=limit
         )
     except CryptoError as e:
-        raise _gpg_reject(gpg, e, limit, False) from None
+        raise _gpg_reject(gpg, e, str(parsed), ctx, limit, False) from None
     _gpg_facts(opened, facts)
     facts["plaintext_bytes"] = len(plaintext)
     facts["plaintext_sha256"] = hashlib.sha256(plaintext).hexdigest()

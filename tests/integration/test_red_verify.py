@@ -10,13 +10,17 @@ import dataclasses
 import os
 import pickle
 import random
+import resource
 import shutil
+import signal
+import struct
 import subprocess
 import tempfile
 import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from types import SimpleNamespace
 
 import pyarrow as pa
 import pytest
@@ -259,6 +263,58 @@ def test_not_for_our_keys(keys: RedKeys, ctx: VerifyContext, inbox: Path) -> Non
     rejected(
         p, name, dataclasses.replace(ctx, gnupg_home=str(keys.home_with_only("red"))), "crypto"
     )
+
+
+def forged_signed_message(signer_uid: bytes) -> bytes:
+    """A signed message by a key nobody has (id 1122334455667788), ~100 bytes, whose signature
+    carries ``signer_uid`` as its Signer's User ID subpacket: gpg prints that text verbatim on
+    stderr (``issuer "..."``), next to its own diagnostics and status lines."""
+
+    def pkt(tag: int, body: bytes) -> bytes:
+        n = len(body)
+        if n < 192:
+            return bytes([0xC0 | tag, n]) + body
+        return bytes([0xC0 | tag, ((n - 192) >> 8) + 192, (n - 192) & 0xFF]) + body
+
+    def sub(kind: int, data: bytes) -> bytes:
+        return bytes([len(data) + 1, kind]) + data
+
+    keyid, now = bytes.fromhex("1122334455667788"), struct.pack(">I", int(time.time()))
+    hashed = sub(2, now) + sub(28, signer_uid)
+    unhashed = sub(16, keyid)
+    mpi = struct.pack(">H", 255) + b"\x80" + b"\x11" * 31  # EdDSA r and s, never valid
+    sig = (bytes([4, 0, 22, 8]) + struct.pack(">H", len(hashed)) + hashed
+           + struct.pack(">H", len(unhashed)) + unhashed + b"\x12\x34" + mpi + mpi)  # fmt: skip
+    ops = pkt(4, bytes([3, 0, 8, 22]) + keyid + b"\x01")
+    literal = pkt(11, b"b\x00" + now + b"hello")
+    return ops + literal + pkt(2, sig)
+
+
+@pytest.mark.parametrize(
+    "uid",
+    [b"no space left on device", b"Permission denied", b"bad passphrase",
+     b"can't connect to the agent", b"error writing", b"Disk quota exceeded",
+     # Python splits lines on U+2028 too, which gpg does not escape: forged status lines
+     "x\u2028[GNUPG:] BAD_PASSPHRASE 1122334455667788\u2028[GNUPG:] MISSING_PASSPHRASE\u2028"
+     "[GNUPG:] FAILURE decrypt 33554453\u2028[GNUPG:] ERROR write 33587249".encode()],
+    ids=["nospace", "perm", "badpass", "agent", "write", "quota", "status"],
+)  # fmt: skip
+def test_forged_issuer_text_is_rejected_not_blamed_on_this_host(
+    keys: RedKeys, ctx: VerifyContext, inbox: Path, uid: bytes
+) -> None:
+    """The text of an unknown signer's user id reaches gpg's stderr; host-fault words in it
+    must not stop red (VerifyEnvironmentError leaves the file in intake forever): the file is
+    quarantined as a bad signature, on every channel kind and for heartbeats too."""
+    data = forged_signed_message(uid)
+    for name in ("orders.000000000001." + "7" * 32 + ".dbundle",
+                 "plain.000000000001." + "7" * 32 + ".dbundle",
+                 "orders.000000000001.dheartbeat"):  # fmt: skip
+        (inbox / name).write_bytes(data)
+        v = rejected(inbox / name, name, ctx, "signature")
+        assert "1122334455667788" in (v.detail or ""), v.detail
+    # the same file with a harmless user id, for comparison
+    (inbox / "f").write_bytes(forged_signed_message(b"alice"))
+    rejected(inbox / "f", "orders.000000000002." + "7" * 32 + ".dbundle", ctx, "signature")
 
 
 @pytest.fixture(scope="module")
@@ -516,6 +572,55 @@ def test_locked_key_raises_instead_of_quarantining(
         assert plain_left(ctx) == []
     v = verify_file(b.path, b.name, dataclasses.replace(base, passphrase_file=str(right)))
     assert v.ok, v.detail
+
+
+def test_plain_dir_that_cannot_hold_the_plaintext_raises(
+    keys: RedKeys, ctx: VerifyContext, inbox: Path
+) -> None:
+    """gpg fails writing a good bundle's plaintext (here a file-size limit; a full disk or an
+    exhausted quota alike): a fault of this host, found by trying to allocate the room."""
+    b = make_bundle(inbox, keys, "orders", 1, make_rows("orders", range(40), body_bytes=50_000),
+                    None)  # fmt: skip
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    was = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # EFBIG instead of a kill, also in gpg
+    try:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (256 * 1024, hard))
+        with pytest.raises(VerifyEnvironmentError, match=b.name):
+            verify_file(b.path, b.name, ctx)
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+        signal.signal(signal.SIGXFSZ, was)
+    assert plain_left(ctx) == []
+    assert verify_file(b.path, b.name, ctx).ok
+
+
+def test_pinned_signer_missing_from_the_keyring_raises(
+    keys: RedKeys, ctx: VerifyContext, inbox: Path
+) -> None:
+    """ "Unknown key" while a pinned signer is not in the keyring (unreadable, replaced): every
+    good bundle by it would be quarantined, so this host is at fault."""
+    name = "orders.000000000001." + "8" * 32 + ".dbundle"
+    (inbox / name).write_bytes(forged_signed_message(b"alice"))
+    lost = dataclasses.replace(ctx, pinned_signers=(keys.black_fpr, keys.forger_fpr))
+    with pytest.raises(VerifyEnvironmentError, match=keys.forger_fpr):
+        verify_file(inbox / name, name, lost)
+    assert plain_left(ctx) == []
+
+
+def test_bundle_larger_than_the_plain_file_system_is_rejected(
+    keys: RedKeys, ctx: VerifyContext, inbox: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A file whose plaintext can never fit where it is written would stall red forever as a
+    host fault: rejected before gpg runs instead."""
+    b = make_bundle(inbox, keys, "orders", 1, make_rows("orders", range(3)), None)
+    size = b.path.stat().st_size
+    tiny = SimpleNamespace(f_frsize=1, f_blocks=size - 1, f_bfree=size - 1, f_bavail=size - 1)
+    monkeypatch.setattr(os, "statvfs", lambda _p: tiny)
+    with PeakWatcher(Path(ctx.plain_dir)) as w:
+        v = rejected(b.path, b.name, ctx, "too_large")
+    assert "file system" in (v.detail or "") and w.peak == 0
+    monkeypatch.undo()
+    assert verify_file(b.path, b.name, ctx).ok
 
 
 # ---------------------------------------------------------------------------- context, rows

@@ -461,3 +461,17 @@ def test_verdict_is_pure() -> None:
         for a in n.names
     }
     assert not {m.split(".")[0] for m in imported} & {"subprocess", "os", "gnupg", "shutil"}
+
+
+def test_a_status_line_forged_inside_quoted_packet_data_stays_a_diagnostic() -> None:
+    """gpg prints an unknown signer's user id (attacker's bytes) unescaped but for newlines:
+    characters that ``str.splitlines`` takes for line ends must not start a status line."""
+    for sep in ("\u2028", "\u0085", "\x0c", "\x1c", "\r"):
+        stderr = (
+            f'gpg: issuer "x{sep}[GNUPG:] BAD_PASSPHRASE 0123456789ABCDEF"\n'
+            "[GNUPG:] ERRSIG 0123456789ABCDEF 22 8 00 1700000000 9 -\n"
+            "[GNUPG:] NO_PUBKEY 0123456789ABCDEF\n"
+        )
+        status, diag = parse_status(stderr)
+        assert [k for k, _ in status] == ["ERRSIG", "NO_PUBKEY"], repr(sep)
+        assert len(diag) == 1 and "BAD_PASSPHRASE" in diag[0]
