@@ -4,7 +4,10 @@ One JSON line per range, appended and fsynced when the bundle that declares it i
 ``{"kind", "bundle_seq", "first_seq", "last_seq", "reason", "at"}``; ``kind`` is ``lost`` (a
 gap: the messages are not in any bundle) or ``inexact`` (carried, but not byte-exact as
 published). A crash between the append and the journal commit can repeat a line; readers
-de-duplicate on ``(kind, bundle_seq, first_seq)``.
+de-duplicate on ``(kind, bundle_seq, first_seq)``. A power loss mid-append can leave a torn
+last line: the next append starts on a line of its own, so only the torn line is lost (and
+the bundle's commit, repeated at the restart, appends it again). An append that fails is cut
+back off: each append is all or nothing.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from bridge.fsutil import write_all
 from bridge.protocol.manifest import Gap
 
 __all__ = ["append_gaps", "read_gaps", "gap_log_path"]
@@ -46,16 +50,26 @@ def append_gaps(
         + "\n"
         for g in gaps
     ).encode()
-    fd = os.open(gap_log_path(state_dir, channel), os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o640)
+    fd = os.open(gap_log_path(state_dir, channel), os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o640)
     try:
-        os.write(fd, data)
-        os.fsync(fd)
+        end = os.lseek(fd, 0, os.SEEK_END)
+        if end and os.pread(fd, 1, end - 1) != b"\n":
+            data = b"\n" + data  # a torn last line (power loss mid-append) ends before ours
+        try:
+            write_all(fd, data)
+            os.fsync(fd)
+        except BaseException:
+            try:
+                os.ftruncate(fd, end)  # no part of this append stays
+            except OSError:
+                pass
+            raise
     finally:
         os.close(fd)
 
 
 def read_gaps(state_dir: Path, channel: str) -> list[dict[str, Any]]:
-    """Every gap of ``channel`` in seq order (a torn last line, from a crash, is skipped)."""
+    """Every gap of ``channel`` in seq order (a torn line, from a power loss, is skipped)."""
     p = gap_log_path(state_dir, channel)
     if not p.exists():
         return []

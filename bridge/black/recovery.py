@@ -6,6 +6,12 @@ another batch; on a quiet channel they would wait. So at start-up black compares
 committed positions in the checkpoint's offset log (``offsets/<id>`` of the newest
 ``commits/<id>``) with its journal and seals the difference itself, from the spool, through
 the same sealer. The spool still holds them: segments are released only once shipped.
+
+Its TAIL may not say so: TAIL is not fsynced, and after a power loss it can lag positions Spark
+already committed (or, when the disk lost fsynced data, lead what the segments hold). Only the
+spool's writer repairs that, when it opens the spool, and the taps start after this pass. So
+before reading a channel's spool, recovery runs that same repair (``SpoolWriter.repair``) when
+no tap holds the spool's LOCK; a tap that holds it repaired the spool when it opened it.
 """
 
 from __future__ import annotations
@@ -17,13 +23,15 @@ import pyarrow as pa
 
 from bridge.black.catalog import load_catalog
 from bridge.black.seal import BundleSealer, ShippedBundle
+from bridge.black.spool import SpoolWriter
+from bridge.black.spool_read import read_tail
 from bridge.black.spool_rows import read_rows
 from bridge.black.state import StateStore
 from bridge.config import Config
-from bridge.errors import StateError
+from bridge.errors import SpoolFull, StateError
 from bridge.logs import get_logger, log_event
 
-__all__ = ["committed_offsets", "recover_committed"]
+__all__ = ["committed_offsets", "recover_committed", "repair_spool"]
 
 log = get_logger("bridge.black.recovery")
 
@@ -49,8 +57,36 @@ def committed_offsets(checkpoint_dir: Path) -> dict[str, int] | None:
         ) from None
 
 
+def repair_spool(cfg: Config, channel: str) -> None:
+    """The repair a tap's open makes (partial batch cut, lost positions recorded, TAIL
+    rewritten from the segments), on ``channel``'s spool if no tap holds it. A disk too full
+    to record lost positions is logged and left to the tap (it tries again at its open)."""
+    root = Path(cfg.black.spool_dir)
+    sp = cfg.black.spool
+    tail = read_tail(root / channel)
+    try:
+        w = SpoolWriter.repair(
+            root,
+            channel,
+            segment_bytes=sp.segment_bytes,
+            segment_max_age_s=sp.segment_max_age_seconds,
+            max_bytes=sp.max_bytes,
+            min_free_bytes=sp.min_free_bytes,
+        )
+    except SpoolFull as e:
+        log_event(log, 30, f"spool not repaired before recovery: {e}", channel=channel)
+        return
+    if w is not None and tail is not None and tail < w.durable_end - w.damaged:
+        log_event(
+            log, 30, "spool TAIL was behind its segments (a power loss): rewritten before "
+            "recovery", channel=channel, tail_was=tail, durable_end=w.durable_end,
+        )  # fmt: skip
+
+
 def recover_committed(cfg: Config, sealer: BundleSealer, store: StateStore) -> list[ShippedBundle]:
-    """Seal positions that Spark committed beyond black's journal; returns the bundles shipped."""
+    """Seal positions that Spark committed beyond black's journal; returns the bundles shipped.
+
+    Each spool it reads is repaired first (``repair_spool``), as its tap would at start."""
     done = committed_offsets(Path(cfg.black.checkpoint_dir))
     if not done:
         return []
@@ -62,6 +98,7 @@ def recover_committed(cfg: Config, sealer: BundleSealer, store: StateStore) -> l
         start = journal.last_seq + 1
         if end is None or start >= end:
             continue
+        repair_spool(cfg, ch.name)
         log_event(
             log,
             30,

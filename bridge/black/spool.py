@@ -12,7 +12,10 @@ Positions are gapless and never reused: a record's position is its message ``seq
   only past ``MAX_BATCH_BYTES``), fsyncs, and only then rewrites TAIL in place (ASCII, fixed
   width). TAIL is not fsynced: any value it ever holds is durable, so readers trust
   ``min(TAIL, what parses)`` and never touch bytes past it (a concurrent writer may still be
-  appending there, or cutting a failed write away).
+  appending there, or cutting a failed write away). After a power loss TAIL may say less than
+  the segments durably hold (or more, if the disk lost fsynced data) until ``open`` rewrites
+  it: a reader that cannot wait for the tap (black's start-up recovery) runs that same repair
+  with ``SpoolWriter.repair`` when no writer holds the LOCK.
 * Each batch carries ``acked_through`` (custom metadata): the last position whose broker ack
   the tap had confirmed. Records after it are the only ones the broker can redeliver; they are
   never released, so a restarted tap can always recognise them (``records_after``).
@@ -22,7 +25,8 @@ Positions are gapless and never reused: a record's position is its message ``seq
 * ``open`` repairs the last segment: a partial trailing batch left by a crash is cut away.
   If TAIL says more was durable than the segment holds (the disk lost fsynced data), the
   missing positions are recorded as *lost* (reason ``spool_damaged``): reported as a gap,
-  never reused.
+  never reused. TAIL keeps its value until those records are durable, so an ``open`` that
+  fails on the way (a full disk) leaves the damage for the next one to find.
 * Out of room (quota, ``min_free_bytes``, ENOSPC / EDQUOT): the segment is cut back to its last
   complete batch, ``SpoolFull`` is raised and the records stay buffered for the next ``sync``.
   ``make_releasable`` (also tried before each quota SpoolFull) records the newest
@@ -77,6 +81,7 @@ from bridge.fsutil import fsync_dir, pwritev_all
 from bridge.logs import get_logger, log_event
 
 __all__ = [
+    "SpoolLocked",
     "SPOOL_SCHEMA",
     "KIND_MESSAGE",
     "KIND_LOST",
@@ -102,6 +107,10 @@ _SCHEMA_MESSAGE_LEN = SPOOL_SCHEMA.serialize().size
 _RECORD_OVERHEAD = 32  # fixed bytes per record besides its strings and binaries
 _BATCH_OVERHEAD = 1024  # IPC framing and metadata of one batch, rounded up
 _MiB = 1024 * 1024
+
+
+class SpoolLocked(StateError):
+    """Another process holds the channel's spool LOCK: its one writer (a running tap)."""
 
 
 class _Collect:
@@ -242,7 +251,7 @@ class SpoolWriter:
         try:
             fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            raise StateError(
+            raise SpoolLocked(
                 f"spool of channel {self.channel!r}: another process holds {d / LOCK_FILE} "
                 "(a tap of this channel is already running; two would fork its positions). "
                 "Stop the other tap first"
@@ -261,10 +270,50 @@ class SpoolWriter:
             self._repair_last(segs[-1])
         self._used = sum(size for _, size in self._closed_segs) + self._seg_size
         self._tail_fd = os.open(d / TAIL_FILE, os.O_RDWR | os.O_CREAT, 0o600)
-        self._write_tail()
-        fsync_dir(d)
         if tail is not None and tail > self._durable_end:
+            # TAIL moves (to ``tail``) only once the lost records are durable: should this
+            # fail (a full disk), the next open still finds the damage
             self._record_damage(tail)
+        else:
+            self._write_tail()
+            fsync_dir(d)
+
+    @classmethod
+    def repair(
+        cls,
+        root: Path,
+        channel: str,
+        *,
+        segment_bytes: int = 64 * _MiB,
+        segment_max_age_s: float = 300.0,
+        max_bytes: int | None = None,
+        min_free_bytes: int = 256 * _MiB,
+    ) -> SpoolWriter | None:
+        """``open``'s repair of a spool no writer holds, then the lock let go: for a reader
+        that cannot wait for the tap (black's start-up recovery, which runs before the taps).
+
+        A partial last batch is cut away, positions the disk lost are recorded as lost, and
+        TAIL is rewritten from the segments (after a power loss it may lag what they durably
+        hold). Returns the closed writer (``durable_end``, ``damaged``, ``repaired_bytes`` say
+        what it found), or None: a writer holds the LOCK (it repaired the spool at its open
+        and keeps TAIL current), or the spool has no segment (nothing to repair; its tap
+        creates it). Takes the settings the tap opens the spool with.
+        """
+        if not list_segments(Path(root) / channel):
+            return None
+        try:
+            w = cls.open(
+                root,
+                channel,
+                segment_bytes=segment_bytes,
+                segment_max_age_s=segment_max_age_s,
+                max_bytes=max_bytes,
+                min_free_bytes=min_free_bytes,
+            )
+        except SpoolLocked:
+            return None
+        w.close()
+        return w
 
     def _repair_last(self, first: int) -> None:
         path = self.directory / segment_name(first)

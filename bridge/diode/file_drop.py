@@ -17,10 +17,11 @@ and ``resend`` re-drops from the archive through the staging dir again.
 
 Coordination (``<staging>/.drop.lock``): only the black job removes temp files, at start-up
 (:meth:`Outbox.sweep_stale_temps`, exclusive lock), and each re-drop (``diode resend``, crash
-recovery) holds the lock shared while its temp file exists. The job's own deliveries need no
-lock: its temps are its own, and the state-dir run lock keeps a second job away. So
-``diode resend`` runs beside a running job, waiting at most for a start-up sweep. Pruning
-the archive needs no lock either: a resend counts a bundle pruned under it as missing.
+recovery) and each ``archive_mode = "link"`` probe (every Outbox built in that mode) holds the
+lock shared while its temp file exists. The job's own deliveries need no lock: its temps are
+its own, and the state-dir run lock keeps a second job away. So ``diode resend`` runs beside
+a running job, waiting at most for a start-up sweep. Pruning the archive needs no lock
+either: a resend counts a bundle pruned under it as missing.
 """
 
 from __future__ import annotations
@@ -61,6 +62,10 @@ OUTBOX_DIR_MODE = 0o770
 """The outbox only: black and the mover's group may add and remove files, others nothing."""
 LOCK_WAIT_SECONDS = 120.0
 """How long a re-drop waits for a start-up sweep, and a sweep for one re-drop, by default."""
+_PROBE_NAME = "archive-link-probe"
+"""Base name of the ``archive_mode = "link"`` check's files (temp names: ``.<it>.<hex>.tmp``)."""
+_PROBE_ATTEMPTS = 3
+"""Probes whose file vanished before the link (removed under us) before giving up."""
 
 _SWEEP_HINT = (
     "a `diode resend` is re-dropping a bundle through the staging dir; let it finish (or stop "
@@ -220,13 +225,41 @@ class Outbox:
 
     def _check_archive_link(self) -> None:
         """Link a probe file from the staging dir into the archive: a device check alone
-        misses bind mounts (EXDEV) and shares without hard links (EPERM, EOPNOTSUPP)."""
-        probe = self.temp_for("archive-link-probe")  # a temp name: a crash leaves it to the sweep
-        linked = tmp_path_for(self.archive / "archive-link-probe")
+        misses bind mounts (EXDEV) and shares without hard links (EPERM, EOPNOTSUPP).
+
+        Every Outbox built with ``archive_link`` probes (the job's, and ``diode resend``'s
+        beside a running job), so the probe holds the drop lock shared like a re-drop: a
+        start-up sweep waits for it instead of removing it mid-check. Both names are temp
+        names the sweep removes, should a crash leave them (the archive root's too).
+        """
+        with shared_lock(
+            self.lock_path,
+            what='black.archive_mode = "link" check',
+            timeout=self.lock_wait,
+            hint=_REDROP_HINT,
+        ):
+            for attempt in range(1, _PROBE_ATTEMPTS + 1):
+                if self._probe_link():
+                    return
+                log_event(log, 30, "the archive link probe vanished before it was linked: "
+                          "probing again", file=str(self.staging), attempt=attempt)  # fmt: skip
+        raise StateError(
+            f"the archive link probe in black.staging_dir {self.staging} vanished "
+            f"{_PROBE_ATTEMPTS} times before it could be linked: something removes files "
+            "there without taking its drop lock; stop it and start again"
+        )
+
+    def _probe_link(self) -> bool:
+        """One probe: True if it linked, False if our own probe file vanished (retry)."""
+        probe = self.temp_for(_PROBE_NAME)
+        linked = tmp_path_for(self.archive / _PROBE_NAME)
         try:
             write_new_file(probe, b"", mode=FILE_MODE)
             os.link(probe, linked)
         except OSError as e:
+            gone = e.errno == errno.ENOENT and not probe.exists()
+            if gone and self.staging.is_dir() and self.archive.is_dir():
+                return False  # our probe was removed under us (no verdict on links): again
             raise ConfigError(
                 f'black.archive_mode = "link" needs hard links from black.staging_dir '
                 f"{self.staging} into black.archive {self.archive}, and the file system refused "
@@ -237,6 +270,7 @@ class Outbox:
         finally:
             probe.unlink(missing_ok=True)
             linked.unlink(missing_ok=True)
+        return True
 
     # ---------------------------------------------------------------- temps
 
@@ -245,11 +279,12 @@ class Outbox:
         return tmp_path_for(self.staging / name)
 
     def sweep_stale_temps(self) -> int:
-        """Remove temp files a crash left behind (staging, archive, legacy ones in the outbox).
+        """Remove temp files a crash left behind (staging, archive, legacy ones in the outbox,
+        archive link probes in the archive root).
 
         Only the black job calls this, at start-up, holding the state-dir run lock (so none
         of the temps is its own) and the drop lock exclusively (so none is a running
-        re-drop's). Returns how many files it removed.
+        re-drop's or ``archive_mode = "link"`` probe's). Returns how many files it removed.
         """
         removed = 0
         with exclusive_lock(
@@ -260,11 +295,13 @@ class Outbox:
         ):
             dirs = [self.staging, *(d for _, d in self._drop_dirs())]
             if self.archive.is_dir():
-                dirs += [p for p in self.archive.iterdir() if p.is_dir()]
+                dirs += [self.archive, *(p for p in self.archive.iterdir() if p.is_dir())]
             for d in dirs:
                 for entry in os.scandir(d):
                     if not _TEMP_RE.match(entry.name) or not entry.is_file(follow_symlinks=False):
                         continue
+                    if d == self.archive and not entry.name.startswith(f".{_PROBE_NAME}."):
+                        continue  # the archive root holds channel folders and link probes only
                     try:
                         os.unlink(entry.path)
                     except FileNotFoundError:  # a mover took it

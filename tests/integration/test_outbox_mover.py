@@ -5,8 +5,10 @@ dot-files included) runs on the outbox while bundles and heartbeats are delivere
 ``diode resend`` re-drops from the archive: every file it took must be whole and valid. Fault
 tests then hit each window deterministically — the file taken between the rename and the
 fsync of the outbox, an archived bundle pruned between listing and copy, a failed staging
-write — and assert that the window was really hit. The drop lock makes a start-up sweep and a
-re-drop wait for each other; the staging dir must share the outbox's file system.
+write — and assert that the window was really hit. The drop lock makes a start-up sweep wait
+for a re-drop and for an ``archive_mode = "link"`` probe (a real sweeping process), and a
+re-drop for a sweep; a probe a kill left in the archive root is swept; the staging dir must
+share the outbox's file system.
 """
 
 from __future__ import annotations
@@ -539,6 +541,132 @@ def test_redrop_waits_for_a_sweep(short_tmp: Path) -> None:
     t.join()
     assert listing(ob.outbox) == [name]
     assert (ob.outbox / name).read_bytes() == b"sealed bytes"
+
+
+SWEEPER = r"""
+import sys
+from pathlib import Path
+from bridge.diode.file_drop import Outbox
+
+ob = Outbox(Path(sys.argv[1]), Path(sys.argv[2]), retention_days=1, lock_wait=60)
+print("sweeping", flush=True)
+print("removed", ob.sweep_stale_temps(), flush=True)
+"""
+
+
+def _probes(d: Path) -> list[str]:
+    return sorted(n for n in os.listdir(d) if n.startswith(".archive-link-probe."))
+
+
+def test_a_start_up_sweep_waits_for_the_archive_link_probe(
+    short_tmp: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An Outbox in link mode (``diode resend``'s, beside a starting job) probes under the
+    drop lock: a sweep in another process, started between the probe's creation and its
+    link, waits instead of removing it (which failed the check with a bogus ConfigError)."""
+    outbox, archive = short_tmp / "outbox", short_tmp / "archive"
+    Outbox(outbox, archive, retention_days=1)  # the folders, as a running job made them
+    staging = default_staging(outbox)
+    real_link = os.link
+    seen: dict[str, object] = {}
+
+    def link_after_a_sweep_started(src: str | Path, dst: str | Path) -> None:
+        seen["probe"] = _probes(staging)
+        p = subprocess.Popen(
+            [sys.executable, "-c", SWEEPER, str(outbox), str(archive)],
+            cwd=REPO,
+            env={**os.environ, "PYTHONPATH": str(REPO)},
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        seen["sweeper"] = p
+        assert p.stdout is not None and p.stdout.readline().strip() == "sweeping"
+        try:
+            p.wait(2.0)  # a sweep takes milliseconds: this one is done, or it waits for us
+        except subprocess.TimeoutExpired:
+            pass
+        seen["waiting"] = p.poll() is None
+        real_link(src, dst)
+
+    monkeypatch.setattr(file_drop.os, "link", link_after_a_sweep_started)
+    ob = Outbox(outbox, archive, retention_days=1, archive_link=True)
+    monkeypatch.undo()
+    assert ob.archive_link and len(seen["probe"]) == 1  # type: ignore[arg-type]
+    assert seen["waiting"], "the sweep must wait for the probe's shared drop lock"
+    p = seen["sweeper"]
+    assert isinstance(p, subprocess.Popen)
+    out, _ = p.communicate(timeout=60)
+    assert p.returncode == 0 and out.split() == ["removed", "0"]  # the probe cleaned up itself
+    assert _probes(staging) == [] and _probes(archive) == []
+
+
+def test_an_archive_link_probe_removed_under_it_is_probed_again(
+    short_tmp: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Something that ignores the drop lock removed the probe before its link: ENOENT of our
+    own probe is no verdict on the file system, so the check probes again; it gives up with a
+    StateError (not a ConfigError about hard links) if that keeps happening."""
+    outbox, archive = short_tmp / "outbox", short_tmp / "archive"
+    real_link = os.link
+    calls: list[str] = []
+
+    def link(src: str | Path, dst: str | Path) -> None:
+        calls.append(Path(src).name)
+        if len(calls) == 1 or always:
+            os.unlink(src)  # removed between its creation and the link
+        real_link(src, dst)
+
+    always = False
+    monkeypatch.setattr(file_drop.os, "link", link)
+    ob = Outbox(outbox, archive, retention_days=1, archive_link=True)
+    assert ob.archive_link and len(calls) == 2 and calls[0] != calls[1]
+    calls.clear()
+    always = True
+    with pytest.raises(StateError, match="archive link probe .* vanished 3 times"):
+        Outbox(outbox, archive, retention_days=1, archive_link=True)
+    monkeypatch.undo()
+    assert len(calls) == 3
+    assert _probes(ob.staging) == [] and _probes(archive) == []
+
+
+KILLED_PROBE = r"""
+import os, signal, sys
+from pathlib import Path
+from bridge.diode.file_drop import Outbox
+
+real_link = os.link
+
+def link(src, dst):
+    real_link(src, dst)
+    os.kill(os.getpid(), signal.SIGKILL)  # between the link and the probe's clean-up
+
+os.link = link
+Outbox(Path(sys.argv[1]), Path(sys.argv[2]), retention_days=1, archive_link=True)
+"""
+
+
+def test_the_sweep_removes_archive_link_probes_a_kill_left_in_the_archive_root(
+    short_tmp: Path,
+) -> None:
+    outbox, archive = short_tmp / "outbox", short_tmp / "archive"
+    r = subprocess.run(
+        [sys.executable, "-c", KILLED_PROBE, str(outbox), str(archive)],
+        cwd=REPO,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+        capture_output=True,
+        timeout=60,
+        check=False,
+    )
+    assert r.returncode == -9, r.stderr
+    staging = default_staging(outbox)
+    assert len(_probes(staging)) == 1 and len(_probes(archive)) == 1  # the kill left both
+    (archive / "c").mkdir()
+    other = archive / ".operator.0123456789ab.tmp"  # not black's: the archive root is not swept
+    other.write_bytes(b"x")
+    ob = Outbox(outbox, archive, retention_days=1)
+    assert ob.sweep_stale_temps() == 2
+    assert _probes(staging) == [] and _probes(archive) == []
+    assert other.exists() and (archive / "c").is_dir()
 
 
 # ---------------------------------------------------------------------- the kernel copy

@@ -1,5 +1,6 @@
-"""Unit: black's spool — round trips by position, crash repair, a concurrent reader process,
-release and restart, the writer lock, and SpoolFull by quota and by min_free_bytes.
+"""Unit: black's spool — round trips by position, crash repair (also run without the tap, by
+``SpoolWriter.repair``), a concurrent reader process, release and restart, the writer lock,
+and SpoolFull by quota and by min_free_bytes.
 
 Real files only (a temp dir per case); the concurrent reader and the lock holder are real
 processes.
@@ -29,6 +30,7 @@ from bridge.black.spool import (
     KIND_MESSAGE,
     REASON_DAMAGED,
     SPOOL_SCHEMA,
+    SpoolLocked,
     SpoolReader,
     SpoolWriter,
     fingerprint,
@@ -327,6 +329,53 @@ def test_records_the_disk_lost_after_their_fsync_become_lost_positions(root: Pat
     assert [(r["pos"], r["kind"], r["reason"]) for r in got[4:]] == [
         (p, KIND_LOST, REASON_DAMAGED) for p in (4, 5, 6)
     ]
+
+
+def test_damage_an_open_could_not_record_is_found_by_the_next_open(root: Path) -> None:
+    """TAIL keeps saying what was durable until the lost records are: an open that a full
+    disk stops while it records them does not make the next one forget the loss."""
+    recs, before, _ = write_groups(root, [4, 3])
+    os.truncate(segment_files(root)[-1], before + 10)  # TAIL still says 7 were durable
+    with pytest.raises(SpoolFull, match="min_free_bytes"):
+        opened(root, min_free_bytes=1 << 62)  # no room to write the lost records
+    assert (root / CH / "TAIL").read_bytes() == b"%020d\n" % 7
+    with opened(root) as w:
+        assert (w.damaged, w.durable_end) == (3, 7)
+    got = read_records(SpoolReader(root, CH), 0, 7)
+    assert [(r["kind"], r["reason"]) for r in got[4:]] == [(KIND_LOST, REASON_DAMAGED)] * 3
+
+
+def test_repair_without_the_tap_rewrites_a_tail_a_power_loss_left_behind(root: Path) -> None:
+    assert SpoolWriter.repair(root, CH, min_free_bytes=0) is None  # no segment: nothing to do
+    assert not (root / CH).exists()
+    recs, _, _ = write_groups(root, [4, 3])
+    set_tail(root, 4)  # the segment was fsynced, the in-place rewrite of TAIL was not
+    assert SpoolReader(root, CH).durable_end() == 4
+    w = SpoolWriter.repair(root, CH, min_free_bytes=0)
+    assert w is not None and (w.durable_end, w.damaged, w.repaired_bytes) == (7, 0, 0)
+    assert SpoolReader(root, CH).durable_end() == 7
+    assert read_records(SpoolReader(root, CH), 0, 7) == with_pos(recs, 0)
+    continue_and_check(root, recs)  # the lock was let go: the tap opens the spool
+
+
+def test_repair_leaves_a_spool_whose_writer_holds_the_lock_alone(root: Path) -> None:
+    write_groups(root, [4, 3])
+    p = subprocess.Popen(
+        [sys.executable, "-c", HOLDER, str(root), CH],
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=Path(__file__).resolve().parents[2],
+    )
+    try:
+        assert p.stdout is not None and p.stdout.readline().strip() == "held"
+        files = sorted((f.name, f.stat().st_size) for f in (root / CH).iterdir())
+        assert SpoolWriter.repair(root, CH, min_free_bytes=0) is None
+        assert sorted((f.name, f.stat().st_size) for f in (root / CH).iterdir()) == files
+        with pytest.raises(SpoolLocked):
+            opened(root)
+    finally:
+        p.kill()
+        p.wait()
 
 
 # -- readers --------------------------------------------------------------------------------------
