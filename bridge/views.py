@@ -2,6 +2,10 @@
 
 The reports themselves are plain dicts (``bridge.black.report``, ``bridge.red.report``), which
 ``--json`` prints unchanged; this module only lays them out for a person at a terminal.
+
+Names, reasons and notes come from the wire, the broker or an operator: every string put in a
+table (cells and titles) becomes a ``rich.text.Text``, shown as it is on any console — never
+read as rich markup (``[/x]`` would raise, ``[bold]`` would hide text) or emoji codes.
 """
 
 from __future__ import annotations
@@ -41,8 +45,15 @@ def _ranges(items: Iterable[Mapping[str, Any]], lo: str, hi: str) -> str:
     return ", ".join(parts) or _NONE
 
 
+class _Table(Table):
+    """A table whose string cells are literal text (``Text``), never markup."""
+
+    def add_row(self, *renderables: RenderableType | None, **kwargs: Any) -> None:
+        super().add_row(*(Text(r) if isinstance(r, str) else r for r in renderables), **kwargs)
+
+
 def _table(title: str, *columns: str) -> Table:
-    t = Table(title=title, title_justify="left", header_style="bold")
+    t = _Table(title=Text(title), title_justify="left", header_style="bold")
     for c in columns:
         t.add_column(c, overflow="fold")
     return t

@@ -11,10 +11,12 @@ bytes paths (a name need not be UTF-8) and ``lstat`` only, so a symlink is never
 * Anything but a regular file is quarantined at once, moved as it is (reason
   ``not_regular_file``).
 * A regular file is *settled* once its (size, mtime, ctime, inode) stayed the same for
-  ``settle_seconds`` across scans, or the inbox watcher saw it closed after writing and nothing
-  changed since (``closed``), or ``settle_seconds`` is 0. Settled files with a valid bundle or
-  heartbeat name are renamed into ``work_dir/intake``; any other settled file is quarantined
-  under a safe name (reason ``bad_name``, the raw name in the reason file).
+  ``settle_seconds`` across scans, or the inbox watcher saw it closed after writing and it is
+  still the file that was closed (same inode, size, mtime: ``closed``), or ``settle_seconds``
+  is 0. Settled files with a valid bundle or heartbeat name are renamed into
+  ``work_dir/intake``; any other settled file is quarantined under a safe name (reason
+  ``bad_name``, the raw name in the reason file). Either way the watcher forgets the name at
+  once (its own events for the rename come late).
 
 Every quarantine of the intake leaves an audit record in ``work_dir/audit-pending/`` (named by
 where the file was stored, so a retried quarantine writes the same record) before the inbox
@@ -32,7 +34,7 @@ import json
 import os
 import re
 import stat
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -48,6 +50,7 @@ from bridge.protocol.naming import (
 )
 from bridge.red.evidence import Evidence, file_kind, rename_noreplace, safe_name
 from bridge.red.layout import AUDIT_PENDING_DIR
+from bridge.red.watch import ClosedFiles, CloseSig, close_sig
 
 __all__ = [
     "Intake",
@@ -160,12 +163,14 @@ class Intake:
         self._check_same_fs()
 
     # -- public ---------------------------------------------------------------------------
-    def scan(self, now: float, closed: Iterable[str] = frozenset()) -> ScanResult:
+    def scan(self, now: float, closed: Mapping[str, CloseSig] | None = None) -> ScanResult:
         """List the inbox once: take settled wire files, quarantine the rest, count the others.
 
-        ``now`` is any clock in seconds (the same one on every call); ``closed`` holds names
-        the watcher saw closed after writing (bridge.red.watch)."""
-        closed = set(closed)
+        ``now`` is any clock in seconds (the same one on every call); ``closed`` holds the
+        files the watcher saw closed after writing, with what each was then
+        (``InboxWatcher.closed_names``); the names this scan takes or quarantines are
+        forgotten there."""
+        closed = {} if closed is None else closed
         res = ScanResult()
         with exclusive_lock(
             self.work_dir / LOCK_FILE, what="red intake", timeout=LOCK_WAIT_SECONDS,
@@ -174,6 +179,7 @@ class Intake:
             takes: list[tuple[str, bytes, os.stat_result]] = []
             bad: list[tuple[bytes, str]] = []
             stale: list[bytes] = []
+            gone: list[tuple[str, CloseSig]] = []  # settled: leave the inbox now
             seen: dict[bytes, tuple[tuple[int, int, int, int], float]] = {}
             for raw, st in self._list_inbox():
                 if raw.startswith(b"."):
@@ -190,6 +196,7 @@ class Intake:
                 elif not self._settled(raw, st, now, closed, seen):
                     res.waiting += 1
                 else:
+                    gone.append((os.fsdecode(raw), close_sig(st)))
                     name, why = wire_name(raw)
                     if name is None:
                         bad.append((raw, why))
@@ -199,6 +206,8 @@ class Intake:
             self._take(takes, res)
             for raw, why in bad:
                 self._quarantine_bad_name(raw, why, res)
+            if isinstance(closed, ClosedFiles):
+                closed.forget(gone)
             for raw in stale:
                 why = (
                     f"hidden name, unchanged for {self.hidden_stale_seconds:.0f} s: a mover's "
@@ -263,10 +272,12 @@ class Intake:
         raw: bytes,
         st: os.stat_result,
         now: float,
-        closed: set[str],
+        closed: Mapping[str, CloseSig],
         seen: dict[bytes, tuple[tuple[int, int, int, int], float]],
     ) -> bool:
-        closed_now = self.settle_seconds <= 0 or os.fsdecode(raw) in closed
+        """Whether ``raw`` may be taken: unchanged for ``settle_seconds``, or still the very
+        file the watcher saw closed (a new copy under that name is not)."""
+        closed_now = self.settle_seconds <= 0 or closed.get(os.fsdecode(raw)) == close_sig(st)
         return self._unchanged_for(raw, st, now, seen, 0.0 if closed_now else self.settle_seconds)
 
     def _unchanged_for(

@@ -5,13 +5,16 @@ numbered ``land_seq``, strictly increasing. A landing is first written down as a
 (``state_dir/landing/intent.json``, fsynced, plaintexts moved beside it), then applied:
 
 1. ``messages``, ``bundles`` and ``audit`` appends, each carrying the Delta application
-   transaction ``("diode-red", land_seq)`` and skipped when the table already has it;
+   transaction ``("diode-red", land_seq)`` and skipped when the table already has it (each
+   commit is fsynced before the append returns: bridge.red.tables);
 2. chain status updates of ledger rows whose missing neighbour just arrived (idempotent);
 3. evidence moves (intake -> processed/ or quarantine/ with a reason file);
-4. the sequence state after the landing, saved with ``land_seq``; the intent is removed.
+4. the sequence state after the landing, saved with ``land_seq`` and the last landing each
+   table holds; the intent is removed.
 
 A crash anywhere is finished at start-up by applying the intent again: every step is
-idempotent, so ``messages`` holds each ``(channel, seq)`` exactly once.
+idempotent, so ``messages`` holds each ``(channel, seq)`` exactly once. Start-up refuses a
+state older than the tables, and tables older than the state (a table that lost commits).
 
 The red job *pipelines* (``submit``): a micro-batch is judged and its intent journaled in the
 sink, then applied by a background thread while Spark verifies the next batch on the
@@ -157,6 +160,9 @@ class SavedState:
     sequence: sq.SequenceState
     udp_gaps_offset: int
     saved_at: str | None
+    tables: dict[str, int] = field(default_factory=dict)
+    """The last landing (``diode-red`` app transaction version) each table held after it;
+    empty in a state saved before this was recorded."""
 
 
 def read_saved_state(state_dir: Path) -> SavedState | None:
@@ -177,6 +183,7 @@ def read_saved_state(state_dir: Path) -> SavedState | None:
         sq.SequenceState.from_json(doc["sequence"]),
         int(doc.get("udp_gaps_offset", 0)),
         doc.get("saved_at"),
+        {str(k): int(v) for k, v in doc.get("tables", {}).items()},
     )
 
 
@@ -197,6 +204,8 @@ class Landing:
         self.lock = threading.RLock()
         self.udp_gaps_offset = 0
         """Bytes of the UDP receiver's gaps.jsonl already audited (saved with the state)."""
+        self.table_seqs: dict[str, int] = {}
+        """The last landing each table holds (saved with the state, checked at start)."""
         self.land_seq, self.state = self._load_state()
         self.channels = [c.name for c in cfg.channels]
         self.udp_spool = Path(cfg.udp.receive.spool_dir) if cfg.udp is not None else None
@@ -213,9 +222,9 @@ class Landing:
     def _load_state(self) -> tuple[int, sq.SequenceState]:
         saved = read_saved_state(self.state_dir)
         if saved is None:
-            self.udp_gaps_offset = 0
+            self.udp_gaps_offset, self.table_seqs = 0, {}
             return 0, sq.SequenceState()
-        self.udp_gaps_offset = saved.udp_gaps_offset
+        self.udp_gaps_offset, self.table_seqs = saved.udp_gaps_offset, dict(saved.tables)
         return saved.land_seq, saved.sequence
 
     def _save_state(self, land_seq: int, state_json: dict[str, Any], udp_gaps_offset: int) -> None:
@@ -224,6 +233,7 @@ class Landing:
             "sequence": state_json,
             "udp_gaps_offset": udp_gaps_offset,
             "saved_at": _iso(datetime.now(UTC)),
+            "tables": dict(sorted(self.table_seqs.items())),
         }
         atomic_write_bytes(self.state_dir / STATE_FILE, json.dumps(doc, sort_keys=True).encode())
 
@@ -257,9 +267,21 @@ class Landing:
 
     def _check_state_vs_tables(self) -> None:
         """Refuse to run on a state older than the tables (restored from backup, or lost):
-        new landings would reuse land_seqs the tables hold, and Delta would skip their rows."""
+        new landings would reuse land_seqs the tables hold, and Delta would skip their rows.
+        Refuse tables older than the state too (a commit lost, a table restored or recreated):
+        the files of the landings they miss are in processed/ already, and a resend of those
+        bundles would be judged a duplicate: their rows would never land."""
         for name in ("messages", "bundles", "audit"):
             v = self.tables.txn_version(name, APP_ID)
+            had = self.table_seqs.get(name, -1)
+            if v < had:
+                raise LandingError(
+                    f"table {name!r} holds landing {v} but the state "
+                    f"{self.state_dir / STATE_FILE} recorded landing {had} in it: the table "
+                    "lost commits (restored from an older backup, recreated, or a power loss "
+                    "on storage that ignores fsync). Do not delete anything: restore the table "
+                    "from a backup at least as new as the state, or ask for help"
+                )
             if v > self.land_seq:
                 raise LandingError(
                     f"red state {self.state_dir / STATE_FILE} says landing {self.land_seq} but "
@@ -772,10 +794,17 @@ class Landing:
         n = int(intent["land_seq"])
         at = datetime.fromisoformat(intent["at"])
         written = 0
+        held: dict[str, int] = {}  # the last landing each table written to holds now
+
+        def append(name: str, data: Any) -> bool:
+            done = self.tables.append(name, data, app_id=APP_ID, version=n)
+            held[name] = n if done else self.tables.txn_version(name, APP_ID)
+            return done
+
         try:
             if intent["plains"]:
                 reader, counted = self._messages(intent)
-                if self.tables.append("messages", reader, app_id=APP_ID, version=n):
+                if append("messages", reader):
                     written = counted[0]
                 crash_point("red.after_messages")
             if intent["ledger"]:
@@ -784,11 +813,10 @@ class Landing:
                      for k, v in r.items()}
                     for r in intent["ledger"]
                 ]  # fmt: skip
-                self.tables.append("bundles", rs.bundles_rows(rows), app_id=APP_ID, version=n)
+                append("bundles", rs.bundles_rows(rows))
             if intent["audit"]:
                 events = [{**e, "at": _ts(e["at"])} for e in intent["audit"]]
-                table = rs.audit_rows(events, APP_ID, n, at)
-                self.tables.append("audit", table, app_id=APP_ID, version=n)
+                append("audit", rs.audit_rows(events, APP_ID, n, at))
             crash_point("red.after_tables")
             for channel, bundle_seq, status in intent["chain_updates"]:
                 self.tables.set_chain_status(channel, int(bundle_seq), status)
@@ -809,6 +837,8 @@ class Landing:
         crash_point("red.after_moves")
         for p in intent.get("consumed", []):
             Path(p).unlink(missing_ok=True)
+        for name, v in held.items():
+            self.table_seqs[name] = max(v, self.table_seqs.get(name, -1))
         self._save_state(
             n, intent["state_after"], int(intent.get("udp_gaps_offset", self.udp_gaps_offset))
         )

@@ -10,6 +10,13 @@ Two engines write: ``delta-rs`` (the ``deltalake`` package, no JVM) and ``spark`
 Spark, needs the delta-spark jars). Creating tables, reading, and the transaction look-up
 always use delta-rs on the local ``root``; tables written by either engine are read by both
 (the protocol stays at reader 1 / writer 2: no ``timestamp_ntz``, no table features).
+
+Neither engine fsyncs a commit (delta-rs creates ``_delta_log/N.json`` and links it in place;
+its own data files are not fsynced either), yet the landing moves evidence and saves its state
+on the strength of one. So every write here fsyncs what its commits added before it returns
+(``sync_commits``: data files, their folders, the commit and checkpoint files, ``_delta_log``),
+and ``ensure`` (start-up) fsyncs each table's commits since its last checkpoint: a commit made
+just before a crash, which the retry then skips as committed, is made durable too.
 """
 
 from __future__ import annotations
@@ -22,6 +29,7 @@ import math
 import os
 import threading
 import time
+import urllib.parse
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -47,7 +55,14 @@ from bridge.red.schema import (
     schema_for,
 )
 
-__all__ = ["Engine", "RedTables", "RedTableError", "resolve_engine", "DELTA_SPARK_CLASS"]
+__all__ = [
+    "Engine",
+    "RedTables",
+    "RedTableError",
+    "resolve_engine",
+    "sync_commits",
+    "DELTA_SPARK_CLASS",
+]
 
 log = get_logger("bridge.red.tables")
 
@@ -206,6 +221,81 @@ def _write_parquet(path: Path, table: pa.Table) -> int:
     return path.stat().st_size
 
 
+def _fsync_file(path: Path) -> bool:
+    """fsync ``path``; False when it does not exist (removed since, e.g. by vacuum)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return False
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    return True
+
+
+def _added_paths(commit: Path) -> list[str]:
+    """The ``add.path`` of every action in the commit file ``commit`` ([] if it is gone)."""
+    try:
+        lines = commit.read_bytes().splitlines()
+    except FileNotFoundError:
+        return []
+    out = []
+    for line in lines:
+        if not line.strip():
+            continue
+        add = json.loads(line).get("add")
+        if isinstance(add, dict) and isinstance(add.get("path"), str):
+            out.append(add["path"])
+    return out
+
+
+def _local_file(root: Path, path: str) -> Path | None:
+    """The file a log ``add.path`` names: relative to ``root`` and percent-encoded, or a
+    ``file:`` URI; None for another scheme (a remote store: nothing to fsync here)."""
+    url = urllib.parse.urlsplit(path)
+    if url.scheme == "file":
+        return Path(urllib.parse.unquote(url.path))
+    if url.scheme:
+        return None
+    return root / urllib.parse.unquote(path)
+
+
+def sync_commits(root: Path, after: int, upto: int) -> None:
+    """fsync versions ``after`` + 1 .. ``upto`` of the Delta table at ``root``: the data files
+    each commit adds and their folders up to ``root``, then the commit files (and a checkpoint
+    written at one of those versions), ``_last_checkpoint`` and the ``_delta_log`` folder.
+    Files removed since (vacuum, log clean-up) are passed over."""
+    log_dir = root / "_delta_log"
+    dirs: set[Path] = {root}
+    for v in range(after + 1, upto + 1):
+        for rel in _added_paths(log_dir / f"{v:020d}.json"):
+            f = _local_file(root, rel)
+            if f is None or not _fsync_file(f):
+                continue
+            d = f.parent
+            dirs.add(d)
+            while d != root and root in d.parents:
+                d = d.parent
+                dirs.add(d)
+    for d in sorted(dirs, key=lambda d: len(d.parts), reverse=True):  # deepest first
+        fsync_dir(d)
+    for v in range(after + 1, upto + 1):
+        _fsync_file(log_dir / f"{v:020d}.json")
+        _fsync_file(log_dir / f"{v:020d}.checkpoint.parquet")
+    _fsync_file(log_dir / "_last_checkpoint")
+    fsync_dir(log_dir)
+
+
+def _last_checkpoint(root: Path) -> int:
+    """The version of the table's last checkpoint, per ``_last_checkpoint``; -1 if none."""
+    try:
+        v = json.loads((root / "_delta_log" / "_last_checkpoint").read_bytes())["version"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return -1
+    return v if isinstance(v, int) and v >= 0 else -1
+
+
 def _safe_dir(value: str) -> str:
     """A partition folder name that needs no escaping (the log's partitionValues hold the
     real value; readers never parse folder names)."""
@@ -336,8 +426,14 @@ class RedTables:
                 description=_DESCRIPTIONS[name],
             )
             self._check_existing(name, dt)
+            # a commit made just before a crash may never have been fsynced; the retry skips
+            # it as committed. Everything since the last checkpoint is few (the checkpoint
+            # interval) and covers it, and the creation (version 0) of a new table.
+            path = self.path(name)
+            sync_commits(path, max(_last_checkpoint(path), 0) - 1, dt.version())
             with self._lock:
                 self._open[name] = dt
+        fsync_dir(self.root)  # the table folders delta-rs created
 
     def _check_existing(self, name: str, dt: DeltaTable) -> None:
         have = [f.name for f in dt.schema().fields]
@@ -365,6 +461,10 @@ class RedTables:
             else:
                 dt.update_incremental()
             return dt
+
+    def _synced(self, name: str, before: int) -> None:
+        """fsync the commits made to ``name`` since version ``before`` (``sync_commits``)."""
+        sync_commits(self.path(name), before, self._table(name).version())
 
     def txn_version(self, name: str, app_id: str) -> int:
         """The newest app-transaction version of ``app_id`` committed to ``name``; -1 if none."""
@@ -406,6 +506,7 @@ class RedTables:
         """Append ``data`` with the app transaction ``(app_id, version)``, cast to the table's
         schema (missing nullable columns become null). Returns False, writing nothing, when the
         table has ``version`` of ``app_id`` already (or a later one) or ``data`` has no rows.
+        The commit and its data are fsynced when it returns True.
         """
         if not app_id or isinstance(version, bool) or not isinstance(version, int) or version < 0:
             raise RedTableError(
@@ -422,12 +523,25 @@ class RedTables:
         reader = conformed.reader()
         if reader is None:
             return False
+        before = self._table(name).version()
         if self.engine == "spark":
             self._spark_append(name, reader.read_all(), app_id, version)
-            return True
-        if name == "messages":  # large: stream into files, memory bounded by one batch
+        elif name == "messages":  # large: stream into files, memory bounded by one batch
             self._append_files(name, reader, app_id, version)
-            return True
+        else:
+            self._write_deltalake(name, conformed, reader, app_id, version)
+        self._synced(name, before)
+        return True
+
+    def _write_deltalake(
+        self,
+        name: str,
+        conformed: _Conformed,
+        reader: pa.RecordBatchReader,
+        app_id: str,
+        version: int,
+    ) -> None:
+        """delta-rs' own writer (small tables: ``bundles``, ``audit``); it fsyncs nothing."""
         try:
             write_deltalake(
                 str(self.path(name)),
@@ -440,7 +554,6 @@ class RedTables:
             if conformed.error is not None:  # the data's own error, not delta-rs's wrapper
                 raise conformed.error from e
             raise
-        return True
 
     def _append_files(
         self, name: str, reader: pa.RecordBatchReader, app_id: str, version: int
@@ -525,6 +638,7 @@ class RedTables:
         )
         if not self.read("bundles", columns=["bundle_seq"], filter=todo).num_rows:
             return
+        before = self._table("bundles").version()
         if self.engine == "spark":
             assert self.spark is not None
             where = (
@@ -538,6 +652,7 @@ class RedTables:
         else:
             files = self._rewrite_bundles(todo, status)
             log_event(log, 10, "ledger files rewritten", files=files)
+        self._synced("bundles", before)
         log_event(log, 20, "chain status set", channel=channel, bundle_seq=bundle_seq,
                   chain_status=status)  # fmt: skip
 
@@ -591,6 +706,7 @@ class RedTables:
         Use it only when nothing else reads or writes the table. Hours are rounded up.
         """
         path = self.path(name)
+        before = self._table(name).version()
         files_before = len(self._table(name).file_uris())
         stats: dict[str, Any] = {"table": name, "engine": self.engine, "files_before": files_before}
         hours = None if vacuum_hours is None else math.ceil(vacuum_hours)
@@ -619,6 +735,7 @@ class RedTables:
                         ) from e
                     raise
                 stats["vacuum_removed"] = len(removed)
+        self._synced(name, before)  # the compacted files, the checkpoint, vacuum's commits
         stats["files_after"] = len(self._table(name).file_uris())
         stats["version"] = self._table(name).version()
         log_event(log, 20, "table maintained", **stats)

@@ -4,6 +4,12 @@ The watcher only *hints*: the intake still lists the folder and applies its own 
 lost event costs latency, never a file. Without inotify (no kernel support, the instance or
 watch limit reached, the observer died) ``wait`` just sleeps and reports a change, so the
 caller scans on every call.
+
+A file closed after writing is recorded with what it was then (inode, size, mtime: its
+``CloseSig``); the intake counts it closed only while the file in the inbox still matches.
+A name alone is not enough: events reach the watcher late (watchdog holds every event behind
+an ``IN_MOVED_FROM`` for ~0.5 s, e.g. the intake's own rename), so a new copy arriving under a
+name just taken would otherwise pass for closed while it is still being written.
 """
 
 from __future__ import annotations
@@ -11,6 +17,7 @@ from __future__ import annotations
 import os
 import threading
 import time
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +38,7 @@ from watchdog.events import (
 from bridge.fsutil import durable_mkdir
 from bridge.logs import get_logger, log_event
 
-__all__ = ["InboxWatcher"]
+__all__ = ["CloseSig", "ClosedFiles", "InboxWatcher", "close_sig"]
 
 log = get_logger("bridge.red.watch")
 
@@ -46,11 +53,35 @@ _EVENTS: list[type[FileSystemEvent]] = [
     DirModifiedEvent,
     DirMovedEvent,
 ]
-_MAX_CLOSED = 100_000  # names kept; beyond that the set is cleared (files then settle by time)
+_MAX_CLOSED = 100_000  # names kept; beyond that all are dropped (files then settle by time)
+
+CloseSig = tuple[int, int, int]
+"""``(st_ino, st_size, st_mtime_ns)`` of a file when it was closed after writing."""
+
+
+def close_sig(st: os.stat_result) -> CloseSig:
+    """The ``CloseSig`` of ``st`` (a rename keeps it; ctime is left out for that reason)."""
+    return (st.st_ino, st.st_size, st.st_mtime_ns)
 
 
 def _base(path: bytes | str) -> str:
     return os.path.basename(os.fsdecode(path))
+
+
+class ClosedFiles(dict[str, CloseSig]):
+    """A snapshot of the watcher's closed files: name (``os.fsdecode`` of the raw name, as
+    the intake compares them) -> the ``CloseSig`` the file had when it was closed."""
+
+    def __init__(self, items: dict[str, CloseSig], watcher: InboxWatcher | None = None) -> None:
+        super().__init__(items)
+        self._watcher = watcher
+
+    def forget(self, gone: Iterable[tuple[str, CloseSig]]) -> None:
+        """Drop names whose files left the inbox (taken or quarantined by the intake) from
+        the watcher at once, without waiting for its (late) events; a name closed again
+        since (another file) is kept."""
+        if self._watcher is not None:
+            self._watcher._forget(gone)
 
 
 class _Handler(FileSystemEventHandler):
@@ -69,7 +100,7 @@ class InboxWatcher:
         self._inbox_norm = os.path.normpath(str(self.inbox))
         self._cond = threading.Condition()
         self._changed = False
-        self._closed: set[str] = set()
+        self._closed: dict[str, CloseSig] = {}
         self._observer: Any = None
         self._blind = False
 
@@ -120,11 +151,17 @@ class InboxWatcher:
             changed, self._changed = self._changed, False
         return changed
 
-    def closed_names(self) -> set[str]:
-        """Names closed after writing with no modification since (``os.fsdecode`` of the raw
-        name, as the intake compares them)."""
+    def closed_names(self) -> ClosedFiles:
+        """Files closed after writing with no event for their name since, with what each was
+        when closed (the intake checks the file still is that)."""
         with self._cond:
-            return set(self._closed)
+            return ClosedFiles(self._closed, self)
+
+    def _forget(self, gone: Iterable[tuple[str, CloseSig]]) -> None:
+        with self._cond:
+            for name, sig in gone:
+                if self._closed.get(name) == sig:
+                    del self._closed[name]
 
     # -- events (observer thread) ---------------------------------------------------------
     def _on_event(self, event: FileSystemEvent) -> None:
@@ -138,19 +175,25 @@ class InboxWatcher:
             return  # the inbox itself: an entry came or went
         name = _base(event.src_path)
         if isinstance(event, FileClosedEvent):
+            self._closed.pop(name, None)
+            try:
+                st = os.lstat(event.src_path)
+            except OSError:
+                return  # gone already: nothing to vouch for
             if len(self._closed) >= _MAX_CLOSED:
                 self._closed.clear()
-            self._closed.add(name)
+            # what is there *now*: if the file was replaced since the close, the new one's
+            # own events (created, modified) follow this one and drop it again
+            self._closed[name] = close_sig(st)
         elif isinstance(event, FileMovedEvent | DirMovedEvent):
-            was_closed = name in self._closed
-            self._closed.discard(name)
+            sig = self._closed.pop(name, None)
             dest = _base(event.dest_path) if event.dest_path else ""
             if dest:
-                self._closed.discard(dest)
-                if was_closed and not event.is_directory:
-                    self._closed.add(dest)  # a closed temp renamed to its final name
+                self._closed.pop(dest, None)
+                if sig is not None and not event.is_directory:
+                    self._closed[dest] = sig  # a closed temp renamed to its final name
         else:
-            self._closed.discard(name)
+            self._closed.pop(name, None)
 
     def _go_blind(self, why: str) -> None:
         self._blind = True

@@ -6,6 +6,7 @@ a closed landing refuses batches; a restart finishes the landing from the journa
 from __future__ import annotations
 
 import json
+import os
 import threading
 from pathlib import Path
 from typing import Any
@@ -165,3 +166,47 @@ def test_intake_quarantine_records_are_audited_and_unreadable_ones_set_aside(
     assert [(r["file_name"], r["reason"]) for r in rows] == [("x_y-1", "bad_name")]
     assert landing.tick().events == {}  # nothing left to audit, nothing audited twice
     landing.drain(close=True)
+
+
+def test_the_commits_are_fsynced_before_the_state_says_landed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """delta-rs fsyncs none of its commits: the landing's commit files (and ``_delta_log``)
+    must be fsynced before red-state.json is written, or a power loss could leave a state
+    that says "landed" over a table that lost the commit (the resend would then be skipped)."""
+    cfg = _config(tmp_path)
+    landing = open_landing(cfg)
+    seen: list[Path] = []
+    real = os.fsync
+
+    def spy(fd: int) -> None:
+        seen.append(Path(os.readlink(f"/proc/self/fd/{fd}")))
+        real(fd)
+
+    monkeypatch.setattr(os, "fsync", spy)
+    landing.submit([_junk(landing, 1)])
+    assert [r.land_seq for r in landing.drain(close=True)] == [1]
+    state_at = next(i for i, p in enumerate(seen) if p.name.startswith(".red-state.json."))
+    for name in ("bundles", "audit"):
+        log_dir = (Path(cfg.red.tables_dir) / name / "_delta_log").resolve()
+        v = DeltaTable(str(log_dir.parent)).version()
+        assert log_dir / f"{v:020d}.json" in seen[:state_at], f"{name} commit not fsynced first"
+        assert log_dir in seen[:state_at]
+
+
+def test_a_table_that_lost_a_landed_commit_is_refused_at_start(tmp_path: Path) -> None:
+    """The state records the last landing each table holds: a table behind it (it lost a
+    commit, e.g. to a power loss, or was restored from an older backup) is refused at start
+    instead of skipping those rows for good."""
+    cfg = _config(tmp_path)
+    landing = open_landing(cfg)
+    for k in (1, 2):
+        landing.submit([_junk(landing, k)])
+    landing.drain(close=True)
+    assert _audit_land_seqs(cfg) == [1, 2]
+    open_landing(cfg).drain(close=True)  # consistent: starts
+    log_dir = Path(cfg.red.tables_dir) / "audit" / "_delta_log"
+    newest = max(log_dir.glob("*.json"))
+    newest.unlink()  # landing 2's audit commit, lost
+    with pytest.raises(LandingError, match="table 'audit' holds landing 1 but the state"):
+        open_landing(cfg)

@@ -434,3 +434,86 @@ def test_append_100k_messages_of_1kb(tables: RedTables) -> None:
     )
     assert DeltaTable(str(tables.path("messages"))).count() == 2 * n
     assert table_s < 30
+
+
+# -- durability: delta-rs never fsyncs its commits -------------------------------------------
+
+
+def _spy_fsync(monkeypatch: pytest.MonkeyPatch) -> list[Path]:
+    """Every path os.fsync is called on from now, in order (resolved through /proc)."""
+    seen: list[Path] = []
+    real = os.fsync
+
+    def spy(fd: Any) -> None:
+        fd = fd if isinstance(fd, int) else fd.fileno()
+        seen.append(Path(os.readlink(f"/proc/self/fd/{fd}")))
+        real(fd)
+
+    monkeypatch.setattr(os, "fsync", spy)
+    return seen
+
+
+def _log_entry(tables: RedTables, name: str, version: int) -> Path:
+    return (tables.path(name) / "_delta_log" / f"{version:020d}.json").resolve()
+
+
+@pytest.mark.parametrize("name", ["messages", "bundles", "audit"])
+def test_append_fsyncs_its_commit_and_data(
+    tables: RedTables, name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """delta-rs creates and links ``_delta_log/N.json`` (and writes ``bundles``/``audit`` data
+    files) without any fsync: ``append`` must fsync them, and the log folder, before it
+    returns — the landing moves evidence and saves its state on the strength of it."""
+    data = {
+        "messages": messages(4),
+        "bundles": rs.bundles_rows([ledger(1)]),
+        "audit": rs.audit_rows([{"event": "heartbeat", "channel": "orders"}], "diode-red", 1, NOW),
+    }[name]
+    before = DeltaTable(str(tables.path(name))).version()
+    seen = _spy_fsync(monkeypatch)
+    assert tables.append(name, data, app_id="diode-red", version=1)
+    dt = DeltaTable(str(tables.path(name)))
+    assert dt.version() == before + 1
+    assert _log_entry(tables, name, before + 1) in seen
+    assert (tables.path(name) / "_delta_log").resolve() in seen
+    for uri in dt.file_uris():
+        f = Path(uri.removeprefix("file://")).resolve()
+        assert f in seen, f"data file {f} never fsynced"
+        assert f.parent in seen, f"folder of {f} never fsynced"
+
+
+def test_chain_status_and_maintenance_commits_are_fsynced(
+    tables: RedTables, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    tables.append("bundles", rs.bundles_rows([ledger(1)]), app_id="diode-red", version=1)
+    for v in (1, 2):
+        ev = [{"event": "heartbeat", "channel": "orders"}]
+        tables.append("audit", rs.audit_rows(ev, "diode-red", v, NOW), app_id="diode-red",
+                      version=v)  # fmt: skip
+    seen = _spy_fsync(monkeypatch)
+    tables.set_chain_status("orders", 1, "verified")
+    assert _log_entry(tables, "bundles", 2) in seen
+    tables.maintain("audit")  # optimize (delta-rs writes the compacted file) + checkpoint
+    log_dir = tables.path("audit") / "_delta_log"
+    v = DeltaTable(str(tables.path("audit"))).version()
+    assert _log_entry(tables, "audit", v) in seen
+    assert (log_dir / f"{v:020d}.checkpoint.parquet").resolve() in seen
+    assert (log_dir / "_last_checkpoint").resolve() in seen
+    for uri in DeltaTable(str(tables.path("audit"))).file_uris():
+        assert Path(uri.removeprefix("file://")).resolve() in seen
+
+
+def test_ensure_fsyncs_the_newest_commits(
+    tables: RedTables, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A commit made just before a crash (never fsynced) is skipped as committed by the retry:
+    start-up (``ensure``) fsyncs the commits since the last checkpoint of every table."""
+    ev = [{"event": "heartbeat", "channel": "orders"}]
+    write_deltalake(str(tables.path("audit")), rs.audit_rows(ev, "diode-red", 1, NOW),
+                    mode="append", partition_by=["event_date"])  # fmt: skip
+    v = DeltaTable(str(tables.path("audit"))).version()
+    seen = _spy_fsync(monkeypatch)
+    RedTables(tables.root, "delta-rs").ensure()
+    for name in rs.TABLE_NAMES:
+        assert _log_entry(tables, name, 0) in seen
+    assert _log_entry(tables, "audit", v) in seen

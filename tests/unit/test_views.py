@@ -123,3 +123,54 @@ def test_red_gaps_lists_each_kind_of_gap() -> None:
     assert "None/None" not in out, out  # an unseen object had no blocks
     bare = _text(views.red_gaps_view({"open_transit_gaps": [], "declared_by_black": []}))
     assert "written off" not in bare and "UDP" not in bare
+
+
+def test_names_from_the_wire_are_never_rich_markup() -> None:
+    """Exchange, channel, bridge id, reasons and notes come from the wire, the broker or an
+    operator: ``[/x]`` must not raise MarkupError and ``[bold]x`` must show as it is, on any
+    console — not only on ``make_console``'s (markup off)."""
+    from rich.console import Console
+
+    nasty = ["[/x]", "[bold]x", "[link=http://evil]y[/link]", ":warning:"]
+    red: dict[str, Any] = {
+        "land_seq": 1,
+        "state_saved_at": "[/t]",
+        "channels": {n: {"contig": 1, "highest": 1, "chain": n, "silent": False,
+                         "counters": {}} for n in nasty} | {"[/late]": {"note": "[/note]"}},
+        "files": {"inbox": 0},
+        "quarantine": {"total": 1, "by_reason": {"[/r]": 1}},
+        "replay": {"target": "[/amqp]", "live": {}, "exchanges": {
+            n: {"approved": True, "progress": {"channel": n, "seq": 1}, "held": n}
+            for n in nasty}, "unapproved_waiting": {"[/w]": 2},
+            "approvals_error": "[/e]"},
+        "link": {"transport": "udp", "sender": {"epoch": 1, "[/k]": 3}, "receiver": None},
+    }  # fmt: skip
+    black: dict[str, Any] = {
+        "bridge_id": "[/b]",
+        "channels": {n: {"lost": {"[/l]": 1}, "inexact": {n: 1}, "spool": {"tap": n}}
+                     for n in nasty},
+    }  # fmt: skip
+    gaps: dict[str, Any] = {
+        "open_transit_gaps": [{"channel": n, "first_bundle_seq": 1, "last_bundle_seq": 1,
+                               "since": n} for n in nasty],
+        "written_off": [{"channel": "[/c]", "first_bundle_seq": 2, "last_bundle_seq": 2,
+                         "note": "[/note] [bold]n"}],
+        "udp_transport_gaps": [{"channel": "[/c]", "kind": "[/k]", "reason": "[/why]"}],
+    }  # fmt: skip
+    black_gaps = {n: {"lost": {n: 1}, "ranges": [{"first_seq": 1, "last_seq": 1, "kind": n,
+                                                  "reason": n}]} for n in nasty}  # fmt: skip
+    for view in (views.red_status_view(red), views.black_status_view(black),
+                 views.red_gaps_view(gaps), views.black_gaps_view(black_gaps)):  # fmt: skip
+        wide: dict[str, Any] = {"record": True, "width": 400}
+        for console in (Console(**wide), views.make_console(**wide)):  # markup on, and off
+            console.print(view)
+            out = console.export_text()
+            for n in nasty:
+                assert n in out, (n, out)
+    out = _text(views.red_status_view(red))
+    want = ("[/t]", "[/late]", "[/note]", "[/r] 1", "[/amqp]", "[/w] (2 rows)", "[/e]", "[/k] 3")
+    for text in want:
+        assert text in out, (text, out)
+    assert "[/b]" in _text(views.black_status_view(black))
+    out = _text(views.red_gaps_view(gaps))
+    assert "[/note] [bold]n" in out and "[/why]" in out
