@@ -2,7 +2,8 @@
 
 rows (one channel, any order; seq = spool position)
   -> drop seqs already shipped (a replayed micro-batch)
-  -> finish the pending bundle a crash interrupted: byte-identically if its rows rebuild the
+  -> finish the pending bundle a crash interrupted, from its rows read back from the spool
+     (not from the micro-batch, which need not span it): byte-identically if they rebuild the
      same plaintext, else re-sealed under the same bundle seq and chain link (red never saw it)
   -> lost markers (the broker dropped those messages) become gaps with their reason
   -> chunk by rows / bytes / file ceiling
@@ -14,9 +15,10 @@ is delivered and journaled. At most one gpg runs, and the journal keeps one pend
 a time: N+1's intent is saved only after N is committed, and nothing reaches the outbox
 before its intent (gpg writes to a temp name outside it, swept at start).
 
-Determinism of a rebuild depends on: the spool records (kept until the bundle is shipped), the
-manifest recorded in the journal intent (created_at and bundle id included), the zstd level
-and the pyarrow version (pinned by the deployment; a change is handled by re-sealing).
+Determinism of a rebuild depends on: the spool records (kept until the bundle is shipped) and
+the exchange catalog they are read with, the manifest recorded in the journal intent
+(created_at and bundle id included), the zstd level and the pyarrow version (pinned by the
+deployment; a change is handled by re-sealing).
 """
 
 from __future__ import annotations
@@ -32,14 +34,21 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from bridge.black.catalog import default_catalog_path, load_catalog
 from bridge.black.chunking import plan_chunks, row_size_estimate
 from bridge.black.gaplog import append_gaps
-from bridge.black.spool_rows import INEXACT_REASON, LOST_REASON
+from bridge.black.spool_read import SpoolReader, list_segments
+from bridge.black.spool_rows import (
+    INEXACT_REASON,
+    LOST_REASON,
+    source_schema,
+    spool_batch_to_rows,
+)
 from bridge.black.state import ChannelState, StateStore
 from bridge.config import ChannelConfig, Config
 from bridge.crypto.gpg import Gpg
 from bridge.diode.file_drop import Outbox
-from bridge.errors import ManifestError, StateError
+from bridge.errors import ManifestError, SpoolGapError, StateError
 from bridge.faults import crash_point
 from bridge.logs import get_logger, log_event
 from bridge.metrics import BLACK
@@ -154,7 +163,7 @@ class BundleSealer:
             table = self._fresh(table, st)
             shipped: list[ShippedBundle] = []
             if st.pending is not None:
-                shipped.append(self._finish_pending(channel, st, table))
+                shipped.append(self._finish_pending(channel, st))
                 table = table.filter(pc.greater(table.column("seq"), st.last_seq))
             if len(table) == 0:
                 return shipped
@@ -334,16 +343,18 @@ class BundleSealer:
         crash_point("seal.after_intent")
         return self._deliver(channel, st, manifest, sealed, packed.sha, len(packed.plain))
 
-    def _finish_pending(
-        self, channel: ChannelConfig, st: ChannelState, table: pa.Table
-    ) -> ShippedBundle:
+    def _finish_pending(self, channel: ChannelConfig, st: ChannelState) -> ShippedBundle:
         """Finish a bundle a crash interrupted.
 
         * sealed and archived before the crash: red may hold it, so re-drop exactly those bytes;
-        * else, rebuilt from the replayed rows: byte-identical in the normal case;
-        * else (rows missing, or pyarrow / zstd output changed since): it never reached the
-          outbox, so red has not seen it: re-seal it under the same bundle seq and chain link
-          with what the rows give now, seqs without a row recorded as ``unrecoverable`` gaps.
+        * else, rebuilt from its rows read back from the spool (``_spool_rows``; never from the
+          micro-batch at hand, which need not span the bundle: a deleted checkpoint starts at
+          the journal with a smaller read limit, a rolled-back one replays an older batch):
+          byte-identical in the normal case;
+        * else (records the spool no longer has, or pyarrow / zstd output changed since): it
+          never reached the outbox, so red has not seen it: re-seal it under the same bundle
+          seq and chain link with what the spool gives now, seqs without a row recorded as
+          ``unrecoverable`` gaps.
         """
         assert st.pending is not None
         manifest = Manifest.from_json(st.pending["manifest"].encode())
@@ -358,7 +369,7 @@ class BundleSealer:
             BLACK.bundles_recovered.labels(channel.name, "redropped").inc()
             plain_bytes = int(st.pending.get("plaintext_bytes", 0))
             return self._commit(channel, st, manifest, want, size, plain_bytes)
-        rows = self._rows_of(manifest, table)
+        rows = self._rows_of(channel.name, manifest)
         try:
             plain = self._pack(rows, manifest)
             sha: str | None = sha256_hex(plain)
@@ -390,17 +401,54 @@ class BundleSealer:
         self.store.save(st)
         return self._ship(channel, st, manifest, plain, sha)
 
-    def _rows_of(self, manifest: Manifest, table: pa.Table) -> pa.Table:
+    def _rows_of(self, channel: str, manifest: Manifest) -> pa.Table:
+        """The message rows of a pending bundle, read back from the spool: its positions
+        ``first_seq`` to ``last_seq``, lost markers left out."""
         if not manifest.rows or manifest.first_seq is None or manifest.last_seq is None:
-            return table.select(self.schema.names).cast(self.schema).slice(0, 0)
-        mask = pc.and_(
-            pc.greater_equal(table.column("seq"), manifest.first_seq),
-            pc.less_equal(table.column("seq"), manifest.last_seq),
-        )
-        rows = table.filter(mask)
-        if LOST_REASON in rows.column_names:
-            rows = rows.filter(pc.is_null(rows.column(LOST_REASON)))
+            return self.schema.empty_table()
+        rows = self._spool_rows(channel, manifest.first_seq, manifest.last_seq + 1)
+        rows = rows.filter(pc.is_null(rows.column(LOST_REASON)))
         return rows.select(self.schema.names).cast(self.schema)
+
+    def _spool_rows(self, channel: str, first: int, end: int) -> pa.Table:
+        """Spool positions ``[first, end)`` of a pending bundle as source rows: every record the
+        spool still holds, in order. The tap releases none of them while the bundle is pending
+        (the journal's ``last_seq`` is below them), so a hole is damage (a segment deleted or
+        unreadable): it is skipped to the next segment and its seqs stay out, to become gaps.
+
+        SpoolGapError if ``end`` is past the spool's durable end: after a power loss TAIL may
+        lag what the segments hold until the channel's tap reopens the spool (which restores
+        it, or records positions the disk lost as lost markers), so nothing is declared lost.
+        """
+        reader = SpoolReader(Path(self.cfg.black.spool_dir), channel)
+        durable = reader.durable_end()
+        if end > durable:
+            raise SpoolGapError(
+                f"channel {channel!r}: the bundle a crash interrupted covers spool positions up "
+                f"to {end - 1}, but {reader.directory} holds durable records only before "
+                f"position {durable}: nothing is declared lost. Once the channel's tap has opened "
+                "the spool (it rewrites TAIL, or records positions the disk lost as lost "
+                "markers), sealing can go on (docs/runbook.md §7.1 if the spool was lost)"
+            )
+        catalog = load_catalog(default_catalog_path(self.cfg.black))
+        batches: list[pa.RecordBatch] = []
+        pos = first
+        while pos < end:
+            try:
+                for batch in reader.read(pos, end):
+                    batches.append(spool_batch_to_rows(channel, batch, catalog))
+                    pos += batch.num_rows
+            except SpoolGapError as e:
+                nxt = [s for s in list_segments(reader.directory) if pos < s < end]
+                log_event(
+                    log, 40, "spool records of a bundle interrupted by a crash are missing",
+                    channel=channel, first_pos=pos, last_pos=(nxt[0] if nxt else end) - 1,
+                    error=str(e),
+                )  # fmt: skip
+                if not nxt:
+                    break
+                pos = nxt[0]
+        return pa.Table.from_batches(batches, schema=source_schema())
 
     def _reseal_manifest(self, old: Manifest, rows: pa.Table) -> Manifest:
         """Same bundle seq, chain link and coverage; a new id; missing rows become gaps."""

@@ -7,8 +7,11 @@ Sealing batch N overlaps reading batch N+1. That is safe because black's journal
 checkpoint, decides what is shipped: when Spark has committed a batch that the sealing thread
 had not finished (a crash), the next run ships it before the query starts
 (:mod:`bridge.black.recovery`) and the source's first batch also starts at the journal
-(``SpoolStreamReader.partitions``); the sealer drops seqs already shipped. A sealing
-failure stops the query at the next batch and is raised by ``drain``.
+(``SpoolStreamReader.partitions``). When the checkpoint is *behind* the journal instead (a
+kill after the sealer shipped a batch Spark had not committed yet, or a power loss rolling the
+checkpoint back), the replayed batch names positions the tap may already have released: the
+sink reads only positions after the journal's ``last_seq`` and skips a range left empty. A
+sealing failure stops the query at the next batch and is raised by ``drain``.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from bridge.black.chunking import row_size_estimate
 from bridge.black.seal import BundleSealer, ShippedBundle
 from bridge.black.source import READ_HINT_FILE
 from bridge.black.spool_rows import read_rows, source_schema
+from bridge.black.state import StateStore
 from bridge.config import Config
 from bridge.errors import DiodeError
 from bridge.fsutil import atomic_write_bytes
@@ -92,6 +96,7 @@ class BatchSink:
         self._thread: threading.Thread | None = None
         self.handed = 0
         """Batches Spark has handed over (each is collected, then sealed: ``totals.batches``)."""
+        self._journal = StateStore(Path(cfg.black.state_dir))
 
     def busy(self) -> bool:
         """A batch handed over is still being collected or sealed."""
@@ -158,16 +163,24 @@ class BatchSink:
         )
 
     def process(self, ranges: pa.Table, batch_id: int) -> BatchResult:
-        """Seal the spool ranges of one micro-batch (one row per channel: start, end)."""
-        spans = {
-            ch: (int(a), int(b))
-            for ch, a, b in zip(
-                ranges.column("channel").to_pylist(),
-                ranges.column("start").to_pylist(),
-                ranges.column("end").to_pylist(),
-                strict=True,
-            )
-        }
+        """Seal the spool ranges of one micro-batch (one row per channel: start, end).
+
+        Each range is read from the first position after the journal's ``last_seq``: what the
+        journal covers is shipped, and the tap may have released it from the spool already (a
+        batch Spark replays from a checkpoint behind the journal). A range left empty is
+        skipped. Only the sealer, called from here, advances the journal, so nothing after it
+        is released while the range is read.
+        """
+        spans: dict[str, tuple[int, int]] = {}
+        for ch, a, b in zip(
+            ranges.column("channel").to_pylist(),
+            ranges.column("start").to_pylist(),
+            ranges.column("end").to_pylist(),
+            strict=True,
+        ):
+            a = max(int(a), self._journal.load(ch).last_seq + 1)
+            if a < int(b):
+                spans[ch] = (a, int(b))
         res = BatchResult(batch_id=batch_id, rows=sum(b - a for a, b in spans.values()))
         catalog = load_catalog(Path(self.cfg.black.state_dir) / "exchanges.json")
         for ch in self.cfg.channels:

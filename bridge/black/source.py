@@ -127,6 +127,10 @@ class SpoolStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
     def _cap(self, channel: str, hint: dict[str, float], start: int, tail: int) -> int:
         b = self.cfg.black
         avg = hint.get(channel)
+        if avg is None:
+            # the probe starts after the journal: a checkpoint behind it (a replay) starts at
+            # positions the tap may have released already (the sink skips them too)
+            start = max(start, StateStore(self.cfg.black.state_dir).load(channel).last_seq + 1)
         if avg is None and tail > start:  # no batch seen yet: size a few real messages
             end = min(tail, start + SIZE_PROBE_ROWS)
             sizes = [

@@ -6,9 +6,11 @@ messages) go into a real spool with ``SpoolWriter`` and are read back as the sin
 ``init_keys``, and every bundle in the outbox is opened with the red key and unpacked. Proves:
 bundle seqs gapless from 1, message seqs gapless, the hash chain links each bundle to the
 previous plaintext, the property bytes travel as spooled; an interrupted bundle is finished by
-a fresh sealer — rebuilt byte-identically (same manifest, same plaintext sha) when its rows
-rebuild the same plaintext, else re-sealed under the same bundle seq and chain link (new bundle
-id, missing rows as ``unrecoverable`` gaps, counted); a replay ships nothing; lost markers,
+a fresh sealer from its records in the spool, whatever micro-batch the restart hands over (one
+that does not span the bundle, or one wholly at or below the journal) — rebuilt
+byte-identically (same manifest, same plaintext sha) when its rows rebuild the same plaintext,
+else re-sealed under the same bundle seq and chain link (new bundle id, records the spool no
+longer has as ``unrecoverable`` gaps, counted); a replay ships nothing; lost markers,
 unexplained holes and oversize messages become manifest gaps with their reason; no sealed file
 passes ``max_file_bytes``.
 
@@ -37,16 +39,18 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pytest
 
+from bridge.black.catalog import default_catalog_path, save_catalog
 from bridge.black.chunking import plan_chunks, row_size_estimate
 from bridge.black.gaplog import read_gaps
 from bridge.black.seal import BundleSealer, seal_overhead_bytes
-from bridge.black.spool import SpoolWriter
+from bridge.black.spool import SpoolWriter, segment_name
 from bridge.black.spool_rows import read_rows, source_schema
 from bridge.black.state import StateStore
 from bridge.config import Config, config_from_dict
 from bridge.crypto.gpg import Gpg
 from bridge.crypto.keys import KeyInventory, init_keys
 from bridge.diode.file_drop import DROP_LOCK, Outbox
+from bridge.errors import SpoolGapError
 from bridge.metrics import REGISTRY
 from bridge.protocol.bundle import sha256_hex, unpack_bundle
 from bridge.protocol.exchange import ExchangeDecl
@@ -147,6 +151,9 @@ def make_rig(keys: KeyInventory, base: Path, archive_mode: str = "copy", **bundl
     }
     cfg = config_from_dict(data, base=base, environ={})  # no DIODE__ overrides from the shell
     assert len(cfg.channel(CHANNEL).recipients) == 2
+    # the exchange catalog, as the mirror keeps it: the sealer reads an interrupted bundle's
+    # rows back from the spool with it
+    save_catalog(default_catalog_path(cfg.black), CATALOG)
     return Rig(cfg=cfg, keys=keys, base=base)
 
 
@@ -419,7 +426,10 @@ def test_seal_rows_ships_gapless_chained_bundles(rig: Rig) -> None:
     assert [p.name for p in rig.outbox_dir.iterdir() if p.name.startswith(".")] == []
     staging = Outbox.from_config(rig.cfg).staging
     assert [p.name for p in staging.iterdir() if p.name != DROP_LOCK] == []
-    assert sorted(p.name for p in rig.state_dir.rglob("*")) == [f"channel-{CHANNEL}.json"]
+    assert sorted(p.name for p in rig.state_dir.rglob("*")) == [
+        f"channel-{CHANNEL}.json",
+        "exchanges.json",
+    ]
     # every bundle is archived for `diode resend`
     archived = sorted(p.name for p in (Path(rig.cfg.black.archive) / CHANNEL).iterdir())
     assert archived == sorted(s.name for s in shipped)
@@ -621,27 +631,44 @@ def test_pending_bundle_resealed_when_the_plaintext_no_longer_rebuilds(
 
 
 @pytest.mark.parametrize(
-    ("gone", "rows", "gaps"),
+    ("segments", "gone", "rows", "gaps"),
     [
         pytest.param(
-            {60, 61, 75}, 47, [Gap(60, 61, "unrecoverable"), Gap(75, 75, "unrecoverable")]
+            (60, 2, 13, 1, 44),
+            {60, 61, 75},
+            47,
+            [Gap(60, 61, "unrecoverable"), Gap(75, 75, "unrecoverable")],
         ),
-        pytest.param(set(range(50, 100)), 0, [Gap(50, 99, "unrecoverable")]),
+        pytest.param((50, 50, 20), set(range(50, 100)), 0, [Gap(50, 99, "unrecoverable")]),
     ],
     ids=["some-rows", "every-row"],
 )
 def test_pending_bundle_resealed_with_missing_rows_as_unrecoverable_gaps(
-    rig: Rig, gone: set[int], rows: int, gaps: list[Gap]
+    rig: Rig, segments: tuple[int, ...], gone: set[int], rows: int, gaps: list[Gap]
 ) -> None:
-    """Rows of the interrupted bundle are gone at restart (a damaged spool): the bundle is
-    re-sealed under its seq and chain link, and the missing seqs are gaps, never a refusal."""
-    table = spooled(rig, messages(120))
+    """Records of the interrupted bundle are gone from the spool at restart (segments of a
+    damaged spool deleted): the bundle is re-sealed under its seq and chain link with every
+    record the spool still has, and only the missing seqs are gaps, never a refusal."""
+    table = pa.concat_tables([spooled(rig, messages(n)) for n in segments])  # a segment each
+    firsts = [sum(segments[:k]) for k in range(len(segments))]
     pending = crash_on_bundle(rig, table, 2)
     intent = Manifest.from_json(pending["manifest"].encode())
+    assert (intent.first_seq, intent.last_seq) == (50, 99)
+    for k, first in enumerate(firsts):
+        if set(range(first, first + segments[k])) <= gone:
+            (rig.spool_dir / CHANNEL / segment_name(first)).unlink()
+    # the case: exactly ``gone`` is no longer in the spool
+    with pytest.raises(SpoolGapError):
+        read_spool(rig, 50, 100)
+    for first, n in zip(firsts, segments, strict=True):
+        if not set(range(first, first + n)) & gone:
+            assert len(read_spool(rig, first, first + n)) == n
 
     before = recovered("resealed")
-    shipped = rig.sealer().seal_rows(rig.channel, without(table, gone))
+    with seal_log() as log:  # the batch as read before the damage, less what is gone
+        shipped = rig.sealer().seal_rows(rig.channel, without(table, gone))
     assert recovered("resealed") - before == 1
+    assert messages_logged(log, "are missing")
     assert [s.bundle_seq for s in shipped] == [2, 3]
 
     bundles = open_outbox(rig)
@@ -660,6 +687,65 @@ def test_pending_bundle_resealed_with_missing_rows_as_unrecoverable_gaps(
         for g in read_gaps(rig.state_dir, CHANNEL)
     ]
     assert logged == [(g.first_seq, g.last_seq, g.reason, 2) for g in gaps]
+
+
+@pytest.mark.parametrize(
+    ("restart", "first_batch"),
+    [
+        # checkpoint deleted (runbook §3): the first batch starts at the journal, and its read
+        # limit (from the read hint) is smaller than the pending bundle
+        pytest.param("checkpoint-deleted", (50, 60)),
+        # a power loss rolled Spark's un-fsynced checkpoint back: it replays an older batch,
+        # wholly at or below the journal, which the sealer drops (nothing left of it)
+        pytest.param("checkpoint-rolled-back", (0, 50)),
+    ],
+)
+def test_pending_bundle_rebuilt_from_the_spool_when_the_batch_does_not_span_it(
+    crash_rig: Rig, restart: str, first_batch: tuple[int, int]
+) -> None:
+    """The restart's first micro-batch does not hold the interrupted bundle's rows; the spool
+    does (nothing the journal does not cover is released): the bundle is rebuilt
+    byte-identically from the spool, every row ships, and no seq is declared lost."""
+    rig = crash_rig
+    table = spooled(rig, messages(120))
+    pending = crash_on_bundle(rig, table, 2)
+    intent = Manifest.from_json(pending["manifest"].encode())
+    assert (intent.bundle_seq, intent.first_seq, intent.last_seq, intent.rows) == (2, 50, 99, 50)
+    journal = rig.state()["last_seq"]
+    assert journal == 49
+
+    batch = read_spool(rig, *first_batch)
+    # the case: the batch given does not span the pending bundle
+    seqs = set(batch.column("seq").to_pylist())
+    assert not set(range(50, 100)) <= seqs
+    if restart == "checkpoint-rolled-back":
+        assert max(seqs) <= journal  # nothing of it is fresh: the sealer is left no rows
+
+    before = recovery_counts()
+    with seal_log() as log:
+        shipped = rig.sealer().seal_rows(rig.channel, batch)
+    after = recovery_counts()
+    assert after["rebuilt"] - before["rebuilt"] == 1, "the rebuilt path must have run"
+    assert after["resealed"] == before["resealed"]
+    assert messages_logged(log, "byte-identical") and not messages_logged(log, "gap:")
+    assert [(s.bundle_seq, s.bundle_id, s.rows, s.gaps) for s in shipped] == [
+        (2, intent.bundle_id, 50, ())
+    ]
+    assert shipped[0].sha256 == pending["sha256"], "the interrupted bundle must be byte-identical"
+    st = rig.state()
+    assert st["pending"] is None and (st["last_bundle_seq"], st["last_seq"]) == (2, 99)
+    assert st["counters"] == {"bundles": 2, "messages": 100}  # nothing lost, nothing re-sealed
+    assert read_gaps(rig.state_dir, CHANNEL) == []
+
+    # the next batch goes on from where the first one ended
+    shipped = rig.sealer().seal_rows(rig.channel, read_spool(rig, first_batch[1], 120))
+    assert [(s.bundle_seq, s.first_seq, s.last_seq) for s in shipped] == [(3, 100, 119)]
+    bundles = open_outbox(rig)
+    check_chain(bundles)
+    assert bundles[1].manifest.to_json() == intent.to_json()
+    assert all(b.manifest.gaps == () for b in bundles)
+    assert all_rows(bundles).column("seq").to_pylist() == list(range(120))
+    check_archive(rig)
 
 
 # --------------------------------------------------------------------------- (d) gaps
