@@ -561,7 +561,7 @@ def test_random_kill_9_of_the_job_and_the_publisher_while_files_arrive(
     bundles = alpha + beta
     order = list(bundles)
     rng.shuffle(order)
-    waves = [order[i : i + 5] for i in range(0, len(order), 5)]
+    waves = [order[i : i + 7] for i in range(0, len(order), 7)]  # 3 waves: 3 JVM starts
     with Connection.open(red_vhost.amqp_url) as admin:  # as the rows declare it
         admin.channel().exchange_declare("orders", "topic", durable=True,
                                          arguments={"alternate-exchange": "unrouted"})  # fmt: skip
