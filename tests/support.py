@@ -7,10 +7,13 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+import logging
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
@@ -21,6 +24,7 @@ from typing import Any
 import pyarrow.parquet as pq
 import pytest
 
+from bridge.crypto.keys import KeyInventory, init_keys
 from bridge.faults import CRASH_ENV, MARK_ENV
 
 REPO = Path(__file__).resolve().parents[1]
@@ -335,3 +339,44 @@ def small_tmpfs(size: str, prefix: str) -> Iterator[Path]:
         if subprocess.run(["umount", str(d)], check=False).returncode != 0:
             subprocess.run(["umount", "-l", str(d)], check=False)
         shutil.rmtree(d, ignore_errors=True)
+
+
+# ---------------------------------------------------------------------- keys, logs
+@contextmanager
+def key_inventory(
+    bridge_id: str, red_names: Sequence[str] = ("red",), prefix: str = "dk"
+) -> Iterator[KeyInventory]:
+    """Fresh black and red keys (slow: for a module-scoped fixture) under a short /tmp path
+    (gpg-agent socket paths are limited), the agents stopped and the keys removed after."""
+    d = Path(tempfile.mkdtemp(prefix=prefix, dir="/tmp"))
+    try:
+        yield init_keys(d / "keys", red_names=red_names, bridge_id=bridge_id)
+    finally:
+        for home in ("black", "red"):
+            subprocess.run(
+                ["gpgconf", "--homedir", str(d / "keys" / home), "--kill", "gpg-agent"],
+                capture_output=True,
+                check=False,
+            )
+        shutil.rmtree(d, ignore_errors=True)
+
+
+@contextmanager
+def captured_logs(logger_name: str) -> Iterator[list[logging.LogRecord]]:
+    """The records ``logger_name`` logs meanwhile at INFO and above, whatever the logging
+    setup of the process."""
+    records: list[logging.LogRecord] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            records.append(record)
+
+    logger = logging.getLogger(logger_name)
+    handler, level = Keep(logging.DEBUG), logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    try:
+        yield records
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)

@@ -36,7 +36,7 @@ from bridge.black.report import channel_status
 from bridge.black.state import StateStore
 from bridge.config import Config, config_from_dict
 from bridge.crypto.gpg import Gpg
-from bridge.crypto.keys import KeyInventory, init_keys
+from bridge.crypto.keys import KeyInventory
 from bridge.diode import file_drop
 from bridge.diode.file_drop import DROP_LOCK, OUTBOX_DIR_MODE, Outbox, default_staging
 from bridge.errors import ConfigError, StateError, TransportError
@@ -46,6 +46,7 @@ from bridge.protocol.manifest import format_utc, new_bundle_id
 from bridge.protocol.naming import bundle_name
 from bridge.protocol.schema import row_schema
 from tests.mover import GreedyMover, greedy_mover  # noqa: F401 - the fixture
+from tests.support import key_inventory
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -53,17 +54,8 @@ REPO = Path(__file__).resolve().parents[2]
 @pytest.fixture(scope="module")
 def keys() -> Iterator[KeyInventory]:
     """One black signing key and one red key for the module (short path: gpg-agent sockets)."""
-    d = Path(tempfile.mkdtemp(prefix="dm", dir="/tmp"))
-    try:
-        yield init_keys(d / "keys", red_names=("red",), bridge_id="mover-test")
-    finally:
-        for home in ("black", "red"):
-            subprocess.run(
-                ["gpgconf", "--homedir", str(d / "keys" / home), "--kill", "gpg-agent"],
-                capture_output=True,
-                check=False,
-            )
-        shutil.rmtree(d, ignore_errors=True)
+    with key_inventory("mover-test", prefix="dm") as inv:
+        yield inv
 
 
 @dataclass

@@ -5,6 +5,7 @@ by the next start from the archived copy. Real RabbitMQ, tap, spool, Spark and g
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -13,8 +14,6 @@ import shutil
 import signal
 import subprocess
 import sys
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +26,7 @@ from bridge.config import load_config
 from bridge.crypto.keys import init_keys
 from bridge.faults import CRASH_ENV, MARK_ENV
 from bridge.metrics import REGISTRY
-from tests.support import REPO, bundle_files, gpg_open_cli, read_plain_bundle
+from tests.support import REPO, bundle_files, captured_logs, gpg_open_cli, read_plain_bundle
 
 pytestmark = [pytest.mark.broker, pytest.mark.gpg, pytest.mark.spark]
 
@@ -84,24 +83,9 @@ def _redropped() -> float:
     return v or 0.0
 
 
-@contextmanager
-def _recovery_log() -> Iterator[list[logging.LogRecord]]:
+def _recovery_log() -> contextlib.AbstractContextManager[list[logging.LogRecord]]:
     """Records of black's recovery pass meanwhile (whatever the logging setup)."""
-    got: list[logging.LogRecord] = []
-
-    class Keep(logging.Handler):
-        def emit(self, record: logging.LogRecord) -> None:
-            got.append(record)
-
-    logger = logging.getLogger("bridge.black.recovery")
-    handler, level = Keep(logging.DEBUG), logger.level
-    logger.addHandler(handler)
-    logger.setLevel(logging.INFO)
-    try:
-        yield got
-    finally:
-        logger.removeHandler(handler)
-        logger.setLevel(level)
+    return captured_logs("bridge.black.recovery")
 
 
 def test_committed_but_undelivered_batches_ship_at_start(

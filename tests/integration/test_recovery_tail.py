@@ -14,14 +14,10 @@ pass is called as ``BlackRun`` calls it, before the taps start.
 from __future__ import annotations
 
 import json
-import logging
 import os
-import shutil
 import subprocess
 import sys
-import tempfile
 from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -35,12 +31,13 @@ from bridge.black.spool_read import read_tail, scan_segment, segment_name
 from bridge.black.state import StateStore
 from bridge.config import Config, config_from_dict
 from bridge.crypto.gpg import Gpg
-from bridge.crypto.keys import KeyInventory, init_keys
+from bridge.crypto.keys import KeyInventory
 from bridge.diode.file_drop import Outbox
 from bridge.errors import SpoolGapError
 from bridge.protocol.bundle import unpack_bundle
 from bridge.protocol.exchange import ExchangeDecl
 from bridge.protocol.properties import NO_PROPERTIES
+from tests.support import captured_logs, key_inventory
 
 pytestmark = pytest.mark.gpg
 
@@ -50,17 +47,8 @@ CH = "c1"
 
 @pytest.fixture(scope="module")
 def keys() -> Iterator[KeyInventory]:
-    d = Path(tempfile.mkdtemp(prefix="dr", dir="/tmp"))  # short: gpg-agent socket paths
-    try:
-        yield init_keys(d / "keys", bridge_id="tail-test")
-    finally:
-        for home in ("black", "red"):
-            subprocess.run(
-                ["gpgconf", "--homedir", str(d / "keys" / home), "--kill", "gpg-agent"],
-                capture_output=True,
-                check=False,
-            )
-        shutil.rmtree(d, ignore_errors=True)
+    with key_inventory("tail-test", prefix="dr") as inv:
+        yield inv
 
 
 def make_cfg(keys: KeyInventory, base: Path) -> Config:
@@ -133,25 +121,6 @@ def shipped(cfg: Config, keys: KeyInventory) -> list[tuple[int, list[int], list[
     return sorted(out)
 
 
-@contextmanager
-def recovery_log() -> Iterator[list[str]]:
-    got: list[str] = []
-
-    class Keep(logging.Handler):
-        def emit(self, record: logging.LogRecord) -> None:
-            got.append(record.getMessage())
-
-    logger = logging.getLogger("bridge.black.recovery")
-    handler, level = Keep(logging.DEBUG), logger.level
-    logger.addHandler(handler)
-    logger.setLevel(logging.INFO)
-    try:
-        yield got
-    finally:
-        logger.removeHandler(handler)
-        logger.setLevel(level)
-
-
 def test_a_tail_behind_what_spark_committed_is_repaired_before_recovery(
     keys: KeyInventory, short_tmp: Path
 ) -> None:
@@ -161,9 +130,9 @@ def test_a_tail_behind_what_spark_committed_is_repaired_before_recovery(
     spark_committed(cfg, 10)
     with pytest.raises(SpoolGapError, match=r"\[0, 10\).*only before position 4"):
         list(SpoolReader(Path(cfg.black.spool_dir), CH).read(0, 10))  # what failed every start
-    with recovery_log() as log:
+    with captured_logs("bridge.black.recovery") as log:
         assert start(cfg, keys) == 1
-    assert any("TAIL was behind its segments" in m for m in log)
+    assert any("TAIL was behind its segments" in r.getMessage() for r in log)
     assert read_tail(spool) == 10
     assert shipped(cfg, keys) == [(1, list(range(10)), [b"m%d" % i for i in range(10)])]
     assert StateStore(Path(cfg.black.state_dir)).load(CH).last_seq == 9
@@ -218,9 +187,9 @@ def test_a_spool_a_running_tap_holds_is_left_to_it(keys: KeyInventory, short_tmp
     try:
         assert p.stdout is not None and p.stdout.readline().split() == ["held", "10"]
         files = sorted((q.name, q.stat().st_size) for q in spool.iterdir())
-        with recovery_log() as log:
+        with captured_logs("bridge.black.recovery") as log:
             assert start(cfg, keys) == 1
-        assert not any("TAIL was behind" in m for m in log)
+        assert not any("TAIL was behind" in r.getMessage() for r in log)
         assert sorted((q.name, q.stat().st_size) for q in spool.iterdir()) == files
         assert p.poll() is None, "the tap still holds its spool"
     finally:

@@ -7,13 +7,10 @@ a single message that only exceeds the file ceiling once packed becomes an "over
 from __future__ import annotations
 
 import json
-import logging
 import os
 import signal
 import subprocess
 import sys
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +33,7 @@ from bridge.protocol.manifest import Manifest
 from bridge.protocol.naming import bundle_name
 from bridge.protocol.properties import Properties, encode_properties
 from bridge.protocol.rows import RowBuilder
+from tests.support import captured_logs
 
 pytestmark = pytest.mark.gpg
 
@@ -131,26 +129,6 @@ def _open_all(cfg: Config, inv: KeyInventory) -> list[tuple[Manifest, pa.Table, 
         m, rows = unpack_bundle(plain)
         out.append((m, rows, sha256_hex(plain)))
     return out
-
-
-@contextmanager
-def _seal_log() -> Iterator[list[str]]:
-    """Messages the sealer logs meanwhile (whatever the logging setup of the process)."""
-    got: list[str] = []
-
-    class Keep(logging.Handler):
-        def emit(self, record: logging.LogRecord) -> None:
-            got.append(record.getMessage())
-
-    logger = logging.getLogger("bridge.black.seal")
-    handler, level = Keep(logging.DEBUG), logger.level
-    logger.addHandler(handler)
-    logger.setLevel(logging.INFO)
-    try:
-        yield got
-    finally:
-        logger.removeHandler(handler)
-        logger.setLevel(level)
 
 
 @pytest.mark.parametrize(
@@ -252,9 +230,9 @@ def test_single_message_over_the_ceiling_once_packed_is_an_oversize_gap(short_tm
     table = pa.concat_tables([_rows(1), _rows(2, body).slice(1, 1), _rows(3).slice(2, 1)])
     # the case: the size estimate lets the big row through (it is not dropped before packing)
     assert int(row_size_estimate(table.slice(1, 1))[0]) <= max_plain - 4096
-    with _seal_log() as log:
+    with captured_logs("bridge.black.seal") as log:
         shipped = _sealer(cfg).seal_rows(cfg.channels[0], table)
-    assert any("once packed" in m for m in log), log
+    assert any("once packed" in r.getMessage() for r in log), log
     gaps = [g for b in shipped for g in b.gaps]
     rows = sum(b.rows for b in shipped)
     red = Gpg(inv.red_home)

@@ -23,6 +23,7 @@ pipelined (chunk N+1 packed while gpg seals N), and a test proves the overlap ha
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -30,7 +31,6 @@ import random
 import string
 import threading
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -48,7 +48,7 @@ from bridge.black.spool_rows import read_rows, source_schema
 from bridge.black.state import StateStore
 from bridge.config import Config, config_from_dict
 from bridge.crypto.gpg import Gpg
-from bridge.crypto.keys import KeyInventory, init_keys
+from bridge.crypto.keys import KeyInventory
 from bridge.diode.file_drop import DROP_LOCK, Outbox
 from bridge.errors import SpoolGapError
 from bridge.metrics import REGISTRY
@@ -65,6 +65,7 @@ from bridge.protocol.properties import (
     field_table,
 )
 from bridge.protocol.rows import RowBuilder
+from tests.support import captured_logs, key_inventory
 
 pytestmark = pytest.mark.gpg
 
@@ -80,21 +81,8 @@ CATALOG = {"sensors": SENSORS, "events": EVENTS}
 @pytest.fixture(scope="module")
 def keys() -> Iterator[KeyInventory]:
     """One black signer and two red recipients for the whole module (key generation is slow)."""
-    import shutil
-    import subprocess
-    import tempfile
-
-    d = Path(tempfile.mkdtemp(prefix="dk", dir="/tmp"))  # short: gpg-agent socket paths
-    try:
-        yield init_keys(d / "keys", red_names=("red", "red-audit"), bridge_id="seal-test")
-    finally:
-        for home in ("black", "red"):
-            subprocess.run(
-                ["gpgconf", "--homedir", str(d / "keys" / home), "--kill", "gpg-agent"],
-                capture_output=True,
-                check=False,
-            )
-        shutil.rmtree(d, ignore_errors=True)
+    with key_inventory("seal-test", red_names=("red", "red-audit")) as inv:
+        yield inv
 
 
 @dataclass
@@ -245,24 +233,9 @@ def recovery_counts() -> dict[str, float]:
     return {how: recovered(how) for how in ("redropped", "rebuilt", "resealed")}
 
 
-@contextmanager
-def seal_log() -> Iterator[list[logging.LogRecord]]:
+def seal_log() -> contextlib.AbstractContextManager[list[logging.LogRecord]]:
     """The records the sealer logs meanwhile (whatever the logging setup of the process)."""
-    records: list[logging.LogRecord] = []
-
-    class Keep(logging.Handler):
-        def emit(self, record: logging.LogRecord) -> None:
-            records.append(record)
-
-    logger = logging.getLogger("bridge.black.seal")
-    handler, level = Keep(logging.DEBUG), logger.level
-    logger.addHandler(handler)
-    logger.setLevel(logging.INFO)
-    try:
-        yield records
-    finally:
-        logger.removeHandler(handler)
-        logger.setLevel(level)
+    return captured_logs("bridge.black.seal")
 
 
 def messages_logged(records: list[logging.LogRecord], part: str) -> list[logging.LogRecord]:

@@ -12,9 +12,6 @@ the range it plans is sealed. Every bundle in the outbox is opened with the red 
 
 from __future__ import annotations
 
-import shutil
-import subprocess
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -33,11 +30,12 @@ from bridge.black.spool_rows import read_rows, source_schema
 from bridge.black.state import StateStore
 from bridge.config import Config, config_from_dict
 from bridge.crypto.gpg import Gpg
-from bridge.crypto.keys import KeyInventory, init_keys
+from bridge.crypto.keys import KeyInventory
 from bridge.diode.file_drop import Outbox
 from bridge.errors import SpoolGapError
 from bridge.protocol.bundle import sha256_hex, unpack_bundle
 from bridge.protocol.exchange import ExchangeDecl
+from tests.support import key_inventory
 
 pytestmark = pytest.mark.gpg
 
@@ -47,17 +45,8 @@ CATALOG = {"x": ExchangeDecl("x", "topic", durable=True)}
 
 @pytest.fixture(scope="module")
 def keys() -> Iterator[KeyInventory]:
-    d = Path(tempfile.mkdtemp(prefix="dk", dir="/tmp"))  # short: gpg-agent socket paths
-    try:
-        yield init_keys(d / "keys", bridge_id="replay-test")
-    finally:
-        for home in ("black", "red"):
-            subprocess.run(
-                ["gpgconf", "--homedir", str(d / "keys" / home), "--kill", "gpg-agent"],
-                capture_output=True,
-                check=False,
-            )
-        shutil.rmtree(d, ignore_errors=True)
+    with key_inventory("replay-test") as inv:
+        yield inv
 
 
 def make_cfg(keys: KeyInventory, base: Path) -> Config:
