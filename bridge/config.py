@@ -258,8 +258,24 @@ class BlackConfig(_Strict):
     sees a partial file). Must be on the outbox's file system, outside the outbox. Default:
     `.<outbox name>.staging` beside the outbox."""
 
-    archive_retention_days: float = Field(default=14.0, ge=0)
-    """Archived bundles older than this are pruned (0 keeps nothing after sending)."""
+    archive_retention_days: float = 14.0
+    """Archived bundles older than this are pruned (never a bundle still pending in the
+    journal). At least 1 hour (1/24 day): crash recovery re-drops a bundle from its archived
+    copy, and a shorter retention would invite a prune racing the sealing of a bundle."""
+
+    @field_validator("archive_retention_days")
+    @classmethod
+    def _retention_safe(cls, v: float) -> float:
+        min_days = 1 / 24
+        if not v >= min_days:  # NaN too
+            raise ValueError(
+                f"{v} days is below 1 hour: crash recovery re-drops an interrupted bundle "
+                "from the archive, and a retention that short could prune it first (black "
+                "would then re-seal it under a seq red may already hold). Set "
+                "black.archive_retention_days to at least 0.042 (1 hour), and long enough for "
+                "a resend request to come back (default 14)"
+            )
+        return v
 
     state_dir: Path = Path("black/state")
     """Black's durable journal (bundle sequence, hash chain, exchange catalog)."""

@@ -4,6 +4,10 @@ Red uses it to notice a missing *last* bundle (the heartbeat names the last bund
 shipped) and a dead link (heartbeats stop). Heartbeats are protected like the channel's
 bundles (signed, and encrypted unless the channel opted out) and dropped into the same
 outbox under ``<channel>.<heartbeat seq>.dheartbeat``; they are not archived.
+
+The hourly pruning of the archive a continuous job does runs in a thread of its own (pruning a
+very large archive must not hold up heartbeats), and never deletes a bundle a channel's
+journal holds as pending (:func:`prune_unless_pending`).
 """
 
 from __future__ import annotations
@@ -18,17 +22,58 @@ from bridge.black.state import StateStore
 from bridge.config import ChannelConfig, Config
 from bridge.crypto.gpg import Gpg
 from bridge.diode.file_drop import Outbox
-from bridge.errors import StateError
+from bridge.errors import ManifestError, StateError
 from bridge.fsutil import atomic_write_bytes
 from bridge.logs import get_logger, log_event
 from bridge.metrics import BLACK
 from bridge.protocol.heartbeat import Heartbeat
-from bridge.protocol.naming import heartbeat_name
+from bridge.protocol.manifest import Manifest
+from bridge.protocol.naming import bundle_name, heartbeat_name
 
-__all__ = ["HeartbeatWriter", "HeartbeatLoop"]
+__all__ = [
+    "ArchivePruneLoop",
+    "HeartbeatLoop",
+    "HeartbeatWriter",
+    "pending_bundle_names",
+    "prune_unless_pending",
+]
 
 log = get_logger("bridge.black.heartbeat")
 PRUNE_EVERY_SECONDS = 3600.0
+_JOURNAL_GLOB = "channel-*.json"  # StateStore.path's names
+
+
+def pending_bundle_names(store: StateStore) -> set[str]:
+    """File names of the bundles the journals in ``store`` hold as pending (every journal of
+    the state dir, also of channels no longer configured). StateError if one is unreadable:
+    then nothing may be pruned."""
+    names: set[str] = set()
+    if not store.dir.is_dir():
+        return names
+    for p in sorted(store.dir.glob(_JOURNAL_GLOB)):
+        st = store.load(p.name[len("channel-") : -len(".json")])
+        if st.pending is None:
+            continue
+        try:
+            m = Manifest.from_json(str(st.pending["manifest"]).encode())
+            names.add(bundle_name(m.channel, m.bundle_seq, m.bundle_id))
+        except (KeyError, TypeError, ManifestError) as e:
+            raise StateError(
+                f"black state {p}: its pending bundle is unreadable ({e}); the archive is not "
+                "pruned until it is restored from backup"
+            ) from None
+    return names
+
+
+def prune_unless_pending(outbox: Outbox, store: StateStore, *, now: float | None = None) -> int:
+    """Prune the archive to its retention, keeping every bundle a journal holds as pending.
+
+    No channel lock is needed: the journal is read as last committed (it is replaced
+    atomically), a bundle journaled as pending after that read was archived moments ago, and
+    the retention is at least an hour (``black.archive_retention_days``), so it is not old
+    enough to go. Returns how many bundles were deleted.
+    """
+    return outbox.prune_archive(now=now, keep=pending_bundle_names(store))
 
 
 class HeartbeatWriter:
@@ -114,29 +159,59 @@ class HeartbeatWriter:
                 log_event(log, 40, f"heartbeat failed: {e}", channel=ch.name)
 
 
+class ArchivePruneLoop(threading.Thread):
+    """Daemon thread: :func:`prune_unless_pending` every ``interval`` seconds (the first one an
+    interval after the start) until stopped. A thread of its own: a prune of a very large
+    archive never holds up heartbeats."""
+
+    def __init__(self, outbox: Outbox, store: StateStore, interval: float | None = None) -> None:
+        super().__init__(name="diode-archive-prune", daemon=True)
+        self.outbox, self.store = outbox, store
+        self.interval = PRUNE_EVERY_SECONDS if interval is None else interval
+        self._stop_event = threading.Event()
+
+    def run(self) -> None:
+        while not self._stop_event.wait(self.interval):
+            try:  # a continuous job keeps the archive within its retention
+                removed = prune_unless_pending(self.outbox, self.store)
+            except (OSError, StateError) as e:
+                log_event(log, 40, f"archive pruning failed: {e}")
+                continue
+            if removed:
+                log_event(log, 20, "archive pruned", removed=removed)
+
+    def stop(self) -> None:
+        self._stop_event.set()
+        self.join(timeout=30)
+
+
 class HeartbeatLoop(threading.Thread):
-    """Daemon thread: ``beat_all`` every ``heartbeat_seconds`` until stopped."""
+    """Daemon thread: ``beat_all`` every ``heartbeat_seconds`` until stopped; with an
+    ``outbox``, an :class:`ArchivePruneLoop` beside it (on the writer's journal) prunes the
+    archive every hour."""
 
     def __init__(
         self, writer: HeartbeatWriter, interval: float, outbox: Outbox | None = None
     ) -> None:
         super().__init__(name="diode-heartbeat", daemon=True)
         self.writer, self.interval, self.outbox = writer, interval, outbox
+        self.pruner = ArchivePruneLoop(outbox, writer.store) if outbox is not None else None
         self._stop_event = threading.Event()
 
+    def start(self) -> None:
+        super().start()
+        if self.pruner is not None:
+            self.pruner.start()
+
     def run(self) -> None:
-        pruned_at = due = time.monotonic()
+        due = time.monotonic()
         while not self._stop_event.is_set():
             self.writer.beat_all()
             due += self.interval  # a fixed cadence: the time a beat takes is not added to it
-            if self.outbox is not None and time.monotonic() - pruned_at >= PRUNE_EVERY_SECONDS:
-                pruned_at = time.monotonic()
-                try:  # a continuous job keeps the archive within its retention
-                    self.outbox.prune_archive()
-                except OSError as e:
-                    log_event(log, 40, f"archive pruning failed: {e}")
             self._stop_event.wait(max(0.0, due - time.monotonic()))
 
     def stop(self) -> None:
         self._stop_event.set()
+        if self.pruner is not None and self.pruner.is_alive():
+            self.pruner.stop()
         self.join(timeout=30)

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from bridge.black.heartbeat import HeartbeatLoop, HeartbeatWriter
+from bridge.black.heartbeat import HeartbeatLoop, HeartbeatWriter, prune_unless_pending
 from bridge.black.mirror import Mirror, MirrorLoop
 from bridge.black.recovery import recover_committed
 from bridge.black.seal import BundleSealer
@@ -251,7 +251,7 @@ class BlackRun:
                 scheduled.stop()
             hb_loop.stop()
         self.heartbeats.beat_all()  # a final heartbeat names the last bundle sealed
-        self.outbox.prune_archive()
+        prune_unless_pending(self.outbox, self.store)  # a pending bundle's copy stays
         s = BlackSummary(seconds=time.monotonic() - t0, recovered_bundles=len(recovered))
         if self.sink.totals.first_began is not None:
             s.drain_seconds = self.sink.totals.last_ended - self.sink.totals.first_began

@@ -2,7 +2,9 @@
 
 Modes the bridge writes: GnuPG homes 0700 and every file in them 0600, exported public keys
 0644, configuration written by the CLI 0600. ``permission_problems`` lists what an operator
-must tighten (``diode keys check`` fails on it; the black job's startup logs it as warnings).
+must tighten (``diode keys check`` fails on it; the black job's startup logs it as warnings),
+including black's directories that group/others may write to (they may exist before black
+creates them, and black leaves an existing directory's mode as it is).
 """
 
 from __future__ import annotations
@@ -16,7 +18,8 @@ from pathlib import Path
 from typing import Any, Literal
 
 from bridge.config import Config
-from bridge.fsutil import fsync_dir, tmp_path_for, write_all
+from bridge.diode.file_drop import OUTBOX_DIR_MODE, default_staging
+from bridge.fsutil import DIR_MODE, fsync_dir, tmp_path_for, write_all
 
 __all__ = [
     "PRIVATE_DIR_MODE",
@@ -113,7 +116,8 @@ def permission_problems(cfg: Config, *, side: Literal["black", "red"]) -> list[s
     """What group/others can reach on this side's host; each entry says how to fix it.
 
     Checked: the config file (only if it holds secrets), the side's GnuPG home and the files
-    in it, the side's passphrase file.
+    in it, the side's passphrase file; on black also the outbox, udp_outbox, staging, archive,
+    state and spool directories, for write access beyond the modes black creates them with.
     """
     problems: list[str] = []
     src = cfg.source
@@ -159,5 +163,41 @@ def permission_problems(cfg: Config, *, side: Literal["black", "red"]) -> list[s
         problems.append(
             f"passphrase file {pfile} ({side}.passphrase_file) is accessible by group/others "
             f"(mode {pmode:04o}): run `chmod 600 {pfile}`"
+        )
+    if side == "black":
+        problems += _black_dir_problems(cfg)
+    return problems
+
+
+def _black_dir_problems(cfg: Config) -> list[str]:
+    """Black's directories that group/others can write to beyond what black intends.
+
+    Only the outbox is group-writable (``OUTBOX_DIR_MODE``: the vendor's mover takes files);
+    nothing is world-writable. A writable staging dir would let a local user swap a sealed
+    temp file between gpg and its rename into the outbox; a writable archive, state or spool
+    dir, what resend re-drops, the bundle chain or the messages themselves. Missing
+    directories are no problem: black creates them with its own modes.
+    """
+    b = cfg.black
+    dirs: list[tuple[str, Path, int]] = [
+        ("outbox", Path(b.outbox), OUTBOX_DIR_MODE),
+        ("staging_dir", Path(b.staging_dir or default_staging(Path(b.outbox))), DIR_MODE),
+        ("archive", Path(b.archive), DIR_MODE),
+        ("state_dir", Path(b.state_dir), DIR_MODE),
+        ("spool_dir", Path(b.spool_dir), DIR_MODE),
+    ]
+    if b.udp_outbox is not None and Path(b.udp_outbox) != Path(b.outbox):
+        dirs.insert(1, ("udp_outbox", Path(b.udp_outbox), DIR_MODE))
+    problems: list[str] = []
+    for key, d, intended in dirs:
+        mode = _mode(d)
+        loose = 0 if mode is None else mode & 0o022 & ~intended
+        if mode is None or not loose:
+            continue
+        who = {0o020: "group", 0o002: "others"}.get(loose, "group and others")
+        fix = "o-w" if intended & 0o020 else "go-w"  # the outbox stays the mover group's
+        problems.append(
+            f"black.{key} {d} is writable by {who} (mode {mode:04o}): a local user could "
+            f"replace the files black writes there; run `chmod {fix} {d}`"
         )
     return problems

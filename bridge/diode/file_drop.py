@@ -30,7 +30,7 @@ import errno
 import os
 import re
 import time
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -502,9 +502,15 @@ class Outbox:
             log_event(log, 20, "bundle re-dropped", channel=channel, bundle_seq=seq, file=src.name)
         return ResendReport(resent=resent, missing=missing)
 
-    def prune_archive(self, *, now: float | None = None) -> int:
-        """Delete archived bundles older than the retention; returns how many."""
+    def prune_archive(self, *, now: float | None = None, keep: Collection[str] = ()) -> int:
+        """Delete archived bundles older than the retention; returns how many.
+
+        ``keep``: file names never deleted, however old: the bundles a channel's journal holds
+        as pending (crash recovery re-drops a pending bundle from its archived copy; without
+        it, it would re-seal the bundle under a seq red may already hold).
+        """
         cutoff = (time.time() if now is None else now) - self.retention_seconds
+        keep = frozenset(keep)
         removed = 0
         if not self.archive.is_dir():
             return 0
@@ -513,7 +519,7 @@ class Outbox:
                 continue
             changed = False
             for p in adir.iterdir():
-                if p.name.startswith("."):
+                if p.name.startswith(".") or p.name in keep:
                     continue
                 try:
                     if p.stat().st_mtime < cutoff:

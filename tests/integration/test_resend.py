@@ -222,6 +222,108 @@ def test_prune_archive_removes_old_keeps_recent(tmp_path: Path) -> None:
     assert ob.archived("a") == {} and ob.archived("b") == {}
 
 
+def _pending_journal(store: Any, channel: str, seq: int) -> str:
+    """Journal bundle ``seq`` of ``channel`` as pending (archived, not yet committed: the
+    window a crash can leave); returns its file name."""
+    from bridge.black.state import ChannelState
+    from bridge.protocol.bundle import manifest_for
+    from bridge.protocol.manifest import new_bundle_id
+    from bridge.protocol.naming import bundle_name
+    from bridge.protocol.schema import row_schema
+
+    bid = new_bundle_id()
+    m = manifest_for(
+        row_schema().empty_table(),
+        channel=channel,
+        bundle_seq=seq,
+        bundle_id=bid,
+        created_at="2020-01-01T00:00:00.000000Z",
+        bridge_id="prune-test",
+        prev_sha256="0" * 64,
+    )
+    pending = {"manifest": m.to_json().decode(), "sha256": "1" * 64, "plaintext_bytes": 0}
+    store.save(ChannelState(channel=channel, last_bundle_seq=seq - 1, pending=pending))
+    return bundle_name(channel, seq, bid)
+
+
+def test_prune_never_deletes_a_bundle_a_journal_holds_as_pending(tmp_path: Path) -> None:
+    """Crash recovery re-drops a pending bundle from its archived copy and re-seals it when
+    the copy is gone, under a seq red may hold: the pruner must leave it, however old."""
+    from bridge.black.heartbeat import prune_unless_pending
+    from bridge.black.state import ChannelState, StateStore
+
+    ob = Outbox(tmp_path / "outbox", tmp_path / "archive", retention_days=1)
+    store = StateStore(tmp_path / "state")
+    now = time.time()
+    pending = _pending_journal(store, "a", 2)
+    old = {
+        "a": [f"a.{1:012d}.{1:032x}.dbundle", pending],
+        "b": [f"b.{1:012d}.{1:032x}.dbundle"],
+    }
+    for ch, names in old.items():
+        (tmp_path / "archive" / ch).mkdir(parents=True)
+        for name in names:
+            p = tmp_path / "archive" / ch / name
+            p.write_bytes(b"x")
+            os.utime(p, (now - 30 * DAY, now - 30 * DAY))
+    # the outbox on its own keeps what it is told to keep
+    assert ob.prune_archive(now=now, keep={pending, old["b"][0]}) == 1
+    assert [p.name for p in (tmp_path / "archive" / "a").iterdir()] == [pending]
+    # the black job's pruning reads the pending bundles from the journals
+    assert prune_unless_pending(ob, store, now=now) == 1  # b's bundle 1 only
+    assert (tmp_path / "archive" / "a" / pending).exists()
+    # once committed (pending cleared), the bundle ages out like any other
+    store.save(ChannelState(channel="a", last_bundle_seq=2))
+    assert prune_unless_pending(ob, store, now=now) == 1
+    assert ob.archived("a") == {}
+
+
+def test_a_slow_archive_prune_never_delays_heartbeats(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Pruning a very large archive takes long: heartbeats keep their period meanwhile, and
+    the hourly prune leaves the pending bundle alone."""
+    import threading
+
+    from bridge.black import heartbeat as hb
+    from bridge.black.state import StateStore
+
+    started, release = threading.Event(), threading.Event()
+    kept: list[set[str]] = []
+
+    class SlowOutbox(Outbox):
+        def prune_archive(self, *, now: float | None = None, keep: Any = ()) -> int:
+            kept.append(set(keep))
+            started.set()
+            release.wait(10)
+            return 0
+
+    class Writer:  # counts beats; the journal is the pruner's source of pending bundles
+        def __init__(self) -> None:
+            self.store = StateStore(tmp_path / "state")
+            self.beats: list[float] = []
+
+        def beat_all(self) -> None:
+            self.beats.append(time.monotonic())
+
+    writer = Writer()
+    pending = _pending_journal(writer.store, "a", 7)
+    ob = SlowOutbox(tmp_path / "outbox", tmp_path / "archive", retention_days=1)
+    monkeypatch.setattr(hb, "PRUNE_EVERY_SECONDS", 0.0)
+    loop = hb.HeartbeatLoop(writer, 0.02, ob)  # type: ignore[arg-type]
+    loop.start()
+    try:
+        assert started.wait(5), "the hourly prune never ran"
+        before = len(writer.beats)
+        time.sleep(0.5)  # the prune is stuck all this time
+        during = len(writer.beats) - before
+    finally:
+        release.set()
+        loop.stop()
+    assert during >= 5, f"only {during} heartbeat(s) in 0.5 s at a 0.02 s period during a prune"
+    assert kept and all(pending in k for k in kept), kept
+
+
 # ---------------------------------------------------------------------- coordination (no Spark)
 HOLD = """
 import sys, time

@@ -188,3 +188,27 @@ def test_source_is_not_a_config_key(tmp_path: Path) -> None:
     text = 'source = "/etc/other.toml"\n[[channels]]\nname = "a"\nencrypt = false\n'
     with pytest.raises(ConfigError, match="unknown key 'source'"):
         load_config(_write(tmp_path, text), environ={})
+
+
+@pytest.mark.parametrize("days", ["0", "0.01", "-1"])
+def test_archive_retention_too_short_to_be_safe_is_refused_with_the_fix(
+    tmp_path: Path, days: str
+) -> None:
+    # a prune between the archiving and the journal's commit of a bundle would delete the copy
+    # crash recovery re-drops: that needs a retention well above the seconds a bundle takes
+    p = _write(
+        tmp_path,
+        f'[[channels]]\nname="a"\nencrypt=false\n[black]\narchive_retention_days={days}\n',
+    )
+    with pytest.raises(ConfigError) as e:
+        load_config(p, environ={})
+    msg = str(e.value)
+    assert "black.archive_retention_days" in msg and "1 hour" in msg, msg
+    assert "Set black.archive_retention_days to at least" in msg, msg
+
+
+def test_archive_retention_of_an_hour_is_accepted(tmp_path: Path) -> None:
+    p = _write(
+        tmp_path, '[[channels]]\nname="a"\nencrypt=false\n[black]\narchive_retention_days=0.05\n'
+    )
+    assert load_config(p, environ={}).black.archive_retention_days == 0.05

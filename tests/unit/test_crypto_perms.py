@@ -112,3 +112,46 @@ def test_loose_setup_names_every_problem_and_fix(tmp_path: Path) -> None:
     assert "pubring.kbx" in text and "chmod -R go-rwx" in text
     assert f"chmod 600 {pw}" in text
     assert "S3cret" not in text  # names the key, never the value
+
+
+def _black_dirs(tmp_path: Path) -> dict[str, Path]:
+    """The black directories permission_problems checks, at their default places."""
+    black = tmp_path / "black"
+    return {
+        "outbox": black / "outbox",
+        "staging_dir": black / ".outbox.staging",
+        "archive": black / "archive",
+        "state_dir": black / "state",
+        "spool_dir": black / "spool",
+    }
+
+
+def test_black_dirs_made_by_the_bridge_have_no_problem(tmp_path: Path) -> None:
+    cfg = _setup(tmp_path, "", cfg_mode=0o600, home_mode=0o700)
+    dirs = _black_dirs(tmp_path)
+    for key, d in dirs.items():
+        d.mkdir(parents=True)
+        d.chmod(0o770 if key == "outbox" else 0o750)  # the outbox is the mover group's too
+    assert permission_problems(load_config(cfg, environ={}), side="black") == []
+
+
+def test_pre_created_black_dirs_writable_by_others_are_named_with_the_fix(tmp_path: Path) -> None:
+    cfg = _setup(tmp_path, "", cfg_mode=0o600, home_mode=0o700)
+    dirs = _black_dirs(tmp_path)
+    for key, d in dirs.items():
+        d.mkdir(parents=True)
+        # group-writable is intended for the outbox only; world-writable never
+        d.chmod(0o777 if key == "outbox" else 0o770)
+    problems = permission_problems(load_config(cfg, environ={}), side="black")
+    assert len(problems) == len(dirs), problems
+    text = "\n".join(problems)
+    for key, d in dirs.items():
+        assert f"black.{key}" in text and str(d) in text, (key, text)
+    assert f"`chmod o-w {dirs['outbox']}`" in text  # group write stays for the mover
+    for key in ("staging_dir", "archive", "state_dir", "spool_dir"):
+        assert f"`chmod go-w {dirs[key]}`" in text, text
+
+
+def test_missing_black_dirs_are_no_problem(tmp_path: Path) -> None:
+    cfg = _setup(tmp_path, "", cfg_mode=0o600, home_mode=0o700)  # no black/ folder at all
+    assert permission_problems(load_config(cfg, environ={}), side="black") == []
