@@ -35,7 +35,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from bridge.black.catalog import default_catalog_path, load_catalog
-from bridge.black.chunking import plan_chunks, row_size_estimate
+from bridge.black.chunking import BUNDLE_BASE_BYTES, plan_chunks, row_size_estimate
 from bridge.black.gaplog import append_gaps
 from bridge.black.spool_read import SpoolReader, list_segments
 from bridge.black.spool_rows import (
@@ -53,7 +53,7 @@ from bridge.faults import crash_point
 from bridge.logs import get_logger, log_event
 from bridge.metrics import BLACK
 from bridge.protocol.bundle import pack_bundle_buffer, sha256_hex
-from bridge.protocol.manifest import Gap, Manifest
+from bridge.protocol.manifest import MAX_MANIFEST_BYTES, Gap, Manifest
 from bridge.protocol.naming import bundle_name
 from bridge.protocol.schema import ROW_SCHEMA_VERSION, row_schema
 
@@ -184,9 +184,7 @@ class BundleSealer:
             self._inexact = _marked(table, INEXACT_REASON)
             table = table.select(self.schema.names).cast(self.schema)
             bundle = self.cfg.black.bundle
-            max_plain = bundle.max_file_bytes - seal_overhead_bytes(
-                len(channel.recipients), bundle.max_file_bytes
-            )
+            max_plain = self._max_plain(channel)
             seqs = table.column("seq").to_numpy()
             sizes = row_size_estimate(table)
             chunks, dropped = plan_chunks(
@@ -198,6 +196,9 @@ class BundleSealer:
                 max_row_bytes=max_plain - 4096,
                 gap_reasons=reasons,
                 through_seq=through,
+                # a bundle of gaps only: an empty Parquet file and a manifest, whose size red
+                # caps (half of that for gaps, the rest for the exchanges and inexact ranges)
+                max_gap_bytes=min(max_plain, MAX_MANIFEST_BYTES // 2) - BUNDLE_BASE_BYTES,
             )
             for i in dropped:
                 log_event(
@@ -252,6 +253,11 @@ class BundleSealer:
         return table
 
     # -- internals --------------------------------------------------------------------------
+    def _max_plain(self, channel: ChannelConfig) -> int:
+        """The largest plaintext that seals within the file ceiling (``max_file_bytes``)."""
+        ceiling = self.cfg.black.bundle.max_file_bytes
+        return ceiling - seal_overhead_bytes(len(channel.recipients), ceiling)
+
     def _pack(self, rows: pa.Table, manifest: Manifest) -> pa.Buffer:
         b = self.cfg.black.bundle
         return pack_bundle_buffer(
@@ -292,33 +298,54 @@ class BundleSealer:
         gaps: list[Gap],
         max_plain: int,
     ) -> list[_Packed]:
-        """The plaintext bundle(s) of one chunk, linked from ``chain`` (advanced past them)."""
+        """The plaintext bundle(s) of one chunk, linked from ``chain`` (advanced past them).
+
+        Every bundle returned is within ``max_plain`` and its manifest within what red reads:
+        one that is not is split here, before gpg or the journal sees it — rows in halves (a
+        gap goes with the half whose rows it precedes), a single row apart from the gaps before
+        it, a zero-row bundle's gaps in halves. Only a row that is too big alone, without any
+        gap, is lost as ``oversize``. StateError if a bundle of a single gap does not fit
+        (a ceiling too small for any bundle): nothing is journaled, and nothing shipped.
+        """
         manifest = self._manifest(channel.name, chain, rows, gaps)
         plain = self._pack(rows, manifest)
-        if len(plain) > max_plain and len(rows) == 1:
-            # one message that does not fit the file ceiling once packed: it is lost on black,
-            # and the bundle says so (the estimate let it through)
+        if len(plain) <= max_plain and len(manifest.to_json()) <= MAX_MANIFEST_BYTES:
+            sha = sha256_hex(plain)
+            chain.bundle_seq, chain.prev_sha256 = manifest.bundle_seq + 1, sha
+            return [_Packed(manifest, plain, sha)]
+        n = len(rows)
+        parts: list[tuple[pa.Table, list[Gap]]]
+        if n > 1:
+            # the estimate was off (incompressible data, many gaps): split in two and try again
+            head, tail = rows.slice(0, n // 2), rows.slice(n // 2)
+            head_last = int(head.column("seq")[-1].as_py())  # no gap contains a row's seq
+            parts = [
+                (head, [g for g in gaps if g.last_seq < head_last]),
+                (tail, [g for g in gaps if g.first_seq > head_last]),
+            ]
+        elif n == 1 and gaps:
+            # the gaps (all before the row) go first, in zero-row bundles: the row is packed
+            # alone, so that it is never taken for oversize because of them
+            parts = [(rows.slice(0, 0), gaps), (rows, [])]
+        elif n == 1:
+            # one message that does not fit the file ceiling once packed, alone: it is lost
+            # on black, and a zero-row bundle says so (the estimate let it through)
             seq = int(rows.column("seq")[0].as_py())
             log_event(
                 log, 40, "message larger than the file ceiling once packed: recorded as a gap",
                 channel=channel.name, seq=seq, plaintext_bytes=len(plain), max_plain=max_plain,
             )  # fmt: skip
-            rows = rows.slice(0, 0)
-            manifest = self._manifest(channel.name, chain, rows, [*gaps, Gap(seq, seq, "oversize")])
-            plain = self._pack(rows, manifest)
-        if len(plain) > max_plain and len(rows) > 1:
-            # the estimate was off (incompressible data): split in two and try again
-            head, tail = rows.slice(0, len(rows) // 2), rows.slice(len(rows) // 2)
-            cut = int(tail.column("seq")[0].as_py())  # no gap contains a row's seq
-            a = self._pack_chunk(
-                channel, chain, head, [g for g in gaps if g.last_seq < cut], max_plain
+            parts = [(rows.slice(0, 0), [Gap(seq, seq, "oversize")])]
+        elif len(gaps) > 1:
+            parts = [(rows, gaps[: len(gaps) // 2]), (rows, gaps[len(gaps) // 2 :])]
+        else:
+            raise StateError(
+                f"channel {channel.name!r}: a bundle of {len(gaps)} gap(s) and no row packs to "
+                f"{len(plain)} bytes, over the {max_plain} a sealed file of max_file_bytes "
+                f"{self.cfg.black.bundle.max_file_bytes} leaves for the plaintext "
+                f"({len(channel.recipients)} recipients): raise max_file_bytes to go on"
             )
-            return a + self._pack_chunk(
-                channel, chain, tail, [g for g in gaps if g.first_seq > cut], max_plain
-            )
-        sha = sha256_hex(plain)
-        chain.bundle_seq, chain.prev_sha256 = manifest.bundle_seq + 1, sha
-        return [_Packed(manifest, plain, sha)]
+        return [p for r, g in parts for p in self._pack_chunk(channel, chain, r, g, max_plain)]
 
     def _land(
         self, channel: ChannelConfig, st: ChannelState, packed: _Packed, sealed: Path
@@ -333,6 +360,18 @@ class BundleSealer:
                 f"channel {channel.name!r} bundle {manifest.bundle_seq} was packed to follow "
                 f"bundle {manifest.bundle_seq - 1}, but the journal's last is "
                 f"{st.last_bundle_seq}: a bug in the sealing pipeline"
+            )
+        # checked before the intent: a bundle over the ceiling is never journaled, so no
+        # restart rebuilds it (the next run plans afresh)
+        size = sealed.stat().st_size
+        ceiling = self.cfg.black.bundle.max_file_bytes
+        if len(packed.plain) > self._max_plain(channel) or size > ceiling:
+            sealed.unlink(missing_ok=True)
+            raise StateError(
+                f"channel {channel.name!r} bundle {manifest.bundle_seq} is {len(packed.plain)} "
+                f"bytes of plaintext, {size} sealed, over max_file_bytes {ceiling} (less the "
+                "seal overhead): a bug in the size bounds (seal_overhead_bytes); nothing was "
+                "journaled; raise the ceiling to go on"
             )
         st.pending = {
             "manifest": manifest.to_json().decode(),
