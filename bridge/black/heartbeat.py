@@ -40,7 +40,6 @@ __all__ = [
 
 log = get_logger("bridge.black.heartbeat")
 PRUNE_EVERY_SECONDS = 3600.0
-_JOURNAL_GLOB = "channel-*.json"  # StateStore.path's names
 
 
 def pending_bundle_names(store: StateStore) -> set[str]:
@@ -48,10 +47,8 @@ def pending_bundle_names(store: StateStore) -> set[str]:
     the state dir, also of channels no longer configured). StateError if one is unreadable:
     then nothing may be pruned."""
     names: set[str] = set()
-    if not store.dir.is_dir():
-        return names
-    for p in sorted(store.dir.glob(_JOURNAL_GLOB)):
-        st = store.load(p.name[len("channel-") : -len(".json")])
+    for channel in store.channels():
+        st = store.load(channel)
         if st.pending is None:
             continue
         try:
@@ -59,8 +56,8 @@ def pending_bundle_names(store: StateStore) -> set[str]:
             names.add(bundle_name(m.channel, m.bundle_seq, m.bundle_id))
         except (KeyError, TypeError, ManifestError) as e:
             raise StateError(
-                f"black state {p}: its pending bundle is unreadable ({e}); the archive is not "
-                "pruned until it is restored from backup"
+                f"black state {store.path(channel)}: its pending bundle is unreadable ({e}); "
+                "the archive is not pruned until it is restored from backup"
             ) from None
     return names
 

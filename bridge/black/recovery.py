@@ -23,7 +23,7 @@ import pyarrow as pa
 
 from bridge.black.catalog import load_catalog
 from bridge.black.seal import BundleSealer, ShippedBundle
-from bridge.black.spool import SpoolWriter
+from bridge.black.spool import SpoolWriter, writer_settings
 from bridge.black.spool_read import read_tail
 from bridge.black.spool_rows import read_rows
 from bridge.black.state import StateStore
@@ -62,17 +62,9 @@ def repair_spool(cfg: Config, channel: str) -> None:
     rewritten from the segments), on ``channel``'s spool if no tap holds it. A disk too full
     to record lost positions is logged and left to the tap (it tries again at its open)."""
     root = Path(cfg.black.spool_dir)
-    sp = cfg.black.spool
     tail = read_tail(root / channel)
     try:
-        w = SpoolWriter.repair(
-            root,
-            channel,
-            segment_bytes=sp.segment_bytes,
-            segment_max_age_s=sp.segment_max_age_seconds,
-            max_bytes=sp.max_bytes,
-            min_free_bytes=sp.min_free_bytes,
-        )
+        w = SpoolWriter.repair(root, channel, **writer_settings(cfg.black.spool))
     except SpoolFull as e:
         log_event(log, 30, f"spool not repaired before recovery: {e}", channel=channel)
         return

@@ -48,7 +48,7 @@ import os
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pyarrow as pa
@@ -80,8 +80,12 @@ from bridge.faults import crash_point
 from bridge.fsutil import fsync_dir, pwritev_all
 from bridge.logs import get_logger, log_event
 
+if TYPE_CHECKING:
+    from bridge.config import SpoolConfig
+
 __all__ = [
     "SpoolLocked",
+    "writer_settings",
     "SPOOL_SCHEMA",
     "KIND_MESSAGE",
     "KIND_LOST",
@@ -107,6 +111,16 @@ _SCHEMA_MESSAGE_LEN = SPOOL_SCHEMA.serialize().size
 _RECORD_OVERHEAD = 32  # fixed bytes per record besides its strings and binaries
 _BATCH_OVERHEAD = 1024  # IPC framing and metadata of one batch, rounded up
 _MiB = 1024 * 1024
+
+
+def writer_settings(sp: SpoolConfig) -> dict[str, Any]:
+    """``SpoolWriter.open``'s settings from ``black.spool``: the tap's, and its repair's."""
+    return {
+        "segment_bytes": sp.segment_bytes,
+        "segment_max_age_s": sp.segment_max_age_seconds,
+        "max_bytes": sp.max_bytes,
+        "min_free_bytes": sp.min_free_bytes,
+    }
 
 
 class SpoolLocked(StateError):
@@ -279,16 +293,7 @@ class SpoolWriter:
             fsync_dir(d)
 
     @classmethod
-    def repair(
-        cls,
-        root: Path,
-        channel: str,
-        *,
-        segment_bytes: int = 64 * _MiB,
-        segment_max_age_s: float = 300.0,
-        max_bytes: int | None = None,
-        min_free_bytes: int = 256 * _MiB,
-    ) -> SpoolWriter | None:
+    def repair(cls, root: Path, channel: str, **settings: Any) -> SpoolWriter | None:
         """``open``'s repair of a spool no writer holds, then the lock let go: for a reader
         that cannot wait for the tap (black's start-up recovery, which runs before the taps).
 
@@ -297,19 +302,13 @@ class SpoolWriter:
         hold). Returns the closed writer (``durable_end``, ``damaged``, ``repaired_bytes`` say
         what it found), or None: a writer holds the LOCK (it repaired the spool at its open
         and keeps TAIL current), or the spool has no segment (nothing to repair; its tap
-        creates it). Takes the settings the tap opens the spool with.
+        creates it). ``settings``: ``open``'s, as the tap opens the spool with
+        (``writer_settings``).
         """
         if not list_segments(Path(root) / channel):
             return None
         try:
-            w = cls.open(
-                root,
-                channel,
-                segment_bytes=segment_bytes,
-                segment_max_age_s=segment_max_age_s,
-                max_bytes=max_bytes,
-                min_free_bytes=min_free_bytes,
-            )
+            w = cls.open(root, channel, **settings)
         except SpoolLocked:
             return None
         w.close()

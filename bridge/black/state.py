@@ -77,6 +77,14 @@ class StateStore:
     def path(self, channel: str) -> Path:
         return self.dir / f"channel-{channel}.json"
 
+    def channels(self) -> list[str]:
+        """Every channel with a journal here (also channels no longer configured), sorted."""
+        if not self.dir.is_dir():
+            return []
+        return sorted(
+            p.name[len("channel-") : -len(".json")] for p in self.dir.glob("channel-*.json")
+        )
+
     def lock(self, channel: str) -> threading.RLock:
         with self._guard:
             return self._locks.setdefault(channel, threading.RLock())

@@ -68,7 +68,7 @@ from typing import Any
 
 from bridge.amqp.client import Channel, Connection, Delivery
 from bridge.black.plan import dead_queue_name, mirror_queue_name
-from bridge.black.spool import DEAD_LETTER_BYTES, SpoolWriter, fingerprint
+from bridge.black.spool import DEAD_LETTER_BYTES, SpoolWriter, fingerprint, writer_settings
 from bridge.black.state import StateStore
 from bridge.black.tap_delivery import (
     DELIVERY_COUNT_HEADER,
@@ -203,15 +203,11 @@ class Tap:
     # -- main loop --------------------------------------------------------------------------
     def run(self) -> TapStatus:
         self.status.pid = os.getpid()
-        sp = self.cfg.black.spool
         shipped = self.store.load(self.channel).last_seq
         spool = SpoolWriter.open(
             Path(self.cfg.black.spool_dir),
             self.channel,
-            segment_bytes=sp.segment_bytes,
-            segment_max_age_s=sp.segment_max_age_seconds,
-            max_bytes=sp.max_bytes,
-            min_free_bytes=sp.min_free_bytes,
+            **writer_settings(self.cfg.black.spool),
             first_pos=shipped + 1,  # a new spool (or one moved aside) continues after shipped
         )
         try:

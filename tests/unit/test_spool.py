@@ -15,6 +15,7 @@ import subprocess
 import sys
 import tempfile
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 from unittest import mock
@@ -360,22 +361,12 @@ def test_repair_without_the_tap_rewrites_a_tail_a_power_loss_left_behind(root: P
 
 def test_repair_leaves_a_spool_whose_writer_holds_the_lock_alone(root: Path) -> None:
     write_groups(root, [4, 3])
-    p = subprocess.Popen(
-        [sys.executable, "-c", HOLDER, str(root), CH],
-        stdout=subprocess.PIPE,
-        text=True,
-        cwd=Path(__file__).resolve().parents[2],
-    )
-    try:
-        assert p.stdout is not None and p.stdout.readline().strip() == "held"
+    with held_by_another_process(root):
         files = sorted((f.name, f.stat().st_size) for f in (root / CH).iterdir())
         assert SpoolWriter.repair(root, CH, min_free_bytes=0) is None
         assert sorted((f.name, f.stat().st_size) for f in (root / CH).iterdir()) == files
         with pytest.raises(SpoolLocked):
             opened(root)
-    finally:
-        p.kill()
-        p.wait()
 
 
 # -- readers --------------------------------------------------------------------------------------
@@ -655,7 +646,10 @@ time.sleep(120)
 """
 
 
-def test_a_second_writer_is_refused_while_another_process_holds_the_lock(root: Path) -> None:
+@contextmanager
+def held_by_another_process(root: Path) -> Iterator[None]:
+    """The channel's spool opened by a writer in another process until the block ends (then
+    SIGKILLed: the kernel drops its flock with it)."""
     p = subprocess.Popen(
         [sys.executable, "-c", HOLDER, str(root), CH],
         stdout=subprocess.PIPE,
@@ -664,11 +658,16 @@ def test_a_second_writer_is_refused_while_another_process_holds_the_lock(root: P
     )
     try:
         assert p.stdout is not None and p.stdout.readline().strip() == "held"
+        yield
+    finally:
+        p.kill()
+        p.wait()
+
+
+def test_a_second_writer_is_refused_while_another_process_holds_the_lock(root: Path) -> None:
+    with held_by_another_process(root):
         with pytest.raises(StateError, match=f"channel '{CH}'.*another process holds .*LOCK"):
             opened(root)
-    finally:
-        p.kill()  # SIGKILL: the kernel drops the flock with the process
-        p.wait()
     with opened(root) as w:
         assert w.next_pos == 0
 
