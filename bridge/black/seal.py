@@ -363,16 +363,7 @@ class BundleSealer:
             )
         # checked before the intent: a bundle over the ceiling is never journaled, so no
         # restart rebuilds it (the next run plans afresh)
-        size = sealed.stat().st_size
-        ceiling = self.cfg.black.bundle.max_file_bytes
-        if len(packed.plain) > self._max_plain(channel) or size > ceiling:
-            sealed.unlink(missing_ok=True)
-            raise StateError(
-                f"channel {channel.name!r} bundle {manifest.bundle_seq} is {len(packed.plain)} "
-                f"bytes of plaintext, {size} sealed, over max_file_bytes {ceiling} (less the "
-                "seal overhead): a bug in the size bounds (seal_overhead_bytes); nothing was "
-                "journaled; raise the ceiling to go on"
-            )
+        size = self._within_ceiling(channel, manifest, sealed, len(packed.plain))
         st.pending = {
             "manifest": manifest.to_json().decode(),
             "sha256": packed.sha,
@@ -380,7 +371,31 @@ class BundleSealer:
         }
         self.store.save(st)  # intent: a crash from here on re-creates exactly this plaintext
         crash_point("seal.after_intent")
-        return self._deliver(channel, st, manifest, sealed, packed.sha, len(packed.plain))
+        return self._deliver(channel, st, manifest, sealed, size, packed.sha, len(packed.plain))
+
+    def _within_ceiling(
+        self,
+        channel: ChannelConfig,
+        manifest: Manifest,
+        sealed: Path,
+        plain_bytes: int | None = None,
+    ) -> int:
+        """The sealed file's size, checked against the file ceiling; with ``plain_bytes``
+        (before the intent) its plaintext's too. A journaled bundle is judged by its sealed
+        size alone: a stricter check there could stop every restart. StateError (the sealed
+        file removed) when over."""
+        size = sealed.stat().st_size
+        ceiling = self.cfg.black.bundle.max_file_bytes
+        over_plain = plain_bytes is not None and plain_bytes > self._max_plain(channel)
+        if over_plain or size > ceiling:
+            sealed.unlink(missing_ok=True)
+            raise StateError(
+                f"channel {channel.name!r} bundle {manifest.bundle_seq} is {plain_bytes} bytes "
+                f"of plaintext, {size} sealed, over max_file_bytes {ceiling} (less the seal "
+                "overhead): a bug in the size bounds (seal_overhead_bytes); raise the ceiling "
+                "to go on"
+            )
+        return size
 
     def _finish_pending(self, channel: ChannelConfig, st: ChannelState) -> ShippedBundle:
         """Finish a bundle a crash interrupted.
@@ -528,7 +543,8 @@ class BundleSealer:
     ) -> ShippedBundle:
         """Seal, deliver and commit a bundle whose intent is already journaled (recovery)."""
         sealed = self._encrypt(channel, manifest, plain)
-        return self._deliver(channel, st, manifest, sealed, sha, len(plain))
+        size = self._within_ceiling(channel, manifest, sealed)
+        return self._deliver(channel, st, manifest, sealed, size, sha, len(plain))
 
     def _encrypt(self, channel: ChannelConfig, manifest: Manifest, plain: pa.Buffer) -> Path:
         """gpg signs (and encrypts) ``plain`` into a fsynced temp file outside the outbox."""
@@ -550,18 +566,12 @@ class BundleSealer:
         st: ChannelState,
         manifest: Manifest,
         sealed: Path,
+        size: int,
         sha: str,
         plain_bytes: int,
     ) -> ShippedBundle:
+        """Deliver a sealed bundle of ``size`` bytes (checked: ``_within_ceiling``), commit it."""
         name = bundle_name(manifest.channel, manifest.bundle_seq, manifest.bundle_id)
-        size = sealed.stat().st_size
-        if size > self.cfg.black.bundle.max_file_bytes:
-            sealed.unlink(missing_ok=True)
-            raise StateError(
-                f"channel {channel.name!r} bundle {manifest.bundle_seq} sealed to {size} bytes, "
-                f"over max_file_bytes {self.cfg.black.bundle.max_file_bytes}: a bug in the "
-                "overhead bound (seal_overhead_bytes); raise the ceiling to go on"
-            )
         self.outbox.deliver(name, sealed, channel=channel.name, synced=True)  # gpg fsynced it
         crash_point("seal.after_deliver")
         return self._commit(channel, st, manifest, sha, size, plain_bytes)
