@@ -171,6 +171,9 @@ class _Receiver:
                     self._deliver_one(ra, d, tmp)
                     break
                 except OSError as e:  # the disk (full, I/O error): the object stays spooled
+                    if isinstance(e, FileNotFoundError) and not (d.path / "data").exists():
+                        self._spooled_data_gone(ra, d)  # removed by hand: retrying cannot help
+                        break
                     with self.lock:
                         self.summary.delivery_errors += 1
                     stopping = self.stop.is_set()
@@ -181,6 +184,14 @@ class _Receiver:
                     if stopping or self.stop.wait(delay):
                         break
                     delay = min(delay * 2, 30.0)
+
+    def _spooled_data_gone(self, ra: Reassembler, d: Delivery) -> None:
+        """The rebuilt object's ``data`` file vanished before its delivery (removed by hand,
+        or with the spool): a ``spool_error`` gap red sees, never a retry that cannot end."""
+        with self.lock:
+            discard = ra.fail(d, "spool_error", f"spooled data file gone: {d.path / 'data'}")
+        if discard:
+            discard_spooled(d)
 
     def _deliver_one(self, ra: Reassembler, d: Delivery, tmp: Path) -> None:
         checked = verify_and_read_name(d)

@@ -1131,9 +1131,10 @@ class Reassembler:
         self._trash.release()
         return self.expired - gaps
 
-    def fail(self, d: Delivery, reason: str) -> bool:
-        """A rebuilt object that must not be delivered (digest mismatch, bad name): a gap.
-        Its later symbols are dropped as ``expired`` (bounded, like every object given up).
+    def fail(self, d: Delivery, reason: str, error: str | None = None) -> bool:
+        """A rebuilt object that must not or cannot be delivered (digest mismatch, bad name;
+        ``spool_error`` with ``error`` when its spooled data is gone): a gap. Its later
+        symbols are dropped as ``expired`` (bounded, like every object given up).
         Returns True if the caller is to remove its spooled files (:func:`discard_spooled`,
         outside the receive loop's lock), False if they are kept until the gap record the
         disk refused is written."""
@@ -1141,7 +1142,8 @@ class Reassembler:
         self.done.pop(key, None)
         self._forget_later(key)
         n = d.header.block_count
-        rec = self.gap({**_header_record(d.epoch, d.header), "blocks_done": n}, reason)
+        rec = {**_header_record(d.epoch, d.header), "blocks_done": n}
+        rec = self.gap(rec if error is None else {**rec, "error": error}, reason)
         self.expired += 1
         return not self._kept_until_recorded(d.path, rec)
 

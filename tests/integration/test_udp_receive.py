@@ -834,3 +834,36 @@ def test_the_delivery_journal_is_cut_back_to_what_the_receiver_remembers(
     assert 10 <= len(lines) < 40 and lines[-1].count('"object_id": 99') == 1  # cut, newest kept
     again = Reassembler(tmp_path, max_object_bytes=1 << 20, max_open_objects=8)
     assert set(again.done) == {(9, oid) for oid in range(90, 100)}
+
+
+def test_a_rebuilt_object_whose_spooled_data_vanished_becomes_a_gap_not_an_endless_retry(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An operator removes a rebuilt object's spooled ``data`` before its delivery: the
+    delivery thread records one ``spool_error`` gap naming the file and goes on delivering
+    (before, it retried the ENOENT forever and delivered nothing after it)."""
+    import bridge.diode.udp_receiver as receiver_module
+
+    removed: list[Path] = []
+    real = receiver_module.verify_and_read_name
+
+    def removed_by_hand(d: Any) -> Any:
+        if not removed:
+            (d.path / "data").unlink()
+            removed.append(d.path / "data")
+        return real(d)
+
+    monkeypatch.setattr(receiver_module, "verify_and_read_name", removed_by_hand)
+    with receiving(tmp_path, max_object_bytes=1 << 20, expire_seconds=60) as rx:
+        rx.send(datagrams(rx.codec, 41, 1, "u1.000000000001.gone.dbundle", os.urandom(20_000)))
+        rx.wait(lambda: removed, "the delivery of the first object")
+        second = "u1.000000000002.next.dbundle"
+        rx.send(datagrams(rx.codec, 41, 2, second, os.urandom(20_000)))
+        rx.wait(lambda: (rx.inbox / second).exists(), "the next object's delivery", timeout=10)
+        s = rx.finish()
+    gaps = read_gap_records(rx.spool)
+    assert [(g["object_id"], g["reason"]) for g in gaps] == [(1, "spool_error")]
+    assert gaps[0]["error"] == f"spooled data file gone: {removed[0]}"
+    assert s.delivery_errors == 0 and s.objects_completed == 1
+    assert not (rx.inbox / "u1.000000000001.gone.dbundle").exists()
+    assert not list((rx.spool / "objects").iterdir())
