@@ -2,7 +2,9 @@
 every (channel, seq) lands exactly once and every delivered file is evidence exactly once.
 
 Real gpg, real local Spark in a subprocess (``spark_jobs/red_land.py``) in its own process
-group (a SIGKILL of the group takes the JVM and the Python workers), real Delta tables.
+group (a SIGKILL of the group takes the JVM and the Python workers), real Delta tables. The
+clean runs that must end well (the template's, each recovery, the final one) run in the test's
+process on the session's Spark: only a run that is killed needs a JVM of its own.
 
 1. Deterministic: a template red world (some bundles landed, tables, state, checkpoint) is
    copied per crash point; more bundles of two channels (with a hole closed, so a chain status
@@ -48,6 +50,7 @@ from bridge.amqp.client import Connection
 from bridge.config import Config, load_config
 from bridge.faults import CRASH_ENV, MARK_ENV, SLOW_ENV
 from bridge.red.evidence import REASON_SUFFIX
+from bridge.red.job import run_red
 from bridge.red.replay import Replayer
 from tests.conftest import Vhost
 from tests.red_factory import (
@@ -229,12 +232,11 @@ class Publisher:
         self.proc.wait(timeout=30)
 
 
-def run_clean(cfg: Config, tag: str) -> dict[str, Any]:
-    """An unarmed ``available-now`` run that must end well; returns its summary."""
-    job = RedJob(cfg, "available-now", tag=tag)
-    rc = job.wait()
-    assert rc == 0, f"red run {tag} failed ({rc}):\n{job.tail()}"
-    return job.summary()
+def run_clean(cfg: Config, spark: Any) -> dict[str, Any]:
+    """An unarmed ``available-now`` run that must end well, in this process on the session's
+    Spark (a JVM start saved: only the runs that are killed need a process of their own);
+    returns its summary."""
+    return run_red(cfg, spark, "available-now").to_json()
 
 
 def wait_until(cond: Callable[[], bool], timeout: float, what: str, job: RedJob) -> None:
@@ -380,7 +382,7 @@ class Template:
 
 
 @pytest.fixture(scope="module")
-def template(keys: RedKeys) -> Template:
+def template(keys: RedKeys, spark: Any) -> Template:
     made = keys.root / "made"
     made.mkdir()
     alpha = make_chain(made, keys, "alpha", 4, 10, encrypt=CHANNELS["alpha"])
@@ -394,7 +396,7 @@ def template(keys: RedKeys) -> Template:
     )  # fmt: skip
     first = [alpha[0], beta[0], beta[2]]
     drop(cfg, *(b.path for b in first))
-    s = run_clean(cfg, "template")
+    s = run_clean(cfg, spark)
     assert s["bundles_landed"] == 3 and s["rejected"] == 0, s
     # sorted as the intake takes them, 3 a batch: [a2 a3 a4] [a9-junk b2 b4] [b5 heartbeat];
     # the second landing has messages, a reject and closes beta's hole (b3 -> verified)
@@ -454,7 +456,7 @@ def from_template(keys: RedKeys, template: Template, name: str) -> tuple[Config,
 
 @pytest.mark.parametrize("point", POINTS)
 def test_kill_9_at_a_landing_crash_point_then_recover(
-    keys: RedKeys, template: Template, point: str
+    keys: RedKeys, template: Template, point: str, spark: Any
 ) -> None:
     cfg, n0, mark = from_template(keys, template, point.replace(".", "-"))
 
@@ -466,17 +468,17 @@ def test_kill_9_at_a_landing_crash_point_then_recover(
     interrupted = {Path(m["src"]).name.split(".", 1)[1] for m in intent["moves"]}
     assert interrupted == {template.junk.name, template.beta[1].name, template.beta[3].name}
 
-    s = run_clean(cfg, "recover")
+    s = run_clean(cfg, spark)
     assert s["recovered_landings"] == 1, s
     assert s["bundles_landed"] == 1 and s["heartbeats"] == 1 and s["rejected"] == 0, s
     bundles = template.alpha + template.beta
     check_exactly_once(cfg, bundles, [template.junk], [template.heartbeat])
-    if point != "red.after_tables":  # one point proves it; each run costs a JVM start
+    if point != "red.after_tables":  # one point proves it
         return
     versions = {t: DeltaTable(str(Path(cfg.red.tables_dir) / t)).version() for t in ("messages",)}
 
     # a third run finds nothing to do and changes nothing
-    s = run_clean(cfg, "again")
+    s = run_clean(cfg, spark)
     assert s["recovered_landings"] == 0 and s["files"] == 0, s
     check_exactly_once(cfg, bundles, [template.junk], [template.heartbeat])
     assert versions == {
@@ -538,7 +540,7 @@ def test_kill_9_while_a_committed_batch_is_still_being_applied(
 
 
 def test_random_kill_9_of_the_job_and_the_publisher_while_files_arrive(
-    keys: RedKeys, red_vhost: Vhost
+    keys: RedKeys, red_vhost: Vhost, spark: Any
 ) -> None:
     """Waves of bundles of two channels (shuffled, so out of order), each wave landed by a
     continuous run while the replay publisher tails ``messages`` into red RabbitMQ; both are
@@ -591,7 +593,7 @@ def test_random_kill_9_of_the_job_and_the_publisher_while_files_arrive(
             publisher_cut += 1
     assert interrupted >= 1, "no job kill hit a run with work in progress: proved nothing"
     assert publisher_cut >= 1, "no publisher kill hit it mid-replay: proved nothing"
-    s = run_clean(cfg, "final")
+    s = run_clean(cfg, spark)
     assert s["rejected"] == 0, s
     check_exactly_once(cfg, bundles, [], [])
 
