@@ -54,7 +54,8 @@ class _Black:
             "bridge_black_tap_events",
             "What the channel's tap counted since it started, once durable (delivered, "
             "redelivered_skipped, dead_redelivered_skipped, dead_possible_duplicate, "
-            "handed_back, reconnects, lost_<reason>, inexact_<reason>), from its status file",
+            "handed_back, reconnects, denied, lost_<reason>, inexact_<reason>), from its status "
+            "file",
             ["channel", "event"],
             registry=reg,
         )
@@ -89,6 +90,14 @@ class _Black:
             "bridge_black_mirror_queue_refusing",
             "1 when a policy makes the channel's mirror queue refuse messages at its length "
             "limit (overflow reject-publish): losses black cannot count",
+            ["channel"],
+            registry=reg,
+        )
+        self.dead_queue_limited = Gauge(
+            "bridge_black_dead_queue_limited",
+            "1 when a policy or argument limits the channel's dead queue (max-length, "
+            "max-length-bytes, message-ttl, expires, delivery-limit): dead letters it drops "
+            "vanish without a recorded gap",
             ["channel"],
             registry=reg,
         )

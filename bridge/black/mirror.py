@@ -33,11 +33,13 @@ from bridge.black.plan import (
     Binding,
     ChannelPlan,
     builtin_denied,
+    catch_all_bindings,
     dead_letter_exchange,
     dead_queue_name,
     explicit_names,
     mirror_queue_name,
     plan_channel,
+    wanted,
 )
 from bridge.config import Config
 from bridge.errors import BrokerError, ConfigError, DiodeError, ManagementApiError
@@ -66,6 +68,16 @@ class ChannelReport:
     skipped: list[str]
     removed: list[str] = field(default_factory=list)
     """Exchanges whose stale bindings (no longer planned) were removed."""
+    bindings_listed: bool = True
+    """False when the queue's bindings could not be listed (management API unavailable): stale
+    ones cannot be seen, so every binding black could have made from an exchange it must not
+    mirror (``unbound_unlisted``) was unbound blindly."""
+    unbound_unlisted: list[str] = field(default_factory=list)
+    """Exchanges known (catalog, config, earlier syncs) but now denied or no longer planned,
+    whose possible bindings were unbound without knowing whether they existed."""
+    queue_problems: list[str] = field(default_factory=list)
+    """Policies or arguments on the mirror or dead queue that make the broker lose messages
+    black cannot count (also logged as errors and exported as gauges)."""
 
 
 @dataclass(frozen=True)
@@ -167,7 +179,8 @@ class Mirror:
                 vhost=self.vhost,
                 exchanges=changed,
             )
-        reports = {p.channel: self._apply(conn, p, listed) for p in plans}
+        known = set(catalog) | {d.name for d in exchanges}
+        reports = {p.channel: self._apply(conn, p, listed, known) for p in plans}
         for name, rep in reports.items():
             BLACK.exchanges_unbound.labels(name).set(len(rep.unbound_direct))
         return MirrorReport(self.vhost, reports, changed, self.cfg.black.discover)
@@ -279,7 +292,9 @@ class Mirror:
             return None
         return {Binding(r.source, r.routing_key, r.arguments).key() for r in rows if r.source}
 
-    def _apply(self, conn: BlockingConnection, plan: ChannelPlan, listed: bool) -> ChannelReport:
+    def _apply(
+        self, conn: BlockingConnection, plan: ChannelPlan, listed: bool, known: set[str]
+    ) -> ChannelReport:
         queue = mirror_queue_name(self.cfg.black, plan.channel)
         chan = self._declare(conn.channel(), plan.channel)
         existing = self._existing(queue, listed)
@@ -307,14 +322,25 @@ class Mirror:
             if b.key() not in prior:
                 newly.add(b.exchange)
         removed: set[str] = set()
+        blind: list[str] = []
         if existing is not None:
             planned = {b.key() for b in plan.bindings}
             for source, rk, args in sorted(existing - planned):
                 chan.queue_unbind(queue, source, rk, arguments=json.loads(args) or None)
                 removed.add(source)
+        else:
+            chan, blind = self._unbind_unlisted(conn, chan, plan, queue, known)
         chan.close()
+        problems: list[str] = []
         if listed:
-            self._check_overflow(plan.channel, queue)
+            problems = [
+                p
+                for p in (
+                    self._check_overflow(plan.channel, queue),
+                    self._check_dead_queue(plan.channel),
+                )
+                if p is not None
+            ]
         self._bound[plan.channel] = done
         bound = sorted({b.exchange for b in plan.bindings} - failed)
         self._log(plan, queue, sorted(newly), sorted(removed), skipped)
@@ -326,17 +352,70 @@ class Mirror:
             list(plan.unbound_direct),
             skipped,
             sorted(removed),
+            bindings_listed=existing is not None,
+            unbound_unlisted=blind,
+            queue_problems=problems,
         )
 
-    def _check_overflow(self, channel: str, queue: str) -> None:
-        """Warn when a policy makes the broker refuse messages at a length limit instead of
-        dead-lettering them: producers get nacks, and black can never see or count them."""
+    def _unbind_unlisted(
+        self,
+        conn: BlockingConnection,
+        chan: BlockingChannel,
+        plan: ChannelPlan,
+        queue: str,
+        known: set[str],
+    ) -> tuple[BlockingChannel, list[str]]:
+        """The queue's bindings cannot be listed, so stale ones cannot be seen: unbind every
+        binding the mirror could have made from each exchange it knows of (catalog, config,
+        this process's earlier syncs) that the plan no longer binds — a newly denied exchange
+        must stop flowing even while the management API is down. Unbinding a binding that does
+        not exist is a no-op. Returns the channel to go on with and the exchanges unbound."""
+        ch = self.cfg.channel(plan.channel)
+        planned = {b.key() for b in plan.bindings}
+        planned_names = {b.exchange for b in plan.bindings}
+        remembered = {k for k in self._bound.get(plan.channel, set()) if k not in planned}
+        # an exchange the channel still wants but cannot bind now (type unknown) keeps its
+        # bindings: only what is denied or no longer selected is unbound
+        names = (known | explicit_names(ch)) - planned_names
+        targets = [b for n in sorted(names) if not builtin_denied(n) and not wanted(ch, n)
+                   for b in catch_all_bindings(ch, n)]  # fmt: skip
+        targets += [Binding(e, rk, json.loads(a)) for e, rk, a in sorted(remembered)]
+        done: set[str] = set()
+        for b in targets:
+            try:
+                chan.queue_unbind(queue, b.exchange, b.routing_key, arguments=b.arguments or None)
+            except pika.exceptions.ChannelClosedByBroker as e:
+                chan = conn.channel()
+                if e.reply_code == 404:  # the exchange is gone, and its bindings with it
+                    continue
+                raise broker_refused(
+                    e, f"unbinding {queue!r} from {b.exchange!r}", self.vhost
+                ) from None
+            done.add(b.exchange)
+        self._tell(
+            plan.channel, "unlisted",
+            f"the bindings of mirror queue {queue!r} cannot be listed (management API "
+            "unavailable): every binding black could have made from the exchanges it must not "
+            f"mirror was unbound blindly ({len(done)} exchanges); stale bindings cannot be "
+            "verified until the management API answers",
+        )  # fmt: skip
+        return chan, sorted(done)
+
+    def _queue_info(self, queue: str) -> dict[str, Any] | None:
         try:
-            info = self.management.queue_info(self.vhost, queue)
+            return self.management.queue_info(self.vhost, queue)
         except DiodeError as e:
-            log_event(log, logging.DEBUG, "mirror queue policy not checked", queue=queue,
+            log_event(log, logging.DEBUG, "queue policy not checked", queue=queue,
                       error=str(e))  # fmt: skip
-            return
+            return None
+
+    def _check_overflow(self, channel: str, queue: str) -> str | None:
+        """Warn when a policy makes the broker refuse messages at a length limit instead of
+        dead-lettering them: producers get nacks, and black can never see or count them.
+        Returns what was reported (None: nothing)."""
+        info = self._queue_info(queue)
+        if info is None:
+            return None
         policy = info.get("effective_policy_definition") or {}
         overflow = policy.get("overflow") if isinstance(policy, dict) else None
         args = info.get("arguments") or {}
@@ -344,15 +423,40 @@ class Mirror:
         own = info.get("type") != "quorum" and "x-overflow" in args
         refusing = isinstance(overflow, str) and overflow.startswith("reject-publish") and not own
         BLACK.mirror_refusing.labels(channel).set(1 if refusing else 0)
-        if refusing:
-            self._tell(
-                channel, f"overflow:{overflow}",
-                f"mirror queue {queue!r} has policy {info.get('policy')!r} with overflow = "
-                f"{overflow!r}: at its length limit the broker refuses producers' messages "
-                "(nacks) instead of dead-lettering them, so black cannot count them as gaps. "
-                "Remove the overflow key from the policy (docs/runbook.md §4)",
-                level=logging.ERROR,
-            )  # fmt: skip
+        if not refusing:
+            return None
+        msg = (
+            f"mirror queue {queue!r} has policy {info.get('policy')!r} with overflow = "
+            f"{overflow!r}: at its length limit the broker refuses producers' messages "
+            "(nacks) instead of dead-lettering them, so black cannot count them as gaps. "
+            "Remove the overflow key from the policy (docs/runbook.md §4)"
+        )
+        self._tell(channel, f"overflow:{overflow}", msg, level=logging.ERROR)
+        return msg
+
+    def _check_dead_queue(self, channel: str) -> str | None:
+        """Report a limit on the channel's dead queue (an operator policy matching every
+        ``<prefix>*`` queue, typically): what the broker drops there has no dead-letter
+        exchange, so it vanishes without a gap. Neither overflow behaviour helps: dead-lettering
+        is at-most-once, a refused dead letter is dropped as well. Returns what was reported."""
+        queue = dead_queue_name(self.cfg.black, channel)
+        info = self._queue_info(queue)
+        if info is None:
+            return None
+        limits = dead_queue_limits(info)
+        BLACK.dead_queue_limited.labels(channel).set(1 if limits else 0)
+        if not limits:
+            return None
+        policies = [p for p in (info.get("policy"), info.get("operator_policy")) if p]
+        msg = (
+            f"dead queue {queue!r} of channel {channel!r} is limited ({', '.join(limits)}; "
+            f"policies {policies or 'none'}): dead letters it drops — messages the mirror queue "
+            "already dropped — vanish without a recorded gap. Exclude it from the policy "
+            "(pattern e.g. '^diode\\.mirror\\.[^.]+$') or remove the queue argument "
+            "(docs/runbook.md §4)"
+        )
+        self._tell(channel, "dead-limits:" + ",".join(limits), msg, level=logging.ERROR)
+        return msg
 
     def _tell(self, channel: str, key: str, msg: str, level: int = logging.WARNING) -> None:
         """Warn once per (channel, key) for the process lifetime; later repeats at debug."""
@@ -400,6 +504,29 @@ class Mirror:
             )
         for s in skipped:
             self._tell(ch, "skip:" + s, f"channel {ch}: not mirrored: {s}")
+
+
+DEAD_QUEUE_LIMITS = ("max-length", "max-length-bytes", "message-ttl", "expires", "delivery-limit")
+"""Policy keys (queue arguments: ``x-`` + key) under which the broker drops from a queue."""
+
+
+def dead_queue_limits(info: dict[str, Any]) -> list[str]:
+    """``key=value`` for each dropping limit the management API's ``info`` shows on a queue
+    (effective policy, operator policy included, or its own arguments); with the ``overflow``
+    that applies to it when there is one (pure)."""
+    policy = info.get("effective_policy_definition") or {}
+    policy = policy if isinstance(policy, dict) else {}
+    args = info.get("arguments") or {}
+    args = args if isinstance(args, dict) else {}
+    found = [
+        f"{k}={v}"
+        for k in DEAD_QUEUE_LIMITS
+        if (v := args.get("x-" + k, policy.get(k))) is not None
+    ]
+    overflow = args.get("x-overflow", policy.get("overflow"))
+    if found and overflow is not None:
+        found.append(f"overflow={overflow}")
+    return found
 
 
 class MirrorLoop:

@@ -23,8 +23,12 @@ __all__ = [
     "Binding",
     "ChannelPlan",
     "builtin_denied",
+    "catch_all_bindings",
+    "denied",
+    "deny_pattern",
     "explicit_names",
     "plan_channel",
+    "wanted",
     "mirror_queue_name",
     "dead_queue_name",
     "dead_letter_exchange",
@@ -73,10 +77,44 @@ def builtin_denied(name: str) -> bool:
     return any(fnmatchcase(name, p) for p in BUILTIN_DENY)
 
 
+def deny_pattern(channel: ChannelConfig, name: str) -> str | None:
+    """The first of ``channel``'s deny patterns matching exchange ``name`` (None: none does)."""
+    return next((p for p in channel.deny if fnmatchcase(name, p)), None)
+
+
+def denied(channel: ChannelConfig, name: str) -> bool:
+    """True if ``channel`` never mirrors exchange ``name``: a built-in deny or a deny pattern.
+    The tap drops deliveries from such an exchange (one bound into a mirrored exchange)."""
+    return builtin_denied(name) or deny_pattern(channel, name) is not None
+
+
+def catch_all_bindings(channel: ChannelConfig, name: str) -> list[Binding]:
+    """Every binding the mirror could have made from exchange ``name`` to ``channel``'s queue,
+    whatever its type: the fanout, topic and headers catch-alls, and the channel's routing keys
+    for it. Unbinding them is how a sync removes stale bindings it cannot list (unbinding a
+    binding that does not exist is a no-op)."""
+    keys = dict.fromkeys(channel.direct_routing_keys.get(name, []))
+    return [
+        Binding(name, ""),
+        Binding(name, "#"),
+        Binding(name, "", dict(HEADERS_CATCH_ALL)),
+        *(Binding(name, k) for k in keys if k not in ("", "#")),
+    ]
+
+
 def explicit_names(channel: ChannelConfig) -> set[str]:
     """Exchange names a channel names exactly (no glob), including its direct exchanges."""
     exact = {p for p in channel.exchanges if not (_GLOB & set(p))}
     return exact | set(channel.direct_routing_keys)
+
+
+def wanted(channel: ChannelConfig, name: str) -> bool:
+    """True if ``channel`` selects exchange ``name`` (a pattern or its exact name) and does not
+    deny it: whether it is bound then depends only on its type."""
+    selected = name in explicit_names(channel) or any(
+        fnmatchcase(name, p) for p in channel.exchanges
+    )
+    return selected and not denied(channel, name)
 
 
 def plan_channel(channel: ChannelConfig, exchanges: Sequence[ExchangeDecl]) -> ChannelPlan:
@@ -100,7 +138,7 @@ def plan_channel(channel: ChannelConfig, exchanges: Sequence[ExchangeDecl]) -> C
             if named:
                 skipped.append(f"{name!r}: built-in deny (the default exchange and amq.*)")
             continue
-        deny = next((p for p in channel.deny if fnmatchcase(name, p)), None)
+        deny = deny_pattern(channel, name)
         if deny is not None:
             skipped.append(f"{name!r}: denied by {where}.deny pattern {deny!r}")
             continue

@@ -70,9 +70,11 @@ def segment_name(first: int) -> str:
 
 
 def fingerprint(exchange: str, routing_key: str, properties_raw: bytes, body: bytes) -> bytes:
-    """16-byte BLAKE2b of a delivery's identity (recognises redeliveries of spooled messages)."""
-    ex = exchange.encode()
-    rk = routing_key.encode()
+    """16-byte BLAKE2b of a delivery's identity (recognises redeliveries of spooled messages).
+    Names are taken as the spool stores them (the tap makes them UTF-8 text first); a lone
+    surrogate left in one is hashed as it is, never an error."""
+    ex = exchange.encode("utf-8", "surrogatepass")
+    rk = routing_key.encode("utf-8", "surrogatepass")
     h = hashlib.blake2b(
         struct.pack("<IIII", len(ex), len(rk), len(properties_raw), len(body)),
         digest_size=FINGERPRINT_BYTES,

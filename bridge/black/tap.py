@@ -33,6 +33,10 @@ Exactly once into the spool, whatever crashes:
   before the crash) and that gets no new message — typically the dead queue — holds
   ``acked_through`` until the spool is full.
 
+A delivery from an exchange the channel denies (one bound into a mirrored exchange, or the
+default exchange) is dropped: never spooled, not even as a dead letter's lost record, acked
+with its group once what precedes it is durable, counted ``denied`` and logged.
+
 The tap pauses when the spool is full (quota or file system): it stops acking, waits for the
 proofs of the acks it sent, drops what is not durable and closes its connection, so the
 backlog waits in the mirror queue, not in the tap's memory. It reconnects by itself when the
@@ -67,7 +71,7 @@ from pathlib import Path
 from typing import Any
 
 from bridge.amqp.client import Channel, Connection, Delivery
-from bridge.black.plan import dead_queue_name, mirror_queue_name
+from bridge.black.plan import dead_queue_name, denied, mirror_queue_name
 from bridge.black.spool import DEAD_LETTER_BYTES, SpoolWriter, fingerprint, writer_settings
 from bridge.black.state import StateStore
 from bridge.black.tap_delivery import (
@@ -77,6 +81,7 @@ from bridge.black.tap_delivery import (
     field_of,
     headers_of,
     order_free,
+    reordered,
     strip_delivery_count,
     text_names,
 )
@@ -103,7 +108,15 @@ NON_UTF8_NAME = "non-utf8-name"
 """Why a spooled message is not byte-exact: its exchange or routing key bytes were not UTF-8
 (stored with U+FFFD; the row schema keeps names as text)."""
 REENCODED = "quorum-reencoded"
-"""Why a spooled message is not byte-exact: a quorum queue re-encoded its header table."""
+"""Why a spooled message may not be byte-exact: a quorum queue re-encoded the header table of
+a redelivery, sorting its keys (marked only when it had two keys or more: ``reordered``)."""
+DENIED = "denied"
+"""Counter of deliveries from an exchange the channel denies (one bound into a mirrored
+exchange): acked once the group around them is durable, never spooled."""
+DENIAL_CACHE = 10_000
+"""How many exchange names the tap remembers the denial of (the cache is cleared when full)."""
+DENIED_LOG_S = 60.0
+"""How often at most the tap logs the denied deliveries it dropped (per channel, by exchange)."""
 POSSIBLE_DUPLICATE = "possible-duplicate"
 """Why a spooled message may not be exactly once: a redelivery after a crash that equals
 several spooled records byte for byte may be one of them (its ack not applied) or a twin the
@@ -190,6 +203,10 @@ class Tap:
         self._group_records: Counter[str] = Counter()
         self._group_skips: Counter[str] = Counter()
         self._skip_tags: list[tuple[int, int]] = []  # (AMQP channel, tag) skipped, not acked
+        self._group_denied: Counter[str] = Counter()  # exchange -> denied deliveries, unacked
+        self._denied_unlogged: Counter[str] = Counter()  # acked, not logged yet
+        self._denied_logged_at: float | None = None
+        self._denial: dict[str, bool] = {}  # exchange name -> whether the channel denies it
         # settling acks never proven (see the module doc), per connection:
         self._alone: set[int] = set()  # AMQP channels whose consumer is its queue's only one
         self._fresh: set[int] = set()  # AMQP channels that delivered a message not spooled yet
@@ -250,6 +267,7 @@ class Tap:
                     backoff = min(backoff * 2, MAX_BACKOFF_S)
         finally:
             spool.close()
+            self._log_denied(force=True)
             self._write_status(spool, force=True)
         return self.status
 
@@ -302,7 +320,10 @@ class Tap:
             self._bump("handed_back")  # the broker requeues it when the connection closes
             if seen is not None:
                 self._unsettled = True  # it may be a record's redelivery
-            elif d.consumer_tag in self._tags:  # not one a cancelled consumer had been sent
+            elif d.consumer_tag in self._tags and not (  # not one a cancelled consumer had
+                d.redelivered  # been sent, nor a denied message a crash handed back
+                and self._is_denied(self._death(d)[0] if dead else d.exchange)
+            ):
                 self._fresh.add(chan.number)
             return
         chan.ack(d.delivery_tag)
@@ -516,6 +537,7 @@ class Tap:
 
     def _sync_after_loss(self, spool: SpoolWriter) -> None:
         self._group_skips.clear()  # never acked: they come again, and are counted then
+        self._group_denied.clear()
         self._skip_tags.clear()
         if not spool.pending:
             return
@@ -534,6 +556,9 @@ class Tap:
             for name, n in counts.items():
                 self._bump(name, n)
             counts.clear()
+        self._denied_unlogged.update(self._group_denied)
+        self._group_denied.clear()
+        self._log_denied()
 
     def _load_candidates(self, spool: SpoolWriter) -> None:
         """Records the broker may redeliver: after the last position proven acked. A content
@@ -896,11 +921,11 @@ class Tap:
         return d.properties_raw
 
     def _fingerprint(self, d: Delivery, props: bytes) -> bytes:
-        """``d``'s identity as the spool remembers it, from its kept property bytes (``_kept``;
-        a quorum queue's header order ignored)."""
-        return fingerprint(
-            d.exchange, d.routing_key, order_free(props) if self.quorum else props, d.body
-        )
+        """``d``'s identity as the spool remembers it: its names as the spool stores them
+        (``text_names``: bytes that are not UTF-8 become U+FFFD), its kept property bytes
+        (``_kept``; a quorum queue's header order ignored)."""
+        exchange, rk, _ = text_names(d.exchange, d.routing_key)
+        return fingerprint(exchange, rk, order_free(props) if self.quorum else props, d.body)
 
     def _take(self, spool: SpoolWriter, d: Delivery) -> None:
         props = d.properties_raw
@@ -910,8 +935,10 @@ class Tap:
                 stripped = strip_delivery_count(props)
                 if stripped != props:
                     # the broker re-encoded the header table (keys sorted) to add its count:
-                    # the values are exact, their order may not be. Counted, never silent.
-                    props, note = stripped, REENCODED
+                    # the values are exact, their order may not be (two keys or more).
+                    # Counted, never silent.
+                    props = stripped
+                    note = REENCODED if reordered(stripped) else None
             seen = self._spooled(d, False, props)  # props: the kept bytes, count stripped
             if seen == "skip":
                 self._group_skips["redelivered_skipped"] += 1
@@ -923,6 +950,8 @@ class Tap:
                 # may hand it back unspooled: then nothing on this connection is settled
                 note = POSSIBLE_DUPLICATE
                 self._unsettled = True
+        if self._denied(d, d.exchange, fresh=note != POSSIBLE_DUPLICATE):
+            return
         if note != POSSIBLE_DUPLICATE and d.consumer_tag in self._tags:
             self._fresh.add(d.channel)
         exchange, rk = d.exchange, d.routing_key
@@ -946,19 +975,17 @@ class Tap:
             self._skip_tags.append((d.channel, d.delivery_tag))
             return
         if seen == POSSIBLE_DUPLICATE:
-            # equal to several recorded dead letters: record it again rather than risk
-            # leaving a loss out (the count may then be too high, never too low); a pause may
-            # hand it back unspooled: then nothing on this connection is settled
-            self._group_records["dead_possible_duplicate"] += 1
+            # a pause may hand it back unspooled: then nothing on this connection is settled
             self._unsettled = True
+        exchange, rk, reason = self._death(d)
+        if self._denied(d, exchange, fresh=seen is None):  # not even its names are carried
+            return
+        if seen == POSSIBLE_DUPLICATE:
+            # equal to several recorded dead letters: record it again rather than risk
+            # leaving a loss out (the count may then be too high, never too low)
+            self._group_records["dead_possible_duplicate"] += 1
         elif d.consumer_tag in self._tags:
             self._fresh.add(d.channel)
-        headers = headers_of(d.properties_raw)  # decoded once for every field read below
-        death = death_of(headers, self.queue)
-        exchange, rk, reason = death if death is not None else ("", d.routing_key, "")
-        exchange = exchange or as_text(field_of(headers, "x-first-death-exchange"))
-        reason = reason or as_text(field_of(headers, "x-first-death-reason")) or "dead-lettered"
-        exchange, rk, _ = text_names(exchange, rk)
         spool.append_lost(exchange, rk, reason, dead_letter=self._fingerprint(d, props))
         self._group_records[f"lost_{reason}"] += 1
         log_event(
@@ -966,6 +993,63 @@ class Tap:
             channel=self.channel, reason=reason, exchange=exchange, routing_key=rk,
             pos=spool.next_pos - 1,
         )  # fmt: skip
+
+    def _death(self, d: Delivery) -> tuple[str, str, str]:
+        """A dead letter's original exchange and routing key (as storable text) and reason."""
+        headers = headers_of(d.properties_raw)  # decoded once for every field read below
+        death = death_of(headers, self.queue)
+        exchange, rk, reason = death if death is not None else ("", d.routing_key, "")
+        exchange = exchange or as_text(field_of(headers, "x-first-death-exchange"))
+        reason = reason or as_text(field_of(headers, "x-first-death-reason")) or "dead-lettered"
+        exchange, rk, _ = text_names(exchange, rk)
+        return exchange, rk, reason
+
+    def _is_denied(self, exchange: str) -> bool:
+        """The channel denies ``exchange`` (its name as delivered, or as storable text)."""
+        is_denied = self._denial.get(exchange)
+        if is_denied is None:
+            if len(self._denial) >= DENIAL_CACHE:
+                self._denial.clear()
+            ch = self.cfg.channel(self.channel)
+            text = text_names(exchange, "")[0]
+            is_denied = self._denial[exchange] = denied(ch, exchange) or denied(ch, text)
+        return is_denied
+
+    def _denied(self, d: Delivery, exchange: str, *, fresh: bool) -> bool:
+        """Whether ``d`` comes from an exchange the channel denies (reaching the mirror queue
+        through an exchange-to-exchange binding into a mirrored one, or published to it
+        through the default exchange): then it is dropped — never spooled, acked with its
+        group once what precedes it is durable (``multiple``: never ahead of a record), and
+        counted (``DENIED``) once acked. ``fresh``: it is no spooled record's redelivery;
+        only a first delivery then proves its AMQP channel caught up — a denied message a
+        crash handed back sits among the records it may still redeliver."""
+        if not self._is_denied(exchange):
+            return False
+        if fresh and not d.redelivered and d.consumer_tag in self._tags:
+            self._fresh.add(d.channel)
+        self._group_skips[DENIED] += 1
+        self._group_denied[text_names(exchange, "")[0]] += 1
+        self._skip_tags.append((d.channel, d.delivery_tag))
+        return True
+
+    def _log_denied(self, *, force: bool = False) -> None:
+        """Warn of the denied deliveries acked since the last warning, by exchange; at most
+        every ``DENIED_LOG_S`` (``force``: now)."""
+        now = time.monotonic()
+        if not self._denied_unlogged or (
+            not force
+            and self._denied_logged_at is not None
+            and now - self._denied_logged_at < DENIED_LOG_S
+        ):
+            return
+        for exchange, n in sorted(self._denied_unlogged.items()):
+            log_event(
+                log, 30, "deliveries from an exchange the channel denies were dropped, not "
+                "spooled (an exchange-to-exchange binding into a mirrored exchange?)",
+                channel=self.channel, exchange=exchange, count=n,
+            )  # fmt: skip
+        self._denied_unlogged.clear()
+        self._denied_logged_at = now
 
     def _bump(self, name: str, n: int = 1) -> None:
         self.status.counters[name] = self.status.counters.get(name, 0) + n

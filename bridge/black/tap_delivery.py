@@ -11,7 +11,7 @@ from bridge.protocol.properties import Properties, decode_properties, encode_pro
 
 __all__ = [
     "DELIVERY_COUNT_HEADER", "as_text", "death_of", "field_of", "headers_of", "key_text",
-    "order_free", "strip_delivery_count", "text_names",
+    "order_free", "reordered", "strip_delivery_count", "text_names",
 ]  # fmt: skip
 
 DELIVERY_COUNT_HEADER = "x-delivery-count"
@@ -96,6 +96,15 @@ def strip_delivery_count(props_raw: bytes) -> bytes:
     if len(kept) == len(props.headers):
         return props_raw
     return encode_properties(dataclasses.replace(props, headers=kept or None))
+
+
+def reordered(kept_raw: bytes) -> bool:
+    """A quorum redelivery's kept property bytes (``strip_delivery_count``) may differ from the
+    original's: the broker re-encoded the content header to add its count, sorting the header
+    table by key (every other property and every value is re-encoded as it was). That changes
+    bytes only if the table had two keys or more; with one or none the bytes are the original's."""
+    props = _with_headers(kept_raw)
+    return props is not None and props.headers is not None and len(props.headers) >= 2
 
 
 def order_free(props_raw: bytes) -> bytes:

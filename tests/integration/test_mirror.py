@@ -443,3 +443,81 @@ def test_headers_catch_all_semantics_on_the_broker(amqp: BlockingChannel) -> Non
         pub(amqp, "h", "rk", b"x", headers)
     counts = {name: depth(amqp, name, 0 if name == "any" else 4) for name in variants}
     assert counts == {"empty": 4, "all": 4, "any": 0}
+
+
+def test_a_newly_denied_exchange_is_unbound_while_the_management_api_is_down(
+    black_vhost: Vhost, amqp: BlockingChannel, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """discover = false and the management API unreachable: the bindings cannot be listed, yet
+    an exchange the operator now denies must stop flowing. Every binding black could have made
+    from it is unbound (a no-op where there is none), and the report says bindings were not
+    listed; an exchange still wanted whose type is unknown keeps its binding."""
+    amqp.exchange_declare("ev", "fanout", durable=True)
+    amqp.exchange_declare("secret", "topic", durable=True)
+    amqp.exchange_declare("gone", "fanout", durable=True)
+    chan: dict[str, Any] = {"exchanges": ["ev", "secret", "gone"]}
+    up = make_cfg(black_vhost, tmp_path, black={"discover": False}, **chan)
+    catalog = tmp_path / "exchanges.json"
+    assert Mirror(up, catalog_path=catalog).sync().channels["c1"].bound == ["ev", "gone", "secret"]
+
+    # denied now, and the management API is down; "gone" is no longer named by the channel
+    dead = ManagementClient(f"http://127.0.0.1:{free_port()}", "guest", "guest", timeout=2)
+    now = make_cfg(black_vhost, tmp_path, black={"discover": False}, exchanges=["ev"],
+                   deny=["secret*"])  # fmt: skip
+    r = Mirror(now, catalog_path=catalog, management=dead).sync().channels["c1"]
+    rows = api(black_vhost, f"queues/{{v}}/{QUEUE}/bindings")
+    assert sorted(b["source"] for b in rows) == ["", "ev"]
+    assert r.bound == ["ev"]
+    assert not r.bindings_listed
+    assert r.unbound_unlisted == ["gone", "secret"]
+    assert "cannot be listed" in caplog.text
+    pub(amqp, "secret", "x", b"classified")
+    pub(amqp, "gone", "", b"not named")
+    pub(amqp, "ev", "", b"mirrored")
+    assert [g[3] for g in drain(black_vhost.amqp_url, QUEUE, 1)] == [b"mirrored"]
+
+
+def test_a_limit_on_the_dead_queue_is_reported(
+    black_vhost: Vhost, amqp: BlockingChannel, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An operator's policy matching every mirror queue (``^diode\\.mirror\\.``) also limits
+    the channel's dead queue: what it drops vanishes without a recorded gap (dead-lettering is
+    at-most-once, refused or dropped alike). Each sync says so: an error log, a gauge and the
+    report."""
+    from bridge.metrics import REGISTRY
+
+    amqp.exchange_declare("ev", "fanout", durable=True)
+    cfg = make_cfg(black_vhost, tmp_path, exchanges=["ev"])
+    mirror = Mirror(cfg, catalog_path=tmp_path / "exchanges.json")
+    gauge = "bridge_black_dead_queue_limited"
+    mirror.sync()
+    assert REGISTRY.get_sample_value(gauge, {"channel": "c1"}) == 0
+    v = urllib.parse.quote(black_vhost.name, safe="")
+    put = requests.put(
+        f"{black_vhost.management_url}/api/policies/{v}/limit-all-mirrors",
+        json={"pattern": r"^diode\.mirror\.", "apply-to": "queues",
+              "definition": {"max-length": 10, "message-ttl": 60000}},
+        auth=AUTH, timeout=10,
+    )  # fmt: skip
+    assert put.status_code in (201, 204), put.text
+    deadline = time.monotonic() + 20
+    while True:  # the broker applies a new policy asynchronously
+        r = mirror.sync().channels["c1"]
+        if REGISTRY.get_sample_value(gauge, {"channel": "c1"}) == 1:
+            break
+        assert time.monotonic() < deadline, "the dead queue's limit was never reported"
+        time.sleep(0.2)
+    assert len(r.queue_problems) == 1
+    assert DEAD_QUEUE in r.queue_problems[0]
+    assert "max-length=10" in r.queue_problems[0] and "message-ttl=60000" in r.queue_problems[0]
+    assert any(
+        rec.levelname == "ERROR" and DEAD_QUEUE in rec.getMessage() for rec in caplog.records
+    )
+    requests.delete(
+        f"{black_vhost.management_url}/api/policies/{v}/limit-all-mirrors", auth=AUTH, timeout=10
+    ).raise_for_status()
+    deadline = time.monotonic() + 20
+    while mirror.sync().channels["c1"].queue_problems:
+        assert time.monotonic() < deadline, "the lifted limit is still reported"
+        time.sleep(0.2)
+    assert REGISTRY.get_sample_value(gauge, {"channel": "c1"}) == 0

@@ -923,3 +923,163 @@ def test_a_tap_paused_while_the_disk_refused_its_segment_roll_resumes_once_there
     assert [(x["pos"], x["body"]) for x in rows] == [(i + 12, b) for i, (_, b) in
                                                      enumerate(sent[12:])]  # fmt: skip
     assert queue_depth(black_vhost.amqp_url, QUEUE) == 0
+
+
+def _publish_to(url: str, messages: list[tuple[str, str, bytes, bytes]]) -> None:
+    """Publish (exchange, routing key, property bytes, body) with confirms, in order, through
+    the bridge's own client (it sends names that are not UTF-8: surrogate escapes)."""
+    conn = Connection.open(url)
+    try:
+        ch = conn.channel()
+        ch.confirm_select()
+        last = 0
+        for exchange, rk, props, body in messages:
+            last = ch.publish(exchange, rk, props, body)
+        acked = 0
+        while acked < last:
+            for c in conn.poll(1.0).confirms:
+                assert c.ack, f"broker nacked publish {c.delivery_tag}"
+                acked = max(acked, c.delivery_tag)
+    finally:
+        conn.close()
+
+
+def test_non_utf8_names_redelivered_after_a_crash_are_recognised(
+    black_vhost: Any, tmp_path: Path
+) -> None:
+    """Routing keys that are not UTF-8, SIGKILL between fsync and ack: the restarted tap
+    fingerprints each redelivery from its names as the spool stores them (U+FFFD), so it
+    neither crashes on them nor spools them twice, and loses none."""
+    cfg = write_config(tmp_path, black_vhost.amqp_url, group_messages=50, prefetch=50)
+    setup_mirror(cfg, black_vhost.amqp_url)
+    props = encode_properties(Properties(delivery_mode=2))
+    sent = [("ev", f"k\udcff{i % 3}", props, f"odd-{i}".encode()) for i in range(200)]
+    _publish_to(black_vhost.amqp_url, sent)  # wire routing keys b"k\xff0"...
+    env = _tap_killed_at(cfg, tmp_path, "tap.after_sync", nth=2)
+    assert len(spooled(cfg)) == 100  # two groups durable, the second never acked
+    second = _tap_process(cfg, env)
+    assert second.returncode == 0, second.stderr.decode(errors="replace")[-2000:]
+    rows = spooled(cfg)
+    assert [r["body"] for r in rows] == [b for *_, b in sent], "each message once, in order"
+    assert {(r["routing_key"], r["reason"]) for r in rows} == {
+        (f"k\ufffd{i}", "non-utf8-name") for i in range(3)
+    }
+    st = tap_status(cfg, "main")
+    assert st is not None and st.counters.get("redelivered_skipped", 0) >= 1, st.counters
+    assert queue_depth(black_vhost.amqp_url, QUEUE) == 0
+
+
+def _deny_config(tmp_path: Path, url: str, **tap: Any) -> Config:
+    """Channel main mirrors every exchange but ``secret*``; ``secret`` is bound into ``ev``
+    (an exchange-to-exchange binding: its messages reach the mirror queue through ``ev``,
+    keeping their own exchange name)."""
+    cfg = write_config(tmp_path, url, **tap)
+    assert cfg.source is not None
+    text = cfg.source.read_text().replace(
+        'exchanges = ["ev"]', 'exchanges = ["*"]\ndeny = ["secret*"]'
+    )
+    cfg.source.write_text(text)
+    conn = pika.BlockingConnection(pika.URLParameters(url))
+    ch = conn.channel()
+    ch.exchange_declare("ev", "fanout", durable=True)
+    ch.exchange_declare("secret", "topic", durable=True)
+    ch.exchange_bind(destination="ev", source="secret", routing_key="#")
+    conn.close()
+    cfg = load_config(cfg.source)
+    report = Mirror(cfg, catalog_path=Path(cfg.black.state_dir) / "exchanges.json").sync()
+    assert report.channels["main"].bound == ["ev"]
+    return cfg
+
+
+def _alternating(n: int) -> list[tuple[str, str, bytes, bytes]]:
+    """``n`` messages to ``ev`` and ``n`` to ``secret``, one after the other."""
+    props = encode_properties(Properties(delivery_mode=2))
+    out = []
+    for i in range(n):
+        out.append(("ev", f"k{i}", props, f"ev-{i}".encode()))
+        out.append(("secret", f"s{i}", props, f"classified-{i}".encode()))
+    return out
+
+
+def test_a_denied_exchange_bound_into_a_mirrored_one_reaches_no_record(
+    black_vhost: Any, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Messages of a denied exchange that reach the mirror queue through an exchange-to-
+    exchange binding are dropped by the tap: never spooled, not even as the lost record of a
+    dead letter (their names stay out too), acked with their group, counted ``denied`` and
+    logged with the channel, exchange and count. Positions stay gapless."""
+    caplog.set_level(logging.WARNING)
+    cfg = _deny_config(tmp_path, black_vhost.amqp_url, group_messages=2, prefetch=10)
+    _limit_policy(black_vhost.name, **{"max-length": 4})
+    _wait_policy(black_vhost.name)
+    _publish_to(black_vhost.amqp_url, _alternating(5))  # the oldest 6 are dead-lettered
+    Tap(cfg, "main", until_empty=True).run()
+    rows = spooled(cfg)
+    assert [r["pos"] for r in rows] == list(range(len(rows)))
+    assert all(r["exchange"] == "ev" for r in rows), rows
+    assert sorted((r["kind"], r["routing_key"]) for r in rows) == [
+        (KIND_MESSAGE, "k3"), (KIND_MESSAGE, "k4"),
+        (KIND_LOST, "k0"), (KIND_LOST, "k1"), (KIND_LOST, "k2"),
+    ]  # fmt: skip
+    st = tap_status(cfg, "main")
+    assert st is not None and st.counters.get("denied") == 5, st.counters
+    assert queue_depth(black_vhost.amqp_url, QUEUE) == 0
+    assert queue_depth(black_vhost.amqp_url, QUEUE + ".dead") == 0
+    warned = [r for r in caplog.records if "denies were dropped" in r.getMessage()]
+    assert warned, caplog.text
+    assert {(getattr(r, "exchange", None), getattr(r, "channel", None)) for r in warned} == {
+        ("secret", "main")
+    }
+    assert sum(getattr(r, "count", 0) for r in warned) == 5
+
+
+def test_a_crash_among_denied_deliveries_loses_and_duplicates_nothing(
+    black_vhost: Any, tmp_path: Path
+) -> None:
+    """Denied deliveries between spooled ones, SIGKILL between fsync and ack, then a restart:
+    they are acked only with their group (``multiple`` never passes an unsynced record), so
+    every mirrored message is spooled exactly once, in order, and no denied one at all."""
+    cfg = _deny_config(tmp_path, black_vhost.amqp_url, group_messages=20, prefetch=100)
+    sent = _alternating(150)
+    _publish_to(black_vhost.amqp_url, sent)
+    env = _tap_killed_at(cfg, tmp_path, "tap.after_sync", nth=3)
+    assert len(spooled(cfg)) >= 60
+    second = _tap_process(cfg, env)
+    assert second.returncode == 0, second.stderr.decode(errors="replace")[-2000:]
+    rows = spooled(cfg)
+    assert [r["pos"] for r in rows] == list(range(len(rows)))
+    assert [r["body"] for r in rows] == [b for e, *_, b in sent if e == "ev"]
+    st = tap_status(cfg, "main")
+    assert st is not None and st.counters.get("denied", 0) >= 1, st.counters
+    assert queue_depth(black_vhost.amqp_url, QUEUE) == 0
+
+
+def test_a_quorum_redelivery_is_marked_inexact_only_if_its_header_order_may_differ(
+    black_vhost: Any, tmp_path: Path
+) -> None:
+    """A quorum queue re-encodes a redelivery's content header to add x-delivery-count,
+    sorting the header table. Stripped of that count, a message with no header or one header
+    is byte-exact (kept unmarked); one with several may have had another order: marked
+    ``quorum-reencoded``."""
+    cfg = write_config(tmp_path, black_vhost.amqp_url, "quorum")
+    setup_mirror(cfg, black_vhost.amqp_url)
+    tables: list[dict[str, Any] | None] = [None, {"z": 1}, {"z": 1, "a": 2, "m": 3}]
+    sent = [
+        ("ev", "", encode_properties(Properties(delivery_mode=2, message_id=f"m{i}",
+                                                headers=field_table(t) if t else None)),
+         f"b{i}".encode())
+        for i, t in enumerate(tables)
+    ]  # fmt: skip
+    _publish_to(black_vhost.amqp_url, sent)
+    conn, held = _hold(black_vhost.amqp_url, QUEUE)  # delivered, then handed back unacked
+    assert held == 3
+    conn.close()
+    Tap(cfg, "main", until_empty=True).run()
+    rows = spooled(cfg)
+    assert [r["body"] for r in rows] == [b for *_, b in sent]
+    assert all(r["redelivered"] for r in rows)
+    assert [r["reason"] for r in rows] == [None, None, REENCODED]
+    assert [r["properties_raw"] for r in rows[:2]] == [p for _, _, p, _ in sent[:2]]
+    assert order_free(rows[2]["properties_raw"]) == order_free(sent[2][2])
+    st = tap_status(cfg, "main")
+    assert st is not None and st.counters.get(f"inexact_{REENCODED}") == 1, st.counters
