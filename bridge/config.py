@@ -507,6 +507,11 @@ class UdpSendConfig(_Strict):
 
     @model_validator(mode="after")
     def _check(self) -> UdpSendConfig:
+    settle_seconds: float = Field(default=1.0, ge=0, le=3600)
+    """A file is taken once unchanged (size, mtime) for this long, so one written in place
+    under its final name (an operator's `cp`) is not sent half-written. 0: take files at once,
+    for an outbox where files only ever appear by rename (black's own do)."""
+
         _host_port(self.destination, "udp.send.destination")
         if self.source:
             _host_port(self.source, "udp.send.source")

@@ -145,6 +145,8 @@ class _Receiver:
         self.heard = 0.0
         self.started = time.time()
         self._hb_last = (-1, -1)  # (epoch, packet) of the last heartbeat taken
+        self._hb_epoch = -1
+        self._hb_channels: dict[str, dict[str, int | None]] = {}  # of epoch _hb_epoch
         self.work: queue.Queue[Delivery | None] = queue.Queue()
         self.lock = threading.Lock()
         self._pushed: dict[str, int] = {}
@@ -239,18 +241,32 @@ class _Receiver:
         self.summary.heartbeats += 1
         self._epoch(hb.epoch)
         self.heard = time.time()
+        channels = self._merge_channels(hb)
         started = hb.counters.get("objects_started")  # absent from an older sender's
-        ra.heard(hb.epoch, started if type(started) is int and started >= 0 else None,
-                 hb.channels)  # fmt: skip
+        if hb.parts == 1 or len(channels) > 1:
+            # a round's first part heard names one channel of several: wait for another part,
+            # lest the epoch be taken for a one-channel sender (its unseen records named so)
+            ra.heard(hb.epoch, started if type(started) is int and started >= 0 else None,
+                     channels)  # fmt: skip
         self.heartbeat = {
             "epoch": hb.epoch,
             "sender_time": hb.sender_time,
             "interval_seconds": hb.interval_seconds,
-            "channels": hb.channels,
+            "channels": channels,
             "counters": hb.counters,
+            "part": hb.part,
+            "parts": hb.parts,
             "received_at": self.heard,
         }
         return None
+
+    def _merge_channels(self, hb: LinkHeartbeat) -> dict[str, dict[str, int | None]]:
+        """The channels the epoch's heartbeats named, each as its latest heartbeat told it: a
+        round split over several datagrams (many channels) carries a share in each."""
+        if hb.epoch != self._hb_epoch:
+            self._hb_epoch, self._hb_channels = hb.epoch, {}
+        self._hb_channels.update(hb.channels)
+        return dict(sorted(self._hb_channels.items()))
 
     def _epoch(self, epoch: int) -> None:
         cur = self.summary.epoch

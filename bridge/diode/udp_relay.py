@@ -7,9 +7,11 @@ duplication and single-bit corruption. Counters go to stdout as one JSON line wh
 
 Burst model: two states. In *good* nothing is lost by it; in *bad* every datagram is lost.
 Bad -> good with probability ``1 / burst_mean`` per datagram (bursts last ``burst_mean`` on
-average, geometrically), good -> bad with ``p = r / (burst_mean * (1 - r))`` so that the
-long-run fraction lost in bursts is ``r = burst_loss``. ``burst_max`` caps a burst's length
-(``burst_mean = burst_max = 50`` gives bursts of exactly 50; two may touch now and then).
+average, geometrically). ``burst_max`` caps a burst's length (``burst_mean = burst_max = 50``
+gives bursts of exactly 50, two touching now and then; ``burst_max < burst_mean`` gives bursts
+of exactly ``burst_max``). Good -> bad with ``p = r / (L * (1 - r) + r)``, ``L`` the mean
+length of the bursts as capped (``burst_length``), so that the long-run fraction lost in
+bursts is ``r = burst_loss`` under any cap.
 
 Reordering: a datagram held back is sent once ``reorder_depth`` more datagrams have arrived
 (at most that many overtake it, fewer when some of them are lost or held back too), when the
@@ -33,7 +35,7 @@ from typing import Any
 
 from bridge.diode.udp_socket import set_rcvbuf
 
-__all__ = ["Impairment", "LossModel", "Relay", "main"]
+__all__ = ["Impairment", "LossModel", "Relay", "burst_length", "main"]
 
 
 @dataclass(frozen=True)
@@ -59,6 +61,18 @@ class Impairment:
             raise ValueError("relay burst_mean and reorder_depth must be >= 1")
 
 
+def burst_length(mean: float, most: int | None) -> float:
+    """The mean length of the bursts the model makes: ``mean`` (geometric) cut at ``most``
+    (a cut burst is shorter: ``(1 - (1 - 1/mean)^most) * mean``), ``most`` when ``mean >=
+    most`` (bursts of exactly ``most``). The entry probability is taken from it, so the
+    long-run fraction lost in bursts is ``burst_loss`` whatever the cap."""
+    if most is None:
+        return mean
+    if mean >= most:
+        return float(max(most, 1))  # the datagram that starts a burst is lost even at 0
+    return (1.0 - (1.0 - 1.0 / mean) ** most) * mean
+
+
 class LossModel:
     """Decides per datagram: lost at random, lost in a burst, or kept (pure, seeded)."""
 
@@ -69,10 +83,11 @@ class LossModel:
         self._loss = imp.loss
         r = imp.burst_loss
         self._p_leave = 1.0 / imp.burst_mean
-        self._p_enter = r / (imp.burst_mean * (1.0 - r)) if r > 0 else 0.0
         self._max = imp.burst_max
         if self._max is not None and imp.burst_mean >= self._max:
             self._p_leave = 0.0  # fixed-length bursts: only burst_max ends one
+        length = burst_length(imp.burst_mean, imp.burst_max)
+        self._p_enter = r / (length * (1.0 - r) + r) if r > 0 else 0.0
         self._bad = False
         self._run = 0
 
@@ -207,7 +222,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--loss", type=float, default=0.0, help="%% lost at random")
     ap.add_argument("--burst-loss", type=float, default=0.0, help="%% lost in bursts")
     ap.add_argument("--burst-mean", type=float, default=4.0, help="mean burst length")
-    ap.add_argument("--burst-max", type=int, default=None, help="longest burst")
+    ap.add_argument("--burst-max", type=int, default=None,
+                    help="longest burst (below --burst-mean: bursts of exactly this; the loss "
+                    "stays --burst-loss)")  # fmt: skip
     ap.add_argument("--reorder", type=float, default=0.0, help="%% held back and sent later")
     ap.add_argument("--reorder-depth", type=int, default=8,
                     help="held back while N more arrive")  # fmt: skip

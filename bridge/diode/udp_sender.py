@@ -9,13 +9,21 @@ file, the journal records it as ``sending``; after its last datagram (of the las
 ``sent``, then the file is unlinked from the outbox (black keeps its archive copy for `diode
 resend`). A restart unlinks files already ``sent`` and sends the others again, whole, under
 the new epoch: nothing is skipped, at most the files in flight are repeated.
+
+A file is taken once it is settled (unchanged for ``settle_seconds``: a writer filling it in
+place is waited for); it is digested a slice per loop turn (heartbeats keep their period on a
+large file) and read block by block, its descriptor closed once its last block is read (one
+outbox file open at a time, however many small files the interleaver spreads). A file that
+cannot be read is logged, counted and left alone until it changes.
 """
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
+import resource
 import socket
 import threading
 import time
@@ -48,6 +56,8 @@ from bridge.protocol.datagram import (
     ObjectHeader,
     ObjectKind,
     SymbolSealer,
+    heartbeat_room,
+    split_heartbeat,
     symbol_size_for,
 )
 from bridge.protocol.naming import parse_bundle_name, parse_heartbeat_name
@@ -61,6 +71,22 @@ JOURNAL = "journal.jsonl"
 EPOCH = "epoch"
 _JOURNAL_COMPACT_BYTES = 4 << 20
 _CHUNK = 1 << 20
+_DIGEST_SLICE = 0.02
+"""Seconds of hashing per loop turn at most (then heartbeats and sends get their turn)."""
+RECENT_FILES = 10_000
+"""Names of files sent kept in the summary (the most recent); ``files_sent`` counts them all."""
+_TRANSIENT = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOMEM})
+"""Errors of the process, not of the file: it is tried again at the next scan."""
+
+FileKey = tuple[int, int, int, int]
+"""(inode, size, mtime, ctime in ns) of an outbox file: a change of any (a write, a chmod) makes
+it a new file."""
+_NO_KEY: FileKey = (-1, -1, -1, -1)
+
+
+def file_key(st: os.stat_result) -> FileKey:
+    """The key of a stat'ed outbox file."""
+    return (st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
 
 
 def envelope_prefix(name: str) -> bytes:
@@ -75,12 +101,19 @@ class SendSummary:
 
     epoch: int = 0
     files: list[str] = field(default_factory=list)
+    """The most recent names sent (at most RECENT_FILES; ``files_sent`` counts them all)."""
+    files_sent: int = 0
     datagrams: int = 0
     bytes: int = 0
     file_bytes: int = 0
     skipped: int = 0
+    unreadable: int = 0
+    """Outbox files the sender could not read (logged; left alone until they change)."""
     already_sent: int = 0
     heartbeats: int = 0
+    """Link heartbeat datagrams (a round with many channels is several)."""
+    heartbeat_errors: int = 0
+    """Heartbeat datagrams not sent: they could not be sealed (logged)."""
     send_calls: int = 0
     """System calls that sent datagrams (fewer than datagrams with UDP GSO)."""
     encode_workers_lost: int = 0
@@ -89,9 +122,16 @@ class SendSummary:
     """Blocks encoded in the sender's own process (encode_workers = 0, or workers lost)."""
     seconds: float = 0.0
 
+    def sent(self, name: str) -> None:
+        """Count a file sent; keep its name among the recent ones."""
+        self.files_sent += 1
+        self.files.append(name)
+        if len(self.files) >= 2 * RECENT_FILES:
+            del self.files[:-RECENT_FILES]
+
     def to_json(self) -> dict[str, Any]:
         d = dict(self.__dict__)
-        d["files"] = len(self.files)
+        d["files"] = self.files_sent
         d["mb_per_s"] = round(self.file_bytes / self.seconds / 1e6, 2) if self.seconds else 0.0
         return d
 
@@ -110,7 +150,27 @@ class Journal:
                     continue  # a torn last line: that record was never durable
                 if isinstance(rec, dict) and isinstance(rec.get("name"), str):
                     self.last[rec["name"]] = rec
-        self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_APPEND, 0o600)
+        self._cut_torn_line()
+
+    def _cut_torn_line(self) -> None:
+        """Cut a torn last line (power loss mid-append) back to the last newline, fsynced, so
+        the next record starts on a line of its own instead of being glued onto it."""
+        end = os.fstat(self._fd).st_size
+        if not end or os.pread(self._fd, 1, end - 1) == b"\n":
+            return
+        keep = end
+        while keep > 0:
+            start = max(0, keep - _CHUNK)
+            at = os.pread(self._fd, keep - start, start).rfind(b"\n")
+            if at >= 0:
+                keep = start + at + 1
+                break
+            keep = start
+        os.ftruncate(self._fd, keep)
+        os.fsync(self._fd)
+        log_event(log, 30, "sender journal ended in a torn record: cut off", path=str(self.path),
+                  bytes_cut=end - keep)  # fmt: skip
 
     def record(self, **rec: Any) -> None:
         rec["time"] = round(time.time(), 3)
@@ -162,8 +222,20 @@ def _new_epoch(state_dir: Path) -> int:
 
 
 @dataclass
+class _Opening:
+    """An outbox file being digested (a slice per loop turn) before its first datagram."""
+
+    path: Path
+    fd: int
+    st: os.stat_result
+    digest: Any
+    off: int = 0
+
+
+@dataclass
 class _Object:
-    """One file being sent: its header, its open descriptor, what is left to send."""
+    """One file being sent: its header, its descriptor (-1 once its last block is read), what
+    is left to send."""
 
     path: Path
     name: str
@@ -180,6 +252,8 @@ class _Object:
     mtime_ns: int = 0
     started: bool = False
     """A datagram of it was handed to the socket (heartbeats count it in objects_started)."""
+    changed: bool = False
+    """Its size or mtime differed from the digest's when its last block was read."""
 
 
 @dataclass
@@ -222,7 +296,17 @@ class _Sender:
         self.state_dir = Path(self.u.state_dir)
         self.summary = SendSummary()
         self.queue: deque[Path] = deque()
-        self.queued: set[str] = set()
+        self.queued: dict[str, FileKey] = {}
+        """Names queued or being sent, with their key when the scan took them."""
+        self.settling: dict[str, tuple[FileKey, float]] = {}
+        """Files seen but not settled yet: their key and when (monotonic) it was first seen."""
+        self.settle_due: float | None = None
+        """When (monotonic) the next settling file may be settled: scan then."""
+        self.unreadable: dict[str, FileKey] = {}
+        """Files that could not be read, by name: left alone until their key changes."""
+        self.opening: _Opening | None = None
+        self.digest_until = 0.0
+        """This loop turn's hashing ends then (monotonic)."""
         self.feeding: _Object | None = None
         self.il: Interleaver[_Block] = Interleaver(self.u.interleave_datagrams)
         self.packet = 0
@@ -233,6 +317,7 @@ class _Sender:
             c: {"last_seq": None, "objects": 0} for c in sorted(self.channels)
         }
         self.last_heartbeat = 0.0
+        self.hb_room = heartbeat_room(self.mtu, ipv6=self.ipv6)
         self.last_status = 0.0
         self.repairs_sent = 0
         self._pushed = (0, 0, 0)  # datagrams, repairs, bytes already added to the metrics
@@ -268,12 +353,15 @@ class _Sender:
         return None
 
     def scan(self) -> int:
-        """Queue the outbox files of udp channels not queued yet (oldest first)."""
+        """Queue the settled outbox files of udp channels not queued yet (oldest first)."""
         found: list[tuple[float, str, Path]] = []
         try:
             entries = list(os.scandir(self.outbox))
         except FileNotFoundError:
             return 0
+        now, wall = time.monotonic(), time.time()
+        settling, unreadable = self.settling, self.unreadable
+        self.settling, self.unreadable, self.settle_due = {}, {}, None  # only names still here
         for e in entries:
             if e.name in self.queued or e.name.startswith(".") or self._ours(e.name) is None:
                 continue
@@ -281,41 +369,142 @@ class _Sender:
                 st = e.stat(follow_symlinks=False)
             except FileNotFoundError:
                 continue
+            except OSError as err:
+                self._stat_failed(e.name, unreadable, err)
+                continue
             if not e.is_file(follow_symlinks=False):
                 continue
-            found.append((st.st_mtime, e.name, Path(e.path)))
-        for _, name, path in sorted(found):
+            key = file_key(st)
+            if unreadable.get(e.name) == key:
+                self.unreadable[e.name] = key  # the same unreadable file: said once already
+                continue
+            if self._settled(e.name, key, st.st_mtime, settling.get(e.name), now, wall):
+                found.append((st.st_mtime, e.name, Path(e.path)))
+                self.queued[e.name] = key
+        for _, _, path in sorted(found):
             self.queue.append(path)
-            self.queued.add(name)
         return len(found)
 
+    def _settled(
+        self,
+        name: str,
+        key: FileKey,
+        mtime: float,
+        seen: tuple[FileKey, float] | None,
+        now: float,
+        wall: float,
+    ) -> bool:
+        """True when the file was left alone for ``settle_seconds``: its mtime is that old, or
+        its key did not change since a scan that long ago. Else it is kept in ``settling``
+        (a writer may still be filling it in place under its final name)."""
+        settle = self.u.settle_seconds
+        if settle <= 0 or wall - mtime >= settle:
+            return True
+        if seen is not None and seen[0] == key:
+            if now - seen[1] >= settle:
+                return True
+            since = seen[1]
+        else:
+            since = now
+        self.settling[name] = (key, since)
+        due = min(since + settle, now + max(0.0, mtime + settle - wall))
+        self.settle_due = due if self.settle_due is None else min(self.settle_due, due)
+        return False
+
+    def _stat_failed(self, name: str, unreadable: dict[str, FileKey], err: OSError) -> None:
+        """An outbox entry that cannot even be stat'ed: unreadable, said once."""
+        key = _NO_KEY
+        if unreadable.get(name) != key:
+            self._unreadable(name, key, err, "stat")
+        self.unreadable[name] = key
+
+    def _unreadable(self, name: str, key: FileKey, err: OSError, stage: str) -> None:
+        """Loss is data: log and count a file the sender cannot read, and leave it alone
+        until it changes (a restart tries it once again)."""
+        self.unreadable[name] = key
+        self.summary.unreadable += 1
+        log_event(log, 40, "outbox file unreadable: skipped until it changes", file_name=name,
+                  stage=stage, errno=errno.errorcode.get(err.errno or 0, str(err.errno)),
+                  error=str(err), outbox=str(self.outbox))  # fmt: skip
+
     def _open_next(self) -> _Object | None:
-        while self.queue:
-            path = self.queue.popleft()
-            obj = self._open(path)
+        """The next queued file, digested and journaled ``sending``; None when the queue is
+        empty or this turn's hashing time is spent (a large file goes on at the next turn)."""
+        while True:
+            op = self.opening
+            if op is None:
+                if not self.queue:
+                    return None
+                op = self.opening = self._begin(self.queue.popleft())
+                if op is None:
+                    continue
+            try:
+                done = self._digest_some(op)
+            except OSError as e:
+                self.opening = None
+                os.close(op.fd)
+                self._unreadable(op.path.name, file_key(op.st), e, "read")
+                self._forget(op.path.name, skipped=True)
+                continue
+            if not done:
+                return None
+            self.opening = None
+            obj = self._open(op)
             if obj is not None:
                 return obj
-        return None
 
-    def _open(self, path: Path) -> _Object | None:
+    def _begin(self, path: Path) -> _Opening | None:
+        """Open a queued file for its digest; None (logged, counted) when it cannot be."""
         name = path.name
-        ours = self._ours(name)
-        assert ours is not None
-        channel, kind, seq = ours
         try:
             fd = os.open(path, os.O_RDONLY)
         except FileNotFoundError:
             log_event(log, 30, "outbox file vanished before it was sent", file_name=name)
             self._forget(name, skipped=True)
             return None
-        st = os.fstat(fd)
+        except OSError as e:
+            if e.errno in _TRANSIENT:
+                log_event(log, 40, "outbox file not opened: tried again at the next scan",
+                          file_name=name, error=str(e))  # fmt: skip
+            else:
+                self._unreadable(name, self.queued.get(name, _NO_KEY), e, "open")
+            self._forget(name, skipped=True)
+            return None
+        try:
+            st = os.fstat(fd)
+        except OSError as e:
+            os.close(fd)
+            self._unreadable(name, self.queued.get(name, _NO_KEY), e, "fstat")
+            self._forget(name, skipped=True)
+            return None
+        return _Opening(path, fd, st, hashlib.sha256(envelope_prefix(name)))
+
+    def _digest_some(self, op: _Opening) -> bool:
+        """Hash the file on until its end (True) or until this turn's time is spent (False);
+        a file's first chunk, and the read that confirms a short one was its last, always go
+        (a small file is never split across turns, a large one never stalls)."""
+        short = False
+        while True:
+            if op.off and not short and time.monotonic() >= self.digest_until:
+                return False
+            chunk = os.pread(op.fd, _CHUNK, op.off)
+            if not chunk:
+                return True
+            op.digest.update(chunk)
+            op.off += len(chunk)
+            short = len(chunk) < _CHUNK
+
+    def _open(self, op: _Opening) -> _Object | None:
+        """A digested file as an object to send (journaled ``sending``), or None when the
+        journal says this very file was sent already (it is unlinked)."""
+        path, fd, st = op.path, op.fd, op.st
+        name = path.name
+        ours = self._ours(name)
+        assert ours is not None
+        channel, kind, seq = ours
         prefix = envelope_prefix(name)
-        digest = hashlib.sha256(prefix)
-        off = 0
-        while chunk := os.pread(fd, _CHUNK, off):
-            digest.update(chunk)
-            off += len(chunk)
-        size = off
+        digest = op.digest
+        size = op.off
         done = self.journal.last.get(name)
         hexd = digest.hexdigest()
         if _same_file_sent(done, hexd, st):
@@ -348,7 +537,7 @@ class _Sender:
         return obj
 
     def _forget(self, name: str, *, skipped: bool = False) -> None:
-        self.queued.discard(name)
+        self.queued.pop(name, None)
         if skipped:
             self.summary.skipped += 1
 
@@ -371,6 +560,18 @@ class _Sender:
         if len(data) != plan.length:
             raise TransportError(f"{obj.name} changed while it was sent (short read)")
         return data
+
+    def _release(self, obj: _Object) -> None:
+        """Close the file once its last block is read (what is in flight is in memory), noting
+        whether it changed since its digest."""
+        if obj.fd < 0:
+            return
+        try:
+            obj.changed = obj.changed or self._changed(obj)
+        except OSError:
+            obj.changed = True
+        os.close(obj.fd)
+        obj.fd = -1
 
     def _next_block(self) -> tuple[_Object, int, bytes, int, int] | None:
         """Read the next block to send (of this object, or the next file): ``(object, block
@@ -401,10 +602,16 @@ class _Sender:
                     obj.next_block = 0
                 else:
                     self.feeding = None
+                    self._release(obj)
             return obj, index, padded, n_rep, first
 
     def _more_to_feed(self) -> bool:
-        return self.feeding is not None or bool(self.queue) or bool(self.pool.pending())
+        return (
+            self.feeding is not None
+            or self.opening is not None
+            or bool(self.queue)
+            or bool(self.pool.pending())
+        )
 
     def _feed_one_block(self, wait: float) -> bool:
         """Add one encoded block to the interleaver (the workers encode ahead); False when
@@ -431,12 +638,24 @@ class _Sender:
         obj.failed = True
         self.unstarted.pop(obj.header.object_id, None)
         self._forget(obj.name, skipped=True)
-        if not obj.blocks_open:
+        if obj.fd >= 0:
             os.close(obj.fd)
+            obj.fd = -1
 
     def _changed(self, obj: _Object) -> bool:
         st = os.fstat(obj.fd)
         return st.st_size != obj.size or st.st_mtime_ns != obj.mtime_ns
+
+    def _changed_since(self, obj: _Object) -> bool:
+        """True when the file changed since its digest: when its last block was read, or in
+        the outbox since (a file removed or replaced meanwhile was read whole)."""
+        if obj.changed:
+            return True
+        try:
+            st = os.stat(obj.path)
+        except FileNotFoundError:
+            return False
+        return st.st_ino == obj.ino and (st.st_size, st.st_mtime_ns) != (obj.size, obj.mtime_ns)
 
     def _block_done(self, blk: _Block) -> None:
         obj = blk.obj
@@ -444,14 +663,12 @@ class _Sender:
         if obj.blocks_open or self.feeding is obj:
             return
         if obj.failed:
-            os.close(obj.fd)  # its last queued symbols are out; it was never sent whole
-            return
-        if self._changed(obj):
+            return  # its last queued symbols are out; it was never sent whole
+        if self._changed_since(obj):
             log_event(log, 40, "outbox file changed while it was sent: skipped",
-                      file_name=obj.name)  # fmt: skip
+                      file_name=obj.name, object_id=obj.header.object_id)  # fmt: skip
             self._abandon(obj)
             return
-        os.close(obj.fd)
         self.journal.record(
             state="sent", name=obj.name, size=obj.size, digest=obj.header.digest.hex(),
             epoch=self.epoch, object_id=obj.header.object_id, ino=obj.ino,
@@ -464,7 +681,7 @@ class _Sender:
         ch["objects"] = int(ch["objects"] or 0) + 1
         if obj.header.kind == ObjectKind.BUNDLE:
             ch["last_seq"] = max(int(ch["last_seq"] or 0), obj.header.seq)
-        self.summary.files.append(obj.name)
+        self.summary.sent(obj.name)
         self.summary.file_bytes += obj.size
         UDP.objects_sent.labels(obj.channel).inc()
         log_event(log, 20, "file sent", file_name=obj.name, bytes=obj.size,
@@ -496,21 +713,42 @@ class _Sender:
         return next(iter(self.unstarted), self.object_id)
 
     def _heartbeat(self, now: float) -> None:
+        """One round of link heartbeats: one datagram, or as many as the channels need to fit
+        the MTU (each complete: epoch, its own packet number, counters, a share of the
+        channels). Never raises for its size: a datagram that cannot be sealed is logged."""
         self.last_heartbeat = now
         s = self.summary
         hb = LinkHeartbeat(
             self.epoch, self.packet, time.time(), self.u.heartbeat_seconds,
             {c: dict(v) for c, v in self.per_channel.items()},
-            {"datagrams": s.datagrams, "bytes": s.bytes, "objects": len(s.files),
+            {"datagrams": s.datagrams, "bytes": s.bytes, "objects": s.files_sent,
              "skipped": s.skipped, "objects_started": self.objects_started()},
         )  # fmt: skip
-        data = self.codec.seal_heartbeat(hb)
-        self.batch.add(data)  # joins or follows what is collected, and all of it goes now
+        try:
+            parts = split_heartbeat(hb, self.hb_room)
+        except ValueError as e:
+            parts = []
+            self._heartbeat_error(hb, e)
+        sent = 0
+        for part in parts:
+            try:
+                data = self.codec.seal_heartbeat(part)
+            except ValueError as e:
+                self._heartbeat_error(part, e)
+                continue
+            self.batch.add(data)  # joins or follows what is collected; all of it goes now
+            s.bytes += len(data)  # datagrams counts symbols: heartbeats are apart
+            sent += 1
         self.batch.flush()
-        self.packet += 1
-        self.summary.bytes += len(data)  # datagrams counts symbols: heartbeats are apart
-        UDP.datagrams_sent.labels("heartbeat").inc()
-        self.summary.heartbeats += 1
+        self.packet += max(1, len(parts))  # a packet number is never used twice
+        UDP.datagrams_sent.labels("heartbeat").inc(sent)
+        s.heartbeats += sent
+
+    def _heartbeat_error(self, hb: LinkHeartbeat, err: ValueError) -> None:
+        self.summary.heartbeat_errors += 1
+        log_event(log, 40, "link heartbeat not sent", epoch=hb.epoch, packet=hb.packet,
+                  part=hb.part, parts=hb.parts, channels=len(hb.channels),
+                  error=str(err))  # fmt: skip
 
     def _status(self, now: float) -> None:
         self.last_status = now
@@ -528,7 +766,7 @@ class _Sender:
             "epoch": self.epoch,
             "destination": self.u.destination,
             "rate_bytes_per_second": self.u.rate_bytes_per_second,
-            "queue": len(self.queue) + (self.feeding is not None),
+            "queue": len(self.queue) + (self.opening is not None) + (self.feeding is not None),
             "channels": self.per_channel,
             **self.summary.to_json(),
         }
@@ -563,11 +801,25 @@ class _Sender:
             try:
                 return self._run(until_idle, timeout)
             finally:
+                self._close_files()
                 self.summary.encode_workers_lost = self.pool.lost_workers
                 self.summary.blocks_encoded_here = self.pool.inline_blocks
                 self.pool.close()
                 self.journal.close()
                 self.sock.close()
+
+    def _close_files(self) -> None:
+        """Close the outbox files still open when the run ends (the one being digested, the
+        one being read)."""
+        for fd in (
+            self.opening.fd if self.opening is not None else -1,
+            self.feeding.fd if self.feeding is not None else -1,
+        ):
+            if fd >= 0:
+                os.close(fd)
+        self.opening = None
+        if self.feeding is not None:
+            self.feeding.fd = -1
 
     def _encoder_lost(self, pid: int, code: int | None, why: str, held: int, left: int) -> None:
         log_event(
@@ -579,6 +831,7 @@ class _Sender:
         self.epoch = _new_epoch(self.state_dir)
         fsync_dir(self.state_dir)
         self.summary.epoch = self.epoch
+        _raise_fd_limit()
         log_event(log, 20, "udp sender starting", epoch=self.epoch,
                   destination=self.u.destination, rate=self.u.rate_bytes_per_second,
                   channels=sorted(self.channels))  # fmt: skip
@@ -590,6 +843,7 @@ class _Sender:
         deadline = None if timeout is None else t0 + timeout
         hb_every, il, batch, s = self.u.heartbeat_seconds, self.il, self.batch, self.summary
         last_scan = 0.0
+        hinted = False  # inotify told of a change in the outbox: list it
         try:
             self._heartbeat(time.monotonic())
             while not self.stop.is_set():
@@ -600,6 +854,7 @@ class _Sender:
                     self._heartbeat(now)
                 if now - self.last_status >= 1.0:
                     self._status(now)
+                self.digest_until = now + _DIGEST_SLICE
                 for _ in range(256):  # the hot loop: a batch between clock checks
                     while il.wants_more() and self._more_to_feed():
                         # wait for an encoder only when there is nothing else to send
@@ -627,13 +882,15 @@ class _Sender:
                 if il.pending() or self._more_to_feed():
                     continue
                 batch.flush()  # nothing more to send now: what is collected goes out
-                if now - last_scan >= self.u.scan_seconds or watcher.wait(0):
-                    last_scan = now
+                due = self.settle_due is not None and now >= self.settle_due
+                if now - last_scan >= self.u.scan_seconds or due or hinted or watcher.wait(0):
+                    last_scan, hinted = now, False
                     if self.scan():
                         continue
-                    if until_idle:
+                    if until_idle and not self.settling:
                         break
-                watcher.wait(min(self.u.scan_seconds, 0.1))
+                # what woke it is kept for the next turn (the watcher forgets once it told)
+                hinted = watcher.wait(min(self.u.scan_seconds, 0.1)) or hinted
             self._heartbeat(time.monotonic())  # flushes what is collected first
         finally:
             watcher.stop()
@@ -641,6 +898,18 @@ class _Sender:
             self._status(time.monotonic())
         log_event(log, 20, "udp sender stopped", **self.summary.to_json())
         return self.summary
+
+
+def _raise_fd_limit() -> None:
+    """Raise the soft limit of open files to the hard one (the sender holds one outbox file
+    at a time, but its sockets, pipes and journal count too)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if resource.RLIM_INFINITY in (soft, hard) or soft >= hard:
+        return
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    except (ValueError, OSError) as e:
+        log_event(log, 30, "open-file limit not raised", soft=soft, hard=hard, error=str(e))
 
 
 def run_sender(

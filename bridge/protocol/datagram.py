@@ -13,7 +13,9 @@ integers are big-endian and unsigned; ``docs/protocol.md`` §12 draws the layout
     12  8  packet number              40  8  object length  90+c T  symbol payload
                                                            then 16  tag
 
-A link heartbeat has, after byte 20, a canonical JSON document, then the tag.
+A link heartbeat has, after byte 20, a canonical JSON document, then the tag; when the
+channels do not fit one datagram of the MTU, a round of heartbeats splits them (``part`` k of
+``parts``), each datagram complete on its own (``split_heartbeat``).
 
 The tag is AES-256-GCM with an empty plaintext and every byte before the tag as associated
 data (i.e. GMAC), under a key derived by HKDF-SHA256 from the link's pre-shared key; the nonce
@@ -28,7 +30,7 @@ from __future__ import annotations
 import json
 import math
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from enum import IntEnum
 from typing import Any
 
@@ -58,6 +60,8 @@ __all__ = [
     "LinkHeartbeat",
     "DatagramCodec",
     "symbol_size_for",
+    "heartbeat_room",
+    "split_heartbeat",
 ]
 
 MAGIC = b"\xd1\x0d"
@@ -177,6 +181,8 @@ class LinkHeartbeat:
     "objects": <objects sent>}``; ``counters`` are the sender's totals (datagrams, bytes...),
     among them ``objects_started``: every object id below it had a datagram sent before this
     heartbeat (absent from older senders' heartbeats; a receiver must accept both).
+    ``part`` / ``parts``: this datagram is part k of a round of ``parts`` that share the
+    channels between them (1: every channel; the JSON then has neither key, as before).
     """
 
     epoch: int
@@ -185,15 +191,67 @@ class LinkHeartbeat:
     interval_seconds: float
     channels: dict[str, dict[str, int | None]]
     counters: dict[str, int]
+    part: int = 0
+    parts: int = 1
 
     def to_json(self) -> bytes:
-        doc = {
+        doc: dict[str, Any] = {
             "sender_time": self.sender_time,
             "interval_seconds": self.interval_seconds,
             "channels": self.channels,
             "counters": self.counters,
         }
-        return json.dumps(doc, sort_keys=True, separators=(",", ":")).encode("ascii")
+        if self.parts != 1:
+            doc["part"], doc["parts"] = self.part, self.parts
+        return _canonical(doc)
+
+
+def _canonical(doc: object) -> bytes:
+    return json.dumps(doc, sort_keys=True, separators=(",", ":")).encode("ascii")
+
+
+MAX_HEARTBEAT_PARTS = 65535
+"""Parts of one heartbeat round at most (far above any channel count that fits a config)."""
+
+
+def heartbeat_room(mtu: int, *, ipv6: bool = False) -> int:
+    """Sender: the bytes of JSON a link heartbeat may hold so that its datagram fits one IP
+    packet of ``mtu`` (IP, UDP and our 20-byte header and tag subtracted; at most 4096)."""
+    room = mtu - (40 if ipv6 else 20) - 8 - HEARTBEAT_HEADER_LEN - TAG_LEN
+    return max(0, min(room, _MAX_HEARTBEAT_JSON))
+
+
+def split_heartbeat(hb: LinkHeartbeat, room: int) -> list[LinkHeartbeat]:
+    """Sender: ``hb`` as one round of heartbeats of at most ``room`` bytes of JSON each,
+    numbered ``hb.packet``, ``hb.packet + 1``...; each carries the epoch, time and counters and
+    a share of the channels (in name order). ``[hb]`` when it fits whole. A channel whose entry
+    alone overflows ``room`` goes alone (never above the 4096 bytes a heartbeat may hold)."""
+    if len(hb.to_json()) <= room or len(hb.channels) < 2:
+        return [hb]
+    n = len(hb.channels)
+    base = len(replace(hb, channels={}, part=n, parts=n).to_json())  # widest part numbers
+    groups: list[list[str]] = [[]]
+    used = base
+    for name in sorted(hb.channels):
+        cost = len(_canonical({name: hb.channels[name]})) - 1  # less braces, plus a comma
+        if groups[-1] and used + cost > room:
+            groups.append([])
+            used = base
+        groups[-1].append(name)
+        used += cost
+    if len(groups) > MAX_HEARTBEAT_PARTS:
+        raise ValueError(f"link heartbeat of epoch {hb.epoch}: {n} channels need "
+                         f"{len(groups)} datagrams (at most {MAX_HEARTBEAT_PARTS})")  # fmt: skip
+    return [
+        replace(
+            hb,
+            packet=hb.packet + i,
+            channels={c: hb.channels[c] for c in g},
+            part=i,
+            parts=len(groups),
+        )  # fmt: skip
+        for i, g in enumerate(groups)
+    ]
 
 
 def symbol_size_for(mtu: int, channel: str, *, ipv6: bool = False) -> int:
@@ -414,7 +472,13 @@ def _parse_heartbeat(view: memoryview, end: int, epoch: int, packet: int) -> Lin
             clean[name] = {"last_seq": last, "objects": objs}
         if not all(isinstance(c, str) and _u64(v) for c, v in counters.items()):
             raise ValueError("counters must map names to integers 0..2^64-1")
+        part, parts = doc.get("part", 0), doc.get("parts", 1)
+        if not (
+            type(part) is int and type(parts) is int and 0 <= part < parts <= MAX_HEARTBEAT_PARTS
+        ):
+            raise ValueError(f"part {part!r} of {parts!r}: must be ints, 0 <= part < parts <= "
+                             f"{MAX_HEARTBEAT_PARTS}")  # fmt: skip
     except (ValueError, KeyError, TypeError, OverflowError, RecursionError) as e:
         # OverflowError: a number no float holds; RecursionError: JSON nested too deep
         raise _malformed(epoch, packet, f"link heartbeat: {e}") from None
-    return LinkHeartbeat(epoch, packet, float(st), float(iv), clean, dict(counters))
+    return LinkHeartbeat(epoch, packet, float(st), float(iv), clean, dict(counters), part, parts)

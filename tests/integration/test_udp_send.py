@@ -8,6 +8,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -24,9 +25,19 @@ import psutil
 import pytest
 
 from bridge.config import Config, config_from_dict
+from bridge.demo.udp_link import free_udp_port
+from bridge.diode.link_status import read_json
 from bridge.diode.udp_fec import BlockDecoder, block_count, block_plan
 from bridge.diode.udp_key import generate_key_file, load_key
-from bridge.diode.udp_sender import EPOCH, JOURNAL, Journal, envelope_prefix, run_sender
+from bridge.diode.udp_receiver import run_receiver
+from bridge.diode.udp_sender import (
+    EPOCH,
+    JOURNAL,
+    Journal,
+    SendSummary,
+    envelope_prefix,
+    run_sender,
+)
 from bridge.errors import ConfigError, StateError
 from bridge.faults import CRASH_ENV, MARK_ENV
 from bridge.protocol.datagram import (
@@ -35,6 +46,7 @@ from bridge.protocol.datagram import (
     ObjectHeader,
     ObjectKind,
     Symbol,
+    heartbeat_room,
     symbol_size_for,
 )
 
@@ -538,3 +550,387 @@ def test_kill_9_mid_file_then_restart_sends_it_again_whole_under_a_new_epoch(env
     assert fresh.files() == {name: body}  # whole from the new epoch alone
     assert [r["state"] for r in env.journal()] == ["sending", "sending", "sent"]
     assert not (env.outbox / name).exists()
+
+
+# -- review fixes: open files, unreadable files, heartbeat size, settling, digest, journal ----
+
+
+def outbox_fds(outbox: Path) -> list[str]:
+    """What this process holds open in ``outbox`` (from /proc/self/fd)."""
+    out = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue  # closed meanwhile (the listing's own descriptor)
+        if target.startswith(str(outbox) + "/"):
+            out.append(target)
+    return out
+
+
+_LOW_FD_CHILD = """
+import json, os, resource, sys, threading, time
+from pathlib import Path
+from bridge.config import config_from_dict
+from bridge.diode.udp_sender import run_sender
+data, base, outbox = json.loads(sys.argv[1]), Path(sys.argv[2]), sys.argv[3] + "/"
+resource.setrlimit(resource.RLIMIT_NOFILE, (256, 256))  # soft and hard: nothing to raise to
+peak, done = [0], threading.Event()
+def watch():
+    while not done.is_set():
+        n = 0
+        for fd in os.listdir("/proc/self/fd"):
+            try:
+                n += os.readlink(f"/proc/self/fd/{fd}").startswith(outbox)
+            except OSError:
+                pass
+        peak[0] = max(peak[0], n)
+        time.sleep(0.002)
+threading.Thread(target=watch, daemon=True).start()
+s = run_sender(config_from_dict(data, base=base, environ={}), until_idle=True, timeout=120)
+done.set()
+print(json.dumps({"summary": s.to_json(), "peak": peak[0],
+                  "limit": list(resource.getrlimit(resource.RLIMIT_NOFILE))}))
+"""
+
+
+def _child_data(env: Env, **send: Any) -> dict[str, Any]:
+    return {
+        "channels": [{"name": "u1", "encrypt": False, "transport": "udp"}],
+        "black": {"outbox": "black/outbox"},
+        "udp": {
+            "key_file": "udp.key",
+            "send": {
+                "destination": f"127.0.0.1:{env.listener.port}",
+                "rate_bytes_per_second": 40_000_000,
+                "scan_seconds": 0.05,
+                "settle_seconds": 0,
+                **send,
+            },
+        },
+    }
+
+
+def test_thousands_of_small_files_go_through_with_256_open_files_allowed(env: Env) -> None:
+    """The interleaver spreads 2,000 small files over its 4,096-datagram window (over a
+    thousand in flight at once): the sender holds one outbox file open at a time, so a limit
+    of 256 descriptors (soft and hard) never stops it."""
+    files = {bundle("u1", i): os.urandom(200) for i in range(1, 2001)}
+    for name, body in files.items():
+        (env.outbox / name).write_bytes(body)
+    data = _child_data(env, encode_workers=0)  # the default interleave_datagrams = 4096
+    proc = subprocess.run(
+        [sys.executable, "-c", _LOW_FD_CHILD, json.dumps(data), str(env.tmp), str(env.outbox)],
+        cwd=Path(__file__).resolve().parents[2], capture_output=True, text=True, timeout=180,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert got["limit"] == [256, 256]  # the low limit was in force for the whole run
+    assert got["summary"]["files"] == 2000 and got["summary"]["skipped"] == 0
+    assert 1 <= got["peak"] <= 1  # seen reading, never more than one outbox file open
+    assert not list(env.outbox.iterdir())
+    assert env.listener.quiet().files() == files
+
+
+def test_a_sender_stopped_mid_file_leaves_no_outbox_file_open(env: Env) -> None:
+    name = bundle("u1", 1)
+    (env.outbox / name).write_bytes(os.urandom(2_000_000))
+    stop = threading.Event()
+    cfg = env.cfg(rate_bytes_per_second=500_000, interleave_datagrams=64, settle_seconds=0)
+    result: list[SendSummary] = []
+    th = threading.Thread(target=lambda: result.append(run_sender(cfg, stop=stop)), daemon=True)
+    th.start()
+    deadline = time.monotonic() + 10
+    while (
+        not (env.state / JOURNAL).exists() or '"sending"' not in (env.state / JOURNAL).read_text()
+    ):
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    time.sleep(0.2)
+    assert outbox_fds(env.outbox)  # the file is being read
+    stop.set()
+    th.join(timeout=10)
+    assert result and result[0].files == []  # stopped mid-file
+    assert [r["state"] for r in env.journal()] == ["sending"]
+    assert outbox_fds(env.outbox) == []
+
+
+_PERM_CHILD = """
+import json, sys, threading, time
+from pathlib import Path
+from bridge.config import config_from_dict
+from bridge.diode.udp_sender import run_sender
+from bridge.logs import setup_logging
+setup_logging(json_logs=True)
+data, base, stop_file = json.loads(sys.argv[1]), Path(sys.argv[2]), Path(sys.argv[3])
+stop = threading.Event()
+def watch():
+    while not stop_file.exists():
+        time.sleep(0.02)
+    stop.set()
+threading.Thread(target=watch, daemon=True).start()
+s = run_sender(config_from_dict(data, base=base, environ={}), stop=stop, timeout=60)
+print(json.dumps(s.to_json()))
+"""
+
+
+def test_an_unreadable_file_is_logged_counted_and_left_alone_until_it_changes(env: Env) -> None:
+    """One file the sender may not read (mode 0000; as root, the child runs without
+    CAP_DAC_OVERRIDE): the others before and after it go, it is said once however often the
+    outbox is listed, and goes once it is made readable."""
+    names = [bundle("u1", i) for i in (1, 2, 3)]
+    bodies = {n: os.urandom(5000) for n in names}
+    for i, n in enumerate(names):
+        (env.outbox / n).write_bytes(bodies[n])
+        os.utime(env.outbox / n, (1000 + i, 1000 + i))
+    bad = env.outbox / names[1]
+    bad.chmod(0)
+    prefix: list[str] = []
+    if os.geteuid() == 0:
+        setpriv = shutil.which("setpriv")
+        if setpriv is None:
+            pytest.skip("root without setpriv: cannot make a file unreadable to the sender")
+        prefix = [setpriv, "--bounding-set", "-dac_override,-dac_read_search"]
+    stop_file = env.tmp / "stop"
+    proc = subprocess.Popen(
+        [*prefix, sys.executable, "-c", _PERM_CHILD, json.dumps(_child_data(env, encode_workers=0)),
+         str(env.tmp), str(stop_file)],
+        cwd=Path(__file__).resolve().parents[2], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        text=True,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 30
+        while sorted(os.listdir(env.outbox)) != [names[1]]:
+            assert proc.poll() is None, proc.communicate()[1][-3000:]
+            assert time.monotonic() < deadline, "the readable files were not sent"
+            time.sleep(0.05)
+        time.sleep(1.0)  # about 20 listings of the outbox with the unreadable file in it
+        bad.chmod(0o644)  # fixed: a new ctime, so a new file to the sender
+        while bad.exists():
+            assert proc.poll() is None, proc.communicate()[1][-3000:]
+            assert time.monotonic() < deadline, "the file made readable was not sent"
+            time.sleep(0.05)
+    finally:
+        stop_file.touch()
+        out, err = proc.communicate(timeout=30)
+    assert proc.returncode == 0, err[-3000:]
+    summary = json.loads(out.strip().splitlines()[-1])
+    assert summary["unreadable"] == 1 and summary["files"] == 3  # the fault fired, once
+    said = [json.loads(x) for x in err.splitlines() if "outbox file unreadable" in x]
+    assert len(said) == 1 and said[0]["file_name"] == names[1] and said[0]["errno"] == "EACCES"
+    assert env.listener.quiet().files() == bodies
+
+
+def _hb_rounds(heard: Heard) -> list[list[LinkHeartbeat]]:
+    """The heartbeats heard, as rounds (consecutive parts 0..parts-1 of one epoch)."""
+    rounds: list[list[LinkHeartbeat]] = []
+    for _, hb in heard.heartbeats():
+        if hb.part == 0:
+            rounds.append([])
+        rounds[-1].append(hb)
+    return rounds
+
+
+def test_heartbeats_of_many_channels_are_split_to_fit_the_mtu(env: Env) -> None:
+    chans = [f"channel-{i:02d}-" + "x" * 13 for i in range(64)]
+    data = _child_data(env, encode_workers=0, heartbeat_seconds=0.1)
+    data["channels"] = [{"name": c, "encrypt": False, "transport": "udp"} for c in chans]
+    for c in chans:
+        (env.outbox / bundle(c, 123456789012)).write_bytes(b"payload")
+    cfg = config_from_dict(data, base=env.tmp, environ={})
+    room = heartbeat_room(1500)
+    whole = LinkHeartbeat(1 << 62, 1 << 40, time.time(), 0.1,
+                          dict.fromkeys(chans, {"last_seq": 123456789012, "objects": 1}),
+                          {"datagrams": 10**6, "bytes": 10**9, "objects": 64, "skipped": 0,
+                           "objects_started": 64})  # fmt: skip
+    assert len(whole.to_json()) > 4096 > room  # one datagram could not hold the channels
+
+    summary = run_sender(cfg, until_idle=True, timeout=30)
+    heard = env.listener.quiet()
+    assert len(summary.files) == 64 and summary.heartbeat_errors == 0
+    assert max(len(b) for _, b in env.listener.raw if b[3] == 2) <= 1500 - 28  # one IP packet
+    rounds = _hb_rounds(heard)
+    assert len(rounds) >= 2 and all(len(r) == r[0].parts > 1 for r in rounds)
+    for r in rounds:
+        assert [hb.part for hb in r] == list(range(len(r)))
+        assert [hb.packet for hb in r] == list(range(r[0].packet, r[0].packet + len(r)))
+        assert len({(hb.epoch, hb.sender_time, json.dumps(hb.counters)) for hb in r}) == 1
+        assert sorted(c for hb in r for c in hb.channels) == sorted(chans)  # each once
+    last = {c: v for hb in rounds[-1] for c, v in hb.channels.items()}
+    assert last == dict.fromkeys(chans, {"last_seq": 123456789012, "objects": 1})
+    assert summary.heartbeats == len(heard.heartbeats())
+
+
+def _receiver(tmp: Path, port: int, chans: list[str]) -> tuple[Config, threading.Event, Any]:
+    data = {
+        "channels": [{"name": c, "encrypt": False, "transport": "udp"} for c in chans],
+        "red": {"inbox": "red/inbox"},
+        "udp": {"key_file": "udp.key", "receive": {"bind": f"127.0.0.1:{port}",
+                                                   "decode_workers": 0}},
+    }  # fmt: skip
+    cfg = config_from_dict(data, base=tmp, environ={})
+    stop, ready = threading.Event(), threading.Event()
+    th = threading.Thread(
+        target=lambda: run_receiver(cfg, stop=stop, ready=lambda _: ready.set()), daemon=True
+    )
+    th.start()
+    assert ready.wait(20)
+    return cfg, stop, th
+
+
+def test_the_receiver_merges_the_channels_of_a_round_split_over_datagrams(env: Env) -> None:
+    """A real sender with 64 channels, a real receiver: its status names every channel (not
+    only the last datagram's share). Then crafted rounds: a new epoch whose first datagram
+    heard carries one channel of several is not taken for a one-channel sender."""
+    chans = [f"channel-{i:02d}-" + "x" * 13 for i in range(64)]
+    port = free_udp_port()
+    rcfg, stop, th = _receiver(env.tmp, port, chans)
+    spool = Path(rcfg.udp.receive.spool_dir)  # type: ignore[union-attr]
+    try:
+        data = _child_data(env, encode_workers=0, heartbeat_seconds=0.1)
+        data["channels"] = [{"name": c, "encrypt": False, "transport": "udp"} for c in chans]
+        data["udp"]["send"]["destination"] = f"127.0.0.1:{port}"
+        for c in chans:
+            (env.outbox / bundle(c, 7)).write_bytes(b"payload")
+        sent = run_sender(config_from_dict(data, base=env.tmp, environ={}), until_idle=True,
+                          timeout=30)  # fmt: skip
+        deadline = time.monotonic() + 10
+        while True:
+            hb = (read_json(spool / "status.json") or {}).get("heartbeat") or {}
+            if hb.get("epoch") == sent.epoch and all(
+                (hb["channels"].get(c) or {}).get("last_seq") == 7 for c in chans
+            ):
+                break
+            assert time.monotonic() < deadline, f"status heartbeat: {hb}"
+            time.sleep(0.05)
+        assert hb["parts"] > 1 and len(hb["channels"]) == 64  # the fault: a split round
+
+        codec = DatagramCodec(load_key(env.tmp / "udp.key"))
+        sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        epoch = sent.epoch + 1
+        few = {c: {"last_seq": None, "objects": 0} for c in chans[:3]}
+
+        def part(packet: int, i: int, channels: dict[str, Any]) -> bytes:
+            return codec.seal_heartbeat(LinkHeartbeat(
+                epoch, packet, time.time(), 0.1, channels, {"objects_started": 0}, i, 2
+            ))  # fmt: skip
+
+        sock.sendto(part(0, 1, {chans[3]: {"last_seq": None, "objects": 0}}), ("127.0.0.1", port))
+        time.sleep(0.1)  # heard alone: the receiver's first word of this epoch
+        sock.sendto(part(1, 0, few), ("127.0.0.1", port))
+        sock.close()
+        deadline = time.monotonic() + 10
+        while len(((read_json(spool / "status.json") or {}).get("heartbeat") or {}).get(
+                "channels", {})) != 4:  # fmt: skip
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+    finally:
+        stop.set()
+        th.join(timeout=30)
+    ledgers = {e["epoch"]: e for e in json.loads((spool / "unseen.json").read_text())["epochs"]}
+    assert ledgers[epoch]["channel"] is None  # not chans[3]: the epoch carries four
+
+
+def test_a_file_written_in_place_is_taken_only_once_its_writer_is_done(env: Env) -> None:
+    """An operator's `cp` into the outbox: the file grows under its final name for ~1.5 s, a
+    write every 20 ms. The sender (default settle_seconds) takes it whole, once."""
+    name = bundle("u1", 1)
+    body = os.urandom(75 * 20_000)
+    cfg = env.cfg()
+    assert cfg.udp is not None and cfg.udp.send.settle_seconds == 1.0  # the default
+    stop = threading.Event()
+    result: list[SendSummary] = []
+    th = threading.Thread(target=lambda: result.append(run_sender(cfg, stop=stop)), daemon=True)
+    th.start()
+    deadline = time.monotonic() + 10
+    while not (env.state / "status.json").exists():
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    with open(env.outbox / name, "wb") as f:  # noqa: PTH123 - written as cp writes
+        for i in range(0, len(body), 20_000):
+            f.write(body[i : i + 20_000])
+            f.flush()
+            time.sleep(0.02)
+        written = time.time()
+    deadline = time.monotonic() + 20
+    while (env.outbox / name).exists():
+        assert th.is_alive() and time.monotonic() < deadline
+        time.sleep(0.05)
+    stop.set()
+    th.join(timeout=10)
+    heard = env.listener.quiet()
+    sending = [r for r in env.journal() if r["state"] == "sending"]
+    assert len(sending) == 1 and sending[0]["size"] == len(body)
+    assert sending[0]["time"] >= written + 0.9  # taken once the writer was done, and settled
+    assert {s.obj.object_id for s in heard.symbols()} == {0}  # one object, never a partial one
+    assert heard.files() == {name: body}
+    assert result[0].files == [name] and result[0].skipped == 0
+
+
+def test_a_file_renamed_in_is_taken_after_the_settle_time_not_the_next_scan(env: Env) -> None:
+    """Black's own files appear by rename: with a settle time they wait that long, not until a
+    listing of the outbox long after (scan_seconds = 5 here)."""
+    cfg = env.cfg(scan_seconds=5.0, settle_seconds=0.3)
+    stop = threading.Event()
+    th = threading.Thread(target=lambda: run_sender(cfg, stop=stop), daemon=True)
+    th.start()
+    deadline = time.monotonic() + 10
+    while not (env.state / "status.json").exists():
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    time.sleep(0.2)
+    name = bundle("u1", 1)
+    tmp = env.outbox / f".{name}.tmp"
+    tmp.write_bytes(b"renamed in")
+    t0 = time.monotonic()
+    tmp.rename(env.outbox / name)
+    while (env.outbox / name).exists():
+        assert th.is_alive() and time.monotonic() - t0 < 10
+        time.sleep(0.01)
+    took = time.monotonic() - t0
+    stop.set()
+    th.join(timeout=10)
+    assert 0.25 <= took < 1.5, took
+    assert env.listener.quiet().files() == {name: b"renamed in"}
+
+
+def test_heartbeats_keep_their_period_while_a_large_file_is_digested(env: Env) -> None:
+    """The SHA-256 of a 1 GiB file (sparse: hashing, not the disk, takes the time) before
+    its first datagram: heartbeats every 50 ms keep coming."""
+    name = bundle("u1", 1)
+    with open(env.outbox / name, "wb") as f:  # noqa: PTH123
+        f.truncate(1 << 30)
+    cfg = env.cfg(heartbeat_seconds=0.05, settle_seconds=0, encode_workers=0)
+    stop = threading.Event()
+    th = threading.Thread(target=lambda: run_sender(cfg, stop=stop), daemon=True)
+    th.start()
+    deadline = time.monotonic() + 30
+    while (
+        not (env.state / JOURNAL).exists() or '"sending"' not in (env.state / JOURNAL).read_text()
+    ):
+        assert th.is_alive() and time.monotonic() < deadline
+        time.sleep(0.01)
+    time.sleep(0.1)
+    stop.set()
+    th.join(timeout=30)
+    heard = env.listener.quiet()
+    first_symbol = next(t for t, d in heard.items if isinstance(d, Symbol))
+    beats = [t for t, _ in heard.heartbeats() if t < first_symbol]
+    assert first_symbol - beats[0] >= 0.4  # the fault: the digest took many heartbeat periods
+    assert len(beats) >= (first_symbol - beats[0]) / 0.05 * 0.5, len(beats)  # kept coming
+    gaps = [b - a for a, b in zip(beats, beats[1:], strict=False)]
+    assert max(gaps) < 0.05 * 4, max(gaps)
+
+
+def test_a_torn_last_journal_line_is_cut_so_the_next_record_is_kept(env: Env) -> None:
+    env.state.mkdir(parents=True)
+    path = env.state / JOURNAL
+    path.write_text('{"name": "a", "state": "sent"}\n{"name": "b", "sta')  # power loss
+    j = Journal(env.state)
+    assert path.read_text() == '{"name": "a", "state": "sent"}\n'  # cut at once
+    j.record(state="sent", name="c", digest="x")
+    j.close()
+    j = Journal(env.state)
+    j.close()
+    assert sorted(j.last) == ["a", "c"]
+    assert [json.loads(line)["name"] for line in path.read_text().splitlines()] == ["a", "c"]

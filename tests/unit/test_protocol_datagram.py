@@ -20,6 +20,8 @@ from bridge.protocol.datagram import (
     ObjectHeader,
     ObjectKind,
     Symbol,
+    heartbeat_room,
+    split_heartbeat,
     symbol_size_for,
 )
 
@@ -220,3 +222,48 @@ def test_object_header_refuses_bad_values() -> None:
     for key, bad in (("channel", "Orders"), ("digest", b"x"), ("symbol_size", 8), ("seq", -1)):
         with pytest.raises(ValueError):
             ObjectHeader(**{**ok, key: bad})  # type: ignore[arg-type]
+
+
+def _big_heartbeat(n: int, name_len: int) -> LinkHeartbeat:
+    chans: dict[str, dict[str, int | None]] = {
+        f"{i:03d}" + "c" * (name_len - 3): {"last_seq": 10**12 - 1, "objects": 123456}
+        for i in range(n)
+    }
+    counters = {"datagrams": 10**12, "bytes": 10**15, "objects": 10**6, "skipped": 0,
+                "objects_started": 10**6}  # fmt: skip
+    return LinkHeartbeat(1 << 62, 10**12, 1.7e9, 2.0, chans, counters)
+
+
+@pytest.mark.parametrize(("mtu", "v6"), [(576, True), (576, False), (1500, False), (9000, False)])
+@pytest.mark.parametrize(("n", "name_len"), [(1, 10), (20, 20), (64, 24), (300, 63)])
+def test_a_heartbeat_of_many_channels_is_split_into_datagrams_within_the_mtu(
+    mtu: int, v6: bool, n: int, name_len: int
+) -> None:
+    """Each part is a whole heartbeat (epoch, time, counters, its own packet number) within
+    one IP packet of the MTU; together they name every channel once (protocol §12.2)."""
+    hb = _big_heartbeat(n, name_len)
+    parts = split_heartbeat(hb, heartbeat_room(mtu, ipv6=v6))
+    sealed = [CODEC.seal_heartbeat(p) for p in parts]
+    assert all(len(d) <= mtu - (40 if v6 else 20) - 8 for d in sealed)
+    opened = [CODEC.open(d) for d in sealed]
+    assert opened == parts
+    assert [p.packet for p in parts] == list(range(hb.packet, hb.packet + len(parts)))
+    assert [(p.part, p.parts) for p in parts] == [(i, len(parts)) for i in range(len(parts))]
+    assert all((p.epoch, p.sender_time, p.counters) == (hb.epoch, hb.sender_time, hb.counters)
+               for p in parts)  # fmt: skip
+    merged = {c: v for p in parts for c, v in p.channels.items()}
+    assert merged == hb.channels and sum(len(p.channels) for p in parts) == n
+    if len(parts) == 1:
+        assert parts == [hb] and b'"part' not in sealed[0]  # byte for byte as before
+
+
+def test_heartbeat_part_numbers_out_of_range_are_malformed() -> None:
+    head = MAGIC + bytes((1, 2)) + struct.pack(">QQ", 3, 4)
+    base = '"sender_time":1,"interval_seconds":2,"channels":{},"counters":{}'
+    for extra in ('"part":2,"parts":2', '"part":-1,"parts":2', '"part":0,"parts":0',
+                  '"part":"0","parts":2', '"part":0,"parts":65536'):  # fmt: skip
+        with pytest.raises(DatagramError) as e:
+            CODEC.open(_forge(head + ("{" + base + "," + extra + "}").encode()))
+        assert e.value.reason == "malformed", extra
+    ok = CODEC.open(_forge(head + ("{" + base + ',"part":1,"parts":3}').encode()))
+    assert isinstance(ok, LinkHeartbeat) and (ok.part, ok.parts) == (1, 3)

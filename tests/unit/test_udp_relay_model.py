@@ -48,3 +48,13 @@ def test_bad_impairments_are_refused() -> None:
     for bad in ({"loss": 1.0}, {"burst_mean": 0.5}, {"corrupt": -0.1}):
         with pytest.raises(ValueError):
             Impairment(**bad)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(("mean", "most"), [(10, 5), (20, 4), (6, 12)])
+def test_burst_loss_rate_holds_when_burst_max_caps_the_mean(mean: int, most: int) -> None:
+    """burst_max below (or near) burst_mean shortens the bursts: the entry rate is taken from
+    the mean length of the bursts as capped, so the loss stays at burst_loss."""
+    lost, length, _ = _run(Impairment(burst_loss=0.05, burst_mean=mean, burst_max=most, seed=4))
+    assert 0.045 < lost < 0.055, lost
+    capped = most if mean >= most else (1 - (1 - 1 / mean) ** most) * mean  # E[min(G, most)]
+    assert length <= most * 1.1 and abs(length - capped) < 0.15 * most
