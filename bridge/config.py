@@ -502,16 +502,16 @@ class UdpSendConfig(_Strict):
     scan_seconds: float = Field(default=0.5, gt=0, le=60)
     """How often the outbox is listed when nothing woke the sender."""
 
-    state_dir: Path = Path("black/udp-send")
-    """Sender's durable state: the epoch and the journal of files sent."""
-
-    @model_validator(mode="after")
-    def _check(self) -> UdpSendConfig:
     settle_seconds: float = Field(default=1.0, ge=0, le=3600)
     """A file is taken once unchanged (size, mtime) for this long, so one written in place
     under its final name (an operator's `cp`) is not sent half-written. 0: take files at once,
     for an outbox where files only ever appear by rename (black's own do)."""
 
+    state_dir: Path = Path("black/udp-send")
+    """Sender's durable state: the epoch and the journal of files sent."""
+
+    @model_validator(mode="after")
+    def _check(self) -> UdpSendConfig:
         _host_port(self.destination, "udp.send.destination")
         if self.source:
             _host_port(self.source, "udp.send.source")
