@@ -341,6 +341,11 @@ class ReplayConfig(_Strict):
     batch_rows: int = Field(default=20_000, ge=1)
     """Rows read from `messages` per step."""
 
+    batch_bytes: int = Field(default=64 * 1024 * 1024, ge=1024 * 1024)
+    """About how many bytes of rows (in memory) a step reads per exchange: a batch ends at
+    `batch_rows` rows or at this size, whichever comes first (sized from the rows read before;
+    an exchange's first batch is at most 1000 rows)."""
+
     poll_seconds: float = Field(default=1.0, gt=0)
     """How often the publisher looks for newly landed rows."""
 

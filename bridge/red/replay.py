@@ -8,10 +8,23 @@ A separate process (``diode red replay``); the landing never waits for it (DESIG
 * **Order**: per exchange by ``(land_seq, channel, seq)`` — the landing commit that wrote a row,
   then the message identity. ``land_seq`` only grows, so new rows always sort after old ones.
 * **How much**: a batch is every row of the exchange in the landing commits
-  ``[lo, hi]``, ``hi`` the smallest commit that brings about ``batch_rows`` rows, chosen from
-  the per-file row counts and ``land_seq`` min/max of the Delta log (no data read to plan;
-  a table without statistics falls back to reading the ``land_seq`` column). The table is
-  refreshed at every pass.
+  ``[lo, hi]``, ``hi`` the smallest commit that brings about ``batch_rows`` rows (fewer when
+  rows of the size read last would pass ``batch_bytes``; 1000 for an exchange's first batch),
+  estimated from the per-file row counts and ``land_seq`` min/max of the Delta log, a file's
+  rows spread over its span (a compacted file is read a few commits at a time; no data read to
+  plan; a table without statistics falls back to reading the ``land_seq`` column). One commit
+  is never split. The table is refreshed at every pass.
+* **Checked**: a row the broker cannot take (routing key over 255 bytes as landed, property
+  bytes that do not parse, a content header over ``frame_max``; :mod:`replay_check`) is never
+  sent: it is skipped, stays landed, and is reported once (``replay_failed`` kind ``bad_row``,
+  ``bridge_red_replay_errors_total{kind="bad_row"}``, error log).
+* **Routed**: publishes are ``mandatory``; messages the broker returns (no binding on red) are
+  counted (``bridge_red_replay_unroutable_total``), logged and audited per channel and seq
+  range (``replay_failed`` kind ``unroutable``); the progress goes past them (the broker took
+  them).
+* **Read ahead**: rows of a late bundle published ahead of their key as fillers are kept
+  (in memory until the cursor passes them; once confirmed, in the saved progress's ``ahead``)
+  and never published again when the replay reaches them.
 * **Exact**: each exchange is declared as its row says (type, durable, auto-delete, internal,
   arguments encoded from the typed JSON) before its first publish on a connection, and again
   when a row's declaration differs; ``properties_raw`` and the body are published byte for
@@ -29,7 +42,12 @@ A separate process (``diode red replay``); the landing never waits for it (DESIG
   black did not know (``unknown``: published only if the exchange already exists on red), a
   channel the broker closes: the exchange stops with a ``replay_failed`` event, the others go
   on; it is retried later without repeating the event.
-* **Broker down**: logged, reconnect with back-off 1 s .. 30 s, resume from the saved progress.
+* **Broker down**: logged, reconnect with back-off 1 s .. 30 s (reset only once a publish is
+  confirmed again), resume from the saved progress. When the broker closes the connection
+  while publishes are unconfirmed, those exchanges are published one row at a time, each
+  confirmed before the next, up to where they were; a row the broker closes the connection for
+  ``MAX_CONNECTION_DEATHS`` times alone stops its exchange (``replay_failed`` kind
+  ``connection``), the others go on.
 
 Events (``replayed`` ranges, ``replay_failed``) are dicts with the audit keys ``event,
 exchange, channel, seq_first, seq_last, reason, detail`` (detail: JSON text); ``step`` and
@@ -56,7 +74,7 @@ import pyarrow.compute as pc
 from deltalake.exceptions import DeltaError
 from prometheus_client import Counter, Gauge
 
-from bridge.amqp.client import Channel, Connection, parse_url
+from bridge.amqp.client import Channel, Connection, Returned, parse_url
 from bridge.config import Config
 from bridge.errors import AmqpClosed, BrokerError, DiodeError, ProtocolError, StateError
 from bridge.fsutil import atomic_write_bytes, durable_mkdir, exclusive_lock
@@ -71,9 +89,11 @@ from bridge.red import replay_state
 from bridge.red.approvals import Approvals
 from bridge.red.holdback import GapView, out_of_order, plan_release, publish_order
 from bridge.red.landing import STATE_FILE, read_saved_state
+from bridge.red.replay_check import name_problem, row_problem
 from bridge.red.replay_plan import FileStat, plan_upper
 from bridge.red.replay_results import ReplaySummary, StepResult, bound_unsunk
 from bridge.red.replay_state import (
+    AHEAD_MAX,
     FORMAT,
     LIVE_FILE,
     PROGRESS_FILE,
@@ -111,6 +131,11 @@ APP_ID = "diode-replay"
 LOCK_FILE = "replay.lock"
 MAX_NACK_RETRIES = 3
 """Rewinds at the same row after broker nacks before the exchange is stopped."""
+FIRST_BATCH_ROWS = 1000
+"""Rows of an exchange's first batch, before the size of its rows is known (batch_bytes)."""
+MAX_CONNECTION_DEATHS = 2
+"""Connection closes by the broker while only one suspect row was unconfirmed before its
+exchange is stopped."""
 RETRY_SECONDS = 60.0
 """A stopped exchange is tried again after this long (no new event if it fails the same way)."""
 BACKOFF_FIRST, BACKOFF_MAX = 1.0, 30.0
@@ -141,8 +166,16 @@ class _Metrics:
         self.errors = Counter(
             "bridge_red_replay_errors",
             "Replay failures by kind (declare, internal, unknown_type, bad_arguments, nack, "
-            "channel_closed, connection); exchange '' for the connection",
+            "channel_closed, connection, bad_name, bad_row: one per row skipped); exchange '' "
+            "for the connection",
             ["exchange", "kind"],
+            registry=REGISTRY,
+        )
+        self.unroutable = Counter(
+            "bridge_red_replay_unroutable",
+            "Messages the red broker returned as unroutable (no binding matched on red: the "
+            "broker confirmed and dropped them); progress went past them",
+            ["exchange"],
             registry=REGISTRY,
         )
         self.out_of_order = Counter(
@@ -202,8 +235,17 @@ class _Lane:
     replayed: dict[str, list[int]] = field(default_factory=dict)
     replayed_since: float = field(default_factory=time.monotonic)
     high: dict[str, int] = field(default_factory=dict)  # per channel, highest seq published
-    early: set[Key] = field(default_factory=set)  # fillers published ahead of their key
+    # fillers published ahead of their key, kept until the cursor passes them
+    early: set[Key] = field(default_factory=set)
     held: dict[str, Any] | None = None  # the row the exchange waits at (hold-back), for status
+    bad: set[Key] = field(default_factory=set)  # rows skipped as unpublishable (reported once)
+    tables_ok: dict[bytes, None] = field(default_factory=dict)  # header tables that decode
+    unroutable: dict[str, list[int]] = field(default_factory=dict)  # [first, last, rows]
+    unroutable_why: str = ""
+    suspect_until: Key | None = None  # publishes up to here were unconfirmed when the broker
+    # closed the connection: published one at a time until confirmed (who kills it?)
+    deaths: int = 0  # connection closes while only this lane's head publish was unconfirmed
+    row_bytes: float = 0.0  # in-memory bytes per row of the last batch read (0: none yet)
 
     def rewind(self) -> int:
         """Back to the confirmed prefix; returns how many publishes were still pending."""
@@ -211,8 +253,18 @@ class _Lane:
         self.read_through = -1
         self.caught_up = False
         self.high = dict(self.progress.high)
-        self.early.clear()
+        self.early = set(self.progress.ahead)  # confirmed ahead: not published again
         return self.window.clear()
+
+    def forget_passed(self) -> None:
+        """Drop fillers the cursor passed (never read again) and skipped rows the progress
+        passed (never read again, even after a rewind)."""
+        if self.early:
+            cursor = self.cursor
+            self.early = {k for k in self.early if k > cursor}
+        if self.bad:
+            key = self.progress.key
+            self.bad = {k for k in self.bad if k > key}
 
 
 class _Stop(Exception):
@@ -250,6 +302,7 @@ class Replayer:
         self.table_path = Path(cfg.red.tables_dir) / "messages"
         self.in_flight = int(r.in_flight)
         self.batch_rows = int(r.batch_rows)
+        self.batch_bytes = int(r.batch_bytes)
         self.poll_seconds = float(r.poll_seconds)
         self.id_header = r.id_header
         self.hold_us = round(r.gap_hold_seconds * 1e6)
@@ -432,6 +485,13 @@ class Replayer:
                 stats = None  # not known to be caught up
             except BrokerError as e:
                 self._lost(e)
+        if (
+            self._conn is not None
+            and self._conn.is_open
+            and not self._pending
+            and not any(lane.suspect_until is not None for lane in self._lanes.values())
+        ):
+            self._backoff = 0.0  # connected and nothing unconfirmed: the link is healthy
         self._end_pass(force_save=True)
         if missing:
             res.error = f"no messages table at {self.table_path} yet (the red job creates it)"
@@ -452,33 +512,81 @@ class Replayer:
 
     def _pass(self, stats: dict[str, list[FileStat]], deadline: float | None, stop: Any) -> None:
         now = time.monotonic()
-        for lane in [self._lanes[n] for n in sorted(self._lanes)]:
+        lanes = [self._lanes[n] for n in sorted(self._lanes)]
+        suspects = [lane for lane in lanes if lane.suspect_until is not None and not lane.retired
+                    and (lane.blocked is None or now >= lane.retry_at)]  # fmt: skip
+        if suspects:  # the broker closed the connection on one of them: find which, alone
+            if self._ready(suspects[0], now):
+                self._probe(suspects[0], stats.get(suspects[0].name, []), deadline, stop)
+            self._pump(0.0)
+            return
+        for lane in lanes:
             self._check_stop(deadline, stop)
-            if lane.retired:
-                continue
-            if lane.blocked is not None:
-                if now < lane.retry_at:
-                    continue
-                log_event(log, 20, "retrying a stopped exchange", exchange=lane.name,
-                          reason=lane.blocked)  # fmt: skip
-                lane.blocked = None
-            if lane.window.nacked:
-                if lane.window.pending:
-                    continue  # let the rest settle first, then rewind
-                self._after_nack(lane)
-                if lane.blocked is not None:
-                    continue
-            self._publish_lane(lane, stats.get(lane.name, []), deadline, stop)
+            if self._ready(lane, now):
+                self._publish_lane(lane, stats.get(lane.name, []), deadline, stop)
         self._pump(0.0)
 
+    def _ready(self, lane: _Lane, now: float) -> bool:
+        """Whether ``lane`` may publish this pass (not revoked, not stopped until later, no
+        nack to settle first); retries a stopped lane and rewinds after a nack."""
+        if lane.retired:
+            return False
+        if lane.blocked is not None:
+            if now < lane.retry_at:
+                return False
+            log_event(log, 20, "retrying a stopped exchange", exchange=lane.name,
+                      reason=lane.blocked)  # fmt: skip
+            lane.blocked = None
+        if lane.window.nacked:
+            if lane.window.pending:
+                return False  # let the rest settle first, then rewind
+            self._after_nack(lane)
+            if lane.blocked is not None:
+                return False
+        return True
+
+    def _probe(self, lane: _Lane, files: list[FileStat], deadline: float | None, stop: Any) -> None:
+        """Publish ``lane`` one row at a time, each confirmed before the next, up to where it
+        was when the broker closed the connection: if the broker closes it again, this row is
+        the cause (:meth:`_lost`). The other exchanges wait meanwhile."""
+        while lane.suspect_until is not None:
+            self._check_stop(deadline, stop)
+            if lane.progress.key >= lane.suspect_until:
+                log_event(log, 20, "exchange confirmed again after the broker closed the "
+                          "connection: publishing as usual", exchange=lane.name)  # fmt: skip
+                lane.suspect_until = None
+                return
+            before = lane.progress.key
+            self._publish_lane(lane, files, deadline, stop, limit=1)
+            if lane.blocked is not None or lane.window.nacked:
+                return
+            if not len(lane.window):
+                if lane.progress.key == before:  # held, caught up or waiting: nothing to find
+                    lane.suspect_until = None
+                continue
+            self._drain(deadline, stop, DRAIN_SECONDS)
+            if len(lane.window):
+                return  # no confirm in time: the next pass goes on
+
     def _publish_lane(
-        self, lane: _Lane, files: list[FileStat], deadline: float | None, stop: Any
+        self,
+        lane: _Lane,
+        files: list[FileStat],
+        deadline: float | None,
+        stop: Any,
+        *,
+        limit: int | None = None,
     ) -> None:
+        """Read ``lane``'s next batch and publish it (at most ``limit`` rows: a probe)."""
+        why = name_problem(lane.name)
+        if why is not None:
+            self._block(lane, "bad_name", None, f"exchange {lane.name!r} cannot be replayed: {why}")
+            return
         while True:
             lo = max(lane.cursor[0], lane.read_through + 1, 0)
             try:
                 batch, hi = self._messages.read(
-                    lane.name, lane.cursor, files, lo, self.batch_rows,
+                    lane.name, lane.cursor, files, lo, self._batch_rows(lane),
                     self._view.land_seq if self._view is not None else None,
                 )  # fmt: skip
             except _TABLE_ERRORS as e:
@@ -488,22 +596,28 @@ class Replayer:
                 lane.caught_up = True
                 lane.held = None
                 return
+            if batch.num_rows:
+                lane.row_bytes = batch.nbytes / batch.num_rows
             last_read = self._last_key(batch)
-            if lane.early:
-                batch = self._without_early(lane, batch, forget=True)
+            if lane.early:  # kept in lane.early until the cursor passes them (a cut batch
+                batch = self._without_early(lane, batch)  # reads them again)
             if batch.num_rows:
                 break
             lane.read_through = hi  # every row up to hi was published already: look further
             if last_read is not None and last_read > lane.cursor:  # all published as fillers
                 lane.cursor = last_read
+                lane.forget_passed()
                 self._catch_up_progress(lane)
         lane.caught_up = False
         batch, whole = self._hold(lane, batch)
+        if limit is not None and batch.num_rows > limit:
+            batch, whole = batch.slice(0, limit), False
         if not batch.num_rows:
             return  # waiting at its first row for a gap to fill
         keyed = batch.num_rows
+        keyed_last = self._last_key(batch)
         try:
-            fill = self._fillers(lane, batch, hi)
+            fill = self._fillers(lane, batch, hi) if limit is None else None
         except _TABLE_ERRORS as e:
             self._table_failed(e)
             raise _TableError(self._result.error) from e
@@ -519,16 +633,24 @@ class Replayer:
             mark_keys = [keys[m - 1] if m else start for m in marks]
             cols = {name: [v[i] for i in order] for name, v in cols.items()}
             keys = [keys[i] for i in order]
+        if self.id_header:
+            cols["properties_raw"] = [
+                self._with_id(lane, p, f"{k[1]}:{k[2]}")
+                for p, k in zip(cols["properties_raw"], keys, strict=True)
+            ]
+        bad = self._unpublishable(lane, cols, keys)
+        if bad:
+            keep = [i for i in range(len(keys)) if i not in bad]
+            cols = {name: [v[i] for i in keep] for name, v in cols.items()}
+            keys = [keys[i] for i in keep]
+            if mark_keys is not None:
+                mark_keys = [mark_keys[i] for i in keep]
         decls = list(zip(
             cols["exchange_type"], cols["exchange_durable"], cols["exchange_auto_delete"],
             cols["exchange_internal"], cols["exchange_arguments"], strict=True,
         ))  # fmt: skip
         rks, props, bodies = cols["routing_key"], cols["properties_raw"], cols["body"]
         chans, seqs = cols["channel"], cols["seq"]
-        if self.id_header:
-            props = [
-                self._with_id(lane, p, f"{k[1]}:{k[2]}") for p, k in zip(props, keys, strict=True)
-            ]
         name, window, cap = lane.name, lane.window, self.in_flight
         n = len(keys)
         published = i = 0
@@ -547,9 +669,12 @@ class Replayer:
                     same += 1
                 j = same
                 chunk = list(zip(rks[i:j], props[i:j], bodies[i:j], strict=True))
-                last = ch.publish_many(name, chunk)
+                last = ch.publish_many(name, chunk, mandatory=True)
                 chunk_marks = None if mark_keys is None else mark_keys[i:j]
-                window.sent_many(last - (j - i) + 1, keys[i:j], chunk_marks)
+                window.sent_many(
+                    last - (j - i) + 1, keys[i:j], chunk_marks,
+                    list(zip(rks[i:j], bodies[i:j], strict=True)),
+                )  # fmt: skip
                 self._pending += j - i
                 published += j - i
                 self._late(lane, out_of_order(chans[i:j], seqs[i:j], lane.high))
@@ -557,19 +682,68 @@ class Replayer:
                     lane.early.update(k for k in keys[i:j] if k in fill_keys)
                 lane.cursor = keys[j - 1] if chunk_marks is None else chunk_marks[-1]
                 i = j
+            if keyed_last is not None and keyed_last > lane.cursor:  # skipped rows at the end
+                lane.cursor = keyed_last
             if whole:
                 lane.read_through = hi
                 if last_read is not None and last_read > lane.cursor:  # fillers at the end
                     lane.cursor = last_read
+            if whole or bad:
                 self._catch_up_progress(lane)
         except AmqpClosed as e:
             if not e.channel:
                 raise
             self._channel_closed(e)
         finally:
+            lane.forget_passed()
             if published:
                 METRICS.published.labels(name).inc(published)
                 self._result._count(name, "published", published)
+
+    def _batch_rows(self, lane: _Lane) -> int:
+        """Rows to read next for ``lane``: ``batch_rows``, fewer when rows of the size read
+        last would pass ``batch_bytes`` (``FIRST_BATCH_ROWS`` while the size is unknown)."""
+        if lane.row_bytes <= 0:
+            return min(self.batch_rows, FIRST_BATCH_ROWS)
+        return max(1, min(self.batch_rows, int(self.batch_bytes / lane.row_bytes)))
+
+    def _unpublishable(self, lane: _Lane, cols: dict[str, list[Any]], keys: list[Key]) -> set[int]:
+        """Indices of rows the broker cannot take (see :mod:`bridge.red.replay_check`): skipped,
+        each reported once as ``replay_failed`` kind ``bad_row`` (they stay landed)."""
+        assert self._conn is not None
+        frame_max = self._conn.frame_max
+        tables_ok = lane.tables_ok
+        bad: set[int] = set()
+        found: dict[str, list[Any]] = {}  # channel -> [first, last, rows, first reason, land]
+        for i, (rk, props) in enumerate(zip(cols["routing_key"], cols["properties_raw"],
+                                            strict=True)):  # fmt: skip
+            why = row_problem(rk, props, frame_max, tables_ok)
+            if why is None:
+                continue
+            bad.add(i)
+            k = keys[i]
+            if k in lane.bad:
+                continue  # reported when first read (read again after a hold or a rewind)
+            lane.bad.add(k)
+            METRICS.errors.labels(lane.name, "bad_row").inc()
+            log_event(log, 40, "row cannot be published to the red broker: skipped (it stays "
+                      "landed)", exchange=lane.name, land_seq=k[0], channel=k[1], seq=k[2],
+                      reason=why)  # fmt: skip
+            f = found.get(k[1])
+            if f is None:
+                found[k[1]] = [k[2], k[2], 1, why, k[0]]
+            else:
+                f[0], f[1], f[2] = min(f[0], k[2]), max(f[1], k[2]), f[2] + 1
+        for channel, (first, last, rows, why, land_seq) in found.items():
+            seqs = f"seq {first}" if first == last else f"seqs {first}..{last} ({rows} rows)"
+            self._event(
+                "replay_failed", lane.name, channel=channel, seq_first=first, seq_last=last,
+                reason=f"channel {channel!r} {seqs} of exchange {lane.name!r} cannot be "
+                f"published to the red broker and {'was' if rows == 1 else 'were'} skipped "
+                f"(still landed): {why}",
+                detail={"kind": "bad_row", "rows": rows, "land_seq": land_seq},
+            )  # fmt: skip
+        return bad
 
     # -- hold-back (bridge.red.holdback) -------------------------------------------------------
     def _gap_view(self) -> GapView | None:
@@ -587,15 +761,12 @@ class Replayer:
         self._view_error = None
         return None if saved is None else GapView.from_state(saved.land_seq, saved.sequence)
 
-    def _without_early(self, lane: _Lane, table: pa.Table, *, forget: bool) -> pa.Table:
-        """``table`` without the rows published ahead of their key as fillers; ``forget``
-        them when they are now read in key order (they will not be read again)."""
-        keep = []
-        for k in self._keys_of(table):
-            early = k in lane.early
-            if early and forget:
-                lane.early.discard(k)
-            keep.append(not early)
+    def _without_early(self, lane: _Lane, table: pa.Table) -> pa.Table:
+        """``table`` without the rows published ahead of their key as fillers. They stay in
+        ``lane.early`` until the cursor passes them (:meth:`_Lane.forget_passed`): a batch cut
+        by the hold-back, a stop or a failure reads them again."""
+        early = lane.early
+        keep = [k not in early for k in self._keys_of(table)]
         return table if all(keep) else table.filter(pa.array(keep))
 
     def _hold(self, lane: _Lane, batch: pa.Table) -> tuple[pa.Table, bool]:
@@ -652,7 +823,7 @@ class Replayer:
         below = dict(zip(top["channel"].to_pylist(), top["seq_max"].to_pylist(), strict=True))
         table = self._messages.fillers(lane.name, below, hi, view.land_seq)
         if table is not None and lane.early:  # published as fillers by an earlier batch
-            table = self._without_early(lane, table, forget=False)
+            table = self._without_early(lane, table)
         return table if table is not None and table.num_rows else None
 
     def _catch_up_progress(self, lane: _Lane) -> None:
@@ -663,8 +834,25 @@ class Replayer:
             return
         p.land_seq, p.channel, p.seq = lane.cursor
         p.updated_at = None
+        if p.ahead:
+            self._confirmed_ahead(lane, [])
         self._progress[lane.name] = p
         self._dirty = True
+
+    def _confirmed_ahead(self, lane: _Lane, ahead: list[Key]) -> None:
+        """Remember ``ahead`` (rows confirmed before their key) in the progress, saved with it
+        so a restart does not publish them again; forget what the progress key passed."""
+        p = lane.progress
+        key = p.key
+        kept = {k for k in p.ahead if k > key}
+        room = AHEAD_MAX - len(kept)
+        if len(ahead) > room:
+            log_event(log, 30, "too many rows confirmed ahead of the progress to remember: a "
+                      "restart republishes them (duplicates, no loss)", exchange=lane.name,
+                      rows=len(ahead) - max(room, 0), limit=AHEAD_MAX)  # fmt: skip
+            ahead = ahead[: max(room, 0)]
+        kept.update(ahead)
+        p.ahead = kept
 
     @staticmethod
     def _last_key(table: pa.Table) -> Key | None:
@@ -804,6 +992,8 @@ class Replayer:
             return
         touched: dict[int, _Lane] = {}
         by_channel = self._by_channel
+        for r in ev.returns:  # before the confirms: each return comes before its own confirm
+            self._returned(by_channel.get(r.channel), r)
         for c in ev.confirms:
             lane = by_channel.get(c.channel)
             if lane is None:
@@ -812,7 +1002,11 @@ class Replayer:
             touched[c.channel] = lane
         for lane in touched.values():
             self._advance(lane)
-        if self._dirty and time.monotonic() - self._saved_at >= SAVE_EVERY:
+        if (
+            self._dirty
+            and time.monotonic() - self._saved_at >= SAVE_EVERY
+            and not any(lane.unroutable for lane in self._lanes.values())
+        ):  # unroutable counts are audited (pass end) before the progress goes past them
             self._save()
 
     def _advance(self, lane: _Lane) -> None:
@@ -824,9 +1018,14 @@ class Replayer:
         p.land_seq, p.channel, p.seq = mark
         p.confirmed_rows += n
         p.updated_at = None  # set when saved
+        ahead = [k for k in keys if k > mark]  # fillers confirmed before their key
+        if ahead or p.ahead:
+            self._confirmed_ahead(lane, ahead)
         self._progress[lane.name] = p
         self._dirty = True
+        self._backoff = 0.0  # the broker takes publishes again: the next loss starts at 1 s
         lane.rewinds = 0
+        lane.deaths = 0
         lane.reported = None  # a later failure is a new episode: reported again
         acc = lane.replayed
         high = p.high
@@ -846,6 +1045,47 @@ class Replayer:
         METRICS.confirmed.labels(lane.name).inc(n)
         self._result._count(lane.name, "confirmed", n)
         self._catch_up_progress(lane)
+
+    def _returned(self, lane: _Lane | None, r: Returned) -> None:
+        """The broker returned a mandatory publish: no binding on red routes it. It was taken
+        (and is confirmed), so the progress goes past it; counted, audited as ``replay_failed``
+        kind ``unroutable`` per channel and seq range (:meth:`_flush_unroutable`), logged."""
+        name = lane.name if lane is not None else r.exchange
+        METRICS.unroutable.labels(name).inc()
+        if lane is None:
+            log_event(log, 30, "red broker returned a message of a channel no longer in use",
+                      exchange=r.exchange, routing_key=r.routing_key,
+                      reply=f"{r.reply_code} {r.reply_text}")  # fmt: skip
+            return
+        key = lane.window.returned(r.routing_key, r.body)
+        channel, seq = (key[1], key[2]) if key is not None else ("", -1)
+        if not lane.unroutable:
+            log_event(log, 30, "red broker returned messages as unroutable: no binding on red "
+                      "routes them (confirmed and dropped by the broker)", exchange=lane.name,
+                      channel=channel, seq=seq, routing_key=r.routing_key,
+                      reply=f"{r.reply_code} {r.reply_text}")  # fmt: skip
+        lane.unroutable_why = f"{r.reply_code} {r.reply_text}"
+        a = lane.unroutable.get(channel)
+        if a is None:
+            lane.unroutable[channel] = [seq, seq, 1]
+        else:
+            a[0], a[1], a[2] = min(a[0], seq), max(a[1], seq), a[2] + 1
+
+    def _flush_unroutable(self, lane: _Lane) -> None:
+        acc, lane.unroutable = lane.unroutable, {}
+        for channel in sorted(acc):
+            first, last, rows = acc[channel]
+            log_event(log, 30, "messages replayed to an exchange were unroutable on red",
+                      exchange=lane.name, channel=channel, seq_first=first, seq_last=last,
+                      rows=rows, reply=lane.unroutable_why)  # fmt: skip
+            self._event(
+                "replay_failed", lane.name, channel=channel or None,
+                seq_first=first if first >= 0 else None, seq_last=last if last >= 0 else None,
+                reason=f"the red broker returned {rows} message(s) of channel {channel!r} "
+                f"published to exchange {lane.name!r} ({lane.unroutable_why}): no queue on red "
+                "is bound to receive them; the broker dropped them",
+                detail={"kind": "unroutable", "rows": rows, "reply": lane.unroutable_why},
+            )  # fmt: skip
 
     def _wait_window(self, cap: int, deadline: float | None, stop: Any) -> None:
         """Read confirms; while ``cap`` publishes are pending, wait for them."""
@@ -942,13 +1182,37 @@ class Replayer:
         )  # fmt: skip
 
     def _lost(self, e: BrokerError) -> None:
-        """The connection failed: forget everything unconfirmed, reconnect later."""
+        """The connection failed: forget everything unconfirmed, reconnect later (back-off
+        doubling until a publish is confirmed again). If the broker closed it while publishes
+        were unconfirmed, those exchanges are suspects: published one row at a time until
+        they are confirmed again; a suspect's row the broker closes the connection for
+        ``MAX_CONNECTION_DEATHS`` times stops its exchange (``replay_failed``, kind
+        ``connection``)."""
         log_event(log, 30, "red broker connection lost: resuming from the confirmed progress "
                   "after reconnecting", target=self.where, error=str(e))  # fmt: skip
         METRICS.errors.labels("", "connection").inc()
         self._result.error = f"red broker at {self.where}: {e}"
+        busy = [lane for lane in self._lanes.values() if len(lane.window)]
+        closed = isinstance(e, AmqpClosed) and not e.channel and e.reply_code != 320
+        culprit: tuple[_Lane, Key] | None = None
+        if closed and len(busy) == 1 and busy[0].suspect_until is not None:  # a probe
+            lane = busy[0]
+            lane.deaths += 1
+            if lane.deaths >= MAX_CONNECTION_DEATHS:
+                culprit = (lane, lane.window.keys()[0])
+        elif closed:
+            for lane in busy:
+                lane.suspect_until = max(lane.cursor, lane.suspect_until or START)
         self._drop_connection()
         self._schedule_reconnect()
+        if culprit is not None:
+            lane, at = culprit
+            self._block(
+                lane, "connection", at,
+                f"the red broker closed the connection ({e}) {lane.deaths} times when exchange "
+                f"{lane.name!r} was published channel {at[1]!r} seq {at[2]} (land_seq {at[0]}) "
+                "alone: that row is refused (stopped, retried later; the other exchanges go on)",
+            )  # fmt: skip
 
     def _drop_connection(self) -> None:
         conn, self._conn = self._conn, None
@@ -986,9 +1250,8 @@ class Replayer:
             log_event(log, 30, "red broker unavailable", target=self.where, error=str(e),
                       retry_seconds=self._backoff)  # fmt: skip
             return False
-        if self._backoff:
+        if self._backoff:  # kept until a publish is confirmed (a row may kill each connection)
             log_event(log, 20, "red broker connected again", target=self.where)
-        self._backoff = 0.0
         return True
 
     # -- lanes, approvals, table -------------------------------------------------------------------
@@ -1037,8 +1300,9 @@ class Replayer:
                 p = self._progress.get(name) or Progress()
                 # the lane's replayed ranges are the progress's own: saved with it
                 self._lanes[name] = _Lane(
-                    name, p, cursor=p.key, high=dict(p.high), replayed=p.unaudited
-                )
+                    name, p, cursor=p.key, high=dict(p.high), replayed=p.unaudited,
+                    early=set(p.ahead),
+                )  # fmt: skip
             elif lane.retired:
                 lane.retired = False
                 log_event(log, 20, "exchange approved again", exchange=name)
@@ -1094,6 +1358,8 @@ class Replayer:
             self._unsunk.append(ev)
 
     def _flush_replayed(self, lane: _Lane) -> None:
+        if lane.unroutable:
+            self._flush_unroutable(lane)
         acc = dict(lane.replayed)
         lane.replayed.clear()  # in place: it is the saved progress's ``unaudited`` too
         lane.replayed_since = time.monotonic()
@@ -1115,6 +1381,8 @@ class Replayer:
     def _end_pass(self, *, force_save: bool) -> None:
         now = time.monotonic()
         for lane in self._lanes.values():
+            if lane.unroutable:  # at every pass end: never left only in memory for long
+                self._flush_unroutable(lane)
             if lane.replayed and (
                 (lane.caught_up and not len(lane.window))
                 or now - lane.replayed_since >= REPLAYED_EVERY

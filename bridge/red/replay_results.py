@@ -52,6 +52,9 @@ class ReplaySummary:
     events: list[dict[str, Any]] = field(default_factory=list)
     seconds: float = 0.0
     caught_up: bool = False
+    unroutable: int = 0
+    """Messages the red broker returned (no binding on red): confirmed, dropped by the broker,
+    audited as ``replay_failed`` kind ``unroutable``; not in ``errors`` (nothing stopped)."""
 
     def add(self, r: StepResult, *, final: bool = False) -> None:
         self.published += r.published
@@ -62,7 +65,12 @@ class ReplaySummary:
             mine["confirmed"] += per["confirmed"]
         self.events.extend(r.events)
         for ev in r.events:
-            if ev["event"] == "replay_failed":
+            if ev["event"] != "replay_failed":
+                continue
+            detail = json.loads(ev["detail"]) if ev.get("detail") else {}
+            if detail.get("kind") == "unroutable":
+                self.unroutable += int(detail.get("rows", 0))
+            else:
                 self.errors.append(f"exchange {ev['exchange']!r}: {ev['reason']}")
         if r.error and (not self.errors or self.errors[-1] != r.error):
             self.errors.append(r.error)
@@ -80,6 +88,7 @@ class ReplaySummary:
             "confirmed": self.confirmed,
             "exchanges": self.exchanges,
             "errors": self.errors,
+            "unroutable": self.unroutable,
             "events": len(self.events),
             "caught_up": self.caught_up,
             "seconds": round(self.seconds, 3),

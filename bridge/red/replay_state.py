@@ -14,6 +14,7 @@ from bridge.errors import StateError
 from bridge.fsutil import atomic_write_bytes
 
 __all__ = [
+    "AHEAD_MAX",
     "FORMAT",
     "LIVE_EVERY",
     "LIVE_FILE",
@@ -21,6 +22,8 @@ __all__ = [
     "START",
     "Key",
     "Progress",
+    "compress_keys",
+    "expand_ranges",
     "load_progress",
     "now_text",
     "read_live",
@@ -37,6 +40,9 @@ FORMAT = 1
 Key = tuple[int, str, int]
 """``(land_seq, channel, seq)``: where a row sorts in an exchange's replay order."""
 START: Key = (-1, "", -1)
+AHEAD_MAX = 100_000
+"""At most this many rows confirmed ahead of an exchange's progress are remembered (more are
+republished after a restart: duplicates, never a loss)."""
 
 
 def now_text() -> str:
@@ -61,6 +67,10 @@ class Progress:
     """Per channel, confirmed rows no ``replayed`` audit event holds yet: ``[seq_first,
     seq_last, rows, land_seq_first, land_seq_last]``. Saved with the progress, so a publisher
     killed before its event reached the audit table emits it after the restart."""
+    ahead: set[Key] = field(default_factory=set)
+    """Rows confirmed ahead of the key (a late bundle's rows read ahead to fill a gap, published
+    in seq order before the rows that sort before them): not published again when the replay
+    reaches them, after a restart too. Forgotten once the key passes them."""
 
     @property
     def key(self) -> Key:
@@ -76,6 +86,7 @@ class Progress:
             "high": dict(sorted(self.high.items())),
             "passed": dict(sorted(self.passed.items())),
             **({"unaudited": dict(sorted(self.unaudited.items()))} if self.unaudited else {}),
+            **({"ahead": compress_keys(self.ahead)} if self.ahead else {}),
         }
 
     @classmethod
@@ -93,7 +104,31 @@ class Progress:
                 for k, v in d.get("unaudited", {}).items()
                 if isinstance(v, list) and len(v) == 5
             },
+            ahead=expand_ranges(d.get("ahead", [])),
         )
+
+
+def compress_keys(keys: set[Key]) -> list[list[Any]]:
+    """``keys`` as ``[land_seq, channel, seq_first, seq_last]`` runs of consecutive seqs."""
+    out: list[list[Any]] = []
+    for land_seq, channel, seq in sorted(keys):
+        last = out[-1] if out else None
+        if last is not None and last[0] == land_seq and last[1] == channel and last[3] + 1 == seq:
+            last[3] = seq
+        else:
+            out.append([land_seq, channel, seq, seq])
+    return out
+
+
+def expand_ranges(runs: Any) -> set[Key]:
+    """The keys of ``compress_keys`` runs (at most ``AHEAD_MAX``, the lowest kept)."""
+    out: set[Key] = set()
+    for land_seq, channel, first, last in runs:
+        for seq in range(int(first), min(int(last), int(first) + AHEAD_MAX - len(out) - 1) + 1):
+            out.add((int(land_seq), str(channel), seq))
+        if len(out) >= AHEAD_MAX:
+            break
+    return out
 
 
 def load_progress(state_dir: Path) -> dict[str, Progress]:

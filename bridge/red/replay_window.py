@@ -23,12 +23,14 @@ class ConfirmWindow:
     :func:`bridge.red.holdback.publish_order`); without one the mark is its own key.
     """
 
-    __slots__ = ("_q", "pending", "nacked")
+    __slots__ = ("_q", "pending", "nacked", "_returned")
 
     def __init__(self) -> None:
-        self._q: deque[list[Any]] = deque()  # [tag, key, state: None | True | False, mark]
+        # [tag, key, state: None | True | False, mark, (routing key, body) or None]
+        self._q: deque[list[Any]] = deque()
         self.pending = 0
         self.nacked = False
+        self._returned = 0  # tag of the last publish matched to a basic.return
 
     def __len__(self) -> int:
         return len(self._q)
@@ -37,26 +39,53 @@ class ConfirmWindow:
         q = self._q
         if q and tag != q[-1][0] + 1:
             raise ValueError(f"publish tag {tag} does not follow {q[-1][0]}")
-        q.append([tag, key, None, key])
+        q.append([tag, key, None, key, None])
         self.pending += 1
 
     def sent_many(
-        self, first_tag: int, keys: Sequence[Key], marks: Sequence[Key] | None = None
+        self,
+        first_tag: int,
+        keys: Sequence[Key],
+        marks: Sequence[Key] | None = None,
+        payloads: Sequence[tuple[str, Any]] | None = None,
     ) -> None:
-        """``sent`` for consecutive tags from ``first_tag`` (``marks``: one per key)."""
+        """``sent`` for consecutive tags from ``first_tag`` (``marks``: one per key;
+        ``payloads``: one ``(routing key, body)`` per key, to tell which publish a
+        ``basic.return`` gives back, see :meth:`returned`)."""
         q = self._q
         if q and keys and first_tag != q[-1][0] + 1:
             raise ValueError(f"publish tag {first_tag} does not follow {q[-1][0]}")
-        if marks is None:
-            q.extend([[first_tag + i, k, None, k] for i, k in enumerate(keys)])
-        else:
-            q.extend(
-                [
-                    [first_tag + i, k, None, m]
-                    for i, (k, m) in enumerate(zip(keys, marks, strict=True))
-                ]
-            )
+        ms = keys if marks is None else marks
+        ps: Sequence[Any] = [None] * len(keys) if payloads is None else payloads
+        q.extend(
+            [
+                [first_tag + i, k, None, m, p]
+                for i, (k, m, p) in enumerate(zip(keys, ms, ps, strict=True))
+            ]
+        )
         self.pending += len(keys)
+
+    def returned(self, routing_key: str, body: bytes) -> Key | None:
+        """The key of the publish a ``basic.return`` gave back, or None if none matches.
+
+        The broker returns unroutable messages in publish order, each before its confirm; so
+        (returns applied before the confirms that arrived with them) the message is the first
+        publish after the previously returned one with the same routing key and body."""
+        q = self._q
+        if not q:
+            return None
+        base = q[0][0]
+        for i in range(max(0, self._returned + 1 - base), len(q)):
+            e = q[i]
+            p = e[4]
+            if p is not None and p[0] == routing_key and p[1] == body:
+                self._returned = e[0]
+                return e[1]  # type: ignore[no-any-return]
+        return None
+
+    def keys(self) -> list[Key]:
+        """Keys of every publish in the window, in publish order."""
+        return [e[1] for e in self._q]
 
     def confirm(self, tag: int, multiple: bool, ack: bool) -> int:
         """Apply one confirm; returns how many publishes it settled."""
@@ -106,4 +135,5 @@ class ConfirmWindow:
         self._q.clear()
         self.pending = 0
         self.nacked = False
+        self._returned = 0
         return pending

@@ -269,23 +269,33 @@ _files = st.lists(
 def test_plan_upper_takes_the_fewest_commits_that_make_a_batch(
     files: list[tuple[int, int, int]], lo: int, batch: int
 ) -> None:
+    """A file's rows count as spread over its land_seq span: a compacted file spanning many
+    commits is read a few commits at a time, not whole."""
     hi = plan_upper(files, lo, batch)
     live = [f for f in files if f[1] >= lo and f[2] > 0]
     if not live:
         assert hi is None
         return
-    assert hi is not None and hi >= lo and hi in {f[1] for f in live}
+    top = max(f[1] for f in live)
+    assert hi is not None and lo <= hi <= top
 
     def est(upto: int) -> float:
         return sum(
-            n if mn >= lo else n * (mx - lo + 1) / (mx - mn + 1) for mn, mx, n in live if mx <= upto
+            n * (min(upto, mx) - max(mn, lo) + 1) / (mx - mn + 1)
+            for mn, mx, n in live
+            if upto >= max(mn, lo)
         )
 
-    total = est(max(f[1] for f in live))
-    assert est(hi) >= min(batch, total) - 1e-9
-    smaller = [f[1] for f in live if f[1] < hi]
-    if smaller:
-        assert est(max(smaller)) < batch  # one commit less would not have made the batch
+    assert est(hi) >= min(batch, est(top)) - 1e-6
+    if hi > lo:
+        assert est(hi - 1) < batch  # one commit less would not have made the batch
+
+
+def test_plan_upper_splits_a_compacted_file() -> None:
+    assert plan_upper([(1, 100, 50_000)], 1, 1000) == 2  # 500 rows per commit
+    assert plan_upper([(1, 100, 50_000)], 51, 1000) == 52
+    assert plan_upper([(1, 100, 50_000), (101, 101, 10)], 100, 10_000) == 101
+    assert plan_upper([(5, 5, 9_000)], 1, 10) == 5  # one commit is read whole
 
 
 def _key(k: Any) -> bytes:
@@ -648,6 +658,7 @@ def test_nacks_are_republished_then_the_exchange_stops_and_others_go_on(
     r = Replayer(cfg, retry_seconds=0.0)
     s = r.run(until_caught_up=True, timeout=30)
     failed = [e for e in s.events if e["event"] == "replay_failed"]
+    failed = [e for e in failed if json.loads(e["detail"])["kind"] != "unroutable"]  # "fine"
     assert [e["exchange"] for e in failed] == ["full"]
     assert json.loads(failed[0]["detail"])["kind"] == "nack" and "nacked" in failed[0]["reason"]
     assert s.exchanges["fine"]["confirmed"] == 20
@@ -756,7 +767,10 @@ def test_audit_sink_writes_replay_events_with_their_own_app_id(
         (r["event"], r["exchange"], r["channel"], r["seq_first"], r["seq_last"])
         for r in dt.to_pyarrow_table().to_pylist()
     )
-    assert got == [("replayed", "au", "c1", 0, 3), ("replayed", "au", "c1", 4, 5)]
+    assert got == [  # no queue bound to "au" on red: the broker returned every message
+        ("replay_failed", "au", "c1", 0, 3), ("replay_failed", "au", "c1", 4, 5),
+        ("replayed", "au", "c1", 0, 3), ("replayed", "au", "c1", 4, 5),
+    ]  # fmt: skip
 
 
 @pytestmark_broker
@@ -935,3 +949,226 @@ def test_a_replay_behind_the_landing_publishes_a_late_bundle_in_seq_order(
         assert again.caught_up and again.published == 0
     finally:
         consumer.close()
+
+
+# ---------------------------------------------------------------------------- review fixes
+def save_bundles(tmp: Path, land_seq: int, bundles: Sequence[tuple[int, int, int]]) -> None:
+    """``save_state`` with each bundle admitted just now (rows landed now are still held)."""
+    state = sq.SequenceState()
+    now = datetime.now(UTC)
+    for n, a, b in bundles:
+        sq.admit(state, sq.BundleFacts("c1", n, f"id{n}", f"{n:064x}", None, b - a + 1, a, b), now)
+    doc = {"land_seq": land_seq, "sequence": state.to_json(), "udp_gaps_offset": 0}
+    (tmp / "state").mkdir(exist_ok=True)
+    (tmp / "state" / STATE_FILE).write_text(json.dumps(doc))
+
+
+@pytestmark_broker
+@pytest.mark.parametrize("cut", ["hold", "restart"])
+def test_rows_read_ahead_are_published_once_when_the_batch_is_cut_or_the_publisher_restarts(
+    tmp_path: Path, tables: RedTables, red_vhost: Vhost, admin: Connection, cut: str
+) -> None:
+    """Bundle 2 (seqs 5-9) lands late: its rows are read ahead as fillers and published before
+    10-14. They are not published again when the replay reads them in key order later: not when
+    that batch is cut by the hold-back (bundle 4 missing), not after a graceful restart."""
+    url = red_vhost.amqp_url
+    cfg = make_cfg(tmp_path, url, [HOLD_X.name], gap_hold_seconds=3600, batch_rows=5)
+    consumer = hold_consumer(admin, url)
+    now = datetime.now(UTC)
+    bundles = [(1, 0, 4), (3, 10, 14)]
+    land(tables, 1, rows("c1", range(0, 5), HOLD_X), landed_at=now)
+    land(tables, 2, rows("c1", range(10, 15), HOLD_X), landed_at=now)
+    save_bundles(tmp_path, 2, bundles)
+    try:
+        r = Replayer(cfg)
+        assert r.step().confirmed == 5  # held at 10: bundle 2 missing
+        if cut == "hold":  # bundle 2 comes late with bundle 5; bundle 4 still missing
+            bundles += [(2, 5, 9), (5, 20, 24)]
+            land(tables, 3, rows("c1", range(5, 10), HOLD_X), rows("c1", range(20, 25), HOLD_X),
+                 landed_at=now)  # fmt: skip
+            save_bundles(tmp_path, 3, bundles)
+            assert r.step().confirmed == 10  # 5-9 read ahead, then 10-14
+            assert r.step().published == 0  # landing 3: 5-9 done, 20-24 held
+            land(tables, 4, rows("c1", range(15, 20), HOLD_X), landed_at=now)
+            bundles.append((4, 15, 19))
+            save_bundles(tmp_path, 4, bundles)
+            n, last = 25, (4, "c1", 19)
+        else:
+            bundles.append((2, 5, 9))
+            land(tables, 3, rows("c1", range(5, 10), HOLD_X), landed_at=now)
+            save_bundles(tmp_path, 3, bundles)
+            assert r.step().confirmed == 10
+            r.close()  # graceful stop: what was published ahead is in the saved progress
+            saved = json.loads((tmp_path / "state" / rp.PROGRESS_FILE).read_text())
+            assert saved["exchanges"][HOLD_X.name]["ahead"] == [[3, "c1", 5, 9]]
+            r = Replayer(cfg)
+            n, last = 15, (3, "c1", 9)
+        s = r.run(until_caught_up=True, timeout=20)
+        assert s.caught_up and not s.errors, s
+        assert not [e for e in s.events if e["event"] != "replayed"], s.events
+        consumer.collect(n)
+        assert [body_id(m)[1] for m in consumer.quiet(0.5)] == list(range(n))
+        progress = rp.load_progress(tmp_path / "state")[HOLD_X.name]
+        assert progress.key == last and not progress.ahead  # passed: forgotten
+    finally:
+        consumer.close()
+
+
+BAD_ROWS = {
+    # black lands non-UTF-8 name bytes as U+FFFD (3 bytes): a legal 100-byte key becomes 300
+    "long_routing_key": ("\ufffd" * 100, PLAIN, "routing key is 300 bytes"),
+    "truncated_properties": ("rk", b"\x80\x00\x10abc", "property bytes do not parse"),
+    "continuation_flag": ("rk", b"\x00\x01\x00\x00", "continuation flag"),
+    "bad_header_table": ("rk", b"\x20\x00\x00\x00\x00\x03\x01kS", "property bytes do not parse"),
+    "over_frame_max": (
+        "rk",
+        encode_properties(Properties(headers=field_table({"blob": "x" * 140_000}))),
+        "exceeds the red broker's frame_max",
+    ),
+}
+
+
+@pytestmark_broker
+@pytest.mark.parametrize("kind", sorted(BAD_ROWS))
+def test_a_row_the_broker_cannot_take_is_skipped_and_reported_and_the_rest_goes_on(
+    tmp_path: Path, tables: RedTables, red_vhost: Vhost, admin: Connection, kind: str
+) -> None:
+    """Such a row used to crash the publisher at every start (routing key) or make the broker
+    close the connection at every publish (properties): nothing else was ever confirmed."""
+    url = red_vhost.amqp_url
+    rk, props, why = BAD_ROWS[kind]
+    bad, good = ExchangeDecl("bad.x", "fanout", True), ExchangeDecl("good.x", "fanout", True)
+    for x in (bad, good):
+        admin.channel().exchange_declare(x.name, "fanout", durable=True)
+    cb, cg = Consumer(url, bad.name), Consumer(url, good.name)
+    land(tables, 1, rows("c1", [0], bad), rows("c1", [1], bad, props=props, routing_key=rk),
+         rows("c1", [2], bad), rows("c2", range(50), good))  # fmt: skip
+    cfg = make_cfg(tmp_path, url, [bad.name, good.name])
+    before = metric("bridge_red_replay_errors_total", exchange=bad.name, kind="bad_row")
+    try:
+        s = Replayer(cfg).run(until_caught_up=True, timeout=20)
+        assert s.caught_up and s.confirmed == 52, s
+        (ev,) = [e for e in s.events if e["event"] == "replay_failed"]
+        assert (ev["exchange"], ev["channel"], ev["seq_first"], ev["seq_last"]) == (
+            bad.name, "c1", 1, 1)  # fmt: skip
+        assert json.loads(ev["detail"])["kind"] == "bad_row" and why in ev["reason"]
+        assert "seq 1" in ev["reason"] and "skipped" in ev["reason"]
+        assert metric("bridge_red_replay_errors_total", exchange=bad.name, kind="bad_row") == (
+            before + 1)  # fmt: skip
+        cb.collect(2)
+        assert [body_id(m)[1] for m in cb.quiet(0.3)] == [0, 2]
+        assert len(cg.collect(50)) == 50
+        assert rp.load_progress(tmp_path / "state")[bad.name].seq == 2
+        again = Replayer(cfg).run(until_caught_up=True, timeout=10)
+        assert again.caught_up and again.published == 0 and not again.events
+    finally:
+        cb.close()
+        cg.close()
+
+
+@pytestmark_broker
+def test_a_row_that_makes_the_broker_close_the_connection_stops_only_its_exchange(
+    tmp_path: Path,
+    tables: RedTables,
+    red_vhost: Vhost,
+    admin: Connection,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A row the checks let through but the broker refuses at connection level (simulated by
+    disabling the pure pre-publish check): the publisher backs off (no reconnect every second),
+    finds the row by publishing the suspects one row at a time, stops that exchange with a
+    `replay_failed` naming the row, and every other exchange is confirmed."""
+    monkeypatch.setattr(rp, "row_problem", lambda *a, **k: None, raising=False)
+    url = red_vhost.amqp_url
+    bad, good = ExchangeDecl("a.bad", "fanout", True), ExchangeDecl("b.good", "fanout", True)
+    for x in (bad, good):
+        admin.channel().exchange_declare(x.name, "fanout", durable=True)
+    cg = Consumer(url, good.name)
+    land(tables, 1, rows("c1", [0], bad), rows("c1", [1], bad, props=b"\x80\x00\x10abc"),
+         rows("c1", [2], bad), rows("c2", range(50), good))  # fmt: skip
+    cfg = make_cfg(tmp_path, url, [bad.name, good.name])
+    lost = metric("bridge_red_replay_errors_total", exchange="", kind="connection")
+    try:
+        s = Replayer(cfg, retry_seconds=3600).run(until_caught_up=True, timeout=30)
+        assert s.caught_up, s
+        (ev,) = [e for e in s.events if e["event"] == "replay_failed" and e["seq_first"] == 1]
+        assert (ev["exchange"], ev["channel"], ev["seq_first"]) == (bad.name, "c1", 1)
+        assert json.loads(ev["detail"])["kind"] == "connection"
+        assert s.exchanges[good.name]["confirmed"] == 50
+        assert len(cg.collect(50)) == 50
+        closes = metric("bridge_red_replay_errors_total", exchange="", kind="connection") - lost
+        assert closes <= rp.MAX_CONNECTION_DEATHS + 1, closes  # no reconnect loop
+        assert s.seconds >= 2.5  # backed off 1 s, then 2 s: kept until a publish is confirmed
+        assert rp.load_progress(tmp_path / "state")[bad.name].seq == 0
+    finally:
+        cg.close()
+
+
+@pytestmark_broker
+def test_unroutable_publishes_are_counted_and_audited_never_silent(
+    tmp_path: Path, tables: RedTables, red_vhost: Vhost, admin: Connection
+) -> None:
+    """An approved exchange whose rows no binding on red routes: the broker takes (confirms)
+    and drops them. The publisher publishes mandatory, reads the returns and reports them
+    (audit `replay_failed` kind `unroutable` with the seq range, metric, log); progress goes
+    past them."""
+    url = red_vhost.amqp_url
+    nobody, some = ExchangeDecl("unbound", "direct", True), ExchangeDecl("half", "direct", True)
+    admin.channel().exchange_declare(some.name, "direct", durable=True)
+    c = Consumer(url, some.name, "a")
+    land(tables, 1, rows("c1", range(0, 100), nobody), rows("c2", range(0, 5), some,
+         routing_key="a"), rows("c2", range(5, 10), some, routing_key="b"))  # fmt: skip
+    land(tables, 2, rows("c2", range(10, 12), some, routing_key="a"))
+    cfg = make_cfg(tmp_path, url, [nobody.name, some.name], in_flight=7)
+    before = metric("bridge_red_replay_unroutable_total", exchange=nobody.name)
+    try:
+        s = Replayer(cfg).run(until_caught_up=True, timeout=20)
+        assert s.caught_up and s.confirmed == 112 and not s.errors and s.unroutable == 105, s
+        got = {
+            e["exchange"]: (e["channel"], e["seq_first"], e["seq_last"], json.loads(e["detail"]))
+            for e in s.events
+            if e["event"] == "replay_failed"
+        }
+        assert {d["kind"] for *_, d in got.values()} == {"unroutable"}
+        assert got[nobody.name][:3] == ("c1", 0, 99) and got[nobody.name][3]["rows"] == 100
+        assert got[some.name][:3] == ("c2", 5, 9) and got[some.name][3]["rows"] == 5
+        assert "312 NO_ROUTE" in got[nobody.name][3]["reply"]
+        assert metric("bridge_red_replay_unroutable_total", exchange=nobody.name) == before + 100
+        assert [body_id(m)[1] for m in c.collect(7)] == [0, 1, 2, 3, 4, 10, 11]
+        assert rp.load_progress(tmp_path / "state")[nobody.name].seq == 99
+    finally:
+        c.close()
+
+
+@pytestmark_broker
+def test_a_compacted_file_is_read_in_batches_of_batch_rows(
+    tmp_path: Path, tables: RedTables, red_vhost: Vhost, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`diode red maintain` compacts many landings into one file: a batch is still about
+    `batch_rows` rows (not the whole file), and `batch_bytes` bounds it by size."""
+    x = ExchangeDecl("compact", "fanout", True)
+    for ls in range(1, 41):
+        land(tables, ls, rows("c1", range((ls - 1) * 50, ls * 50), x, body_size=2000))
+    tables.maintain("messages")
+    assert DeltaTable(str(tables.path("messages"))).get_add_actions(flatten=True).num_rows == 1
+    seen: list[int] = []
+    real = rp.MessagesTable.read
+
+    def counting(self: Any, *a: Any, **k: Any) -> Any:  # a spy: the real read, counted
+        b, hi = real(self, *a, **k)
+        if b is not None:
+            seen.append(b.num_rows)
+        return b, hi
+
+    monkeypatch.setattr(rp.MessagesTable, "read", counting)
+    cfg = make_cfg(tmp_path, red_vhost.amqp_url, [x.name], batch_rows=200)
+    s = Replayer(cfg).run(until_caught_up=True, timeout=30)
+    assert s.caught_up and s.confirmed == 2000, s
+    assert sum(seen) == 2000 and max(seen) <= 250, seen
+    seen.clear()
+    (tmp_path / "state" / rp.PROGRESS_FILE).unlink()
+    tiny = make_cfg(tmp_path, red_vhost.amqp_url, [x.name], batch_rows=2000,
+                    batch_bytes=1024 * 1024)  # fmt: skip
+    s = Replayer(tiny).run(until_caught_up=True, timeout=30)
+    assert s.caught_up and s.confirmed == 2000, s
+    assert max(seen[1:]) <= 600, seen  # ~2 KB rows: 1 MiB is about 500 of them
