@@ -753,9 +753,14 @@ def test_broker_down_and_lost_connections_are_survived(
 
 @pytestmark_broker
 def test_audit_sink_writes_replay_events_with_their_own_app_id(
-    tmp_path: Path, tables: RedTables, red_vhost: Vhost
+    tmp_path: Path, tables: RedTables, red_vhost: Vhost, admin: Connection
 ) -> None:
     x = ExchangeDecl("au", "fanout", False)
+    # a queue bound on red: nothing is returned (unroutable returns have a test of their own;
+    # when they reach the sink in its own commit depends on timing)
+    admin.channel().exchange_declare("au", "fanout")
+    admin.channel().queue_declare("au-q")
+    admin.channel().queue_bind("au-q", "au", "")
     land(tables, 1, rows("c1", range(4), x))
     cfg = make_cfg(tmp_path, red_vhost.amqp_url, ["au"])
     Replayer(cfg, sink=rp.audit_sink(cfg)).run(until_caught_up=True, timeout=20)
@@ -767,10 +772,7 @@ def test_audit_sink_writes_replay_events_with_their_own_app_id(
         (r["event"], r["exchange"], r["channel"], r["seq_first"], r["seq_last"])
         for r in dt.to_pyarrow_table().to_pylist()
     )
-    assert got == [  # no queue bound to "au" on red: the broker returned every message
-        ("replay_failed", "au", "c1", 0, 3), ("replay_failed", "au", "c1", 4, 5),
-        ("replayed", "au", "c1", 0, 3), ("replayed", "au", "c1", 4, 5),
-    ]  # fmt: skip
+    assert got == [("replayed", "au", "c1", 0, 3), ("replayed", "au", "c1", 4, 5)]
 
 
 @pytestmark_broker
@@ -1124,15 +1126,18 @@ def test_unroutable_publishes_are_counted_and_audited_never_silent(
     try:
         s = Replayer(cfg).run(until_caught_up=True, timeout=20)
         assert s.caught_up and s.confirmed == 112 and not s.errors and s.unroutable == 105, s
-        got = {
-            e["exchange"]: (e["channel"], e["seq_first"], e["seq_last"], json.loads(e["detail"]))
-            for e in s.events
-            if e["event"] == "replay_failed"
-        }
-        assert {d["kind"] for *_, d in got.values()} == {"unroutable"}
-        assert got[nobody.name][:3] == ("c1", 0, 99) and got[nobody.name][3]["rows"] == 100
-        assert got[some.name][:3] == ("c2", 5, 9) and got[some.name][3]["rows"] == 5
-        assert "312 NO_ROUTE" in got[nobody.name][3]["reply"]
+        failed = [e for e in s.events if e["event"] == "replay_failed"]
+        details = [json.loads(e["detail"]) for e in failed]
+        assert {d["kind"] for d in details} == {"unroutable"}
+        assert all("312 NO_ROUTE" in d["reply"] for d in details)
+        # one event per pass that saw returns: how the returns fall into passes is timing
+        got: dict[str, list[Any]] = {}
+        for e, d in zip(failed, details, strict=True):
+            g = got.setdefault(e["exchange"], [e["channel"], e["seq_first"], e["seq_last"], 0])
+            assert g[0] == e["channel"]
+            g[1], g[2] = min(g[1], e["seq_first"]), max(g[2], e["seq_last"])
+            g[3] += d["rows"]
+        assert got == {nobody.name: ["c1", 0, 99, 100], some.name: ["c2", 5, 9, 5]}
         assert metric("bridge_red_replay_unroutable_total", exchange=nobody.name) == before + 100
         assert [body_id(m)[1] for m in c.collect(7)] == [0, 1, 2, 3, 4, 10, 11]
         assert rp.load_progress(tmp_path / "state")[nobody.name].seq == 99
