@@ -190,19 +190,21 @@ class _Receiver:
     def _spooled_data_gone(self, ra: Reassembler, d: Delivery) -> None:
         """The rebuilt object's ``data`` file vanished before its delivery (removed by hand,
         or with the spool): a ``spool_error`` gap red sees, never a retry that cannot end."""
+        self._give_up(ra, d, "spool_error", f"spooled data file gone: {d.path / 'data'}")
+
+    def _give_up(self, ra: Reassembler, d: Delivery, reason: str, error: str | None = None) -> None:
+        """Record a rebuilt object that is not delivered as a gap; its spooled files go once
+        the record is durable (:meth:`Reassembler.fail`)."""
         with self.lock:
-            discard = ra.fail(d, "spool_error", f"spooled data file gone: {d.path / 'data'}")
-        if discard:
+            discard = ra.fail(d, reason, error)
+        if discard:  # else kept until the disk takes its gap record
             discard_spooled(d)
 
     def _deliver_one(self, ra: Reassembler, d: Delivery, tmp: Path) -> None:
         checked = verify_and_read_name(d)
         h = d.header
         if isinstance(checked, str):
-            with self.lock:
-                discard = ra.fail(d, checked)
-            if discard:  # else kept until the disk takes its gap record
-                discard_spooled(d)
+            self._give_up(ra, d, checked)
             return
         name, offset = checked
         final, outcome = deliver(d, name, offset, tmp, self.inbox)
