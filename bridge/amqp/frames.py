@@ -20,6 +20,8 @@ from pamqp.base import Frame as PamqpMethod
 from bridge.errors import AmqpFrameError
 
 __all__ = [
+    "SHORT_MAX",
+    "HEADER_FRAME_OVERHEAD",
     "FRAME_METHOD",
     "FRAME_HEADER",
     "FRAME_BODY",
@@ -77,6 +79,11 @@ _CH = struct.Struct(">HHQ")  # content header: class id, weight, body size
 _ACK = struct.Struct(">BHIIQB")  # frame head, method index, delivery tag, bits
 _QB = struct.Struct(">QB")
 _END = b"\xce"
+SHORT_MAX = 255
+"""An AMQP short string (an exchange name, a routing key) holds at most 255 bytes."""
+HEADER_FRAME_OVERHEAD = _HEAD.size + len(_END) + _CH.size
+"""Bytes of a content header frame beside its property bytes: frame head and end, class id,
+weight and body size (the frame must stay within the connection's frame_max)."""
 _EMPTY_TABLE = b"\x00\x00\x00\x00"
 
 
@@ -189,8 +196,10 @@ def publish_frames(
     mandatory: bool = False,
 ) -> bytes:
     """``basic.publish`` + content header + body frames of at most ``frame_max - 8`` bytes."""
-    if len(exchange) > 255 or len(routing_key) > 255:
-        raise ValueError("exchange and routing key are short strings: at most 255 bytes each")
+    if len(exchange) > SHORT_MAX or len(routing_key) > SHORT_MAX:
+        raise ValueError(
+            f"exchange and routing key are short strings: at most {SHORT_MAX} bytes each"
+        )
     size = len(body)
     parts: list[bytes | bytearray | memoryview] = [
         _HEAD.pack(FRAME_METHOD, channel, 9 + len(exchange) + len(routing_key)),
@@ -275,8 +284,8 @@ def unmarshal_method(payload: bytes) -> PamqpMethod:
 def shortstr(value: str | bytes) -> bytes:
     """An AMQP short string (length octet + UTF-8)."""
     raw = value.encode("utf-8", "surrogateescape") if isinstance(value, str) else value
-    if len(raw) > 255:
-        raise ValueError(f"short string of {len(raw)} bytes (at most 255): {raw[:40]!r}...")
+    if len(raw) > SHORT_MAX:
+        raise ValueError(f"short string of {len(raw)} bytes (at most {SHORT_MAX}): {raw[:40]!r}...")
     return bytes((len(raw),)) + raw
 
 

@@ -12,15 +12,12 @@ from __future__ import annotations
 
 from collections.abc import MutableMapping
 
+from bridge.amqp.frames import HEADER_FRAME_OVERHEAD, SHORT_MAX
 from bridge.errors import ProtocolError
 from bridge.protocol.properties import decode_table, scan_properties
 
-__all__ = ["SHORT_MAX", "TABLES_KEPT", "name_problem", "row_problem"]
+__all__ = ["TABLES_KEPT", "name_problem", "row_problem"]
 
-SHORT_MAX = 255
-"""An AMQP short string (exchange, routing key) holds at most 255 bytes."""
-HEADER_FRAME_OVERHEAD = 8 + 12
-"""Frame head (7) and end (1) bytes, plus the content header's class, weight and body size."""
 TABLES_KEPT = 1024
 """Header tables already checked, remembered per lane (rows often share them)."""
 
