@@ -24,6 +24,7 @@ from typing import Any
 import pyarrow.parquet as pq
 import pytest
 
+from bridge.amqp.client import Connection
 from bridge.crypto.keys import KeyInventory, init_keys
 from bridge.faults import CRASH_ENV, MARK_ENV
 
@@ -380,3 +381,28 @@ def captured_logs(logger_name: str) -> Iterator[list[logging.LogRecord]]:
     finally:
         logger.removeHandler(handler)
         logger.setLevel(level)
+
+
+def publish_confirmed(
+    url: str,
+    messages: Iterable[tuple[str, str, bytes, bytes]],
+    *,
+    client_name: str = "diode-test-producer",
+) -> None:
+    """Publish ``(exchange, routing key, property bytes, body)`` in order with confirms, through
+    the bridge's own client (raw property bytes: pika cannot send float headers; names that are
+    not UTF-8 go as surrogate escapes); returns once the broker acked every one."""
+    conn = Connection.open(url, client_name=client_name)
+    try:
+        ch = conn.channel()
+        ch.confirm_select()
+        last = 0
+        for exchange, rk, props, body in messages:
+            last = ch.publish(exchange, rk, props, body)
+        acked = 0
+        while acked < last:
+            for c in conn.poll(1.0).confirms:
+                assert c.ack, f"the broker nacked publish {c.delivery_tag}"
+                acked = max(acked, c.delivery_tag)
+    finally:
+        conn.close()

@@ -18,7 +18,6 @@ import pyarrow.parquet as pq
 import pytest
 
 import bridge.black.job as job_module
-from bridge.amqp.client import Connection
 from bridge.black.job import BlackRun
 from bridge.black.state import StateStore
 from bridge.config import load_config
@@ -43,7 +42,7 @@ from bridge.protocol.properties import (
     field_table,
 )
 from tests.mover import greedy_mover  # noqa: F401 - the fixture
-from tests.support import AMQP_PROPERTIES, gpg_open_cli
+from tests.support import AMQP_PROPERTIES, gpg_open_cli, publish_confirmed
 
 pytestmark = [pytest.mark.broker, pytest.mark.gpg, pytest.mark.spark]
 
@@ -123,24 +122,15 @@ def props_for(i: int) -> Properties:
 
 def publish(url: str, n: int) -> list[tuple[str, str, bytes, bytes]]:
     """Publish with the bridge's client (raw property bytes, confirms); returns what was sent."""
-    conn = Connection.open(url)
-    ch = conn.channel()
-    ch.confirm_select()
-    sent, last = [], 0
+    sent = []
     for i in range(n):
         name, kind = EXCHANGES[i % 4]
         rk = {"fanout": "", "topic": f"a.b{i % 7}", "headers": "x", "direct": f"k{1 + i % 2}"}[kind]
         raw = encode_properties(props_for(i))
         body = bytes([i % 256]) * (i % 2000) if i % 13 else b""
-        last = ch.publish(name, rk, raw, body)
         sent.append((name, rk, raw, body))
-    ch.publish("dir", "not-configured", b"\x00\x00", b"x")  # not mirrored, by design
-    acked = 0
-    while acked < last + 1:
-        for c in conn.poll(1.0).confirms:
-            assert c.ack
-            acked = max(acked, c.delivery_tag)
-    conn.close()
+    unmirrored = ("dir", "not-configured", b"\x00\x00", b"x")  # not mirrored, by design
+    publish_confirmed(url, [*sent, unmirrored])
     return sent
 
 

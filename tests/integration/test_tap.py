@@ -42,7 +42,7 @@ from bridge.protocol.properties import (
     field_table,
 )
 from tests.conftest import AUTH, MGMT
-from tests.support import crash_env, crash_marks, small_tmpfs
+from tests.support import crash_env, crash_marks, publish_confirmed, small_tmpfs
 
 pytestmark = [pytest.mark.broker]
 
@@ -95,22 +95,9 @@ def setup_mirror(cfg: Config, url: str) -> None:
 def publish_raw(
     url: str, messages: list[tuple[bytes, bytes]], routing_keys: list[str] | None = None
 ) -> None:
-    """Publish (property bytes, body) pairs with confirms, through the bridge's own client
-    (pika cannot send float headers)."""
-    conn = Connection.open(url)
-    try:
-        ch = conn.channel()
-        ch.confirm_select()
-        last = 0
-        for i, (props, body) in enumerate(messages):
-            last = ch.publish("ev", routing_keys[i] if routing_keys else "", props, body)
-        acked = 0
-        while acked < last:
-            for c in conn.poll(1.0).confirms:
-                assert c.ack, f"broker nacked publish {c.delivery_tag}"
-                acked = max(acked, c.delivery_tag)
-    finally:
-        conn.close()
+    """Publish (property bytes, body) pairs to "ev" with confirms (``publish_confirmed``)."""
+    keys = routing_keys or [""] * len(messages)
+    publish_confirmed(url, [("ev", rk, p, b) for rk, (p, b) in zip(keys, messages, strict=True)])
 
 
 def messages(n: int) -> list[tuple[bytes, bytes]]:
@@ -925,25 +912,6 @@ def test_a_tap_paused_while_the_disk_refused_its_segment_roll_resumes_once_there
     assert queue_depth(black_vhost.amqp_url, QUEUE) == 0
 
 
-def _publish_to(url: str, messages: list[tuple[str, str, bytes, bytes]]) -> None:
-    """Publish (exchange, routing key, property bytes, body) with confirms, in order, through
-    the bridge's own client (it sends names that are not UTF-8: surrogate escapes)."""
-    conn = Connection.open(url)
-    try:
-        ch = conn.channel()
-        ch.confirm_select()
-        last = 0
-        for exchange, rk, props, body in messages:
-            last = ch.publish(exchange, rk, props, body)
-        acked = 0
-        while acked < last:
-            for c in conn.poll(1.0).confirms:
-                assert c.ack, f"broker nacked publish {c.delivery_tag}"
-                acked = max(acked, c.delivery_tag)
-    finally:
-        conn.close()
-
-
 def test_non_utf8_names_redelivered_after_a_crash_are_recognised(
     black_vhost: Any, tmp_path: Path
 ) -> None:
@@ -954,7 +922,7 @@ def test_non_utf8_names_redelivered_after_a_crash_are_recognised(
     setup_mirror(cfg, black_vhost.amqp_url)
     props = encode_properties(Properties(delivery_mode=2))
     sent = [("ev", f"k\udcff{i % 3}", props, f"odd-{i}".encode()) for i in range(200)]
-    _publish_to(black_vhost.amqp_url, sent)  # wire routing keys b"k\xff0"...
+    publish_confirmed(black_vhost.amqp_url, sent)  # wire routing keys b"k\xff0"...
     env = _tap_killed_at(cfg, tmp_path, "tap.after_sync", nth=2)
     assert len(spooled(cfg)) == 100  # two groups durable, the second never acked
     second = _tap_process(cfg, env)
@@ -1012,7 +980,7 @@ def test_a_denied_exchange_bound_into_a_mirrored_one_reaches_no_record(
     cfg = _deny_config(tmp_path, black_vhost.amqp_url, group_messages=2, prefetch=10)
     _limit_policy(black_vhost.name, **{"max-length": 4})
     _wait_policy(black_vhost.name)
-    _publish_to(black_vhost.amqp_url, _alternating(5))  # the oldest 6 are dead-lettered
+    publish_confirmed(black_vhost.amqp_url, _alternating(5))  # the oldest 6 are dead-lettered
     Tap(cfg, "main", until_empty=True).run()
     rows = spooled(cfg)
     assert [r["pos"] for r in rows] == list(range(len(rows)))
@@ -1041,7 +1009,7 @@ def test_a_crash_among_denied_deliveries_loses_and_duplicates_nothing(
     every mirrored message is spooled exactly once, in order, and no denied one at all."""
     cfg = _deny_config(tmp_path, black_vhost.amqp_url, group_messages=20, prefetch=100)
     sent = _alternating(150)
-    _publish_to(black_vhost.amqp_url, sent)
+    publish_confirmed(black_vhost.amqp_url, sent)
     env = _tap_killed_at(cfg, tmp_path, "tap.after_sync", nth=3)
     assert len(spooled(cfg)) >= 60
     second = _tap_process(cfg, env)
@@ -1070,7 +1038,7 @@ def test_a_quorum_redelivery_is_marked_inexact_only_if_its_header_order_may_diff
          f"b{i}".encode())
         for i, t in enumerate(tables)
     ]  # fmt: skip
-    _publish_to(black_vhost.amqp_url, sent)
+    publish_confirmed(black_vhost.amqp_url, sent)
     conn, held = _hold(black_vhost.amqp_url, QUEUE)  # delivered, then handed back unacked
     assert held == 3
     conn.close()

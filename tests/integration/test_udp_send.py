@@ -147,6 +147,11 @@ class Env:
     listener: Listener
 
     def cfg(self, *, udp_outbox: str | None = None, **send: Any) -> Config:
+        return config_from_dict(self.data(udp_outbox=udp_outbox, **send), base=self.tmp,
+                                environ={})  # fmt: skip
+
+    def data(self, *, udp_outbox: str | None = None, **send: Any) -> dict[str, Any]:
+        """The config's document (``cfg`` parses it; a child process is handed it as JSON)."""
         data: dict[str, Any] = {
             "channels": [
                 {"name": "u1", "encrypt": False, "transport": "udp"},
@@ -168,7 +173,7 @@ class Env:
         }
         if udp_outbox is not None:
             data["black"]["udp_outbox"] = udp_outbox
-        return config_from_dict(data, base=self.tmp, environ={})
+        return data
 
     @property
     def outbox(self) -> Path:
@@ -505,22 +510,14 @@ def test_kill_9_mid_file_then_restart_sends_it_again_whole_under_a_new_epoch(env
     body = os.urandom(2_000_000)
     (env.outbox / name).write_bytes(body)
 
-    def data(rate: int) -> dict[str, Any]:
-        return {
-            "channels": [{"name": "u2", "encrypt": False, "transport": "udp"}],
-            "black": {"outbox": "black/outbox"},
-            "udp": {
-                "key_file": "udp.key",
-                "send": {
-                    "destination": f"127.0.0.1:{env.listener.port}",
-                    "rate_bytes_per_second": rate,
-                    "block_symbols": K,
-                },
-            },
-        }
-
     proc = subprocess.Popen(
-        [sys.executable, "-c", _CHILD, json.dumps(data(500_000)), str(env.tmp)],
+        [
+            sys.executable,
+            "-c",
+            _CHILD,
+            json.dumps(env.data(rate_bytes_per_second=500_000)),
+            str(env.tmp),
+        ],
         cwd=Path(__file__).resolve().parents[2],
     )
     try:
@@ -541,7 +538,7 @@ def test_kill_9_mid_file_then_restart_sends_it_again_whole_under_a_new_epoch(env
     old_epoch = int((env.state / EPOCH).read_text())
     before = len(env.listener.quiet().symbols())
 
-    cfg = config_from_dict(data(40_000_000), base=env.tmp, environ={})
+    cfg = env.cfg()
     summary = run_sender(cfg, until_idle=True, timeout=30)
     heard = env.listener.quiet()
     assert summary.epoch > old_epoch and summary.files == [name] and summary.skipped == 0
@@ -594,23 +591,6 @@ print(json.dumps({"summary": s.to_json(), "peak": peak[0],
 """
 
 
-def _child_data(env: Env, **send: Any) -> dict[str, Any]:
-    return {
-        "channels": [{"name": "u1", "encrypt": False, "transport": "udp"}],
-        "black": {"outbox": "black/outbox"},
-        "udp": {
-            "key_file": "udp.key",
-            "send": {
-                "destination": f"127.0.0.1:{env.listener.port}",
-                "rate_bytes_per_second": 40_000_000,
-                "scan_seconds": 0.05,
-                "settle_seconds": 0,
-                **send,
-            },
-        },
-    }
-
-
 def test_thousands_of_small_files_go_through_with_256_open_files_allowed(env: Env) -> None:
     """The interleaver spreads 2,000 small files over its 4,096-datagram window (over a
     thousand in flight at once): the sender holds one outbox file open at a time, so a limit
@@ -618,7 +598,7 @@ def test_thousands_of_small_files_go_through_with_256_open_files_allowed(env: En
     files = {bundle("u1", i): os.urandom(200) for i in range(1, 2001)}
     for name, body in files.items():
         (env.outbox / name).write_bytes(body)
-    data = _child_data(env, encode_workers=0)  # the default interleave_datagrams = 4096
+    data = env.data(settle_seconds=0, encode_workers=0)  # the default interleave_datagrams = 4096
     proc = subprocess.run(
         [sys.executable, "-c", _LOW_FD_CHILD, json.dumps(data), str(env.tmp), str(env.outbox)],
         cwd=Path(__file__).resolve().parents[2], capture_output=True, text=True, timeout=180,
@@ -692,9 +672,9 @@ def test_an_unreadable_file_is_logged_counted_and_left_alone_until_it_changes(en
             pytest.skip("root without setpriv: cannot make a file unreadable to the sender")
         prefix = [setpriv, "--bounding-set", "-dac_override,-dac_read_search"]
     stop_file = env.tmp / "stop"
+    data = json.dumps(env.data(settle_seconds=0, encode_workers=0))
     proc = subprocess.Popen(
-        [*prefix, sys.executable, "-c", _PERM_CHILD, json.dumps(_child_data(env, encode_workers=0)),
-         str(env.tmp), str(stop_file)],
+        [*prefix, sys.executable, "-c", _PERM_CHILD, data, str(env.tmp), str(stop_file)],
         cwd=Path(__file__).resolve().parents[2], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
         text=True,
     )  # fmt: skip
@@ -733,7 +713,7 @@ def _hb_rounds(heard: Heard) -> list[list[LinkHeartbeat]]:
 
 def test_heartbeats_of_many_channels_are_split_to_fit_the_mtu(env: Env) -> None:
     chans = [f"channel-{i:02d}-" + "x" * 13 for i in range(64)]
-    data = _child_data(env, encode_workers=0, heartbeat_seconds=0.1)
+    data = env.data(settle_seconds=0, encode_workers=0, heartbeat_seconds=0.1)
     data["channels"] = [{"name": c, "encrypt": False, "transport": "udp"} for c in chans]
     for c in chans:
         (env.outbox / bundle(c, 123456789012)).write_bytes(b"payload")
@@ -787,7 +767,7 @@ def test_the_receiver_merges_the_channels_of_a_round_split_over_datagrams(env: E
     rcfg, stop, th = _receiver(env.tmp, port, chans)
     spool = Path(rcfg.udp.receive.spool_dir)  # type: ignore[union-attr]
     try:
-        data = _child_data(env, encode_workers=0, heartbeat_seconds=0.1)
+        data = env.data(settle_seconds=0, encode_workers=0, heartbeat_seconds=0.1)
         data["channels"] = [{"name": c, "encrypt": False, "transport": "udp"} for c in chans]
         data["udp"]["send"]["destination"] = f"127.0.0.1:{port}"
         for c in chans:

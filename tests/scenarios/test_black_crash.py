@@ -33,7 +33,6 @@ from typing import Any
 
 import pytest
 
-from bridge.amqp.client import Connection
 from bridge.black.gaplog import read_gaps
 from bridge.black.job import BlackRun
 from bridge.black.mirror import Mirror
@@ -52,6 +51,7 @@ from tests.support import (
     crash_env,
     crash_marks,
     open_bundles,
+    publish_confirmed,
     tap_pid,
     wait_for,
 )
@@ -128,20 +128,7 @@ def messages(first: int, n: int) -> list[Message]:
 
 def publish(url: str, batch: list[Message]) -> None:
     """Publish with confirms through the bridge's client; returns once all are confirmed."""
-    conn = Connection.open(url, client_name="crash-test-producer")
-    try:
-        ch = conn.channel()
-        ch.confirm_select()
-        last = 0
-        for ex, rk, props, body in batch:
-            last = ch.publish(ex, rk, props, body)
-        acked = 0
-        while acked < last:
-            for c in conn.poll(1.0).confirms:
-                assert c.ack, f"the broker nacked message {c.delivery_tag}"
-                acked = max(acked, c.delivery_tag)
-    finally:
-        conn.close()
+    publish_confirmed(url, batch, client_name="crash-test-producer")
 
 
 class Producer(threading.Thread):

@@ -38,9 +38,8 @@ import pyarrow.parquet as pq
 import pytest
 import requests
 
-from bridge.amqp.client import Connection
 from bridge.crypto.keys import init_keys
-from tests.support import BlackJob, bundle_files, gpg_open_cli, wait_for
+from tests.support import BlackJob, bundle_files, gpg_open_cli, publish_confirmed, wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.broker, pytest.mark.gpg, pytest.mark.spark]
 
@@ -170,20 +169,8 @@ def micro_batches(job: BlackJob) -> list[dict[str, Any]]:
 
 
 def publish_blobs(url: str, bodies: list[bytes]) -> None:
-    conn = Connection.open(url, client_name="live-test-blobs")
-    try:
-        ch = conn.channel()
-        ch.confirm_select()
-        last = 0
-        for body in bodies:
-            last = ch.publish(BLOB_EX, "", b"\x00\x00", body)
-        acked = 0
-        while acked < last:
-            for c in conn.poll(1.0).confirms:
-                assert c.ack, f"the broker nacked blob {c.delivery_tag}"
-                acked = max(acked, c.delivery_tag)
-    finally:
-        conn.close()
+    blobs = [(BLOB_EX, "", b"\x00\x00", body) for body in bodies]
+    publish_confirmed(url, blobs, client_name="live-test-blobs")
 
 
 # --------------------------------------------------------------------------- the scenario
