@@ -5,7 +5,7 @@ from __future__ import annotations
 import struct
 
 from bridge.errors import ProtocolError
-from bridge.protocol.properties import decode_table, encode_table, scan_properties
+from bridge.protocol.properties import decode_table, encode_table, headers_table
 
 __all__ = ["with_id_header"]
 
@@ -19,7 +19,7 @@ def with_id_header(properties_raw: bytes, name: str, value: str) -> bytes:
     headers table (created if absent; an existing ``name`` entry is replaced). Every other
     byte is kept: the table's other entries are copied, not re-encoded, unless ``name`` was
     there. ProtocolError if the property bytes do not decode."""
-    scan_properties(properties_raw)  # validates the whole block
+    headers_table(properties_raw)  # validates the whole block's structure
     raw = properties_raw
     flags = (raw[0] << 8) | raw[1]
     if flags & 1:

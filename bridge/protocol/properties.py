@@ -49,6 +49,7 @@ __all__ = [
     "Float32Bits",
     "decode_properties",
     "encode_properties",
+    "headers_table",
     "scan_properties",
     "decode_table",
     "encode_table",
@@ -176,6 +177,49 @@ def scan_properties(raw: bytes) -> list[Any]:
     """The 14 property values of ``raw`` in flag order, the headers left as their raw table
     bytes (length prefix included) for the caller to decode or cache; validates the rest."""
     return _scan(raw, False)
+
+
+def headers_table(raw: bytes) -> bytes | None:
+    """The raw headers table of property block ``raw`` (length prefix included), or None when
+    it has none. Checks the block's structure exactly as :func:`scan_properties` does (flags,
+    lengths, no trailing bytes; ProtocolError otherwise) but decodes no value: the cheap check
+    for a caller that only forwards the bytes."""
+    if type(raw) is not bytes:
+        raw = _bytes(raw, "property bytes")
+    n = len(raw)
+    if n < 2:
+        raise ProtocolError(f"property bytes are {n} byte(s) long: the property flags need 2")
+    flags = raw[0] << 8 | raw[1]
+    if flags & 3:
+        what = "continuation flag (bit 0)" if flags & 1 else "unknown property flag bit 1"
+        raise ProtocolError(f"property flags 0x{flags:04x} set the {what}: not AMQP 0-9-1 Basic")
+    table = None
+    off = 2
+    try:
+        for _i, kind in _plan(flags):
+            if kind == _SHORT:
+                off += 1 + raw[off]
+            elif kind == _OCTET:
+                off += 1
+            elif kind == _U64:
+                off += 8
+            else:
+                end = off + 4 + _u32(raw, off)[0]
+                if end > n:
+                    raise ProtocolError(f"headers table at byte offset {off} runs past the end")
+                table = raw[off:end]  # the one table of Basic: headers
+                off = end
+    except (IndexError, struct.error):
+        raise ProtocolError(
+            f"property bytes are truncated: {n} bytes, property flags 0x{flags:04x}"
+        ) from None
+    if off != n:
+        if off > n:
+            raise ProtocolError(
+                f"property bytes are truncated: {n} bytes, the properties need {off}"
+            )
+        raise ProtocolError(f"property bytes have {n - off} trailing byte(s) at offset {off}")
+    return table
 
 
 def _bytes(raw: Any, what: str) -> bytes:

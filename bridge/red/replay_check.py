@@ -14,7 +14,7 @@ from collections.abc import MutableMapping
 
 from bridge.amqp.frames import HEADER_FRAME_OVERHEAD, SHORT_MAX
 from bridge.errors import ProtocolError
-from bridge.protocol.properties import decode_table, scan_properties
+from bridge.protocol.properties import decode_table, headers_table
 
 __all__ = ["TABLES_KEPT", "name_problem", "row_problem"]
 
@@ -47,7 +47,7 @@ def row_problem(
     connection with ``frame_max``, or None. ``tables_ok`` remembers header tables that decoded
     (bounded to ``TABLES_KEPT``), so rows sharing one are decoded once."""
     try:
-        rk = len(_wire(routing_key))
+        rk = len(routing_key) if routing_key.isascii() else len(_wire(routing_key))
     except UnicodeEncodeError as e:
         return f"routing key does not encode ({e})"
     if rk > SHORT_MAX:
@@ -62,8 +62,7 @@ def row_problem(
             f"red broker's frame_max {frame_max}"
         )
     try:
-        values = scan_properties(properties_raw)
-        table = values[2]  # headers: raw table bytes, length prefix included
+        table = headers_table(properties_raw)  # structure checked, values not decoded
         if table is not None and (tables_ok is None or table not in tables_ok):
             decode_table(table)
             if tables_ok is not None:

@@ -39,6 +39,7 @@ from bridge.protocol.properties import (
     encode_table,
     field_table,
     field_value,
+    headers_table,
     scan_properties,
     to_python,
 )
@@ -315,6 +316,29 @@ def test_garbage_decodes_exactly_or_raises_protocol_error(raw: bytes) -> None:
     except ProtocolError:
         return
     assert encode_table(t) == raw
+
+
+def _scan_outcome(f: Any, raw: bytes) -> tuple[str, Any]:
+    try:
+        return "ok", f(raw)
+    except ProtocolError:
+        return "refused", None
+
+
+@settings(max_examples=300, suppress_health_check=[HealthCheck.too_slow])
+@given(property_blocks, st.data())
+def test_headers_table_checks_exactly_what_scan_checks(raw: bytes, data: Any) -> None:
+    """The value-free walk replay runs before each publish refuses the same blocks as the full
+    scan and returns the same table bytes: on the block, its truncations, and mutations."""
+    mutated = bytearray(raw)
+    if len(raw) > 2:
+        for _ in range(data.draw(st.integers(1, 3))):
+            mutated[data.draw(st.integers(0, len(raw) - 1))] = data.draw(st.integers(0, 255))
+    cut = data.draw(st.integers(0, len(raw)))
+    for block in (raw, bytes(mutated), raw[:cut], raw + b"\x00"):
+        kind, values = _scan_outcome(scan_properties, block)
+        assert _scan_outcome(headers_table, block) == (kind, None if values is None else values[2])
+    assert headers_table(raw) == scan_properties(raw)[2]
 
 
 def test_only_bytes_like_input_is_read() -> None:
