@@ -51,6 +51,10 @@ _DICT_COLUMNS = [
     "app_id",
     "cluster_id",
 ]
+_WRITE_BATCH_ROWS = 1024
+"""Rows the Parquet writer takes at a time (its default, pinned). It decides page and dictionary
+cuts after each such batch, and a batch never spans two Arrow chunks: where a column's chunks
+start decides where its pages end (``_canonical_chunks``)."""
 
 
 def sha256_hex(data: bytes | bytearray | memoryview | pa.Buffer) -> str:
@@ -153,8 +157,9 @@ def pack_bundle_buffer(
     bodies are often already compressed or encrypted, where a high level costs time for
     nothing (zstd 3 packs incompressible 1 MB bodies at ~200 MB/s, zstd 1 at ~480 MB/s).
 
-    Deterministic: the same rows, manifest and levels give the same bytes (however the table
-    is chunked), for a given pyarrow version (its name is in the Parquet footer).
+    Deterministic: the same rows, manifest and levels give the same bytes however the table
+    is chunked (the bytes of the table in one chunk: ``_canonical_chunks``), for a given
+    pyarrow version (its name is in the Parquet footer).
     """
     body_level = zstd_level if body_zstd_level is None else body_zstd_level
     for lvl in (zstd_level, body_level):
@@ -164,7 +169,7 @@ def pack_bundle_buffer(
         table = pa.Table.from_batches([table])
     check_rows(table, manifest)
     schema = row_schema(manifest.schema_version)
-    table = table.replace_schema_metadata(schema.metadata)
+    table = _canonical_chunks(table.replace_schema_metadata(schema.metadata))
     sink = pa.BufferOutputStream()
     with pq.ParquetWriter(
         sink,
@@ -173,10 +178,54 @@ def pack_bundle_buffer(
         compression_level={n: (body_level if n == "body" else zstd_level) for n in schema.names},
         use_dictionary=_DICT_COLUMNS,
         write_statistics=["seq"],
+        write_batch_size=_WRITE_BATCH_ROWS,
     ) as writer:
         writer.write_table(table)
         writer.add_key_value_metadata({MANIFEST_KEY: manifest.to_json()})
     return sink.getvalue()
+
+
+def _canonical_chunks(table: pa.Table) -> pa.Table:
+    """``table`` chunked so that the Parquet bytes do not depend on how it arrived chunked
+    (the sink's table is cut where the tap's spool batches and its read slices end, a rebuild's
+    where they fall from the bundle's first row), and equal those of the table in one chunk.
+
+    A flat column keeps chunk boundaries only at multiples of ``_WRITE_BATCH_ROWS`` rows from
+    the first row: windows of that many rows, each a zero-copy slice where it lies within one
+    chunk, else a copy of at most that many rows. A nested column (the headers map: the
+    writer's batches count its entries, not rows) becomes one chunk. Memory: at most one more
+    copy of the rows, none for a table in one chunk. A window of one binary column over 2 GiB
+    cannot be one chunk: it stays as it came (its bytes then depend on the chunking again).
+    """
+    columns: list[pa.ChunkedArray] = []
+    changed = False
+    for col in table.columns:
+        chunks = [c for c in col.chunks if len(c)]
+        nested = pa.types.is_nested(col.type)
+        ends = np.cumsum([len(c) for c in chunks[:-1]], dtype=np.int64)
+        if len(chunks) <= 1 or not (nested or bool(np.any(ends % _WRITE_BATCH_ROWS))):
+            if len(chunks) == col.num_chunks:
+                columns.append(col)  # one chunk, or every boundary on a batch boundary
+                continue
+            parts = chunks  # the same, once empty chunks are dropped
+        elif nested:
+            parts = _concat(chunks)
+        else:
+            parts = []
+            for start in range(0, len(col), _WRITE_BATCH_ROWS):
+                window = [c for c in col.slice(start, _WRITE_BATCH_ROWS).chunks if len(c)]
+                parts += window if len(window) == 1 else _concat(window)
+        columns.append(pa.chunked_array(parts, col.type))
+        changed = True
+    return pa.Table.from_arrays(columns, schema=table.schema) if changed else table
+
+
+def _concat(chunks: list[pa.Array]) -> list[pa.Array]:
+    """``chunks`` as one array (a copy), or as they are if one cannot hold them (> 2 GiB)."""
+    try:
+        return [pa.concat_arrays(chunks)]
+    except (pa.ArrowInvalid, pa.ArrowCapacityError):  # 32-bit offsets overflow
+        return chunks
 
 
 def _parquet_file(data: Any) -> tuple[pq.ParquetFile, Manifest]:
