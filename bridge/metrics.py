@@ -38,6 +38,13 @@ class _Black:
             ["channel", "reason"],
             registry=reg,
         )
+        self.messages_undecodable = Counter(
+            "bridge_black_messages_undecodable",
+            "Messages sealed whose property bytes do not decode (protocol 5): carried exact in "
+            "properties_raw, their derived columns null",
+            ["channel"],
+            registry=reg,
+        )
         self.heartbeats_sent = Counter(
             "bridge_black_heartbeats_sent", "Heartbeat files written", ["channel"], registry=reg
         )

@@ -27,7 +27,8 @@ def _waiting(outbox: Path) -> list[str]:
 
 
 def channel_status(cfg: Config) -> dict[str, Any]:
-    """Per channel: journal position, counters (incl. losses), outbox backlog."""
+    """Per channel: journal position, counters (incl. losses, inexact and undecodable
+    messages), outbox backlog."""
     store = StateStore(Path(cfg.black.state_dir), create=False)
     waiting = _waiting(Path(cfg.black.outbox))
     out: dict[str, Any] = {
@@ -55,6 +56,8 @@ def channel_status(cfg: Config) -> dict[str, Any]:
             "inexact": {
                 k[len("inexact_") :]: v for k, v in st.counters.items() if k.startswith("inexact_")
             },
+            # carried exact, but their property bytes do not decode (protocol §5)
+            "undecodable": st.counters.get("undecodable", 0),
             "encrypt": ch.encrypt,
             "recipients": len(ch.recipients),
             "outbox_bundles": sum(1 for n in waiting if _bundle_channel(n) == ch.name),

@@ -8,7 +8,7 @@ rows (one channel, any order; seq = spool position)
   -> lost markers (the broker dropped those messages) become gaps with their reason
   -> chunk by rows / bytes / file ceiling
   -> per chunk: manifest, Parquet plaintext, sign+encrypt (gpg, in the background),
-     journal intent, deliver, journal
+     journal intent, deliver, journal (counters: messages, gaps, inexact and undecodable rows)
 
 Chunks are pipelined: chunk N+1 is packed while gpg seals chunk N, and gpg seals N+1 while N
 is delivered and journaled. At most one gpg runs, and the journal keeps one pending bundle at
@@ -18,17 +18,20 @@ before its intent (gpg writes to a temp name outside it, swept at start).
 Determinism of a rebuild depends on: the spool records (kept until the bundle is shipped) and
 the exchange catalog they are read with, the manifest recorded in the journal intent
 (created_at and bundle id included), the zstd level and the pyarrow version (pinned by the
-deployment; a change is handled by re-sealing).
+deployment; a change is handled by re-sealing) — not on how the rows were chunked when read
+(``pack_bundle_buffer``).
 """
 
 from __future__ import annotations
 
 import datetime as dt
+import time
 import uuid
 from collections import Counter as Tally
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -41,6 +44,7 @@ from bridge.black.spool_read import SpoolReader, list_segments
 from bridge.black.spool_rows import (
     INEXACT_REASON,
     LOST_REASON,
+    UNDECODABLE,
     source_schema,
     spool_batch_to_rows,
 )
@@ -60,6 +64,11 @@ from bridge.protocol.schema import ROW_SCHEMA_VERSION, row_schema
 __all__ = ["BundleSealer", "ShippedBundle", "seal_overhead_bytes"]
 
 log = get_logger("bridge.black.seal")
+
+UNDECODABLE_LOG_S = 60.0
+"""How often at most the sealer logs the undecodable messages it sealed (per channel)."""
+UNDECODABLE_SEQS = 20
+"""How many of those seqs a journal intent and a log line name (the count is complete)."""
 
 
 def seal_overhead_bytes(recipients: int, max_file_bytes: int) -> int:
@@ -100,6 +109,17 @@ class _Packed:
     manifest: Manifest
     plain: pa.Buffer
     sha: str
+    undecodable: dict[str, Any] = field(default_factory=dict)
+    """Its rows whose property bytes do not decode, for the intent (``_undecodable_entry``)."""
+
+
+@dataclass
+class _Unlogged:
+    """Undecodable messages of a channel sealed since its last log line."""
+
+    logged_at: float | None = None
+    count: int = 0
+    seqs: list[int] = field(default_factory=list)
 
 
 def _discard(sealing: Future[Path]) -> None:
@@ -126,6 +146,26 @@ def _marked(table: pa.Table, column: str) -> dict[int, str]:
     return dict(zip(m.column("seq").to_pylist(), m.column(column).to_pylist(), strict=True))
 
 
+def _flagged(table: pa.Table, column: str) -> np.ndarray:
+    """Sorted seqs of the rows where the bool ``column`` is true (none, or no such column: [])."""
+    if column not in table.column_names or table.column(column).null_count == len(table):
+        return np.empty(0, np.int64)
+    marked = table.filter(pc.fill_null(table.column(column), False))
+    return np.sort(marked.column("seq").to_numpy())
+
+
+def _undecodable_entry(seqs: np.ndarray, first: int | None, last: int | None) -> dict[str, Any]:
+    """The journal intent's record of the undecodable rows among seqs ``first..last`` of the
+    sorted ``seqs``: their count and the first few seqs ({} when there are none)."""
+    if not len(seqs) or first is None or last is None:
+        return {}
+    lo, hi = np.searchsorted(seqs, first), np.searchsorted(seqs, last, side="right")
+    if lo == hi:
+        return {}
+    sample = [int(q) for q in seqs[lo : min(hi, lo + UNDECODABLE_SEQS)]]
+    return {"undecodable_rows": int(hi - lo), "undecodable_seqs": sample}
+
+
 def _merge_gaps(gaps: list[Gap]) -> list[Gap]:
     out: list[Gap] = []
     for g in gaps:
@@ -150,6 +190,8 @@ class BundleSealer:
         self.outbox = outbox
         self.schema = row_schema(ROW_SCHEMA_VERSION)
         self._inexact: dict[int, str] = {}  # seq -> why its row is not byte-exact (this call)
+        self._undecodable = np.empty(0, np.int64)  # seqs whose properties do not decode (same)
+        self._unlogged: dict[str, _Unlogged] = {}
 
     # -- public -----------------------------------------------------------------------------
     def seal_rows(self, channel: ChannelConfig, table: pa.Table) -> list[ShippedBundle]:
@@ -182,6 +224,7 @@ class BundleSealer:
                     )
                     table = table.filter(pc.invert(lost))
             self._inexact = _marked(table, INEXACT_REASON)
+            self._undecodable = _flagged(table, UNDECODABLE)
             table = table.select(self.schema.names).cast(self.schema)
             bundle = self.cfg.black.bundle
             max_plain = self._max_plain(channel)
@@ -312,7 +355,8 @@ class BundleSealer:
         if len(plain) <= max_plain and len(manifest.to_json()) <= MAX_MANIFEST_BYTES:
             sha = sha256_hex(plain)
             chain.bundle_seq, chain.prev_sha256 = manifest.bundle_seq + 1, sha
-            return [_Packed(manifest, plain, sha)]
+            bad = _undecodable_entry(self._undecodable, manifest.first_seq, manifest.last_seq)
+            return [_Packed(manifest, plain, sha, bad)]
         n = len(rows)
         parts: list[tuple[pa.Table, list[Gap]]]
         if n > 1:
@@ -368,6 +412,7 @@ class BundleSealer:
             "manifest": manifest.to_json().decode(),
             "sha256": packed.sha,
             "plaintext_bytes": len(packed.plain),
+            **packed.undecodable,
         }
         self.store.save(st)  # intent: a crash from here on re-creates exactly this plaintext
         crash_point("seal.after_intent")
@@ -423,7 +468,7 @@ class BundleSealer:
             BLACK.bundles_recovered.labels(channel.name, "redropped").inc()
             plain_bytes = int(st.pending.get("plaintext_bytes", 0))
             return self._commit(channel, st, manifest, want, size, plain_bytes)
-        rows = self._rows_of(channel.name, manifest)
+        rows, undecodable = self._rows_of(channel.name, manifest)
         try:
             plain = self._pack(rows, manifest)
             sha: str | None = sha256_hex(plain)
@@ -435,6 +480,11 @@ class BundleSealer:
                 channel=channel.name, bundle_seq=manifest.bundle_seq, bundle_id=manifest.bundle_id,
             )  # fmt: skip
             BLACK.bundles_recovered.labels(channel.name, "rebuilt").inc()
+            for k in ("undecodable_rows", "undecodable_seqs"):  # as the rows read back say
+                st.pending.pop(k, None)
+            st.pending.update(
+                _undecodable_entry(undecodable, manifest.first_seq, manifest.last_seq)
+            )
             return self._ship(channel, st, manifest, plain, want)
         manifest = self._reseal_manifest(manifest, rows)
         plain = self._pack(rows, manifest)
@@ -451,18 +501,20 @@ class BundleSealer:
             "manifest": manifest.to_json().decode(),
             "sha256": sha,
             "plaintext_bytes": len(plain),
+            **_undecodable_entry(undecodable, manifest.first_seq, manifest.last_seq),
         }
         self.store.save(st)
         return self._ship(channel, st, manifest, plain, sha)
 
-    def _rows_of(self, channel: str, manifest: Manifest) -> pa.Table:
+    def _rows_of(self, channel: str, manifest: Manifest) -> tuple[pa.Table, np.ndarray]:
         """The message rows of a pending bundle, read back from the spool: its positions
-        ``first_seq`` to ``last_seq``, lost markers left out."""
+        ``first_seq`` to ``last_seq``, lost markers left out; and the sorted seqs of those
+        whose property bytes do not decode."""
         if not manifest.rows or manifest.first_seq is None or manifest.last_seq is None:
-            return self.schema.empty_table()
+            return self.schema.empty_table(), np.empty(0, np.int64)
         rows = self._spool_rows(channel, manifest.first_seq, manifest.last_seq + 1)
         rows = rows.filter(pc.is_null(rows.column(LOST_REASON)))
-        return rows.select(self.schema.names).cast(self.schema)
+        return rows.select(self.schema.names).cast(self.schema), _flagged(rows, UNDECODABLE)
 
     def _spool_rows(self, channel: str, first: int, end: int) -> pa.Table:
         """Spool positions ``[first, end)`` of a pending bundle as source rows: every record the
@@ -504,8 +556,10 @@ class BundleSealer:
                 pos = nxt[0]
         return pa.Table.from_batches(batches, schema=source_schema())
 
-    def _reseal_manifest(self, old: Manifest, rows: pa.Table) -> Manifest:
-        """Same bundle seq, chain link and coverage; a new id; missing rows become gaps."""
+    @staticmethod
+    def _reseal_manifest(old: Manifest, rows: pa.Table) -> Manifest:
+        """Same bundle seq, chain link and coverage; a new id; missing rows become gaps; the
+        inexact ranges keep exactly the seqs still rows (a range split where rows are gone)."""
         have = set(rows.column("seq").to_pylist())
         gaps = list(old.gaps)
         if old.first_seq is not None and old.last_seq is not None:
@@ -530,7 +584,16 @@ class BundleSealer:
             schema_version=ROW_SCHEMA_VERSION,
             prev_sha256=old.prev_sha256,
             gaps=tuple(_merge_gaps(gaps)),
-            inexact=tuple(r for r in old.inexact if r.first_seq in have and r.last_seq in have),
+            inexact=tuple(
+                _merge_gaps(
+                    [
+                        Gap(q, q, r.reason)
+                        for r in old.inexact
+                        for q in range(r.first_seq, r.last_seq + 1)
+                        if q in have
+                    ]
+                )
+            ),
         )
 
     def _ship(
@@ -587,6 +650,8 @@ class BundleSealer:
     ) -> ShippedBundle:
         """The bundle is durably in the outbox: advance the chain and the journal."""
         name = bundle_name(manifest.channel, manifest.bundle_seq, manifest.bundle_id)
+        undecodable = int((st.pending or {}).get("undecodable_rows", 0))
+        undecodable_seqs = list((st.pending or {}).get("undecodable_seqs", []))
         st.last_bundle_seq = manifest.bundle_seq
         st.last_seq = _covered_last(manifest, st)
         st.last_sha256 = sha
@@ -609,7 +674,12 @@ class BundleSealer:
                 channel=manifest.channel, bundle_seq=manifest.bundle_seq,
                 first_seq=g.first_seq, last_seq=g.last_seq, reason=g.reason,
             )  # fmt: skip
+        if undecodable:
+            st.bump("undecodable", undecodable)
         self.store.save(st)
+        if undecodable:
+            BLACK.messages_undecodable.labels(manifest.channel).inc(undecodable)
+            self._log_undecodable(manifest, undecodable, undecodable_seqs)
         BLACK.bundles_sealed.labels(manifest.channel).inc()
         BLACK.messages_sealed.labels(manifest.channel).inc(manifest.rows)
         BLACK.bytes_sealed.labels(manifest.channel).inc(size)
@@ -633,3 +703,20 @@ class BundleSealer:
             sealed_bytes=size,
             sha256=sha,
         )
+
+    def _log_undecodable(self, manifest: Manifest, count: int, seqs: list[int]) -> None:
+        """Warn of the undecodable messages sealed since the last warning of the channel, at
+        most every ``UNDECODABLE_LOG_S`` (the counter and the metric count every one)."""
+        u = self._unlogged.setdefault(manifest.channel, _Unlogged())
+        u.count += count
+        u.seqs = (u.seqs + seqs)[:UNDECODABLE_SEQS]
+        now = time.monotonic()
+        if u.logged_at is not None and now - u.logged_at < UNDECODABLE_LOG_S:
+            return
+        log_event(
+            log, 30, "messages whose property bytes do not decode were sealed: carried exact "
+            "in properties_raw, their derived columns null (protocol §5)",
+            channel=manifest.channel, bundle_seq=manifest.bundle_seq, count=u.count,
+            seqs=u.seqs,
+        )  # fmt: skip
+        self._unlogged[manifest.channel] = _Unlogged(logged_at=now)

@@ -3,6 +3,8 @@
 A spool record's position is its message ``seq``. Records of kind *lost* (a message the
 broker dropped from the mirror queue) become rows with ``lost_reason`` set and empty
 properties and body: the sealer turns their seqs into gaps and never ships them as messages.
+A message whose property bytes do not decode (protocol §5) is a row like any other, with
+``undecodable`` set: the sealer counts it once its bundle ships.
 """
 
 from __future__ import annotations
@@ -20,20 +22,30 @@ from bridge.protocol.properties import NO_PROPERTIES
 from bridge.protocol.rows import build_rows
 from bridge.protocol.schema import row_schema
 
-__all__ = ["LOST_REASON", "INEXACT_REASON", "source_schema", "spool_batch_to_rows", "read_rows"]
+__all__ = [
+    "LOST_REASON",
+    "INEXACT_REASON",
+    "UNDECODABLE",
+    "source_schema",
+    "spool_batch_to_rows",
+    "read_rows",
+]
 
 log = get_logger("bridge.black.spool_rows")
 
 LOST_REASON = "lost_reason"
 INEXACT_REASON = "inexact_reason"
+UNDECODABLE = "undecodable"
 
 
 def source_schema() -> pa.Schema:
-    """Spool records as rows: row schema v2 + ``lost_reason`` (a lost marker) and
-    ``inexact_reason`` (a message carried, but not byte-exact as published)."""
+    """Spool records as rows: row schema v2 + ``lost_reason`` (a lost marker),
+    ``inexact_reason`` (a message carried, but not byte-exact as published) and
+    ``undecodable`` (true: its property bytes do not decode; all null in a batch without)."""
     s = row_schema()
     s = s.append(pa.field(LOST_REASON, pa.string(), nullable=True))
-    return s.append(pa.field(INEXACT_REASON, pa.string(), nullable=True))
+    s = s.append(pa.field(INEXACT_REASON, pa.string(), nullable=True))
+    return s.append(pa.field(UNDECODABLE, pa.bool_(), nullable=True))
 
 
 def spool_batch_to_rows(
@@ -45,6 +57,7 @@ def spool_batch_to_rows(
     props = batch.column("properties_raw")
     if any_lost:
         props = pc.if_else(lost, pa.scalar(NO_PROPERTIES, pa.binary()), props)
+    bad: list[int] = []
     rows = build_rows(
         channel,
         batch.column("pos"),
@@ -54,7 +67,12 @@ def spool_batch_to_rows(
         props,
         batch.column("body"),
         catalog,
+        undecodable=bad,
     )
+    if bad:
+        undecodable = pc.is_in(rows.column("seq"), value_set=pa.array(bad, pa.int64()))
+    else:
+        undecodable = pa.nulls(len(batch), pa.bool_())
     reason = batch.column("reason")
     none = pa.scalar(None, pa.string())
     if any_lost:  # a lost record is a gap whatever its reason says ("lost" if it says nothing)
@@ -66,7 +84,7 @@ def spool_batch_to_rows(
     else:
         inexact = pc.if_else(lost, none, reason)
     return pa.RecordBatch.from_arrays(
-        [*rows.columns, lost_reasons, inexact], schema=source_schema()
+        [*rows.columns, lost_reasons, inexact, undecodable], schema=source_schema()
     )
 
 

@@ -43,7 +43,9 @@ class ChannelState:
     last_sha256: str | None = None
     """SHA-256 of the last shipped bundle's plaintext: the next bundle's prev_sha256."""
     pending: dict[str, Any] | None = None
-    """Manifest (as JSON object) + plaintext sha of a bundle sealed but not yet shipped."""
+    """Manifest (as JSON) + plaintext sha of a bundle sealed but not yet shipped, and the rows
+    of it whose property bytes do not decode (``undecodable_rows``, ``undecodable_seqs``: the
+    first few), counted when it ships."""
     counters: dict[str, int] = field(default_factory=dict)
 
     def bump(self, name: str, n: int = 1) -> None:

@@ -42,6 +42,7 @@ import pytest
 from bridge.black.catalog import default_catalog_path, save_catalog
 from bridge.black.chunking import plan_chunks, row_size_estimate
 from bridge.black.gaplog import read_gaps
+from bridge.black.report import channel_status
 from bridge.black.seal import BundleSealer, seal_overhead_bytes
 from bridge.black.spool import SpoolWriter, segment_name
 from bridge.black.spool_rows import read_rows, source_schema
@@ -454,6 +455,89 @@ def test_crash_between_intent_and_delivery_recreates_the_same_bundle(crash_rig: 
     assert sorted(p.name for p in rig.outbox_dir.glob("*.dbundle")) == before_names
     assert rig.state() == st
     check_archive(rig)
+
+
+def test_crash_at_the_intent_rebuilds_byte_identically_after_spool_batches_over_8192_rows(
+    keys: KeyInventory, short_tmp: Path
+) -> None:
+    """A tap tuned with group_messages > 8192 writes spool batches longer than the sink's
+    8192-row read slices: the sink cuts bundle 2 (seqs 5000..9999) from a table chunked at 8192
+    (slices counted from the micro-batch start), the rebuild reads it in one slice from its
+    first seq. The plaintext must not depend on that: rebuilt byte-identically, not re-sealed."""
+    rig = make_rig(keys, short_tmp, max_rows=5000)
+    n = 12_000
+    # one spool batch of 12 000 records (one tap group), bodies incompressible: every column
+    # of a bundle crosses the Parquet writer's page limits
+    table = spooled(rig, messages(n), body=lambda pos: random.Random(pos).randbytes(1000))
+    assert [len(c) for c in table.column("body").chunks] == [8192, n - 8192]
+    pending = crash_on_bundle(rig, table, 2)
+    intent = Manifest.from_json(pending["manifest"].encode())
+    assert (intent.first_seq, intent.last_seq) == (5000, 9999)
+
+    before = recovery_counts()
+    with seal_log() as log:
+        shipped = rig.sealer().seal_rows(rig.channel, read_spool(rig, 0, n))
+    after = recovery_counts()
+    assert not messages_logged(log, "does not rebuild"), "the interrupted bundle was re-sealed"
+    assert after["rebuilt"] - before["rebuilt"] == 1
+    assert after["resealed"] == before["resealed"]
+    assert [s.bundle_seq for s in shipped] == [2, 3]
+    assert (shipped[0].bundle_id, shipped[0].sha256) == (intent.bundle_id, pending["sha256"])
+
+    bundles = open_outbox(rig)
+    check_chain(bundles)
+    assert bundles[1].manifest.to_json() == intent.to_json()
+    assert all_rows(bundles).column("seq").to_pylist() == list(range(n))
+    assert "bundles_resealed" not in rig.state()["counters"]
+
+
+def undecodable_metric() -> float:
+    v = REGISTRY.get_sample_value("bridge_black_messages_undecodable_total", {"channel": CHANNEL})
+    return v or 0.0
+
+
+def test_undecodable_properties_travel_exact_and_are_counted_once(
+    keys: KeyInventory, short_tmp: Path
+) -> None:
+    """Rows whose property bytes do not decode (protocol §5) ship like any other, and black
+    counts each once when its bundle ships (journal counter, metric, a rate-limited warning
+    naming the seqs) — also across a crash that rebuilds the bundle at restart."""
+    bad_props = b"\x20\x00" + b"\x00\x00\x00\x05" + b"\x01a" + b"Z"  # an unknown field type
+    bad = {7, 8, 63, 64, 65, 110}
+    rig = make_rig(keys, short_tmp)  # bundles of 50 rows: 2, 3 and 1 of them per bundle
+    with SpoolWriter.open(rig.spool_dir, CHANNEL, min_free_bytes=0) as w:
+        for pos in range(120):
+            ex, rk, redelivered, props, body = delivery(pos)
+            w.append_one(ex, rk, redelivered, bad_props if pos in bad else props, body)
+        w.sync(-1)
+    metric = undecodable_metric()
+
+    with seal_log() as log:
+        pending = crash_on_bundle(rig, read_spool(rig, 0, 120), 2)
+    assert (pending["undecodable_rows"], pending["undecodable_seqs"]) == (3, [63, 64, 65])
+    assert rig.state()["counters"]["undecodable"] == 2
+    (line,) = messages_logged(log, "do not decode")
+    ids = vars(line)
+    assert (line.levelno, ids["channel"], ids["count"], ids["seqs"]) == (30, CHANNEL, 2, [7, 8])
+
+    with seal_log() as log:
+        rig.sealer().seal_rows(rig.channel, read_spool(rig, 0, 120))
+    assert rig.state()["counters"] == {"bundles": 3, "messages": 120, "undecodable": 6}
+    assert undecodable_metric() - metric == 6
+    assert channel_status(rig.cfg)["channels"][CHANNEL]["undecodable"] == 6  # diode status
+    # bundle 2 (rebuilt) is logged; bundle 3, within the minute, only counted
+    (line,) = messages_logged(log, "do not decode")
+    ids = vars(line)
+    assert (ids["bundle_seq"], ids["count"], ids["seqs"]) == (2, 3, [63, 64, 65])
+
+    rows = all_rows(open_outbox(rig))
+    assert rows.column("seq").to_pylist() == list(range(120))
+    for r in rows.to_pylist():
+        if r["seq"] in bad:
+            assert r["properties_raw"] == bad_props and r["headers_typed"] is None
+            assert r["message_id"] is None and r["exchange"] == delivery(r["seq"])[0]
+        else:
+            assert r["properties_raw"] == delivery(r["seq"])[3]
 
 
 def test_crash_on_the_first_bundle_and_a_longer_replayed_batch(crash_rig: Rig) -> None:
