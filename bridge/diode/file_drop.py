@@ -10,7 +10,10 @@
 
 The staging dir (``black.staging_dir``, default ``.<outbox name>.staging`` beside the outbox)
 must be on the outbox's file system, for the rename to be atomic; that is checked here (also
-for ``black.udp_outbox``, where the UDP channels' files go when it is set). A mover may take
+for ``black.udp_outbox``, where the UDP channels' files go when it is set). Black's own
+directories (archive, staging, state, spool, checkpoint, GnuPG home) must not be inside the
+outbox or the UDP outbox, nor the outbox inside the archive: refused here, before anything is
+created. A mover may take
 or delete any file of the outbox, dot-files included, at any moment: black never writes, reads
 or stats a file once it is in the outbox, so a file gone right after its rename is a success,
 and ``resend`` re-drops from the archive through the staging dir again.
@@ -144,7 +147,10 @@ class Outbox:
         lock_wait: float = LOCK_WAIT_SECONDS,
         channel_dirs: Mapping[str, Path] | None = None,
         archive_link: bool = False,
+        own_dirs: Mapping[str, Path] | None = None,
     ) -> None:
+        """``own_dirs``: black's other directories by config key (``from_config``: state,
+        spool, checkpoint, GnuPG home), refused inside the outbox like the archive."""
         self.outbox = Path(outbox)
         self.archive = Path(archive)
         self.staging = Path(staging) if staging is not None else default_staging(self.outbox)
@@ -152,6 +158,7 @@ class Outbox:
         self.retention_seconds = retention_days * 86400.0
         self.lock_wait = lock_wait
         self.lock_path = self.staging / DROP_LOCK
+        self._check_own_dirs_place({"archive": self.archive, **(own_dirs or {})})
         for key, d in [*self._drop_dirs(), ("archive", self.archive)]:
             self._mkdir(key, d)
         self._check_staging_place()
@@ -174,6 +181,12 @@ class Outbox:
             lock_wait=lock_wait,
             channel_dirs=cfg.outbox_dirs(),
             archive_link=black.archive_mode == "link",
+            own_dirs={
+                "state_dir": Path(black.state_dir),
+                "spool_dir": Path(black.spool_dir),
+                "checkpoint_dir": Path(black.checkpoint_dir),
+                "gnupg_home": Path(black.gnupg_home),
+            },
         )
 
     def dir_for(self, channel: str) -> Path:
@@ -196,6 +209,37 @@ class Outbox:
                 f"cannot create black.{key} {d}: {e.strerror or e}; create it (mode 750) for "
                 f"the user running black, or point black.{key} elsewhere"
             ) from None
+
+    def _check_own_dirs_place(self, own: Mapping[str, Path]) -> None:
+        """ConfigError if one of black's own directories (``own``: config key -> directory) is
+        a drop dir or inside one, or a drop dir is inside the archive: a mover takes every file
+        of the outbox, the UDP sender every file of its outbox (the archive's copies, the
+        journal, temp files being written), and the archive pruner deletes the old files of
+        every folder of the archive."""
+        drops = [(key, d, d.resolve()) for key, d in self._drop_dirs()]
+        for key, place in own.items():
+            p = Path(place).resolve()
+            for dkey, d, dr in drops:
+                if p != dr and dr not in p.parents:
+                    continue
+                beside = d.parent / Path(place).name
+                if beside.resolve() == dr:
+                    beside = d.parent / key
+                raise ConfigError(
+                    f"black.{key} {place} is inside black.{dkey} {d}: whatever takes the files "
+                    f"of black.{dkey} (the diode's mover, the UDP sender) would take black's own "
+                    f"files and see them half-written. Set black.{key} to a directory outside "
+                    f"black.{dkey}, e.g. {beside}, and move its contents there"
+                )
+        archive = self.archive.resolve()
+        for dkey, d, dr in drops:
+            if archive in dr.parents:
+                raise ConfigError(
+                    f"black.{dkey} {d} is inside black.archive {self.archive}: the archive "
+                    f"pruner deletes old files in every folder of the archive, files waiting "
+                    f"for the mover included. Put black.{dkey} beside the archive, e.g. "
+                    f"{self.archive.parent / d.name}"
+                )
 
     def _check_staging_place(self) -> None:
         staging = self.staging.resolve()
