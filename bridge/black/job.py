@@ -27,7 +27,7 @@ from bridge.black.recovery import recover_committed
 from bridge.black.seal import BundleSealer
 from bridge.black.sink import BatchSink
 from bridge.black.source import SpoolDataSource
-from bridge.black.spool import SpoolReader
+from bridge.black.spool import SPOOL_DIR_MODE, SpoolReader
 from bridge.black.state import LOCK_FILE, StateStore
 from bridge.black.taps import TapSupervisor, UntilEmptyTaps
 from bridge.config import Config
@@ -35,7 +35,7 @@ from bridge.crypto.gpg import Gpg
 from bridge.crypto.keys import signing_gpg
 from bridge.diode.file_drop import Outbox
 from bridge.errors import ConfigError
-from bridge.fsutil import exclusive_lock
+from bridge.fsutil import DIR_MODE, durable_mkdir, exclusive_lock
 from bridge.logs import get_logger, log_event
 
 __all__ = ["BlackRun", "BlackSummary", "run_black", "check_black_config", "Trigger"]
@@ -102,14 +102,34 @@ def check_black_config(cfg: Config) -> Gpg:
     return gpg
 
 
+def make_black_dirs(cfg: Config) -> None:
+    """Create black's own directories (state, spool, checkpoint) before Spark and the taps
+    start, so that one that cannot be created is a ConfigError naming its key, not a traceback
+    in a tap process or a Java stack trace from Spark."""
+    black = cfg.black
+    for key, path, mode in (
+        ("state_dir", black.state_dir, DIR_MODE),
+        ("spool_dir", black.spool_dir, SPOOL_DIR_MODE),
+        ("checkpoint_dir", black.checkpoint_dir, DIR_MODE),
+    ):
+        try:
+            durable_mkdir(Path(path), mode=mode)
+        except OSError as e:
+            raise ConfigError(
+                f"cannot create black.{key} {path}: {e.strerror or e}; create it (mode "
+                f"{mode:o}) for the user running black, or point black.{key} elsewhere"
+            ) from None
+
+
 class BlackRun:
     """One black job: build with ``BlackRun(cfg)``, then ``run(...)``."""
 
     def __init__(self, cfg: Config) -> None:
         self.cfg = cfg
         self.gpg = check_black_config(cfg)
+        self.outbox = Outbox.from_config(cfg)  # refuses black's own dirs inside the outbox
+        make_black_dirs(cfg)
         self.store = StateStore(Path(cfg.black.state_dir))
-        self.outbox = Outbox.from_config(cfg)
         self.sealer = BundleSealer(cfg, store=self.store, gpg=self.gpg, outbox=self.outbox)
         self.sink = BatchSink(cfg, self.sealer)
         self.mirror = Mirror(cfg, catalog_path=Path(cfg.black.state_dir) / "exchanges.json")

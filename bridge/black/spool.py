@@ -84,6 +84,7 @@ if TYPE_CHECKING:
     from bridge.config import SpoolConfig
 
 __all__ = [
+    "SPOOL_DIR_MODE",
     "SpoolLocked",
     "writer_settings",
     "SPOOL_SCHEMA",
@@ -159,13 +160,17 @@ class _Collect:
         return out
 
 
+SPOOL_DIR_MODE = 0o700
+"""Mode of the spool's directories: message bodies, black's user only."""
+
+
 def _make_dir(path: Path) -> None:
-    """mkdir -p, fsyncing each new directory's parent."""
+    """mkdir -p (mode ``SPOOL_DIR_MODE``), fsyncing each new directory's parent."""
     if path.is_dir():
         return
     _make_dir(path.parent)
     try:
-        path.mkdir(mode=0o700)
+        path.mkdir(mode=SPOOL_DIR_MODE)
     except FileExistsError:
         return
     fsync_dir(path.parent)

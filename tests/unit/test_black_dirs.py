@@ -1,0 +1,48 @@
+"""Black, job start: a directory black cannot create is a ConfigError naming its key."""
+
+from __future__ import annotations
+
+import stat
+from pathlib import Path
+
+import pytest
+
+from bridge.black.job import make_black_dirs
+from bridge.black.spool import SPOOL_DIR_MODE
+from bridge.config import Config, config_from_dict
+from bridge.errors import ConfigError
+
+
+def config(base: Path, **black: str) -> Config:
+    data = {
+        "channels": [{"name": "d1", "encrypt": False}],
+        "black": {
+            "outbox": "black/outbox",
+            "archive": "black/archive",
+            "state_dir": "black/state",
+            "spool_dir": "black/spool",
+            "checkpoint_dir": "black/checkpoint",
+            "gnupg_home": "keys/black",
+            **black,
+        },
+    }
+    return config_from_dict(data, base=base, environ={})
+
+
+@pytest.mark.parametrize("key", ["state_dir", "spool_dir", "checkpoint_dir"])
+def test_a_directory_under_a_regular_file_is_a_config_error_naming_its_key(
+    tmp_path: Path, key: str
+) -> None:
+    (tmp_path / "a-file").write_text("not a directory")
+    cfg = config(tmp_path, **{key: "a-file/sub"})
+    with pytest.raises(ConfigError) as e:
+        make_black_dirs(cfg)
+    msg = str(e.value)
+    assert f"cannot create black.{key} {tmp_path / 'a-file' / 'sub'}" in msg
+    assert f"point black.{key} elsewhere" in msg
+
+
+def test_the_directories_are_made_with_their_modes(tmp_path: Path) -> None:
+    make_black_dirs(config(tmp_path))
+    for name, mode in (("state", 0o750), ("spool", SPOOL_DIR_MODE), ("checkpoint", 0o750)):
+        assert stat.S_IMODE((tmp_path / "black" / name).stat().st_mode) == mode, name
