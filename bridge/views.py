@@ -90,7 +90,7 @@ def black_status_view(st: Mapping[str, Any]) -> RenderableType:
             _pending(c.get("pending"), bool(st.get("job_running"))),
             _v(c.get("heartbeat_seq")),
             _warn(_counts(c.get("lost"))) if c.get("lost") else _NONE,
-            _counts(c.get("inexact")),
+            _counts({**(c.get("inexact") or {}), "undecodable": c.get("undecodable", 0)}),
             _v(c.get("outbox_bundles")),
         )
     parts: list[RenderableType] = [t]

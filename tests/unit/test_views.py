@@ -23,7 +23,7 @@ def test_black_status_and_gaps_show_losses_pending_and_the_udp_link() -> None:
         "channels": {
             "ops": {
                 "last_bundle_seq": 12, "last_seq": 4999, "pending": True, "heartbeat_seq": 7,
-                "lost": {"maxlen": 3}, "inexact": {}, "outbox_bundles": 2,
+                "lost": {"maxlen": 3}, "inexact": {}, "undecodable": 2, "outbox_bundles": 2,
                 "spool": {"durable_end": 5000, "acked_through": 4999, "paused": False,
                           "tap_pid": 4242, "status_age_s": 0.4},
             },
@@ -36,7 +36,7 @@ def test_black_status_and_gaps_show_losses_pending_and_the_udp_link() -> None:
     out = _text(views.black_status_view(st))
     want = ("black bridge b1", "3 file(s)", "1 in the UDP outbox", "4242", "maxlen 3",
             "interrupted", "never ran", "UDP link (2 gap", "datagrams_sent 100",
-            "no status file")  # fmt: skip
+            "no status file", "undecodable 2")  # fmt: skip
     for text in want:
         assert text in out, (text, out)
     st["job_running"] = True  # the same pending bundle while a job runs: being sealed
