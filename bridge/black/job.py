@@ -16,6 +16,7 @@ query idles, a last availableNow query seals what is left (the earlier behaviour
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -103,22 +104,35 @@ def check_black_config(cfg: Config) -> Gpg:
 
 
 def make_black_dirs(cfg: Config) -> None:
-    """Create black's own directories (state, spool, checkpoint) before Spark and the taps
-    start, so that one that cannot be created is a ConfigError naming its key, not a traceback
-    in a tap process or a Java stack trace from Spark."""
+    """Create black's state and spool dirs, and check that Spark can create the checkpoint dir,
+    before Spark and the taps start: one that cannot be made is a ConfigError naming its key,
+    not a traceback in a tap process or a Java stack trace from Spark."""
     black = cfg.black
     for key, path, mode in (
         ("state_dir", black.state_dir, DIR_MODE),
         ("spool_dir", black.spool_dir, SPOOL_DIR_MODE),
-        ("checkpoint_dir", black.checkpoint_dir, DIR_MODE),
     ):
         try:
             durable_mkdir(Path(path), mode=mode)
         except OSError as e:
-            raise ConfigError(
-                f"cannot create black.{key} {path}: {e.strerror or e}; create it (mode "
-                f"{mode:o}) for the user running black, or point black.{key} elsewhere"
-            ) from None
+            raise ConfigError(_cannot_create(key, path, e.strerror or str(e), mode)) from None
+    ckpt = Path(black.checkpoint_dir)
+    top = ckpt
+    while not top.exists() and top != top.parent:  # the nearest existing ancestor
+        top = top.parent
+    if not top.is_dir():
+        why = "Not a directory" if top != ckpt or top.exists() else "No such directory"
+        raise ConfigError(_cannot_create("checkpoint_dir", ckpt, f"{top}: {why}", DIR_MODE))
+    if not os.access(top, os.W_OK | os.X_OK):
+        why = f"{top} is not writable (read-only file system or permissions)"
+        raise ConfigError(_cannot_create("checkpoint_dir", ckpt, why, DIR_MODE))
+
+
+def _cannot_create(key: str, path: Path | str, why: str, mode: int) -> str:
+    return (
+        f"cannot create black.{key} {path}: {why}; create it (mode {mode:o}) for the user "
+        f"running black, or point black.{key} elsewhere"
+    )
 
 
 class BlackRun:

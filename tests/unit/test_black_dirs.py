@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import stat
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -11,6 +12,7 @@ from bridge.black.job import make_black_dirs
 from bridge.black.spool import SPOOL_DIR_MODE
 from bridge.config import Config, config_from_dict
 from bridge.errors import ConfigError
+from tests.support import small_tmpfs
 
 
 def config(base: Path, **black: str) -> Config:
@@ -44,5 +46,14 @@ def test_a_directory_under_a_regular_file_is_a_config_error_naming_its_key(
 
 def test_the_directories_are_made_with_their_modes(tmp_path: Path) -> None:
     make_black_dirs(config(tmp_path))
-    for name, mode in (("state", 0o750), ("spool", SPOOL_DIR_MODE), ("checkpoint", 0o750)):
+    for name, mode in (("state", 0o750), ("spool", SPOOL_DIR_MODE)):
         assert stat.S_IMODE((tmp_path / "black" / name).stat().st_mode) == mode, name
+    assert not (tmp_path / "black" / "checkpoint").exists(), "Spark makes it, once it starts"
+
+
+def test_a_checkpoint_dir_on_a_read_only_file_system_is_refused(tmp_path: Path) -> None:
+    with small_tmpfs("1m", "black-ro-") as fs:
+        subprocess.run(["mount", "-o", "remount,ro", str(fs)], check=True)
+        cfg = config(tmp_path, checkpoint_dir=str(fs / "ckpt"))
+        with pytest.raises(ConfigError, match="cannot create black.checkpoint_dir .* not writable"):
+            make_black_dirs(cfg)
