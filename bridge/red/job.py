@@ -9,9 +9,11 @@ verdict rows --Landing (driver)--> Delta messages / bundles / audit + processed/
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from dataclasses import dataclass, field
+from itertools import combinations, permutations
 from pathlib import Path
 from typing import Any, Literal
 
@@ -22,11 +24,13 @@ from bridge.fsutil import durable_mkdir, exclusive_lock
 from bridge.logs import get_logger, log_event
 from bridge.red.evidence import Evidence
 from bridge.red.landing import LOCK_FILE, Landing, LandingResult
+from bridge.red.layout import RED_DIR_KEYS, WALKED_DIR_KEYS
 from bridge.red.source import InboxDataSource
 from bridge.red.tables import RedTables, resolve_engine
 
 __all__ = [
-    "RedRun", "RedSummary", "run_red", "check_red_config", "Trigger", "open_tables", "open_landing",
+    "RedRun", "RedSummary", "run_red", "check_red_config", "check_red_places", "Trigger",
+    "open_tables", "open_landing",
 ]  # fmt: skip
 
 log = get_logger("bridge.red.job")
@@ -65,15 +69,120 @@ def check_red_config(cfg: Config) -> None:
     """Fail fast, before Spark starts, on anything the operator must fix."""
     if cfg.source is None:
         raise ConfigError("the red job needs a config file (the Spark source reads it): --config")
+    check_red_places(cfg)  # before anything is created in a wrong place
     decryption_gpg(cfg)  # keys present, pinned signers imported, passphrase works
     r = cfg.red
-    for d in (r.inbox, r.work_dir, r.processed_dir, r.quarantine_dir, r.state_dir):
-        durable_mkdir(Path(d))
+    for key in RED_DIR_KEYS:
+        _make_red_dir(key, Path(getattr(r, key)))
     if Path(r.inbox).stat().st_dev != Path(r.work_dir).stat().st_dev:
         raise ConfigError(
             f"red.work_dir {r.work_dir} is not on the file system of red.inbox {r.inbox}: files "
             "are taken by an atomic rename; put work_dir beside the inbox"
         )
+
+
+def _red_places(cfg: Config) -> list[tuple[str, Path]]:
+    """``(config key, path)`` of red's directories (``RED_DIR_KEYS``), the inbox first."""
+    return [(f"red.{key}", Path(getattr(cfg.red, key))) for key in RED_DIR_KEYS]
+
+
+def _kept_out_of_inbox(cfg: Config) -> list[tuple[str, Path]]:
+    """What else red (or its UDP receiver) keeps on disk, which the intake would take if it
+    were in the inbox."""
+    r = cfg.red
+    out = [("red.gnupg_home", Path(r.gnupg_home))]
+    if r.passphrase_file is not None:
+        out.append(("red.passphrase_file", Path(r.passphrase_file)))
+    if cfg.udp is not None:
+        out.append(("udp.receive.spool_dir", Path(cfg.udp.receive.spool_dir)))
+    return out
+
+
+def _within(inner: Path, outer: Path) -> bool:
+    """``inner`` is ``outer`` or inside it (both resolved)."""
+    return inner == outer or outer in inner.parents
+
+
+def check_red_places(cfg: Config) -> None:
+    """ConfigError (nothing is created or moved) if red's directories overlap where that breaks
+    red: one inside the inbox (the intake takes every entry of the inbox as a file that crossed
+    the diode: a folder there is quarantined as ``not_regular_file``, red's own work with it),
+    the inbox inside one of them, two of them the same directory (their files would mix), or
+    one inside a directory red manages as a whole (``WALKED_DIR_KEYS``)."""
+    places = [(key, p, p.resolve()) for key, p in _red_places(cfg)]
+    taken = [rp for _, _, rp in places]
+    inbox_key, inbox, inbox_r = places[0]
+    for key, p in [(k, p) for k, p, _ in places[1:]] + _kept_out_of_inbox(cfg):
+        if _within(p.resolve(), inbox_r):
+            where = "is" if p.resolve() == inbox_r else "is inside"
+            raise ConfigError(
+                f"{key} {p} {where} {inbox_key} {inbox}: red takes every entry of the inbox "
+                "as a file that crossed the diode (a folder there is quarantined as "
+                f"not_regular_file, with whatever red keeps in it). Set {key} to a path "
+                f"outside {inbox_key}, e.g. {_beside(inbox, p, key, taken)}, and move its "
+                "contents there"
+            )
+    for (key_a, a, ra), (key_b, b, rb) in combinations(places, 2):
+        if ra == rb:
+            raise ConfigError(
+                f"{key_a} and {key_b} are the same directory {a}: each red directory needs its "
+                "own (their files would mix: red sweeps, counts and locks each one as its own). "
+                f"Set {key_b} to a directory of its own, e.g. {_beside(b, b, key_b, taken)}"
+            )
+    for (ko, o, ro), (ki, n, ri) in permutations(places, 2):  # ki inside ko?
+        if ro not in ri.parents:
+            continue
+        if ki == inbox_key:
+            raise ConfigError(
+                f"{ki} {n} is inside {ko} {o}: the inbox is where the diode's mover (or `diode "
+                f"udp receive`) writes, and {ko} is red's own. Set {ki} to a directory beside "
+                f"it, e.g. {_beside(o, n, ki, taken)}, on the same file system"
+            )
+        if ko.removeprefix("red.") in WALKED_DIR_KEYS:
+            raise ConfigError(
+                f"{ki} {n} is inside {ko} {o}: red manages {ko} as a whole (work_dir's "
+                "plaintexts are swept at start, every file of processed_dir and quarantine_dir "
+                f"is counted as evidence). Set {ki} to a directory beside it, e.g. "
+                f"{_beside(o, n, ki, taken)}, and move its contents there"
+            )
+
+
+def _beside(outer: Path, inner: Path, key: str, taken: list[Path]) -> Path:
+    """A path for ``inner`` next to ``outer`` that overlaps none of red's directories."""
+    default = key.rsplit(".", 1)[-1].removesuffix("_dir").removesuffix("_home")
+    for name in (inner.name, default, f"red-{default}"):
+        cand = outer.parent / name
+        rc = cand.resolve()
+        if not any(_within(rc, t) or _within(t, rc) for t in taken):
+            return cand
+    return outer.parent / f"red-{default}-2"
+
+
+def _make_red_dir(key: str, d: Path) -> None:
+    """Create red directory ``red.<key>`` (mode 750) and check red can write into it; a
+    ConfigError naming the key, the path, the OS's reason and the fix otherwise."""
+    try:
+        durable_mkdir(d)
+    except OSError as e:
+        raise ConfigError(
+            f"cannot create red.{key} {d}: {e.strerror or e}; create it (mode 750) for the "
+            f"user running red, or point red.{key} elsewhere"
+        ) from None
+    if os.access(d, os.W_OK | os.X_OK):
+        return
+    try:
+        read_only = bool(os.statvfs(d).f_flag & os.ST_RDONLY)
+    except OSError:
+        read_only = False
+    if read_only:
+        raise ConfigError(
+            f"red.{key} {d} is on a read-only file system: red writes there. Mount it "
+            f"read-write, or point red.{key} to a writable directory"
+        )
+    raise ConfigError(
+        f"red.{key} {d} is not writable by the user running red (uid {os.getuid()}): give "
+        f"that user write access (owner, mode 750), or point red.{key} elsewhere"
+    )
 
 
 def open_tables(cfg: Config, spark: Any | None = None) -> RedTables:

@@ -5,8 +5,22 @@ from __future__ import annotations
 from pathlib import Path
 
 __all__ = [
-    "STATE_FILE", "LOCK_FILE", "JOURNAL_DIR", "INTENT_FILE", "AUDIT_PENDING_DIR", "intent_path"
+    "STATE_FILE", "LOCK_FILE", "JOURNAL_DIR", "INTENT_FILE", "AUDIT_PENDING_DIR", "RED_DIR_KEYS",
+    "WALKED_DIR_KEYS", "intent_path",
 ]  # fmt: skip
+
+RED_DIR_KEYS = (
+    "inbox", "work_dir", "processed_dir", "quarantine_dir", "state_dir", "checkpoint_dir",
+    "tables_dir",
+)  # fmt: skip
+"""The ``[red]`` directories a red job creates and writes (bridge.red.job: checked at start).
+Each is red's alone: no two are the same directory, none is inside the inbox, nor the inbox
+inside one of them."""
+WALKED_DIR_KEYS = ("work_dir", "processed_dir", "quarantine_dir")
+"""Red directories red manages as a whole, so no other red directory may be inside one:
+``work_dir`` (its ``plain/`` is swept of ``*.parquet`` at start, its ``landing/`` hold folders
+deleted), ``processed_dir`` and ``quarantine_dir`` (every file in them is counted and listed
+as evidence, by day folder)."""
 
 STATE_FILE = "red-state.json"
 LOCK_FILE = "red.lock"
