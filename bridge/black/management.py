@@ -96,15 +96,40 @@ class ManagementClient:
                 f"the management plugin (usually http://host:15672)? {ENABLE_HINT}"
             ) from None
 
-    def put_vhost(self, vhost: str, *, user: str | None = None) -> None:
-        """Create ``vhost`` (idempotent) and give ``user`` (default: ours) full permissions."""
+    def put_vhost(
+        self,
+        vhost: str,
+        *,
+        user: str | None = None,
+        description: str | None = None,
+        tags: str | None = None,
+    ) -> None:
+        """Create ``vhost`` (idempotent; with ``description`` and comma-separated ``tags`` if
+        given) and give ``user`` (default: ours) full permissions."""
         q = urllib.parse.quote(vhost, safe="")
-        self._call(f"/api/vhosts/{q}", what=f"creating vhost {vhost!r}", method="PUT")
+        body = {k: v for k, v in (("description", description), ("tags", tags)) if v is not None}
+        self._call(
+            f"/api/vhosts/{q}", what=f"creating vhost {vhost!r}", method="PUT", body=body or None
+        )
         perms = {"configure": ".*", "write": ".*", "read": ".*"}
         who = urllib.parse.quote(user or self._user, safe="")
         self._call(
             f"/api/permissions/{q}/{who}", what=f"granting {vhost!r}", method="PUT", body=perms
         )
+
+    def vhost_tags(self, vhost: str) -> list[str] | None:
+        """The tags of ``vhost`` (``[]`` for none); None if there is no such vhost."""
+        q = urllib.parse.quote(vhost, safe="")
+        try:
+            info = self._call(f"/api/vhosts/{q}", what=f"reading vhost {vhost!r}")
+        except ManagementApiError as e:
+            if "(404)" in str(e):
+                return None
+            raise
+        tags = info.get("tags") if isinstance(info, dict) else None
+        if isinstance(tags, str):  # older brokers: one comma-separated string
+            tags = tags.split(",")
+        return [str(t).strip() for t in tags if str(t).strip()] if isinstance(tags, list) else []
 
     def delete_vhost(self, vhost: str) -> None:
         """Delete ``vhost`` and everything in it; a missing vhost is fine."""

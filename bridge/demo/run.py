@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import shutil
 import time
 import urllib.parse
@@ -21,13 +22,98 @@ from bridge.demo.traffic import DEMO_DIRECT_KEYS, DEMO_EXCHANGES, declare_exchan
 from bridge.demo.udp_link import UdpLink, free_udp_port, udp_config_toml
 from bridge.diode.udp_key import generate_key_file
 from bridge.diode.udp_sender import run_sender
+from bridge.errors import ConfigError
 from bridge.logs import get_logger, log_event
 from bridge.red.job import RedRun
 from bridge.red.replay import Replayer, audit_sink
 
-__all__ = ["run_demo", "write_demo_config"]
+__all__ = [
+    "DEMO_VHOST_TAG", "check_demo_options", "check_demo_vhosts", "recreate_demo_vhosts",
+    "run_demo", "write_demo_config",
+]  # fmt: skip
 
 log = get_logger("bridge.demo")
+
+DEMO_VHOST_TAG = "diode-demo"
+"""The tag the demo gives the vhosts it creates (management API: vhost ``tags``). The demo
+deletes and re-creates a vhost only if it carries this tag: never one it did not create."""
+DEMO_VHOST_DESCRIPTION = "created by `diode demo`: deleted and re-created by every demo run"
+
+
+def check_demo_options(
+    messages: int,
+    *,
+    big_every: int = 5000,
+    transport: str = "file",
+    loss_percent: float = 0.0,
+    port: int = 5672,
+) -> None:
+    """ConfigError for a demo option out of range; called before anything is started."""
+    if isinstance(messages, bool) or not isinstance(messages, int) or messages < 1:
+        raise ConfigError(
+            f"--messages {messages}: the number of messages the demo publishes; give a whole "
+            "number of at least 1 (default 20000)"
+        )
+    if isinstance(big_every, bool) or not isinstance(big_every, int) or big_every < 0:
+        raise ConfigError(
+            f"--big-every {big_every}: every Nth message carries a 3 MB body; give a whole "
+            "number of at least 0 (0: none; default 5000)"
+        )
+    if transport not in ("file", "udp"):
+        raise ConfigError(f"--transport {transport}: give file or udp")
+    if not (math.isfinite(loss_percent) and 0 <= loss_percent < 100):
+        raise ConfigError(
+            f"--loss {loss_percent}: the percentage of datagrams the relay drops; give a number "
+            "from 0 up to (not including) 100, e.g. --loss 2"
+        )
+    if loss_percent and transport != "udp":
+        raise ConfigError(f"--loss {loss_percent} needs --transport udp (only the relay drops)")
+    if not 0 < port < 65536:
+        raise ConfigError(f"AMQP port {port}: give a TCP port from 1 to 65535")
+
+
+def _check_vhost_names(vhost: str, red_vhost: str) -> None:
+    for name, what in ((vhost, "--vhost"), (red_vhost, "the red vhost")):
+        if name == "/":
+            raise ConfigError(
+                f"{what} '/': that is the broker's default vhost, where other applications' "
+                "queues and exchanges live, and the demo deletes and re-creates its vhosts. "
+                "Pass a vhost of the demo's own, e.g. --vhost diode-demo"
+            )
+        if not name.strip():
+            raise ConfigError(f"{what} {name!r}: give a vhost name, e.g. --vhost diode-demo")
+    if vhost == red_vhost:
+        raise ConfigError(
+            f"the black and red vhosts are both {vhost!r}: the demo needs two, e.g. "
+            f"{vhost!r} and {vhost + '-red'!r}"
+        )
+
+
+def check_demo_vhosts(mc: ManagementClient, vhost: str, red_vhost: str) -> None:
+    """ConfigError unless the black and red vhosts are each missing or created by the demo
+    (tagged ``DEMO_VHOST_TAG``); reads only. ``/`` is always refused."""
+    _check_vhost_names(vhost, red_vhost)
+    for v in (vhost, red_vhost):
+        tags = mc.vhost_tags(v)
+        if tags is None or DEMO_VHOST_TAG in tags:
+            continue
+        what = f"vhost {v!r}" if v == vhost else f"vhost {v!r} (the red twin of {vhost!r})"
+        raise ConfigError(
+            f"{what} already exists on the broker ({mc.base_url}) and was not created by "
+            f"`diode demo` (it has no {DEMO_VHOST_TAG!r} tag): the demo deletes and re-creates "
+            "its vhosts, so it never takes one it did not create. Pass another --vhost (the demo "
+            f"uses it and '<vhost>-red'), e.g. --vhost {vhost}-2; or, if {v!r} is an "
+            f"earlier demo's and nothing else uses it, delete it: rabbitmqctl delete_vhost {v}"
+        )
+
+
+def recreate_demo_vhosts(mc: ManagementClient, vhost: str, red_vhost: str) -> None:
+    """Delete and create the black and red vhosts afresh, tagged as the demo's, with full
+    permissions for the demo's user; refuses (``check_demo_vhosts``) before deleting anything."""
+    check_demo_vhosts(mc, vhost, red_vhost)
+    for v in (vhost, red_vhost):
+        mc.delete_vhost(v)
+        mc.put_vhost(v, description=DEMO_VHOST_DESCRIPTION, tags=DEMO_VHOST_TAG)
 
 
 def write_demo_config(
@@ -125,9 +211,18 @@ def run_demo(
     publisher -> red vhost (queues bound to count).
     """
     t0 = time.monotonic()
+    # refused before anything is created, started or deleted (files, keys, vhosts, processes)
+    check_demo_options(
+        messages, big_every=big_every, transport=transport, loss_percent=loss_percent, port=port
+    )
+    red_vhost = red_vhost or f"{vhost}-red"
+    mc = ManagementClient(mgmt, user, password)
+    try:
+        check_demo_vhosts(mc, vhost, red_vhost)  # "/" before the broker is even asked
+    finally:
+        mc.close()
     workdir = workdir.resolve()
     workdir.mkdir(parents=True, exist_ok=True)
-    red_vhost = red_vhost or f"{vhost}-red"
     keys_dir = workdir / "keys"
     if (keys_dir / "black").exists():  # keys of an earlier demo run are kept
         black_fpr = Gpg(keys_dir / "black").fingerprints(secret=True)[0]
@@ -144,10 +239,10 @@ def run_demo(
         relay_port, receive_port = free_udp_port(), free_udp_port()
         udp_section = udp_config_toml(relay_port, receive_port, loss_percent=loss_percent)
     mc = ManagementClient(mgmt, user, password)
-    for v in (vhost, red_vhost):
-        mc.delete_vhost(v)
-        mc.put_vhost(v)
-    mc.close()
+    try:
+        recreate_demo_vhosts(mc, vhost, red_vhost)  # checks again right before deleting
+    finally:
+        mc.close()
     amqp_url = f"amqp://{user}:{password}@{host}:{port}/{urllib.parse.quote(vhost, safe='')}"
     red_url = f"amqp://{user}:{password}@{host}:{port}/{urllib.parse.quote(red_vhost, safe='')}"
     declare_exchanges(amqp_url)
@@ -163,32 +258,34 @@ def run_demo(
     )
     cfg = load_config(cfg_path)
     link = UdpLink(cfg, relay_port, loss_percent) if transport == "udp" else None
-    if link is not None:
-        link.start()
-    run = BlackRun(cfg)
-    run.mirror.sync()  # mirror queues exist before the first message is published
-    log_event(log, 20, "publishing demo traffic", messages=messages, vhost=vhost)
-    pub = publish_mix(amqp_url, messages, big_every=big_every)
-    t_pub = time.monotonic()
-    if spark is None:
-        from bridge.spark import get_spark
+    try:
+        if link is not None:
+            link.start()  # stops what it started if it fails
+        run = BlackRun(cfg)
+        run.mirror.sync()  # mirror queues exist before the first message is published
+        log_event(log, 20, "publishing demo traffic", messages=messages, vhost=vhost)
+        pub = publish_mix(amqp_url, messages, big_every=big_every)
+        t_pub = time.monotonic()
+        if spark is None:
+            from bridge.spark import get_spark
 
-        spark = get_spark("diode-demo")
-    black = run.run(spark, "available-now")
-    t_black = time.monotonic()
-    udp: dict[str, Any] = {}
-    if link is None:
-        moved = move_outbox(Path(cfg.black.outbox), Path(cfg.red.inbox))
-        files_crossed = moved.files
-    else:
-        try:
+            spark = get_spark("diode-demo")
+        black = run.run(spark, "available-now")
+        t_black = time.monotonic()
+        udp: dict[str, Any] = {}
+        if link is None:
+            moved = move_outbox(Path(cfg.black.outbox), Path(cfg.red.inbox))
+            files_crossed = moved.files
+        else:
             sent = run_sender(cfg, until_idle=True, timeout=600)
             udp = link.wait_delivered(list(sent.files), timeout=120)
-        finally:
             udp["processes"] = link.close()
-        udp["datagrams_sent"] = sent.datagrams
-        udp["files_sent"] = len(sent.files)
-        files_crossed = udp["delivered"]
+            udp["datagrams_sent"] = sent.datagrams
+            udp["files_sent"] = len(sent.files)
+            files_crossed = udp["delivered"]
+    finally:
+        if link is not None:  # whatever failed above, no process of the link outlives the demo
+            link.close()
     red = RedRun(cfg).run(spark, "available-now")
     t_red = time.monotonic()
     counter = ReplayCounter(red_url, [x.name for x in DEMO_EXCHANGES])

@@ -72,6 +72,15 @@ class UdpLink:
     logs: dict[str, Path] = field(default_factory=dict)
 
     def start(self) -> None:
+        """Start the receiver, then the relay; if either fails to start, whatever was started
+        is stopped before the error is raised."""
+        try:
+            self._start()
+        except BaseException:
+            self.close()
+            raise
+
+    def _start(self) -> None:
         assert self.cfg.udp is not None and self.cfg.source is not None
         conf = str(self.cfg.source)
         recv = self.cfg.udp.receive
@@ -130,10 +139,11 @@ class UdpLink:
             time.sleep(0.2)
 
     def close(self) -> dict[str, Any]:
-        """Stop relay and receiver (SIGTERM) and return the last JSON line each printed."""
+        """Stop relay and receiver (SIGTERM) and return the last JSON line each printed; a
+        second call has nothing left to stop."""
         out: dict[str, Any] = {}
         for name in ("relay", "receiver"):
-            proc = self.procs.get(name)
+            proc = self.procs.pop(name, None)
             if proc is None:
                 continue
             stop_process(proc)
