@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import stat
 import subprocess
 from collections.abc import Iterable, Sequence
@@ -48,6 +49,36 @@ log = logging.getLogger(__name__)
 _OUTPUT_SLACK = 1024 * 1024
 # Long homes push gpg-agent's socket past the 108-byte AF_UNIX limit.
 _SOCKET_PATH_LIMIT = 100
+
+OPEN_BASE_SECONDS = 60.0
+"""Seconds any one ``open``/``open_bytes`` may take, whatever the message's size."""
+OPEN_BYTES_PER_SECOND = 2 * 1024 * 1024
+"""...plus its size at this rate: conservative (gpg decrypts and verifies at 100+ MB/s), so
+an honest bundle is never cut off, while a tiny message built to keep gpg busy (nested
+compressed packets unpacking to gigabytes of marker packets: no output, no status line) is
+stopped within about ``OPEN_BASE_SECONDS``."""
+
+
+class GpgTimeout(CryptoError):
+    """gpg did not finish within its time and was killed (with its process group).
+
+    Not a verdict by itself: a hung gpg-agent or a stalled disk looks the same as a message
+    built to keep gpg busy; the caller checks the host to tell them apart.
+    """
+
+    def __init__(self, message: str, seconds: float) -> None:
+        super().__init__(message)
+        self.seconds = seconds
+
+
+def _kill_group(proc: subprocess.Popen[bytes]) -> None:
+    """SIGKILL gpg's process group (gpg and any helper it forked; gpg-agent detaches into a
+    session of its own and lives on), then reap gpg."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass  # gone already
+    proc.wait()
 
 
 def _passphrase_pipe(secret: bytes) -> int:
@@ -87,16 +118,28 @@ class _Result(Transcript):
 class Gpg:
     """One GnuPG home, driven non-interactively (``--batch``, loopback pinentry, no tty)."""
 
-    timeout: float = 900.0
-    """Seconds one gpg call may take (a 1 GB bundle seals in well under a minute)."""
-
     def __init__(
-        self, home: Path, *, binary: str = "gpg", passphrase: Passphrase | None = None
+        self,
+        home: Path,
+        *,
+        binary: str = "gpg",
+        passphrase: Passphrase | None = None,
+        timeout: float = 900.0,
+        open_base_seconds: float = OPEN_BASE_SECONDS,
     ) -> None:
+        if not timeout > 0 or not open_base_seconds > 0:
+            raise ValueError(
+                f"gpg timeouts must be positive seconds (timeout={timeout!r}, "
+                f"open_base_seconds={open_base_seconds!r})"
+            )
         self.home = Path(home)
         self.binary = binary
         self.passphrase = passphrase
         """Passphrase of the secret keys of this home (None: they have none)."""
+        self.timeout = float(timeout)
+        """Seconds one gpg call may take at most (a 1 GB bundle seals in well under a minute)."""
+        self.open_base_seconds = float(open_base_seconds)
+        """Opening a message may take this plus its size at ``OPEN_BYTES_PER_SECOND``."""
         if not self.home.exists():
             self.home.mkdir(mode=0o700, parents=True)
             os.chmod(self.home, 0o700)  # mkdir's mode is masked by the umask
@@ -144,11 +187,14 @@ class Gpg:
         data: bytes | None = None,
         stdin_fd: int | None = None,
         secret: bool = False,
+        timeout: float | None = None,
     ) -> _Result:
         """Run gpg with status lines on stderr; stdin is ``data`` (piped), the open file
         ``stdin_fd`` (read from its current offset), or closed.
 
         ``secret``: the call uses a secret key, so the passphrase (if any) goes down a pipe.
+        ``timeout``: seconds (default ``self.timeout``); past it gpg's process group is killed
+        and GpgTimeout raised.
         """
         cmd = [
             self.binary,
@@ -173,23 +219,18 @@ class Gpg:
         if stdin_fd is not None:
             stdin = stdin_fd
         elif data is not None:
-            stdin = None  # subprocess pipes ``data`` in
+            stdin = subprocess.PIPE
+        seconds = self.timeout if timeout is None else min(timeout, self.timeout)
         try:
-            proc = subprocess.run(
+            proc = subprocess.Popen(
                 cmd,
-                input=data,
                 stdin=stdin,
-                capture_output=True,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
                 env=env,
-                check=False,
-                timeout=self.timeout,
                 pass_fds=pass_fds,
+                process_group=0,  # its own group: a timeout kills gpg and whatever it forked
             )
-        except subprocess.TimeoutExpired:
-            raise CryptoError(
-                f"gpg (home {self.home}) did not finish within {self.timeout:.0f}s and was "
-                "killed: is gpg-agent hung? (gpgconf --homedir HOME --kill gpg-agent)"
-            ) from None
         except FileNotFoundError:
             raise CryptoError(
                 f"gpg binary {self.binary!r} not found (home {self.home}); install GnuPG 2.2+"
@@ -197,8 +238,27 @@ class Gpg:
         finally:
             for fd in pass_fds:
                 os.close(fd)
-        status, diag = parse_status(proc.stderr.decode("utf-8", "replace"))
-        return _Result(rc=proc.returncode, status=status, diag=diag, stdout=proc.stdout)
+        with proc:
+            try:
+                out, err = proc.communicate(input=data, timeout=seconds)
+            except subprocess.TimeoutExpired:
+                _kill_group(proc)
+                raise GpgTimeout(
+                    f"gpg (home {self.home}) did not finish within {seconds:.0f} s and was "
+                    "killed with its process group: is gpg-agent hung? "
+                    "(gpgconf --homedir HOME --kill gpg-agent)",
+                    seconds,
+                ) from None
+            except BaseException:
+                _kill_group(proc)  # interrupted: never leave gpg writing behind us
+                raise
+        status, diag = parse_status(err.decode("utf-8", "replace"))
+        return _Result(rc=proc.returncode, status=status, diag=diag, stdout=out)
+
+    def open_timeout(self, size: int) -> float:
+        """Seconds opening a message of ``size`` bytes may take: ``open_base_seconds`` plus
+        ``size`` at ``OPEN_BYTES_PER_SECOND``, at most ``timeout``."""
+        return min(self.timeout, self.open_base_seconds + max(size, 0) / OPEN_BYTES_PER_SECOND)
 
     def _hint(self) -> str:
         if len(str(self.home / "S.gpg-agent.extra")) > _SOCKET_PATH_LIMIT:
@@ -616,7 +676,9 @@ class Gpg:
         gpg writes to a hidden temp file beside ``dst``; it is renamed (fsynced) only on a
         single GOOD signature whose primary fingerprint is in ``pinned_signers``, else it
         is deleted. ``max_output`` caps the plaintext (default: the size of ``src`` plus
-        1 MiB, since bundles are never compressed), defusing compression bombs.
+        1 MiB, since bundles are never compressed), defusing compression bombs. gpg gets
+        ``open_timeout(size)`` seconds; past that it is killed, the temp file deleted and
+        GpgTimeout raised.
         """
         pinned = self._pinned(pinned_signers)
         src, dst = Path(src), Path(dst)
@@ -630,6 +692,7 @@ class Gpg:
             res = self._run(
                 [*self._open_args(limit), "--output", str(tmp), "--decrypt", "--", str(src)],
                 secret=True,
+                timeout=self.open_timeout(size),
             )
             opened = self._judge(res, pinned, str(src))
             if not tmp.exists():
@@ -649,7 +712,10 @@ class Gpg:
         pinned = self._pinned(pinned_signers)
         limit = max_output if max_output is not None else len(data) + _OUTPUT_SLACK
         res = self._run(
-            [*self._open_args(limit), "--output", "-", "--decrypt"], data=data, secret=True
+            [*self._open_args(limit), "--output", "-", "--decrypt"],
+            data=data,
+            secret=True,
+            timeout=self.open_timeout(len(data)),
         )
         what = f"message of {len(data)} bytes"
         opened = self._judge(res, pinned, what)

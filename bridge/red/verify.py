@@ -5,17 +5,27 @@
     of a known version -> manifest = name, bridge_id expected -> rows = manifest
 
 ``verify_file`` returns a ``Verdict``; it never raises for hostile input, only for faults of
-this host (gpg missing or hung, a locked key, a full disk, an unreadable intake file), so
-the job stops instead of quarantining good bundles. Which one it is, gpg's words never
-decide: its stderr quotes packet data (an unknown signer's user id is printed as
+this host (gpg missing, a locked key or hung gpg-agent, a full disk, an unreadable intake
+file), so the job stops instead of quarantining good bundles. Which one it is, gpg's words
+never decide: its stderr quotes packet data (an unknown signer's user id is printed as
 ``issuer "..."``, and Python splits lines on characters gpg does not escape, so even status
 lines can be forged), so a hostile file could say "no space left on device" and stop red
 for good. The transcript only picks the reject reason and which host checks to run
 (``_check_host``: a test decryption with every red key, the pinned keys in the keyring,
 room for the plaintext in ``plain_dir``); the file stays in intake only when one of them
-fails, and is rejected otherwise. Everything here is picklable: the
-``VerifyContext`` carries paths, fingerprints and the passphrase's *source*, never a secret
-or a live object; the ``Gpg`` is built inside each call.
+fails, and is rejected otherwise. gpg that does not finish in time (``Gpg.open_timeout``: a
+base plus the file's size at a conservative rate) is killed, and all those host checks run:
+a message built to keep gpg busy is rejected (``crypto``) instead of stopping red at every
+start.
+
+A bundle whose plaintext may need more room than ``plain_dir`` has free now (keeping
+``PLAIN_RESERVE_BYTES``) is not opened: ``NoRoomNow`` (the Spark source leaves the file in
+intake and plans it again once there is room; ``plain_need`` and ``plain_room`` are what it
+plans with), so a file bigger than the free space never fills the disk.
+
+Everything here is picklable: the ``VerifyContext`` carries paths, fingerprints and the
+passphrase's *source*, never a secret or a live object; the ``Gpg`` is built inside each
+call.
 
 Reject reasons (``Verdict.reason``), in check order:
 
@@ -25,16 +35,19 @@ Reject reasons (``Verdict.reason``), in check order:
 ``too_large``             bigger than a configured limit: a heartbeat file over 1 MiB, or a
                           bundle whose plaintext would exceed ``max_plain_bytes``; or a
                           bundle that needs more room than the whole file system of
-                          ``plain_dir`` has (it could never be verified here)
+                          ``plain_dir`` has (it could never be verified here; one that only
+                          needs more than is free now waits in intake: ``NoRoomNow``)
 ``signature``             bad, missing or several signatures, unknown key, wrong class, on
                           an intact envelope (signed-only, or decryption integrity-checked)
 ``unpinned_signer``       one valid signature, by a key that is not pinned
 ``crypto``                the envelope is broken: cannot decrypt (not a recipient, garbage,
                           truncated), integrity never confirmed (gpg stops at a BADSIG before
                           the MDC check, so damaged ciphertext lands here), no integrity
-                          protection, plaintext length not as declared, or the plaintext
+                          protection, plaintext length not as declared, the plaintext
                           exceeds the file size + 1 MiB (a compressed message: bundles are
-                          sealed with -z 0, so this is a compression bomb)
+                          sealed with -z 0, so this is a compression bomb), or gpg did not
+                          finish within ``Gpg.open_timeout`` while this host checked out
+                          (a message built to keep gpg busy)
 ``downgrade``             encryption differs from ``channels[].encrypt``: signed-only on an
                           encrypted channel, AND encrypted on a signed-only channel (§7.4 says
                           "iff"; a channel set to plaintext never receives ciphertext)
@@ -69,7 +82,7 @@ import pyarrow.parquet as pq
 
 from bridge.config import Config
 from bridge.crypto.fingerprint import normalize_fingerprint
-from bridge.crypto.gpg import Gpg
+from bridge.crypto.gpg import OPEN_BASE_SECONDS, Gpg, GpgTimeout
 from bridge.crypto.passphrase import Passphrase, resolve_passphrase
 from bridge.crypto.verdict import Opened, Transcript
 from bridge.errors import (
@@ -98,11 +111,16 @@ from bridge.protocol.naming import (
 __all__ = [
     "HEARTBEAT_MAX_FILE_BYTES",
     "OUTPUT_SLACK",
+    "PLAIN_RESERVE_BYTES",
     "REASONS",
     "VERDICT_SCHEMA",
     "Verdict",
     "VerifyContext",
     "VerifyEnvironmentError",
+    "NoRoomNow",
+    "PlainRoom",
+    "plain_need",
+    "plain_room",
     "sweep_plain_dir",
     "verify_file",
 ]
@@ -114,6 +132,12 @@ OUTPUT_SLACK = 1024 * 1024
 HEARTBEAT_MAX_FILE_BYTES = 1024 * 1024
 """A heartbeat (at most 1024 counters) is a few hundred KiB at worst; larger is refused
 unread, so a hostile file never fills an executor's memory."""
+PLAIN_RESERVE_BYTES = 64 * 1024 * 1024
+"""Free space left alone in ``plain_dir``'s file system beyond a plaintext being written; at
+most half of what the file system holds beyond that plaintext, so a file that fits the file
+system can always be verified once enough has been freed."""
+_PROBE_SECONDS = 120.0
+"""Time of each gpg call of the host checks after a timeout (a test decryption is tiny)."""
 _MAX_DETAIL = 2000
 _PLAIN_SUFFIX = ".parquet"
 
@@ -150,6 +174,14 @@ class VerifyEnvironmentError(DiodeError):
     retryable = True
 
 
+class NoRoomNow(VerifyEnvironmentError):
+    """A bundle's plaintext may need more than ``plain_dir`` has free now: it was not opened.
+
+    It fits the file system (else it is rejected ``too_large``), so it can wait in intake
+    until there is room; the Spark source does not fail the job for it (bridge.red.source).
+    """
+
+
 # ---------------------------------------------------------------------------- context
 
 
@@ -171,6 +203,11 @@ class VerifyContext:
     max_plain_bytes: int | None = None
     """Extra cap on a bundle's plaintext (None: only file size + 1 MiB applies)."""
     gpg_binary: str = "gpg"
+    gpg_timeout: float = 900.0
+    """Seconds one gpg call may take at most (``Gpg.timeout``)."""
+    gpg_open_base_seconds: float = OPEN_BASE_SECONDS
+    """Opening one file may take this plus its size at ``OPEN_BYTES_PER_SECOND``, at most
+    ``gpg_timeout`` (``Gpg.open_timeout``)."""
 
     @classmethod
     def from_config(cls, cfg: Config, *, environ: Mapping[str, str] | None = None) -> VerifyContext:
@@ -197,9 +234,15 @@ class VerifyContext:
             return Passphrase(env_name=self.passphrase_env)
         return None
 
-    def gpg(self) -> _RecordingGpg:
+    def gpg(self, *, timeout: float | None = None) -> _RecordingGpg:
+        """A Gpg of red's home; ``timeout`` lowers ``gpg_timeout`` (host checks)."""
+        cap = self.gpg_timeout if timeout is None else min(timeout, self.gpg_timeout)
         return _RecordingGpg(
-            Path(self.gnupg_home), binary=self.gpg_binary, passphrase=self.passphrase()
+            Path(self.gnupg_home),
+            binary=self.gpg_binary,
+            passphrase=self.passphrase(),
+            timeout=cap,
+            open_base_seconds=self.gpg_open_base_seconds,
         )
 
 
@@ -321,8 +364,9 @@ def verify_file(path: Path, name: str, ctx: VerifyContext) -> Verdict:
     """Checks 1-7 of docs/protocol.md §7 on the wire file ``path`` named ``name``.
 
     Never raises for hostile input (a reject ``Verdict`` instead). Raises
-    VerifyEnvironmentError, CryptoError (gpg missing/hung) or OSError for faults of this
-    host; then nothing is left in ``ctx.plain_dir``.
+    VerifyEnvironmentError (NoRoomNow: not opened for lack of room now; the file may wait),
+    CryptoError (gpg missing) or OSError for faults of this host; then nothing is left in
+    ``ctx.plain_dir``.
     """
     path = Path(path)
     size = os.stat(path).st_size  # missing intake file: a fault of this host, raise
@@ -437,8 +481,18 @@ def _gpg_reject(
     ``room`` is (intake file, bytes its plaintext may need, plaintext dir) for a bundle
     (gpg wrote to disk), None for a heartbeat (gpg wrote to memory).
     """
+    if isinstance(e, GpgTimeout):
+        # no transcript to go by: a hung gpg-agent or a stalled disk looks just like a
+        # message built to keep gpg busy, so every host check runs
+        _check_host_after_timeout(name, ctx, room)
+        return _Reject(
+            "crypto",
+            f"gpg did not finish within {e.seconds:.0f} s and was killed (this host's keys, "
+            "keyring and disk checked out): a message built to keep gpg busy, e.g. nested "
+            "compressed packets (bundles are sealed uncompressed); refused",
+        )
     res = gpg.last
-    if res is None:  # gpg never judged anything: missing binary, timeout, unreadable input
+    if res is None:  # gpg never judged anything: missing binary, unreadable input
         raise e
     _check_host(gpg, res, name, ctx, room)
     # this host is fine: the file is at fault; the transcript only picks the reason
@@ -495,6 +549,24 @@ def _check_host(
             f.read(1)
         if res.has("PLAINTEXT"):
             _require_room(plain_dir, need, name)
+
+
+def _check_host_after_timeout(
+    name: str, ctx: VerifyContext, room: tuple[Path, int, Path] | None
+) -> None:
+    """Every direct check of ``_check_host``, after gpg was killed for taking too long.
+
+    The checks use a short timeout of their own (``_PROBE_SECONDS``): a hung gpg-agent fails
+    them, and this host then stops with its error instead of waiting again.
+    """
+    probe = ctx.gpg(timeout=_PROBE_SECONDS)
+    _require_unlockable(probe, name)
+    _require_pinned_keys(probe, name, ctx)
+    if room is not None:
+        src, need, plain_dir = room
+        with open(src, "rb") as f:  # unreadable intake file: OSError, a fault of this host
+            f.read(1)
+        _require_room(plain_dir, need, name)
 
 
 def _require_unlockable(gpg: Gpg, name: str) -> None:
@@ -576,10 +648,43 @@ def _require_room(plain_dir: Path, need: int, name: str) -> None:
         Path(probe).unlink(missing_ok=True)
 
 
-def _fs_capacity(d: Path) -> int:
-    """Bytes the file system of ``d`` holds for unprivileged files when empty."""
-    st = os.statvfs(d)
-    return (st.f_blocks - st.f_bfree + st.f_bavail) * st.f_frsize
+@dataclass(frozen=True)
+class PlainRoom:
+    """Room in ``plain_dir``'s file system, in bytes for unprivileged files."""
+
+    free: int
+    """Free now."""
+    capacity: int
+    """Free when the file system is empty (used + free)."""
+
+    def reserve(self, need: int) -> int:
+        """What is kept free beyond a plaintext of ``need`` bytes."""
+        return min(PLAIN_RESERVE_BYTES, max(0, self.capacity - need) // 2)
+
+    def fits(self, need: int, *, planned: int = 0) -> bool:
+        """Whether a plaintext of ``need`` bytes fits now beside ``planned`` more bytes."""
+        return need <= 0 or planned + need + self.reserve(need) <= self.free
+
+
+def plain_room(plain_dir: Path | str) -> PlainRoom:
+    """The room in the file system of ``plain_dir`` (OSError if it cannot be asked)."""
+    st = os.statvfs(plain_dir)
+    return PlainRoom(
+        free=st.f_bavail * st.f_frsize,
+        capacity=(st.f_blocks - st.f_bfree + st.f_bavail) * st.f_frsize,
+    )
+
+
+def plain_need(name: str, size: int, ctx: VerifyContext, room: PlainRoom) -> int:
+    """Bytes gpg may write to ``plain_dir`` for the intake file ``name`` of ``size`` bytes:
+    0 for a heartbeat (opened in memory) and for a bundle refused before gpg runs."""
+    if _kind_of(name) != "bundle":
+        return 0
+    limit, configured = _open_limit(size, ctx)
+    if configured and size > limit + OUTPUT_SLACK:
+        return 0  # too_large before gpg
+    need = min(size, limit)
+    return 0 if need > room.capacity else need  # > capacity: too_large before gpg
 
 
 def _unpinned(res: Transcript, pinned: set[str]) -> bool:
@@ -636,13 +741,22 @@ def _verify_bundle(
         )
     # bundles are sealed uncompressed: an honest plaintext is never larger than its file
     need = min(size, limit)
-    capacity = _fs_capacity(plain.parent)
-    if need > capacity:  # could never be verified here: a host fault forever, so reject
+    room = plain_room(plain.parent)
+    if need > room.capacity:  # could never be verified here: a host fault forever, so reject
         raise _Reject(
             "too_large",
             f"{size} bytes on the wire: its plaintext may need {need} bytes, more than the "
-            f"whole file system of {plain.parent} holds ({capacity}); set red.max_plain_bytes "
-            "or give red.work_dir more room",
+            f"whole file system of {plain.parent} holds ({room.capacity}); set "
+            "red.max_plain_bytes or give red.work_dir more room",
+        )
+    if not room.fits(need):
+        # gpg writes the plaintext before it checks the signature: a file bigger than the
+        # free space (hostile or not) would fill the disk; it waits for room instead
+        raise NoRoomNow(
+            f"file {parsed}: its plaintext may need up to {need} bytes, but {plain.parent} has "
+            f"{room.free} bytes free and keeps {room.reserve(need)} in reserve: not opened "
+            "now; the file stays in intake and is verified once there is room (free space "
+            "in red.work_dir's file system, or lower red.max_plain_bytes)"
         )
     gpg = ctx.gpg()
     try:

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import os
 import subprocess
+import time
 import tomllib
+import zlib
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -14,7 +16,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from bridge.config import config_from_dict
-from bridge.crypto.gpg import Gpg, Opened
+from bridge.crypto.gpg import OPEN_BYTES_PER_SECOND, Gpg, GpgTimeout, Opened
 from bridge.crypto.keys import generate_key, init_keys
 from bridge.crypto.passphrase import Passphrase
 from bridge.errors import CryptoError, KeyMissingError, SignatureError
@@ -305,6 +307,69 @@ def test_compression_bomb_is_capped(world: World) -> None:
     with pytest.raises(CryptoError, match="max-output"):
         world.red1.open(sealed, out / "plain", pinned_signers=[world.b])
     assert _only(out) == []
+
+
+def busy_message(gib: int, literal: bytes = b"hello") -> bytes:
+    """A few KB that keep gpg busy for seconds per GiB, with no status line: a compressed
+    packet holding a compressed packet that unpacks to a literal packet (``literal``, which gpg
+    writes out at once) and then ``gib`` GiB of marker packets."""
+    marker = b"\xa8\x03PGP"  # old-format marker packet, 3 bytes: "PGP"
+    chunk = marker * (1 << 20)  # 5 MiB
+    body = b"b\x00\x00\x00\x00\x00" + literal  # binary, no file name, time 0
+    co = zlib.compressobj(9, zlib.DEFLATED, -15)
+    first = co.compress(bytes([0xAC, len(body)]) + body + chunk) + co.flush(zlib.Z_SYNC_FLUSH)
+    steady = co.compress(chunk) + co.flush(zlib.Z_SYNC_FLUSH)
+    assert co.compress(chunk) + co.flush(zlib.Z_SYNC_FLUSH) == steady  # the same bytes repeat
+    inner = bytes([0xA3, 1]) + first + steady * (gib * 1024 // 5 - 1) + co.flush()  # ZIP
+    outer = zlib.compressobj(9)
+    return bytes([0xA3, 2]) + outer.compress(inner) + outer.flush()  # ZLIB
+
+
+def _gpg_processes_reading(path: Path) -> list[int]:
+    """Pids whose command line names ``path`` (a gpg that was not killed)."""
+    found = []
+    for d in Path("/proc").iterdir():
+        try:
+            cmd = (d / "cmdline").read_bytes()
+        except OSError:
+            continue
+        if str(path).encode() in cmd.split(b"\0"):
+            found.append(int(d.name))
+    return found
+
+
+def test_open_timeout_grows_with_the_size_up_to_the_cap(short_tmp: Path) -> None:
+    g = Gpg(short_tmp / "h", timeout=900.0, open_base_seconds=60.0)
+    assert g.open_timeout(0) == 60.0
+    assert g.open_timeout(10 * OPEN_BYTES_PER_SECOND) == 70.0
+    assert g.open_timeout(1024**3) == 60.0 + 1024**3 / OPEN_BYTES_PER_SECOND < 900.0  # 1 GiB
+    assert g.open_timeout(10 * 1024**3) == 900.0
+    assert Gpg(short_tmp / "h", timeout=5.0).open_timeout(0) == 5.0
+    with pytest.raises(ValueError, match="positive"):
+        Gpg(short_tmp / "h", open_base_seconds=0)
+
+
+def test_a_message_that_keeps_gpg_busy_is_killed_in_time(world: World) -> None:
+    """Gigabytes of marker packets in a few KB: gpg would run for many seconds (hours for a
+    few hundred KB). It is killed at its (size-scaled) time with its process group, and the
+    plaintext it had begun to write is deleted."""
+    bomb = world.root / "busy.dbundle"
+    bomb.write_bytes(busy_message(3))
+    assert bomb.stat().st_size < 10_000
+    quick = Gpg(world.red1.home, open_base_seconds=1.0)
+    out = world.root / "out"
+    out.mkdir()
+    t0 = time.monotonic()
+    with pytest.raises(GpgTimeout, match="did not finish within 1 s") as info:
+        quick.open(bomb, out / "plain", pinned_signers=[world.b])
+    assert info.value.seconds == quick.open_timeout(bomb.stat().st_size)
+    assert time.monotonic() - t0 < 5
+    assert _only(out) == [], "the plaintext gpg had begun is left behind"
+    assert _gpg_processes_reading(bomb) == []
+    t0 = time.monotonic()
+    with pytest.raises(GpgTimeout):
+        quick.open_bytes(bomb.read_bytes(), pinned_signers=[world.b])
+    assert time.monotonic() - t0 < 5
 
 
 # ---------------------------------------------------------------- keys and failures

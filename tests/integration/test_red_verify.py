@@ -37,12 +37,14 @@ from bridge.red.verify import (
     OUTPUT_SLACK,
     REASONS,
     VERDICT_SCHEMA,
+    NoRoomNow,
     Verdict,
     VerifyContext,
     VerifyEnvironmentError,
     sweep_plain_dir,
     verify_file,
 )
+from tests.integration.test_gpg import busy_message
 from tests.red_factory import (
     RedKeys,
     kill_agents,
@@ -53,6 +55,7 @@ from tests.red_factory import (
     red_config,
     seal_as,
 )
+from tests.support import small_tmpfs
 
 CHANNELS = {"orders": True, "plain": False}
 
@@ -621,6 +624,56 @@ def test_bundle_larger_than_the_plain_file_system_is_rejected(
     assert "file system" in (v.detail or "") and w.peak == 0
     monkeypatch.undo()
     assert verify_file(b.path, b.name, ctx).ok
+
+
+def test_a_file_that_keeps_gpg_busy_is_rejected_once_this_host_checks_out(
+    keys: RedKeys, ctx: VerifyContext, inbox: Path
+) -> None:
+    """A few KB of nested compressed packets keep gpg busy for hours (no output, no status
+    line). Past its time (a base plus the size at a slow rate) gpg is killed; this host checks
+    out (keys unlock, pinned keys present, room), so the file is quarantined instead of
+    stopping red at every start. Bundles and heartbeats alike."""
+    quick = dataclasses.replace(ctx, gpg_open_base_seconds=1.0)
+    for name in ("orders.000000000001." + "b" * 32 + ".dbundle", "orders.000000000001.dheartbeat"):
+        (inbox / name).write_bytes(busy_message(3))
+        t0 = time.monotonic()
+        v = rejected(inbox / name, name, quick, "crypto")
+        assert "gpg did not finish within 1 s" in (v.detail or ""), v.detail
+        assert time.monotonic() - t0 < 15
+    # the host checks do run: a pinned key missing from the keyring stops red instead
+    lost = dataclasses.replace(quick, pinned_signers=(keys.black_fpr, keys.forger_fpr))
+    with pytest.raises(VerifyEnvironmentError, match=keys.forger_fpr):
+        verify_file(inbox / name, name, lost)
+    assert plain_left(ctx) == []
+
+
+def test_a_bundle_bigger_than_the_free_space_waits_without_filling_the_disk(
+    keys: RedKeys, ctx: VerifyContext, inbox: Path, short_tmp: Path
+) -> None:
+    """gpg writes the plaintext before it checks the signature: a hostile file bigger than
+    the free space (not than the file system) would fill the disk and stop red at every start.
+    It is not opened while it cannot fit (a host condition the source waits out), and is judged
+    once there is room."""
+    name = "orders.000000000001." + "f" * 32 + ".dbundle"
+    subprocess.run(
+        ["gpg", "--homedir", str(keys.forger_home), "--batch", "-z", "0", "--store",
+         "--output", str(inbox / name)],
+        input=random.Random(3).randbytes(8 * 2**20), check=True, capture_output=True,
+    )  # fmt: skip
+    with small_tmpfs("48m", "rvroom") as fs:
+        small = dataclasses.replace(ctx, plain_dir=str(fs / "plain"))
+        filler = fs / "filler"
+        filler.write_bytes(bytes(44 * 2**20))  # 4 MiB left: less than the 8 MiB plaintext
+        with PeakWatcher(fs / "plain") as w, pytest.raises(NoRoomNow, match=name) as info:
+            verify_file(inbox / name, name, small)
+        assert w.peak == 0, f"gpg wrote {w.peak} bytes into a disk without room for them"
+        assert "stays in intake" in str(info.value)
+        filler.write_bytes(bytes(24 * 2**20))  # 24 MiB free: 8 MiB + the reserve do not fit
+        with pytest.raises(NoRoomNow):
+            verify_file(inbox / name, name, small)
+        filler.unlink()
+        v = rejected(inbox / name, name, small, "signature")  # judged once there is room
+        assert "no signature" in (v.detail or "")
 
 
 # ---------------------------------------------------------------------------- context, rows
