@@ -24,7 +24,10 @@ entry is dropped; the landing turns the records into ``quarantined`` audit rows.
 
 Ordinals come from ``work_dir/intake/NEXT`` (written temp + fsync + rename, folder fsynced)
 *before* any file is renamed, so a crash may skip ordinals but never reuses one. Scans hold
-``work_dir/intake.lock`` so two processes never hand out the same ordinal.
+``work_dir/intake.lock`` so two processes never hand out the same ordinal. A missing NEXT
+restarts above the files in intake; the Spark source raises it to its committed offset
+(``raise_next``) before it takes anything, so a NEXT lost with ``work_dir`` never hands out
+ordinals Spark has already gone past.
 """
 
 from __future__ import annotations
@@ -83,6 +86,8 @@ class Taken:
     path: Path
     size: int
     received_at: datetime
+    mtime_ns: int = 0
+    """The file's mtime when listed: with ``size``, what tells a file changed since."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -242,6 +247,20 @@ class Intake:
     def next_ordinal(self) -> int:
         """The ordinal the next taken file gets (at least)."""
         return self._read_next()
+
+    def raise_next(self, at_least: int) -> int | None:
+        """Make the next ordinal at least ``at_least`` (written durably); the one it was when
+        that raised it, else None. Ordinals below what Spark has committed are never planned
+        again, so a NEXT lost (or restored from an old copy) must not hand them out."""
+        with exclusive_lock(
+            self.work_dir / LOCK_FILE, what="red intake", timeout=LOCK_WAIT_SECONDS,
+            hint=_LOCK_HINT,
+        ):  # fmt: skip
+            was = self._read_next()
+            if was >= at_least:
+                return None
+            self._write_next(at_least)
+            return was
 
     def renumber(self, files: Iterable[Taken]) -> list[Taken]:
         """Give intake files new ordinals at the end (reserved durably first, then renamed):
@@ -441,4 +460,11 @@ class Intake:
 
 def _taken(ordinal: int, name: str, path: Path, st: os.stat_result) -> Taken:
     at = datetime.fromtimestamp(st.st_ctime, UTC)
-    return Taken(ordinal=ordinal, name=name, path=path, size=st.st_size, received_at=at)
+    return Taken(
+        ordinal=ordinal,
+        name=name,
+        path=path,
+        size=st.st_size,
+        received_at=at,
+        mtime_ns=st.st_mtime_ns,
+    )

@@ -10,6 +10,25 @@ The executor side (``read``) verifies and decrypts each file of its partition
 (bridge.red.verify): one verdict row per file, with the path of the verified plaintext. The
 landing sink (bridge.red.landing) judges sequences and lands rows on the driver.
 
+Some files cannot be judged *now*, and wait in intake instead of stopping red or being
+quarantined:
+
+* a bundle whose plaintext may need more than ``work_dir/plain`` has free now (keeping
+  ``PLAIN_RESERVE_BYTES``; bridge.red.verify: ``plain_need``, ``plain_room``): gpg writes
+  the plaintext before it checks the signature, so opening it would fill the disk. It is not
+  planned while it does not fit (files behind it that fit are planned first: it is renumbered
+  behind them), with a warning every minute; it is planned once there is room;
+* a file that changed since it was planned (a mover still writing in place after the settle
+  time), found by ``read`` before verifying it, or after a reject: no verdict on it now.
+
+Such a file (and one ``partitions`` or ``read`` found no room for after all) is left in intake
+without a row; at the next poll the reader takes it again under a new ordinal, and plans it
+once it has not changed for ``red.settle_seconds`` (at least 1 s).
+
+Spark's committed offset is never below ``work_dir/intake/NEXT``: the first poll raises NEXT to
+it (a NEXT lost with ``work_dir`` would otherwise hand out ordinals Spark has gone past, and
+nothing would ever be planned again).
+
 Options: ``config`` (path of the diode TOML), ``parallelism`` (partitions per batch).
 """
 
@@ -17,6 +36,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -35,9 +55,17 @@ from pyspark.sql.types import StructType
 from bridge.config import Config, load_config
 from bridge.logs import get_logger, log_event, setup_logging
 from bridge.red.evidence import Evidence
-from bridge.red.intake import Intake
+from bridge.red.intake import Intake, Taken
 from bridge.red.layout import intent_path
-from bridge.red.verify import VERDICT_SCHEMA, VerifyContext, verify_file
+from bridge.red.verify import (
+    VERDICT_SCHEMA,
+    NoRoomNow,
+    PlainRoom,
+    VerifyContext,
+    plain_need,
+    plain_room,
+    verify_file,
+)
 from bridge.red.watch import InboxWatcher
 
 __all__ = ["InboxDataSource", "InboxStreamReader", "SOURCE_SCHEMA", "FileBatch", "make_intake"]
@@ -48,11 +76,20 @@ SOURCE_SCHEMA = pa.schema([pa.field("ordinal", pa.int64(), nullable=False), *VER
 """One row per file: its intake ordinal, then the verdict (bridge.red.verify)."""
 
 
+ROOM_LOG_SECONDS = 60.0
+"""A file waiting for room is logged (warning) at most this often."""
+TAKEN_BACK_SETTLE_MIN = 1.0
+"""A file taken back into intake waits at least this long unchanged before it is planned."""
+
+PlannedFile = tuple[int, str, int, int]
+"""``(ordinal, name, size, mtime_ns)``: an intake file and what it was when planned."""
+
+
 @dataclass(frozen=True)
 class FileBatch(InputPartition):
-    """One Spark task: intake files ``(ordinal, name)`` to verify."""
+    """One Spark task: intake files to verify, with what each was when planned."""
 
-    files: tuple[tuple[int, str], ...]
+    files: tuple[PlannedFile, ...]
 
 
 def make_intake(cfg: Config) -> Intake:
@@ -86,6 +123,13 @@ class InboxStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         self._last_scan = 0.0
         self._waiting = 0
         self._orphans_checked = False
+        self._next_checked = False
+        self._planned: tuple[int, int] | None = None
+        """The ordinal range of the last ``partitions`` (its files left in intake are taken
+        again once Spark has gone past it)."""
+        self._settling: dict[str, tuple[tuple[int, int], float]] = {}
+        """Files taken again: name -> ((size, mtime_ns), since when it is so)."""
+        self._room_logged: dict[str, float] = {}
 
     # -- driver -------------------------------------------------------------------------------
     def _get_intake(self) -> Intake:
@@ -139,37 +183,117 @@ class InboxStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
 
     def latestOffset(self, start: dict[str, int], limit: ReadLimit) -> dict[str, int]:
         s = int(start.get("next", 0))
+        self._catch_up_next(s)
         if self.target is None:
             self._scan()
         self._take_back_orphans(s)
-        ordinals = [o for o, _ in self._pending() if o >= s]
+        self._take_back_left(s)
+        files = [t for t in self._get_intake().pending() if t.ordinal >= s]
         if self.target is not None:
-            ordinals = [o for o in ordinals if o < self.target]
-        if not ordinals:
+            files = [t for t in files if t.ordinal < self.target]
+        if not files:
             return {"next": s}
-        cap = len(ordinals)
+        cap = len(files)
         if isinstance(limit, ReadMaxRows):
             cap = max(1, limit.max_rows)
         elif not isinstance(limit, ReadAllAvailable):
             cap = self.cfg.red.max_files_per_batch
-        chosen = ordinals[:cap]
-        budget, total = self.cfg.red.max_batch_bytes, 0
-        names = dict(self._pending())
-        for i, o in enumerate(chosen):
-            try:
-                total += (intake_dir(self.cfg) / f"{o:012d}.{names[o]}").stat().st_size
-            except OSError:
-                continue
-            if total > budget and i > 0:
-                chosen = chosen[:i]
+        chosen = self._choose(files, cap)
+        return {"next": chosen[-1].ordinal + 1} if chosen else {"next": s}
+
+    def _choose(self, files: list[Taken], cap: int) -> list[Taken]:
+        """The next batch: files in ordinal order, at most ``cap`` of them and
+        ``red.max_batch_bytes`` (at least one file), whose plaintexts fit in ``plain_dir``
+        together. Files at the head that cannot be verified now (no room, still changing)
+        are skipped; when files behind them are chosen, they are renumbered behind those."""
+        room = self._room()
+        now = time.monotonic()
+        self._forget_gone(files)
+        budget, total, planned = self.cfg.red.max_batch_bytes, 0, 0
+        chosen: list[Taken] = []
+        skipped: list[Taken] = []
+        for t in files:
+            if len(chosen) >= cap:
                 break
-        return {"next": chosen[-1] + 1}
+            need = 0 if room is None else plain_need(t.name, t.size, self.ctx, room)
+            ready = self._unchanged(t, now) and (room is None or room.fits(need, planned=planned))
+            if not ready:
+                if chosen:
+                    break  # the next batch
+                if room is not None and not room.fits(need):
+                    self._log_waiting_for_room(t, need, room, now)
+                skipped.append(t)
+                continue
+            if chosen and total + t.size > budget:
+                break
+            chosen.append(t)
+            total += t.size
+            planned += need
+            self._settling.pop(t.name, None)
+            self._room_logged.pop(t.name, None)
+        if chosen and skipped:  # ordinals are planned as ranges: move them past the batch
+            self._get_intake().renumber(skipped)
+        return chosen
+
+    def _room(self) -> PlainRoom | None:
+        """The room in ``plain_dir``'s file system now (None: cannot tell; executors check)."""
+        d = Path(self.ctx.plain_dir)
+        try:
+            return plain_room(d if d.is_dir() else d.parent)
+        except OSError:
+            return None
+
+    def _unchanged(self, t: Taken, now: float) -> bool:
+        """False while a file taken again (``_take_back_left``) keeps changing, and until it
+        has not changed for ``red.settle_seconds`` (at least ``TAKEN_BACK_SETTLE_MIN``)."""
+        entry = self._settling.get(t.name)
+        if entry is None:
+            return True
+        sig = (t.size, t.mtime_ns)
+        if entry[0] != sig:
+            self._settling[t.name] = (sig, now)
+            return False
+        return now - entry[1] >= max(self.cfg.red.settle_seconds, TAKEN_BACK_SETTLE_MIN)
+
+    def _forget_gone(self, files: list[Taken]) -> None:
+        names = {t.name for t in files}
+        for d in (self._settling, self._room_logged):
+            for name in [n for n in d if n not in names]:
+                del d[name]
+
+    def _log_waiting_for_room(self, t: Taken, need: int, room: PlainRoom, now: float) -> None:
+        last = self._room_logged.get(t.name)
+        if last is not None and now - last < ROOM_LOG_SECONDS:
+            return
+        self._room_logged[t.name] = now
+        log_event(
+            log, 30, "intake file waits for room: its plaintext may need more than "
+            f"{self.ctx.plain_dir} has free; it is verified once there is room (free space in "
+            "red.work_dir's file system, or lower red.max_plain_bytes)",
+            file_name=t.name, ordinal=t.ordinal, need=need, free=room.free,
+            reserve=room.reserve(need),
+        )  # fmt: skip
+
+    def _catch_up_next(self, start: int) -> None:
+        """Once per reader: NEXT at least Spark's committed offset ``start``."""
+        if self._next_checked:
+            return
+        was = self._get_intake().raise_next(start)
+        self._next_checked = True
+        if was is not None:
+            log_event(
+                log, 30, "intake counter NEXT was below Spark's committed offset (NEXT lost or "
+                "restored from an old copy?): raised to it, so no file gets an ordinal Spark "
+                "has gone past", next_was=was, next=start,
+                counter=str(intake_dir(self.cfg) / "NEXT"),
+            )  # fmt: skip
 
     def _take_back_orphans(self, start: int) -> None:
         """Once per reader: intake files below ``start`` (what Spark has committed) that no
         landing journal holds were never landed — a landing's intent was lost (the state dir
-        restored from a copy, or the file deleted by hand). They are renumbered above
-        ``start`` and land like new files; nothing is lost in Spark's checkpoint."""
+        restored from a copy, or the file deleted by hand), or the previous reader left them
+        unjudged (``_take_back_left``). They are renumbered above ``start`` and land like new
+        files; nothing is lost in Spark's checkpoint."""
         if self._orphans_checked:
             return
         held = self._held_by_intent()
@@ -184,11 +308,37 @@ class InboxStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         if taken:
             log_event(
                 log, 40, "intake files below Spark's committed offset were never landed (a "
-                "landing journal was lost): taken again under new ordinals",
+                "landing journal was lost, or the last run left them unjudged: no room for "
+                "their plaintext, or still changing): taken again under new ordinals",
                 files=len(taken), names=[t.name for t in taken][:20],
             )  # fmt: skip
             if self.target is not None:  # an available-now run lands them too
                 self.target = intake.next_ordinal()
+
+    def _take_back_left(self, start: int) -> None:
+        """Once Spark has gone past the last planned range: its files still in intake that
+        no landing holds were left unjudged on purpose (``partitions`` or ``read`` found no
+        room for them now, or they changed since planned). They are taken again under new
+        ordinals, and planned once they stop changing."""
+        if self._planned is None or start < self._planned[1]:
+            return
+        first, end = self._planned
+        held = self._held_by_intent()
+        if held is None:
+            return  # the journal's intent cannot be read now: ask again at the next poll
+        self._planned = None
+        intake = self._get_intake()
+        left = [t for t in intake.pending() if first <= t.ordinal < end and t.ordinal not in held]
+        taken = intake.renumber(left)
+        now = time.monotonic()
+        for t in taken:
+            self._settling[t.name] = ((t.size, t.mtime_ns), now)
+        if taken:
+            log_event(
+                log, 30, "intake files the last batch left unjudged (no room for their "
+                "plaintext now, or changed since planned) are taken again under new ordinals",
+                files=len(taken), names=[t.name for t in taken][:20],
+            )  # fmt: skip
 
     def _held_by_intent(self) -> set[int] | None:
         """Intake ordinals the landing journal's intent will still move (empty without an
@@ -203,11 +353,27 @@ class InboxStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
 
     def partitions(self, start: dict[str, int], end: dict[str, int]) -> Sequence[InputPartition]:
         s, e = int(start.get("next", 0)), int(end.get("next", 0))
-        files = [(o, n) for o, n in self._pending() if s <= o < e]
-        if not files:
+        self._planned = (s, e)
+        files = [t for t in self._get_intake().pending() if s <= t.ordinal < e]
+        room = self._room()
+        keep: list[Taken] = []
+        planned = 0
+        for t in files:
+            need = 0 if room is None else plain_need(t.name, t.size, self.ctx, room)
+            if room is not None and not room.fits(need, planned=planned):
+                # less room than when planned (or a batch replayed after a restart): left in
+                # intake, taken again at the next poll, instead of failing the job
+                self._log_waiting_for_room(t, need, room, time.monotonic())
+                continue
+            keep.append(t)
+            planned += need
+        if not keep:
             return []
-        k = min(self.parallelism, len(files))
-        return [FileBatch(tuple(files[i::k])) for i in range(k)]
+        k = min(self.parallelism, len(keep))
+        return [
+            FileBatch(tuple((t.ordinal, t.name, t.size, t.mtime_ns) for t in keep[i::k]))
+            for i in range(k)
+        ]
 
     def commit(self, end: dict[str, int]) -> None:
         """Nothing to do: the landing moves each file to processed/ or quarantine/."""
@@ -221,13 +387,41 @@ class InboxStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
     def read(self, partition: InputPartition) -> Iterator[pa.RecordBatch]:
         assert isinstance(partition, FileBatch)
         base = intake_dir(self.cfg)
-        for ordinal, name in partition.files:
+        for ordinal, name, size, mtime_ns in partition.files:
             path = base / f"{ordinal:012d}.{name}"
             if not path.exists():  # landed by an earlier attempt of this batch
                 continue
-            verdict = verify_file(path, name, self.ctx)
+            if _changed(path, size, mtime_ns):
+                _leave(name, ordinal, "it changed since it was planned (still being written?)")
+                continue
+            try:
+                verdict = verify_file(path, name, self.ctx)
+            except NoRoomNow as e:
+                _leave(name, ordinal, str(e))
+                continue
+            if not verdict.ok and _changed(path, size, mtime_ns):
+                # a mover writing in place after the settle time: a half-written file is no
+                # verdict, and quarantining it would move the inode the mover still writes
+                _leave(name, ordinal, f"rejected ({verdict.reason}) while it changed")
+                continue
             row = {"ordinal": ordinal, **verdict.to_row()}
             yield pa.RecordBatch.from_pylist([row], schema=SOURCE_SCHEMA)
+
+
+def _changed(path: Path, size: int, mtime_ns: int) -> bool:
+    """Whether the intake file is no longer what was planned (gone counts as unchanged)."""
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        return False
+    return (st.st_size, st.st_mtime_ns) != (size, mtime_ns)
+
+
+def _leave(name: str, ordinal: int, why: str) -> None:
+    log_event(
+        log, 30, "intake file left unjudged for now: the reader takes it again at its next "
+        "poll", file_name=name, ordinal=ordinal, why=why,
+    )  # fmt: skip
 
 
 class InboxDataSource(DataSource):
