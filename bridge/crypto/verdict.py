@@ -7,8 +7,9 @@ error, ``check_length`` compares the plaintext written with what the literal pac
 A message is accepted only when gpg reports, in this order of checks:
 
 - no BADSIG anywhere (tampered content);
-- if encrypted: DECRYPTION_OKAY, and integrity protection (MDC or AEAD);
-- exactly one signature (one GOODSIG/…SIG result, at most one NEWSIG);
+- if encrypted: DECRYPTION_OKAY and END_DECRYPTION, and integrity protection (MDC or AEAD)
+  as DECRYPTION_INFO states it;
+- exactly one signature (one GOODSIG/…SIG result, exactly one NEWSIG);
 - that signature GOOD (not ERRSIG, expired or revoked) with a VALIDSIG;
 - the VALIDSIG primary-key fingerprint in the pinned set, signature class 00 (binary);
 - a PLAINTEXT packet and exit 0 — or exit 2 caused only by trying our key on another
@@ -138,6 +139,11 @@ def judge(res: Transcript, pinned: AbstractSet[str], what: str, *, home: Path | 
             f"{what}: cannot decrypt{bad}: {res.reason()}; garbage, truncated or tampered"
         )
     info = res.first("DECRYPTION_INFO")
+    if encrypted and info is None:
+        raise CryptoError(
+            f"{what}: gpg decrypted it but stated no DECRYPTION_INFO: its integrity protection "
+            "(MDC/AEAD) is not confirmed"
+        )
     if encrypted and info is not None and info[0] == "0" and (len(info) < 3 or info[2] == "0"):
         raise CryptoError(f"{what}: encrypted without integrity protection (no MDC/AEAD)")
     if not sigs:
@@ -147,9 +153,11 @@ def judge(res: Transcript, pinned: AbstractSet[str], what: str, *, home: Path | 
                 "garbage or truncated input"
             )
         raise SignatureError(f"{what}: no signature; pinned signers: {pinned_txt}")
-    if len(sigs) > 1 or len(res.all("NEWSIG")) > 1:
+    newsig = len(res.all("NEWSIG"))
+    if len(sigs) > 1 or newsig != 1:
         raise SignatureError(
-            f"{what}: {len(sigs)} signatures; a bundle carries exactly one (by a pinned key)"
+            f"{what}: {len(sigs)} signature result(s) and {newsig} NEWSIG from gpg; a bundle "
+            "carries exactly one signature (by a pinned key)"
         )
     kind, a = sigs[0]
     if kind == "ERRSIG":
@@ -183,6 +191,8 @@ def judge(res: Transcript, pinned: AbstractSet[str], what: str, *, home: Path | 
             f"{what}: signature class {valid[8]} by {primary}; bundles are binary "
             "signed messages (class 00), not clearsigned text"
         )
+    if encrypted and not res.has("END_DECRYPTION"):
+        raise CryptoError(f"{what}: gpg did not finish decrypting (no END_DECRYPTION)")
     if not res.has("PLAINTEXT") or (res.rc != 0 and not _only_hidden_key_trials(res)):
         raise CryptoError(f"{what}: gpg failed after a good signature: {res.reason()}")
     return Opened(signer_fpr=primary, signed_at=_sig_time(valid[2]), encrypted=encrypted)

@@ -112,7 +112,7 @@ def test_hidden_recipient_exit_2_is_tolerated_but_nothing_else(g: Gpg) -> None:
             f"NEWSIG\nGOODSIG X b\nVALIDSIG {B} d 1 0 4 0 22 8 00 {B}\n"
             f"NEWSIG\nGOODSIG X b\nVALIDSIG {B} d 1 0 4 0 22 8 00 {B}",
             SignatureError,
-            "2 signatures",
+            "2 signature result",
         ),
         (f"NEWSIG\nGOODSIG X b\nVALIDSIG {B} d 1 0 4 0 22 8 01 {B}", SignatureError, "class 01"),
         (

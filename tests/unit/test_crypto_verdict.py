@@ -338,7 +338,7 @@ def test_exit_2_from_hidden_recipient_trials_is_tolerated() -> None:
             TWO_SIGNATURES,
             0,
             SignatureError,
-            "b1: 2 signatures; a bundle carries exactly one",
+            "b1: 2 signature result.s. and 2 NEWSIG from gpg; a bundle carries exactly one",
             id="two",
         ),
         pytest.param(
@@ -420,7 +420,6 @@ def test_refused(stderr: str, rc: int, error: type[CryptoError], match: str) -> 
             HIDDEN_TRIAL.replace("ENC_TO 0000000000000000", "ENC_TO 6B45E2E06D38DED5"),
             id="recipients-not-hidden",
         ),
-        pytest.param(without(HIDDEN_TRIAL, "END_DECRYPTION"), id="decryption-not-finished"),
         pytest.param(HIDDEN_TRIAL + "gpg: read error: Input/output error\n", id="read-error"),
     ],
 )
@@ -475,3 +474,41 @@ def test_a_status_line_forged_inside_quoted_packet_data_stays_a_diagnostic() -> 
         status, diag = parse_status(stderr)
         assert [k for k, _ in status] == ["ERRSIG", "NO_PUBKEY"], repr(sep)
         assert len(diag) == 1 and "BAD_PASSPHRASE" in diag[0]
+
+
+NO_NEWSIG = "1 signature result.s. and 0 NEWSIG"
+
+
+@pytest.mark.parametrize(
+    ("stderr", "rc", "error", "match"),
+    [
+        pytest.param(
+            without(GOOD_ENCRYPTED, "END_DECRYPTION"), 0, CryptoError,
+            "did not finish decrypting", id="no-end-decryption",
+        ),
+        pytest.param(
+            without(HIDDEN_TRIAL, "END_DECRYPTION"), 2, CryptoError,
+            "did not finish decrypting", id="no-end-decryption-exit-2",
+        ),
+        pytest.param(
+            without(GOOD_ENCRYPTED, "DECRYPTION_INFO"), 0, CryptoError,
+            "no DECRYPTION_INFO", id="no-decryption-info",
+        ),
+        pytest.param(
+            without(GOOD_ENCRYPTED, "NEWSIG"), 0, SignatureError, NO_NEWSIG,
+            id="no-newsig-encrypted",
+        ),
+        pytest.param(
+            without(GOOD_SIGNED, "NEWSIG"), 0, SignatureError, NO_NEWSIG,
+            id="no-newsig-signed",
+        ),
+    ],
+)  # fmt: skip
+def test_what_protocol_2_1_requires_must_be_stated(
+    stderr: str, rc: int, error: type[CryptoError], match: str
+) -> None:
+    """protocol.md §2.1: exactly one NEWSIG; encrypted: DECRYPTION_INFO and END_DECRYPTION."""
+    assert verdict(GOOD_ENCRYPTED) and verdict(GOOD_SIGNED)  # the same transcripts, whole, pass
+    with pytest.raises(CryptoError, match=match) as info:
+        verdict(stderr, rc)
+    assert type(info.value) is error
