@@ -316,14 +316,24 @@ class Gpg:
             elif capability == "encrypt" and "E" not in caps:
                 unusable.append(f"{f} has no usable encryption subkey (capabilities {caps!r})")
         if missing:
-            export = "--export-secret-keys" if secret else "--export"
+            if secret:  # a secret key never travels: it is made where it is used
+                fix = (
+                    "Fix: is this the right GnuPG home for this side? A secret key is created on "
+                    "the host that uses it (`diode keys init --side black|red --home "
+                    f"{self.home}`) and never copied from another host; then pin the "
+                    "fingerprint it prints in the config"
+                )
+            else:
+                fix = (
+                    "Fix: import the other side's public key file (.asc, exported by its "
+                    f"`diode keys init`): `diode keys import --home {self.home} FILE.asc`; "
+                    "if the fingerprint in the config is wrong, correct it"
+                )
             lines = [
                 f"{purpose}: {len(missing)} {kind} key(s) missing from GnuPG home {self.home}:",
                 *(f"  - {f}" for f in missing),
                 *(f"  - {u}" for u in unusable),
-                "Fix: create keys with `diode keys init`, or import them: "
-                f"`gpg --homedir OTHER_HOME --armor {export} FPR > key.asc` then "
-                f"`gpg --homedir {self.home} --import key.asc`",
+                fix,
             ]
             raise KeyMissingError("\n".join(lines))
         if unusable:

@@ -381,10 +381,14 @@ def test_require_keys(world: World) -> None:
     with pytest.raises(KeyMissingError) as info:
         world.black.require_keys([world.r1, ABSENT_FPR], purpose="channels[default].recipients")
     msg = str(info.value)
-    assert ABSENT_FPR in msg and str(world.root / "b") in msg and "diode keys init" in msg
+    assert ABSENT_FPR in msg and str(world.root / "b") in msg
+    assert f"diode keys import --home {world.root / 'b'}" in msg  # a public key: import it
     assert world.r1 not in msg
-    with pytest.raises(KeyMissingError, match=world.r1):
+    with pytest.raises(KeyMissingError, match=world.r1) as info:
         world.black.require_keys([world.r1], secret=True, purpose="decryption key")
+    msg = str(info.value)  # a secret key is made where it is used, never copied across
+    assert "diode keys init" in msg and "never copied" in msg
+    assert "export-secret-keys" not in msg
     with pytest.raises(CryptoError, match="no usable encryption"):
         world.black.require_keys([world.b], purpose="recipients", capability="encrypt")
     with pytest.raises(CryptoError, match="cannot sign"):
