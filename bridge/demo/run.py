@@ -28,8 +28,8 @@ from bridge.red.job import RedRun
 from bridge.red.replay import Replayer, audit_sink
 
 __all__ = [
-    "DEMO_VHOST_TAG", "check_demo_options", "check_demo_vhosts", "recreate_demo_vhosts",
-    "run_demo", "write_demo_config",
+    "DEMO_VHOST_TAG", "DEMO_WORKDIR_MARKER", "check_demo_options", "check_demo_workdir",
+    "check_demo_vhosts", "recreate_demo_vhosts", "run_demo", "write_demo_config",
 ]  # fmt: skip
 
 log = get_logger("bridge.demo")
@@ -70,6 +70,29 @@ def check_demo_options(
         raise ConfigError(f"--loss {loss_percent} needs --transport udp (only the relay drops)")
     if not 0 < port < 65536:
         raise ConfigError(f"AMQP port {port}: give a TCP port from 1 to 65535")
+
+
+DEMO_WORKDIR_MARKER = ".diode-demo"
+"""The file the demo leaves in its workdir: it deletes ``black/`` and ``red/`` there, and
+reuses ``keys/``, only in a workdir that carries it (or a new, empty one)."""
+
+
+def check_demo_workdir(workdir: Path) -> None:
+    """ConfigError unless ``workdir`` is missing, empty, or an earlier demo's (it holds
+    ``DEMO_WORKDIR_MARKER``): every run deletes ``black/`` and ``red/`` there and would use the
+    keys in ``keys/``, so it must never be a real installation's directory."""
+    if not workdir.exists():
+        return
+    if not workdir.is_dir():
+        raise ConfigError(f"--workdir {workdir} is not a directory: pass a new directory")
+    if (workdir / DEMO_WORKDIR_MARKER).is_file() or not any(workdir.iterdir()):
+        return
+    raise ConfigError(
+        f"--workdir {workdir} is not empty and was not made by `diode demo` (no "
+        f"{DEMO_WORKDIR_MARKER} file): the demo deletes black/ and red/ in its workdir and uses "
+        "the keys in keys/, so it never takes a directory it did not create. Pass a new or "
+        "empty directory, e.g. --workdir ./diode-demo"
+    )
 
 
 def _check_vhost_names(vhost: str, red_vhost: str) -> None:
@@ -222,7 +245,9 @@ def run_demo(
     finally:
         mc.close()
     workdir = workdir.resolve()
+    check_demo_workdir(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
+    (workdir / DEMO_WORKDIR_MARKER).touch()
     keys_dir = workdir / "keys"
     if (keys_dir / "black").exists():  # keys of an earlier demo run are kept
         black_fpr = Gpg(keys_dir / "black").fingerprints(secret=True)[0]

@@ -290,3 +290,21 @@ def test_a_udp_link_that_fails_to_start_stops_what_it_started(
             if p.poll() is None:
                 p.kill()
                 p.wait()
+
+
+def test_a_workdir_the_demo_did_not_make_is_refused_and_left_alone(tmp_path: Path) -> None:
+    """A real installation's directory (black/ state, keys/) is never taken as a demo's."""
+    from bridge.demo.run import DEMO_WORKDIR_MARKER, check_demo_workdir, run_demo
+
+    real = tmp_path / "site"
+    (real / "black" / "state").mkdir(parents=True)
+    (real / "black" / "state" / "channel-ops.json").write_text("{}")
+    with pytest.raises(ConfigError, match="not made by `diode demo`"):
+        run_demo(real, 10, vhost=f"diode-test-wd-{uuid.uuid4().hex[:8]}")
+    assert (real / "black" / "state" / "channel-ops.json").read_text() == "{}"
+    assert not (real / DEMO_WORKDIR_MARKER).exists()
+    check_demo_workdir(tmp_path / "new")  # missing: fine
+    (tmp_path / "empty").mkdir()
+    check_demo_workdir(tmp_path / "empty")  # empty: fine
+    (real / DEMO_WORKDIR_MARKER).touch()
+    check_demo_workdir(real)  # an earlier demo's
