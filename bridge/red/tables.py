@@ -212,6 +212,29 @@ def _null_counts(table: pa.Table) -> dict[str, int]:
     return {name: table.column(name).null_count for name in table.column_names}
 
 
+def _may_hold(add: dict[str, Any], path: Path, bundle_seq: int) -> bool:
+    """Whether a ledger file (a flattened add action, at ``path``) may hold ``bundle_seq``
+    (of any channel): False only when statistics exclude it. The commit's statistics first
+    (delta-rs writes them); else the Parquet footer's (the files ``_rewrite_bundles`` writes
+    have none in the commit: statistics for some columns only would make delta-rs skip files
+    on the others)."""
+    lo, hi = add.get("min.bundle_seq"), add.get("max.bundle_seq")
+    if lo is not None and hi is not None:
+        return bool(lo <= bundle_seq <= hi)
+    try:
+        meta = pq.ParquetFile(path).metadata
+        col = meta.schema.to_arrow_schema().get_field_index("bundle_seq")
+        if col < 0:
+            return True
+        for g in range(meta.num_row_groups):
+            st = meta.row_group(g).column(col).statistics
+            if st is None or not st.has_min_max or st.min <= bundle_seq <= st.max:
+                return True
+        return False
+    except (OSError, pa.ArrowException):
+        return True  # read it whole: the read raises what is wrong
+
+
 def _write_parquet(path: Path, table: pa.Table) -> int:
     """Write ``table`` to a new Parquet file, fsynced; returns its size in bytes."""
     with open(path, "xb") as fh:
@@ -650,16 +673,18 @@ class RedTables:
                 f"WHERE {where}"
             )
         else:
-            files = self._rewrite_bundles(todo, status)
+            files = self._rewrite_bundles(todo, status, int(bundle_seq))
             log_event(log, 10, "ledger files rewritten", files=files)
         self._synced("bundles", before)
         log_event(log, 20, "chain status set", channel=channel, bundle_seq=bundle_seq,
                   chain_status=status)  # fmt: skip
 
-    def _rewrite_bundles(self, rows: pads.Expression, status: str) -> int:
+    def _rewrite_bundles(self, rows: pads.Expression, status: str, bundle_seq: int) -> int:
         """Copy-on-write: every ledger file with a row matching ``rows`` is written anew with
         ``chain_status = status`` there; one commit removes the old files and adds the new.
-        Returns the number of files rewritten.
+        Only files whose statistics admit ``bundle_seq`` are read (a ledger grows
+        a file per landing until compacted: reading them all made each late bundle's chain
+        update cost the whole ledger). Returns the number of files rewritten.
         """
         dt = self._table("bundles")
         root = self.path("bundles")
@@ -668,6 +693,8 @@ class RedTables:
         now_ms = int(time.time() * 1000)
         for add in pa.table(dt.get_add_actions(flatten=True)).to_pylist():
             rel = str(add["path"])
+            if not _may_hold(add, root / rel, bundle_seq):
+                continue
             data = pq.read_table(root / rel).cast(schema)
             at = pa.array(range(data.num_rows), pa.int64())
             hits = data.append_column("_row", at).filter(rows).column("_row")

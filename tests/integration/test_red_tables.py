@@ -18,6 +18,7 @@ from deltalake import DeltaTable, write_deltalake
 
 from bridge.errors import ConfigError, DiodeError
 from bridge.red import schema as rs
+from bridge.red import tables as red_tables
 from bridge.red.tables import RedTables, resolve_engine
 
 NOW = datetime(2026, 11, 22, 12, 0, 0, 123456, tzinfo=UTC)
@@ -303,6 +304,32 @@ def test_landed_sha256_and_set_chain_status(tables: RedTables) -> None:
     direct = dt.to_pyarrow_dataset().to_table(filter=pc.field("chain_status") == "broken")
     assert direct.column("bundle_seq").to_pylist() == [2]
     assert [h["operation"] for h in dt.history(3)][:2] == ["WRITE", "WRITE"]
+
+
+def test_chain_status_reads_only_the_ledger_files_that_may_hold_the_bundle(
+    tables: RedTables, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A ledger grows a file per landing: a late bundle's chain update must not read them all
+    (the statistics of bundle_seq say which file may hold it, ours as well as delta-rs's)."""
+    for v in range(1, 9):
+        tables.append("bundles", rs.bundles_rows([ledger(v)]), app_id="diode-red", version=v)
+    opened: list[str] = []
+    real = red_tables.pq.read_table
+
+    def counting(where: Any, *a: Any, **k: Any) -> Any:
+        opened.append(str(where))
+        return real(where, *a, **k)
+
+    monkeypatch.setattr(red_tables.pq, "read_table", counting)
+    tables.set_chain_status("orders", 5, "verified")
+    assert len(opened) == 1, opened  # 8 files, 1 read
+    tables.set_chain_status("orders", 5, "broken")  # the file our rewrite wrote: stats too
+    assert len(opened) == 2, opened
+    monkeypatch.undo()
+    chains = tables.read("bundles", columns=["bundle_seq", "chain_status"])
+    assert dict(zip(*chains.to_pydict().values(), strict=True)) == {
+        v: ("broken" if v == 5 else "pending") for v in range(1, 9)
+    }
 
 
 def test_reads_and_updates_survive_files_from_delta_rs_dml(tables: RedTables) -> None:
