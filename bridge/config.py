@@ -6,15 +6,23 @@ Layout of a config file (see ``conf/diode.example.toml``, every key commented th
 * ``[[channels]]``: the routes, shared by both sides;
 * ``[black]`` (with ``[black.bundle]``) and ``[red]``: one section per side.
 
-Unknown keys are errors. Relative paths are resolved against the config file's folder.
+Unknown keys are errors, and so are values of the wrong TOML type (``encrypt = "off"``,
+``max_rows = "5000"``: never coerced). Relative paths are resolved against the config file's
+folder. An override ``DIODE__SECTION__KEY`` takes its value as written for text keys (strings,
+paths, secrets; a TOML string in double quotes is unquoted) and as a TOML value for the others
+(``5000``, ``true``, ``["a", "b"]``); an error in an override names the variable. The
+``[[channels]]`` entries cannot be overridden one by one (``DIODE__CHANNELS`` replaces the list).
 """
 
 from __future__ import annotations
 
+import datetime
 import ipaddress
 import os
 import socket
 import tomllib
+import types
+import typing
 from pathlib import Path
 from typing import Any, Literal
 
@@ -694,27 +702,153 @@ _PATH_KEYS = {
     ),
 }
 
+_TOML_TYPES: tuple[tuple[type, str], ...] = (
+    (bool, "a boolean"),  # before int: bool is an int in Python
+    (int, "an integer"),
+    (float, "a float"),
+    (str, "a string"),
+    (list, "an array"),
+    (dict, "a table"),
+    (datetime.datetime, "a date-time"),
+    (datetime.date, "a date"),
+    (datetime.time, "a time"),
+)
 
-def _parse_env_value(raw: str) -> Any:
+
+def _toml_type(value: Any) -> str:
+    """What a value read from TOML is, in TOML's words (never the value: it may be a secret)."""
+    for t, words in _TOML_TYPES:
+        if isinstance(value, t):
+            return words
+    return f"a {type(value).__name__}"
+
+
+class _Origins:
+    """Where each value came from: the config file, or an environment variable (by key path)."""
+
+    def __init__(self, source: str) -> None:
+        self.source = source
+        self.env: dict[tuple[str, ...], str] = {}
+        """Key path set by an environment override -> the variable's name."""
+
+    def env_of(self, loc: tuple[str | int, ...]) -> str | None:
+        """The variable that set ``loc`` or a table holding it, if one did."""
+        for n in range(len(loc), 0, -1):
+            var = self.env.get(tuple(str(p) for p in loc[:n]))
+            if var is not None:
+                return var
+        return None
+
+
+def _model_in(annotation: Any) -> type[BaseModel] | None:
+    """The model class of a field typed ``Model`` or ``Model | None`` (not a list of them)."""
+    union = typing.get_origin(annotation) in (typing.Union, types.UnionType)
+    for t in (annotation, *(typing.get_args(annotation) if union else ())):
+        if isinstance(t, type) and issubclass(t, BaseModel):
+            return t
+    return None
+
+
+def _is_text(annotation: Any) -> bool:
+    """Whether a field holds text (str, secret, path, a choice of words; optional or not): the
+    value of an environment override is then taken as it is written."""
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(annotation) if a is not type(None)]
+        return all(_is_text(a) for a in args)
+    if typing.get_origin(annotation) is Literal:
+        return all(isinstance(a, str) for a in typing.get_args(annotation))
+    return annotation in (str, SecretStr, Path)
+
+
+def _env_target(key: str, path: list[str]) -> Any:
+    """The annotation of the field an override names; ConfigError naming the variable if it
+    names no key (a typo, a section, an entry of a list)."""
+    model: type[BaseModel] = Config
+    for i, part in enumerate(path):
+        dotted = ".".join(path[: i + 1])
+        field = None if (model is Config and part == "source") else model.model_fields.get(part)
+        if field is None:
+            raise ConfigError(
+                f"environment variable {key}: {dotted} is not a configuration key (typo? every "
+                "key is in conf/diode.example.toml): fix the variable's name or unset it"
+            )
+        ann = field.annotation
+        sub = _model_in(ann)
+        last = i == len(path) - 1
+        if sub is not None and not last:
+            model = sub
+            continue
+        if sub is not None:
+            example = next(iter(sub.model_fields)).upper()
+            raise ConfigError(
+                f"environment variable {key}: [{dotted}] is a section, not a key: override its "
+                f"keys one by one, e.g. {key}__{example}=..."
+            )
+        if not last:
+            if typing.get_origin(ann) is list and _model_in(typing.get_args(ann)[0]):
+                raise ConfigError(
+                    f"environment variable {key}: the [[{dotted}]] entries cannot be overridden "
+                    "one by one from the environment (they are a list, not named sections): "
+                    f"edit them in the config file, or replace the whole list with "
+                    f"{ENV_PREFIX}{dotted.upper()}='[{{ name = \"a\", ... }}, ...]' (a TOML "
+                    "array of inline tables)"
+                )
+            raise ConfigError(
+                f"environment variable {key}: {dotted} is a single value, it has no keys: set "
+                f"{ENV_PREFIX}{'__'.join(path[: i + 1]).upper()} instead"
+            )
+        return ann
+    raise AssertionError("unreachable")  # pragma: no cover
+
+
+def _parse_env_value(key: str, dotted: str, raw: str, annotation: Any) -> Any:
+    """An override's value: text fields take the text as written (a TOML string in quotes, as
+    the runbook writes secrets, is unquoted); every other field takes a TOML value (``5000``,
+    ``true``, ``["a", "b"]``), and a value that is not one is refused, naming the variable."""
     try:
-        return tomllib.loads(f"v = {raw}")["v"]
+        doc = tomllib.loads(f"v = {raw}")
     except tomllib.TOMLDecodeError:
-        return raw
+        doc = {}
+    ok = set(doc) == {"v"}  # one value, no smuggled keys on further lines
+    if _is_text(annotation):
+        return doc["v"] if ok and isinstance(doc["v"], str) else raw
+    if not ok:
+        raise ConfigError(
+            f"environment variable {key} = {raw!r} is not a TOML value for {dotted}: write it as "
+            'in the config file (true / false, 5000, 2.5, ["a", "b"]; text in double quotes)'
+        )
+    return doc["v"]
 
 
-def _apply_env(data: dict[str, Any], environ: dict[str, str]) -> None:
-    for key, raw in environ.items():
+def _table(data: dict[str, Any], dotted: list[str], origins: _Origins) -> dict[str, Any]:
+    """The table at ``dotted`` in ``data`` (created if absent); ConfigError if it is a plain
+    value, naming where that value came from."""
+    node = data
+    for i, part in enumerate(dotted):
+        nxt = node.setdefault(part, {})
+        if not isinstance(nxt, dict):
+            where = ".".join(dotted[: i + 1])
+            var = origins.env_of(tuple(dotted[: i + 1]))
+            src = f"environment variable {var}" if var else origins.source
+            raise ConfigError(
+                f"{src}: {where} must be a table ([{where}]), got {_toml_type(nxt)}: write its "
+                f"keys under a [{where}] header"
+            )
+        node = nxt
+    return node
+
+
+def _apply_env(data: dict[str, Any], environ: dict[str, str], origins: _Origins) -> None:
+    for key, raw in sorted(environ.items()):
         if not key.startswith(ENV_PREFIX):
             continue
         path = [p.lower() for p in key[len(ENV_PREFIX) :].split("__") if p]
         if not path:
             continue
-        node = data
-        for part in path[:-1]:
-            node = node.setdefault(part, {})
-            if not isinstance(node, dict):
-                raise ConfigError(f"env {key}: {'.'.join(path)} is not a table")
-        node[path[-1]] = _parse_env_value(raw)
+        annotation = _env_target(key, path)
+        node = _table(data, path[:-1], origins)
+        node[path[-1]] = _parse_env_value(key, ".".join(path), raw, annotation)
+        origins.env[tuple(path)] = key
 
 
 def _nested(a: Path, b: Path) -> bool:
@@ -723,57 +857,91 @@ def _nested(a: Path, b: Path) -> bool:
     return a == b or a in b.parents or b in a.parents
 
 
+def _path(raw: Any, base: Path) -> Any:
+    """A path value resolved against ``base``; anything else is left for validation to refuse
+    with the key's name (a path must be a string)."""
+    if not isinstance(raw, str | os.PathLike):
+        return raw
+    value = Path(raw)
+    return value if value.is_absolute() else base / value
+
+
 def _resolve_paths(data: dict[str, Any], base: Path) -> None:
     for section, keys in _PATH_KEYS.items():
-        sect = data.get(section)
+        sect = data.setdefault(section, {})
         if not isinstance(sect, dict):
-            sect = data.setdefault(section, {})
+            continue  # refused by validation, naming the section
+        model = BlackConfig if section == "black" else RedConfig
         for k in keys:
-            default = (BlackConfig if section == "black" else RedConfig).model_fields[k].default
-            raw = sect.get(k, default)
-            if raw is None:  # optional path, unset
-                continue
-            value = Path(raw)
-            sect[k] = str(value if value.is_absolute() else (base / value))
+            raw = sect.get(k, model.model_fields[k].default)
+            if raw is not None:  # None: an optional path, unset
+                sect[k] = _path(raw, base)
+    red, black = data["red"], data["black"]
     udp = data.get("udp")
     if isinstance(udp, dict):
-        _resolve_udp_paths(udp, base, Path(data["red"]["inbox"]))
-    black = data["black"]
-    staging = black.get("staging_dir")
-    if staging is None:  # beside the outbox, on its file system
-        outbox = Path(black["outbox"])
-        black["staging_dir"] = str(outbox.parent / f".{outbox.name}.staging")
-    elif isinstance(staging, str) and not Path(staging).is_absolute():
-        black["staging_dir"] = str(base / staging)
+        inbox = red.get("inbox") if isinstance(red, dict) else None
+        _resolve_udp_paths(udp, base, inbox)
+    if not isinstance(black, dict):
+        return
+    staging, outbox = black.get("staging_dir"), black.get("outbox")
+    if staging is None and isinstance(outbox, Path):  # beside the outbox, on its file system
+        black["staging_dir"] = outbox.parent / f".{outbox.name}.staging"
+    elif staging is not None:
+        black["staging_dir"] = _path(staging, base)
 
 
-def _resolve_udp_paths(udp: dict[str, Any], base: Path, red_inbox: Path) -> None:
-    def rel(raw: Any) -> str:
-        value = Path(raw)
-        return str(value if value.is_absolute() else base / value)
-
-    udp["key_file"] = rel(udp.get("key_file", UdpConfig.model_fields["key_file"].default))
+def _resolve_udp_paths(udp: dict[str, Any], base: Path, red_inbox: Any) -> None:
+    udp["key_file"] = _path(udp.get("key_file", UdpConfig.model_fields["key_file"].default), base)
     send = udp.setdefault("send", {})
     if isinstance(send, dict):
-        send["state_dir"] = rel(
-            send.get("state_dir", UdpSendConfig.model_fields["state_dir"].default)
-        )
+        default_state = UdpSendConfig.model_fields["state_dir"].default
+        send["state_dir"] = _path(send.get("state_dir", default_state), base)
     recv = udp.setdefault("receive", {})
     if isinstance(recv, dict):
         default_spool = UdpReceiveConfig.model_fields["spool_dir"].default
-        recv["spool_dir"] = rel(recv.get("spool_dir", default_spool))
-        recv["inbox"] = rel(recv["inbox"]) if recv.get("inbox") else str(red_inbox)
+        recv["spool_dir"] = _path(recv.get("spool_dir", default_spool), base)
+        inbox = recv.get("inbox")
+        recv["inbox"] = _path(inbox, base) if inbox not in (None, "") else red_inbox
 
 
-def _format_validation(err: ValidationError, source: str) -> str:
-    lines = [f"invalid configuration in {source}:"]
+def _explain(e: Any) -> str:
+    """A validation error in the operator's words (the TOML type that is wrong, the one
+    expected); never the value, which may be a secret."""
+    kind, got = e["type"], _toml_type(e.get("input"))
+    wanted = {
+        "bool_type": "a boolean (true or false, without quotes)",
+        "int_type": "an integer (without quotes)",
+        "float_type": "a number (without quotes)",
+        "string_type": "a string (in double quotes)",
+        "list_type": "an array ([...])",
+        "dict_type": "a table",
+        "model_type": "a table (a [section] header, or { ... })",
+    }
+    if kind == "extra_forbidden":
+        return "unknown key (typo? see conf/diode.example.toml for every key)"
+    if kind == "is_instance_of" and e.get("ctx", {}).get("class") == "Path":
+        return f"must be a path (a string in double quotes), got {got}"
+    if kind in wanted:
+        return f"must be {wanted[kind]}, got {got}"
+    return str(e["msg"])
+
+
+def _format_validation(err: ValidationError, origins: _Origins) -> str:
+    lines, from_file = [], False
     for e in err.errors():
         loc = ".".join(str(p) for p in e["loc"]) or "(top level)"
-        msg = e["msg"]
-        if e["type"] == "extra_forbidden":
-            msg = "unknown key (typo? see conf/diode.example.toml for every key)"
-        lines.append(f"  - {loc}: {msg}")
-    return "\n".join(lines)
+        var = origins.env_of(e["loc"])
+        from_file = from_file or var is None
+        where = f" (from environment variable {var})" if var else ""
+        lines.append(f"  - {loc}{where}: {_explain(e)}")
+    if not from_file:
+        head = f"invalid configuration from the environment (config file {origins.source}):"
+    else:
+        head = f"invalid configuration in {origins.source}:"
+        if origins.env:
+            names = ", ".join(sorted(origins.env.values()))
+            lines.append(f"  (environment overrides in effect: {names})")
+    return "\n".join([head, *lines])
 
 
 def config_from_dict(
@@ -783,19 +951,24 @@ def config_from_dict(
     source: str = "<dict>",
     environ: dict[str, str] | None = None,
 ) -> Config:
-    """Validate a raw mapping (as read from TOML) into a Config; env overrides applied first."""
+    """Validate a raw mapping (as read from TOML) into a Config; env overrides applied first.
+
+    Types are strict: a value of the wrong TOML type (``encrypt = "off"``, ``max_rows =
+    "5000"``) is refused, never coerced. Override values are parsed as TOML where the key is
+    not text (``DIODE__BLACK__BUNDLE__MAX_ROWS=5000``, ``...__DISCOVER=false``)."""
     data = {k: (dict(v) if isinstance(v, dict) else v) for k, v in data.items()}
     if "source" in data:
         raise ConfigError(
             f"{source}: unknown key 'source' at the top level (the file a config was read "
             "from is set by the loader, never written in it): remove it"
         )
-    _apply_env(data, dict(os.environ) if environ is None else environ)
+    origins = _Origins(source)
+    _apply_env(data, dict(os.environ) if environ is None else environ, origins)
     _resolve_paths(data, base)
     try:
-        cfg = Config.model_validate(data)
+        cfg = Config.model_validate(data, strict=True)
     except ValidationError as e:
-        raise ConfigError(_format_validation(e, source)) from None
+        raise ConfigError(_format_validation(e, origins)) from None
     if cfg.black.signing_key:
         fpr = cfg.black.signing_key.replace(" ", "").upper()
         if cfg.link.black_signers and fpr not in cfg.link.black_signers:
@@ -810,6 +983,11 @@ def load_config(path: str | Path | None = None, *, environ: dict[str, str] | Non
     """Read a TOML config (``path``, else $DIODE_CONFIG, else conf/diode.toml)."""
     env = dict(os.environ) if environ is None else environ
     p = Path(path or env.get("DIODE_CONFIG") or "conf/diode.toml")
+    if p.exists() and not p.is_file():
+        raise ConfigError(
+            f"config file {p} is not a regular file (a directory?): pass the TOML file itself "
+            "with --config or DIODE_CONFIG"
+        )
     if not p.is_file():
         raise ConfigError(
             f"config file {p} not found: pass --config, set DIODE_CONFIG, or copy "
@@ -817,6 +995,17 @@ def load_config(path: str | Path | None = None, *, environ: dict[str, str] | Non
         )
     try:
         data = tomllib.loads(p.read_text(encoding="utf-8"))
+    except UnicodeDecodeError as e:
+        raise ConfigError(
+            f"{p}: not UTF-8 text (byte 0x{e.object[e.start]:02x} at offset {e.start}): TOML "
+            f"files are UTF-8; convert it, e.g. `iconv -f LATIN1 -t UTF-8 {p} > {p}.new` and "
+            "move it back"
+        ) from None
+    except OSError as e:
+        raise ConfigError(
+            f"cannot read config file {p}: {e.strerror or e}; make it readable by the user "
+            "running diode (chmod 600, owned by that user)"
+        ) from None
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"{p}: not valid TOML: {e}") from None
     cfg = config_from_dict(data, base=p.resolve().parent, source=str(p), environ=env)
