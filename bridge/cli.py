@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Any
 
 import click
 
-from bridge.errors import ConfigError, DiodeError
+from bridge.errors import ConfigError, CryptoError, DiodeError
 from bridge.signals import exit_now
 
 __all__ = ["main", "cli"]
@@ -38,15 +40,102 @@ config_option = click.option(
 )
 
 
+metrics_option = click.option(
+    "--metrics-port",
+    type=click.IntRange(1, 65535),
+    default=None,
+    help="serve Prometheus /metrics on 127.0.0.1:PORT (bound at start: a port in use fails)",
+)
+
+
 def _load(config_path: Path | None):  # type: ignore[no-untyped-def]
     from bridge.config import load_config
 
     return load_config(config_path)
 
 
+def _metrics(port: int | None) -> None:
+    """Bind --metrics-port now (before the command changes anything): a port in use or
+    refused is a ConfigError naming it."""
+    if port is not None:
+        from bridge.metrics import serve_metrics
+
+        serve_metrics(port, option="--metrics-port")
+
+
+def _key_problem(e: CryptoError) -> DiodeError:
+    """A missing or unusable key found at start is a configuration error (exit 2); a gpg that
+    hung is not (exit 1: retrying may help)."""
+    from bridge.crypto.gpg import GpgTimeout
+
+    if isinstance(e, GpgTimeout):
+        return e
+    return ConfigError(str(e))
+
+
+def _require_gnupg_home(cfg: Any, side: str) -> None:
+    """A check must not create the GnuPG home (gpg would): a missing one is reported, with the
+    command that creates it and the key in it."""
+    home = Path(getattr(cfg, side).gnupg_home)
+    if not home.exists():
+        raise ConfigError(
+            f"{side}.gnupg_home {home} does not exist: create this side's key there with "
+            f"`diode keys init --side {side} --home {home}` (it makes the directory, mode "
+            f"0700), or point {side}.gnupg_home at the GnuPG home that holds it"
+        )
+    if not home.is_dir():
+        raise ConfigError(f"{side}.gnupg_home {home} is not a directory: point it at one")
+
+
+def _device(path: Path) -> tuple[int, Path] | None:
+    """The device of ``path``, or of its nearest existing parent (where it would be created)."""
+    for d in (path, *path.parents):
+        try:
+            return os.stat(d).st_dev, d
+        except FileNotFoundError:
+            continue
+        except OSError:
+            return None
+    return None
+
+
+def _check_black_places(cfg: Any) -> None:
+    """What the black job checks when it builds its outbox, without creating anything: the
+    staging dir on the file system of the outbox (and udp_outbox), and with archive_mode =
+    "link" the archive too. Paths not created yet count as their nearest existing parent."""
+    b = cfg.black
+    staging = Path(b.staging_dir)
+    drops = [("outbox", Path(b.outbox))]
+    if b.udp_outbox is not None:
+        drops.append(("udp_outbox", Path(b.udp_outbox)))
+    st = _device(staging)
+    for key, d in drops:
+        dv = _device(d)
+        if st is None or dv is None or st[0] == dv[0]:
+            continue
+        raise ConfigError(
+            f"black.staging_dir {staging} (on the file system of {st[1]}) is not on the file "
+            f"system of black.{key} {d} (on that of {dv[1]}): a rename into the outbox is "
+            "atomic only within one file system, else a mover could see partial files. Set "
+            "black.staging_dir to a directory on the outbox's file system outside the outbox "
+            f"(default: {d.parent / ('.' + d.name + '.staging')})"
+        )
+    if b.archive_mode == "link":
+        ar = _device(Path(b.archive))
+        if st is not None and ar is not None and st[0] != ar[0]:
+            raise ConfigError(
+                f'black.archive_mode = "link" needs hard links from black.staging_dir {staging} '
+                f"into black.archive {b.archive}, which is on another file system (that of "
+                f"{ar[1]}): a hard link cannot cross file systems. Put the archive beside the "
+                'outbox on its file system, or set black.archive_mode = "copy"'
+            )
+
+
 @click.group(cls=_Group)
 @click.option(
-    "--log-level", default=None, help="DEBUG, INFO, WARNING (default $DIODE_LOG_LEVEL or INFO)"
+    "--log-level",
+    default=None,
+    help="DEBUG, INFO, WARNING, ERROR or CRITICAL (default $DIODE_LOG_LEVEL or INFO)",
 )
 @click.option("--log-format", type=click.Choice(["json", "text"]), default=None)
 def cli(log_level: str | None, log_format: str | None) -> None:
@@ -69,6 +158,10 @@ def _passphrase_option(file: Path | None, env: str | None):  # type: ignore[no-u
         raise ConfigError("pass one of --passphrase-file and --passphrase-env, not both")
     if file is None and env is None:
         return None
+    if env is not None:
+        from bridge.crypto.passphrase import check_env_name
+
+        check_env_name(env, "--passphrase-env")  # never echoed: it may be the passphrase
     pp = Passphrase(path=file) if file is not None else Passphrase(env_name=env)
     pp.secret()  # fail fast: missing, empty, multi-line, or readable by others
     return pp
@@ -192,14 +285,19 @@ def keys_check(config_path: Path | None, side: str) -> None:
     """Check this side's keys: permissions, presence, passphrase (a test sign or decrypt).
 
     Exit 1 if group/others can read the GnuPG home, its files, the passphrase file, or a
-    config file holding secrets (the running job only warns about these).
+    config file holding secrets (the running job only warns about these); exit 2 if a key is
+    missing or unusable, or the GnuPG home does not exist (it is not created).
     """
     from bridge.crypto.keys import decryption_gpg, signing_gpg
     from bridge.crypto.perms import permission_problems
 
     cfg = _load(config_path)
+    _require_gnupg_home(cfg, side)
     problems = permission_problems(cfg, side=side)  # type: ignore[arg-type]
-    gpg = signing_gpg(cfg) if side == "black" else decryption_gpg(cfg)
+    try:
+        gpg = signing_gpg(cfg) if side == "black" else decryption_gpg(cfg)
+    except CryptoError as e:
+        raise _key_problem(e) from None
     for p in problems:
         click.echo(f"error: {p}", err=True)
     if problems:
@@ -212,13 +310,23 @@ def keys_check(config_path: Path | None, side: str) -> None:
 @cli.command("check")
 @config_option
 def check(config_path: Path | None) -> None:
-    """Validate the config and the black keys; exit non-zero with the fix if anything is wrong."""
-    from bridge.black.broker import connect
+    """Validate the config and the black keys; exit non-zero with the fix if anything is wrong.
+
+    Exit 2: a configuration error (the config, a key missing or unusable, the broker refusing
+    the login); 1: anything else (permissions too loose, the broker unreachable). Changes
+    nothing on the host: a missing GnuPG home is reported, not created."""
+    from bridge.black.broker import check_amqp_url, connect
     from bridge.black.job import check_black_config
     from bridge.crypto.perms import permission_problems
 
     cfg = _load(config_path)
-    check_black_config(cfg)
+    check_amqp_url(cfg.black.amqp_url.get_secret_value())  # as the tap reads it
+    _check_black_places(cfg)
+    _require_gnupg_home(cfg, "black")
+    try:
+        check_black_config(cfg)
+    except CryptoError as e:
+        raise _key_problem(e) from None
     problems = permission_problems(cfg, side="black")
     for p in problems:
         click.echo(f"error: {p}", err=True)
@@ -274,22 +382,24 @@ def black() -> None:
     help="available-now: drain the backlog and stop (schedulers)",
 )
 @click.option("--timeout", type=float, default=None, help="stop after N seconds")
-@click.option(
-    "--metrics-port", type=int, default=None, help="serve Prometheus /metrics on 127.0.0.1"
-)
+@metrics_option
 def black_run(
     config_path: Path | None, trigger: str, timeout: float | None, metrics_port: int | None
 ) -> None:
     """Drain the mirrored exchanges into sealed bundles in the outbox."""
+    from bridge.black.broker import check_amqp_url, connect
     from bridge.black.job import BlackRun
-    from bridge.metrics import serve_metrics
     from bridge.spark import get_spark
 
     cfg = _load(config_path)
-    run = BlackRun(cfg)  # fails fast on keys/config before Spark starts
+    check_amqp_url(cfg.black.amqp_url.get_secret_value())  # the taps' parser, before anything
+    _metrics(metrics_port)  # before the job creates directories or changes the broker
+    connect(cfg.black, purpose="preflight").close()  # unreachable or refused: nothing created
+    try:
+        run = BlackRun(cfg)  # fails fast on keys/config before Spark starts
+    except CryptoError as e:
+        raise _key_problem(e) from None
     run.mirror.sync()  # ... and on the broker, the management API and queue arguments
-    if metrics_port:
-        serve_metrics(metrics_port)
     spark = get_spark("diode-black")
     try:
         summary = run.run(spark, trigger, timeout=timeout)  # type: ignore[arg-type]
@@ -306,9 +416,12 @@ def black_run(
 )
 def black_tap(config_path: Path | None, channel: str, until_empty: bool) -> None:
     """Drain one channel's mirror queue into its spool (``black run`` starts one per channel)."""
+    from bridge.black.broker import check_amqp_url
     from bridge.black.tap import run_tap
 
-    status = run_tap(_load(config_path), channel, until_empty=until_empty)
+    cfg = _load(config_path)
+    check_amqp_url(cfg.black.amqp_url.get_secret_value())
+    status = run_tap(cfg, channel, until_empty=until_empty)
     click.echo(json.dumps(dataclasses.asdict(status)))
 
 
@@ -468,21 +581,17 @@ def red() -> None:
     help="available-now: land what is complete in the inbox and stop (schedulers)",
 )
 @click.option("--timeout", type=float, default=None, help="stop after N seconds")
-@click.option(
-    "--metrics-port", type=int, default=None, help="serve Prometheus /metrics on 127.0.0.1"
-)
+@metrics_option
 def red_run(
     config_path: Path | None, trigger: str, timeout: float | None, metrics_port: int | None
 ) -> None:
     """Verify, decrypt and land inbox bundles in Delta (messages, bundles, audit)."""
-    from bridge.metrics import serve_metrics
     from bridge.red.job import RedRun
     from bridge.spark import get_spark
 
     cfg = _load(config_path)
+    _metrics(metrics_port)  # before the run creates its directories
     run = RedRun(cfg)  # fails fast on keys, pinned signers and directories before Spark starts
-    if metrics_port:
-        serve_metrics(metrics_port)
     spark = get_spark("diode-red")
     try:
         summary = run.run(spark, trigger, timeout=timeout)  # type: ignore[arg-type]
@@ -491,26 +600,70 @@ def red_run(
     click.echo(json.dumps(summary.to_json()))
 
 
+def _replay_preflight(url: str) -> None:
+    """Log in to the red broker once before replaying: a refused login or a missing vhost is a
+    ConfigError (exit 2: retrying cannot help); a broker that is down is only logged (warning):
+    the replay is a service and keeps retrying."""
+    from bridge.amqp.client import Connection, parse_url
+    from bridge.errors import AmqpAccessRefused, BrokerError
+    from bridge.logs import get_logger, log_event
+
+    try:
+        where = parse_url(url).where
+    except ConfigError as e:
+        raise ConfigError(f"red.replay.amqp_url: {e}") from None
+    try:
+        conn = Connection.open(url, client_name="diode-red-replay-check", connect_timeout=5)
+    except AmqpAccessRefused as e:
+        raise ConfigError(
+            f"red.replay.amqp_url: {e} (set in the config or DIODE__RED__REPLAY__AMQP_URL; "
+            "retrying cannot help)"
+        ) from None
+    except BrokerError as e:
+        log_event(
+            get_logger("bridge.cli"),
+            30,
+            f"red broker at {where} unavailable at start ({e}): the replay keeps retrying with "
+            "back-off until it is reachable; check the broker, and the host and port in "
+            "red.replay.amqp_url",
+            target=where,
+        )
+        return
+    with contextlib.suppress(Exception):
+        conn.close()
+
+
 @red.command("replay")
 @config_option
-@click.option("--until-caught-up", is_flag=True, help="stop once every approved row is confirmed")
-@click.option("--timeout", type=float, default=None, help="stop after N seconds")
 @click.option(
-    "--metrics-port", type=int, default=None, help="serve Prometheus /metrics on 127.0.0.1"
+    "--until-caught-up",
+    is_flag=True,
+    help="stop once every approved row is confirmed; exit 1 if stopped (--timeout) before",
 )
+@click.option("--timeout", type=float, default=None, help="stop after N seconds")
+@metrics_option
 def red_replay(
     config_path: Path | None, until_caught_up: bool, timeout: float | None, metrics_port: int | None
 ) -> None:
-    """Publish landed messages of approved exchanges into red RabbitMQ (confirmed, resumable)."""
-    from bridge.metrics import serve_metrics
+    """Publish landed messages of approved exchanges into red RabbitMQ (confirmed, resumable).
+
+    Exit 2 when the red broker refuses the login or the vhost at start; with --until-caught-up,
+    exit 1 when the run ended (--timeout) before it caught up. A broker that is down at start is
+    logged (warning) and retried."""
     from bridge.red.replay import Replayer, audit_sink
 
     cfg = _load(config_path)
-    if metrics_port:
-        serve_metrics(metrics_port)
+    url = cfg.red.replay.amqp_url.get_secret_value()
+    _replay_preflight(url)
+    _metrics(metrics_port)
     replayer = Replayer(cfg, sink=audit_sink(cfg))
     summary = replayer.run(until_caught_up=until_caught_up, timeout=timeout)
     click.echo(json.dumps(summary.to_json()))
+    if until_caught_up and not summary.caught_up:
+        why = f"--timeout {timeout:g} s passed" if timeout is not None else "it was stopped"
+        last = f"; last error: {summary.errors[-1]}" if summary.errors else ""
+        click.echo(f"error: the replay did not catch up ({why}){last}", err=True)
+        sys.exit(1)
 
 
 red.add_command(red_replay, "publish")  # the replay publisher's other name (DESIGN §3.8)
@@ -572,9 +725,12 @@ def red_maintain(config_path: Path | None, table: str, vacuum_hours: float | Non
 
     With ``red.delta_engine = "spark"`` this starts a Spark session (``$SPARK_MASTER``, Delta
     jars on its classpath) and runs OPTIMIZE / VACUUM as Delta Lake's SQL; otherwise delta-rs
-    does it in this process. Either way the tables stay standard Delta."""
+    does it in this process. Either way the tables stay standard Delta. The ledger (bundles)
+    is skipped while a red job runs (runbook §16)."""
     from bridge.red.job import open_tables
+    from bridge.red.maintain import check_vacuum_hours, maintain_tables
 
+    check_vacuum_hours(vacuum_hours)  # before Spark, before any table
     cfg = _load(config_path)
     spark = None
     if cfg.red.delta_engine == "spark":
@@ -584,7 +740,7 @@ def red_maintain(config_path: Path | None, table: str, vacuum_hours: float | Non
     try:
         tables = open_tables(cfg, spark)
         names = ["messages", "bundles", "audit"] if table == "all" else [table]
-        out = {n: tables.maintain(n, optimize=True, vacuum_hours=vacuum_hours) for n in names}
+        out = maintain_tables(cfg, tables, names, vacuum_hours)
     finally:
         if spark is not None:
             spark.stop()
@@ -685,18 +841,11 @@ def udp_keygen(out: Path, force: bool) -> None:
     click.echo(f"wrote {out}: set udp.key_file to it on black and on red")
 
 
-def _udp_metrics(port: int | None) -> None:
-    if port:
-        from bridge.metrics import serve_metrics
-
-        serve_metrics(port)
-
-
 @udp.command("send")
 @config_option
 @click.option("--until-idle", is_flag=True, help="stop once the outbox holds nothing to send")
 @click.option("--timeout", type=float, default=None, help="stop after N seconds")
-@click.option("--metrics-port", type=int, default=None, help="serve /metrics on 127.0.0.1")
+@metrics_option
 def udp_send(
     config_path: Path | None, until_idle: bool, timeout: float | None, metrics_port: int | None
 ) -> None:
@@ -704,7 +853,7 @@ def udp_send(
     from bridge.diode.udp_sender import run_sender
 
     cfg = _load(config_path)
-    _udp_metrics(metrics_port)
+    _metrics(metrics_port)
     summary = run_sender(cfg, until_idle=until_idle, timeout=timeout)
     click.echo(json.dumps(_jsonable(summary)))
 
@@ -712,21 +861,25 @@ def udp_send(
 @udp.command("receive")
 @config_option
 @click.option("--timeout", type=float, default=None, help="stop after N seconds")
-@click.option("--metrics-port", type=int, default=None, help="serve /metrics on 127.0.0.1")
+@metrics_option
 def udp_receive(config_path: Path | None, timeout: float | None, metrics_port: int | None) -> None:
     """Red: reassemble datagrams into files in red's inbox (durable spool, digest checked)."""
     from bridge.diode.udp_receiver import run_receiver
 
     cfg = _load(config_path)
-    _udp_metrics(metrics_port)
+    _metrics(metrics_port)
     summary = run_receiver(cfg, timeout=timeout)
     click.echo(json.dumps(_jsonable(summary)))
 
 
-@udp.command("relay", context_settings={"ignore_unknown_options": True})
+@udp.command(
+    "relay",
+    context_settings={"ignore_unknown_options": True},
+    add_help_option=False,  # --help / -h go to the relay's own parser: its real options
+)
 @click.argument("argv", nargs=-1, type=click.UNPROCESSED)
 def udp_relay(argv: tuple[str, ...]) -> None:
-    """Lossy virtual diode for tests and demos (`diode udp relay --help`)."""
+    """Lossy virtual diode for tests and demos (--listen, --forward, --loss, ...)."""
     from bridge.diode.udp_relay import main as relay_main
 
     sys.exit(relay_main(list(argv)))
@@ -819,6 +972,11 @@ def main() -> None:
     except click.ClickException as e:
         e.show()
         code = e.exit_code
+    except Exception:  # a bug or a library's own error: shown, then the same careful exit
+        import traceback
+
+        traceback.print_exc()
+        code = 1
     exit_now(code)
 
 

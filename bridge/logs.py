@@ -9,7 +9,16 @@ import sys
 import time
 from typing import Any
 
-__all__ = ["get_logger", "setup_logging", "log_event"]
+from bridge.errors import ConfigError
+
+__all__ = [
+    "LOG_FORMATS",
+    "LOG_LEVELS",
+    "check_log_level",
+    "get_logger",
+    "log_event",
+    "setup_logging",
+]
 
 _RESERVED = set(vars(logging.LogRecord("", 0, "", 0, "", None, None)).keys()) | {
     "message",
@@ -36,12 +45,42 @@ class JsonFormatter(logging.Formatter):
         return json.dumps(out, default=str, separators=(",", ":"))
 
 
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+"""Accepted by --log-level and $DIODE_LOG_LEVEL (any case)."""
+LOG_FORMATS = ("json", "text")
+"""Accepted by --log-format and $DIODE_LOG_FORMAT."""
+
+
+def check_log_level(value: str, where: str) -> str:
+    """``value`` as a level name; ConfigError naming ``where`` and the accepted values."""
+    lvl = value.strip().upper()
+    lvl = "WARNING" if lvl == "WARN" else lvl  # the alias logging itself accepts
+    if lvl not in LOG_LEVELS:
+        raise ConfigError(
+            f"{where} = {value!r} is not a log level: use one of {', '.join(LOG_LEVELS)}"
+        )
+    return lvl
+
+
 def setup_logging(level: str | None = None, *, json_logs: bool | None = None) -> None:
-    """Configure the root logger once (stderr). $DIODE_LOG_LEVEL, $DIODE_LOG_FORMAT=json|text."""
-    lvl = (level or os.environ.get("DIODE_LOG_LEVEL", "INFO")).upper()
-    use_json = (
-        json_logs if json_logs is not None else os.environ.get("DIODE_LOG_FORMAT", "json") == "json"
-    )
+    """Configure the root logger once (stderr). $DIODE_LOG_LEVEL, $DIODE_LOG_FORMAT=json|text.
+
+    A level or format that is not one of the accepted values is a ConfigError naming the option
+    or the variable, and the accepted values."""
+    if level is not None:
+        lvl = check_log_level(level, "--log-level")
+    else:
+        lvl = check_log_level(os.environ.get("DIODE_LOG_LEVEL", "INFO"), "DIODE_LOG_LEVEL")
+    if json_logs is not None:
+        use_json = json_logs
+    else:
+        fmt = os.environ.get("DIODE_LOG_FORMAT", "json")
+        if fmt.strip().lower() not in LOG_FORMATS:
+            raise ConfigError(
+                f"DIODE_LOG_FORMAT = {fmt!r} is not a log format: use one of "
+                f"{', '.join(LOG_FORMATS)}, or unset it (json)"
+            )
+        use_json = fmt.strip().lower() == "json"
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(
         JsonFormatter()

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import errno
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
+
+from bridge.errors import ConfigError
 
 __all__ = ["REGISTRY", "BLACK", "RED", "UDP", "serve_metrics"]
 
@@ -249,6 +253,25 @@ class _Udp:
 UDP = _Udp(REGISTRY)
 
 
-def serve_metrics(port: int, addr: str = "127.0.0.1") -> None:
-    """Expose /metrics on addr:port (loopback by default: nothing listens on all interfaces)."""
-    start_http_server(port, addr=addr, registry=REGISTRY)
+def serve_metrics(port: int, addr: str = "127.0.0.1", *, option: str = "--metrics-port") -> None:
+    """Expose /metrics on addr:port (loopback by default: nothing listens on all interfaces).
+
+    A port outside 1..65535, or one that cannot be bound (in use, privileged), is a
+    ConfigError naming ``option`` and the port."""
+    if isinstance(port, bool) or not isinstance(port, int) or not 1 <= port <= 65535:
+        raise ConfigError(f"{option} {port!r} is not a TCP port: use 1..65535")
+    try:
+        start_http_server(port, addr=addr, registry=REGISTRY)
+    except OSError as e:
+        if e.errno == errno.EADDRINUSE:
+            why = (
+                f"another process listens there (`ss -ltnp 'sport = :{port}'` shows which); "
+                f"pick a free port for {option}"
+            )
+        elif e.errno == errno.EACCES:
+            why = f"ports below 1024 need privileges; use {option} 1024 or above"
+        else:
+            why = f"pick another port for {option}"
+        raise ConfigError(
+            f"{option} {port}: cannot serve /metrics on {addr}:{port} ({e.strerror or e}): {why}"
+        ) from None

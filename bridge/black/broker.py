@@ -8,15 +8,34 @@ import pika
 import pika.exceptions
 from pika.adapters.blocking_connection import BlockingConnection
 
+from bridge.amqp.client import AmqpParams, parse_url
 from bridge.config import BlackConfig
 from bridge.errors import BrokerError, ConfigError, DiodeError
 
-__all__ = ["broker_refused", "connect", "connect_url", "connection_parameters", "describe_broker"]
+__all__ = [
+    "broker_refused",
+    "check_amqp_url",
+    "connect",
+    "connect_url",
+    "connection_parameters",
+    "describe_broker",
+]
+
+
+def check_amqp_url(url: str, key: str = "black.amqp_url") -> AmqpParams:
+    """``url`` read by the parser the tap (``bridge.amqp``) connects with, so that what
+    ``diode check`` and the mirror accept the tap accepts too; ConfigError naming ``key``."""
+    try:
+        return parse_url(url)
+    except ConfigError as e:
+        raise ConfigError(f"{key}: {e}") from None
 
 
 def connection_parameters(black: BlackConfig | str, purpose: str) -> pika.URLParameters:
     """pika parameters from black.amqp_url (or a URL): one attempt, short timeouts."""
     url = black if isinstance(black, str) else black.amqp_url.get_secret_value()
+    if not isinstance(black, str):
+        check_amqp_url(url)  # the tap's rules: refused here, not after Spark started
     try:
         params = pika.URLParameters(url)
     except Exception as e:  # pika raises assorted types on malformed URLs

@@ -9,16 +9,32 @@ module reads it, and ``Gpg`` hands it to gpg through a pipe (``--passphrase-fd``
 from __future__ import annotations
 
 import os
+import re
 import stat
 from collections.abc import Mapping
 from pathlib import Path
 
 from bridge.errors import ConfigError
 
-__all__ = ["Passphrase", "resolve_passphrase", "MAX_PASSPHRASE_BYTES"]
+__all__ = ["Passphrase", "resolve_passphrase", "check_env_name", "MAX_PASSPHRASE_BYTES"]
 
 MAX_PASSPHRASE_BYTES = 4096
 """Longer is refused: the whole secret must fit one pipe write (the pipe buffer is 64 KiB)."""
+
+_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,127}")
+
+
+def check_env_name(name: str, where: str) -> str:
+    """``name`` if it is an environment variable NAME; else ConfigError naming ``where`` only:
+    what was given may be the passphrase itself, so it is never repeated."""
+    if not _ENV_NAME.fullmatch(name):
+        raise ConfigError(
+            f"{where} takes the NAME of an environment variable ([A-Za-z_][A-Za-z0-9_]*, at "
+            "most 128 characters), and what was given is not one (not repeated here: it may be "
+            "a passphrase). Export the passphrase in a variable, e.g. DIODE_BLACK_PASSPHRASE, "
+            "and pass that name; never the passphrase itself"
+        )
+    return name
 
 
 class Passphrase:
@@ -30,7 +46,7 @@ class Passphrase:
         if (path is None) == (env_name is None):
             raise ValueError("a passphrase comes from exactly one of a file or an env variable")
         self.path = None if path is None else Path(path)
-        self.env_name = env_name
+        self.env_name = None if env_name is None else check_env_name(env_name, "passphrase_env")
         self._secret: bytes | None = None
 
     @property

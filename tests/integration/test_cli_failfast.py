@@ -1,6 +1,7 @@
 """Integration: misconfiguration fails fast through the real `diode` CLI with a message that
 says how to fix it (unknown key, missing recipient key, unreachable broker, a config holding
-secrets that others can read).
+secrets that others can read, an AMQP URL the tap would refuse, a refused red broker, a metrics
+port in use, a missing GnuPG home, bad log settings), exit 2 for configuration errors.
 
 "Fast" is proven by order, not by a stopwatch: every run has a poisoned ``JAVA_HOME``, so a
 command that started Spark before checking its config would die of the Java gateway instead of
@@ -10,13 +11,21 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
+import socket
 import subprocess
 import sys
+import tempfile
+from datetime import UTC, datetime
 from pathlib import Path
 
+import pyarrow as pa
 import pytest
 
+from bridge.black.management import ManagementClient
 from bridge.crypto.keys import init_keys
+from bridge.errors import ManagementApiError
+from tests.conftest import Vhost
 
 pytestmark = [pytest.mark.gpg]
 
@@ -26,23 +35,37 @@ SPARK_STARTED = ("JAVA_GATEWAY", "Java gateway", NO_JAVA)
 """What the output holds if a command reached ``get_spark`` (the JVM cannot start)."""
 
 
-def _cfg(work: Path, black: str, recipients: list[str], amqp: str, extra: str = "") -> Path:
+def _cfg(
+    work: Path,
+    black: str,
+    recipients: list[str],
+    amqp: str,
+    extra: str = "",
+    home: str = "keys/black",
+) -> Path:
     p = work / "d.toml"
     p.write_text(
         f'[link]\nblack_signers = ["{black}"]\n'
         f'[[channels]]\nname = "c1"\nrecipients = {json.dumps(recipients)}\n'
-        f'[black]\namqp_url = "{amqp}"\ngnupg_home = "keys/black"\nsigning_key = "{black}"\n'
+        f'[black]\namqp_url = "{amqp}"\ngnupg_home = "{home}"\nsigning_key = "{black}"\n'
         f'management_url = "http://127.0.0.1:9"\n{extra}'
     )
     p.chmod(0o600)  # it holds secrets (the AMQP password): only its owner may read it
     return p
 
 
-def _run(*args: str, timeout: float = 120) -> tuple[int, str]:
+def _run(
+    *args: str,
+    timeout: float = 120,
+    env_extra: dict[str, str] | None = None,
+    log_format: tuple[str, ...] = ("--log-format", "text"),
+) -> tuple[int, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("DIODE__", "DIODE_CONFIG"))}
+    env = {k: v for k, v in env.items() if k not in ("DIODE_LOG_LEVEL", "DIODE_LOG_FORMAT")}
     env["JAVA_HOME"] = NO_JAVA
+    env.update(env_extra or {})
     r = subprocess.run(
-        [*DIODE, "--log-format", "text", *args],
+        [*DIODE, *log_format, *args],
         capture_output=True,
         text=True,
         timeout=timeout,  # a hang guard, not a measurement
@@ -153,3 +176,215 @@ def test_udp_commands_fail_fast_with_a_fix(short_tmp: Path) -> None:
     p.write_text(base.replace('transport = "udp"', 'transport = "file"'))
     code, out = _run("udp", "send", "--config", str(p), "--timeout", "1")
     assert code == 2 and 'no channel has transport = "udp"' in out, out
+
+
+GUEST = "amqp://guest:guest@127.0.0.1:5672/%2F"
+
+
+# ---------------------------------------------------------------------------- A: red replay
+def _red_cfg(work: Path, url: str) -> Path:
+    p = work / "r.toml"
+    p.write_text(
+        '[[channels]]\nname = "c1"\nencrypt = false\n'
+        f'[red]\ndelta_engine = "delta-rs"\n[red.replay]\namqp_url = "{url}"\n'
+        'approved = ["x.orders"]\npoll_seconds = 0.1\n'
+    )
+    p.chmod(0o600)
+    return p
+
+
+def test_red_replay_refused_login_or_vhost_exits_2_with_the_fix(
+    short_tmp: Path, red_vhost: Vhost
+) -> None:
+    wrong_pw = red_vhost.amqp_url.replace("guest:guest@", "guest:n0t-it@")
+    code, out = _run("red", "replay", "--config", str(_red_cfg(short_tmp, wrong_pw)),
+                     "--until-caught-up", "--timeout", "8")  # fmt: skip
+    assert code == 2, out
+    assert "red.replay.amqp_url" in out and "ACCESS_REFUSED" in out and "password" in out, out
+    assert "n0t-it" not in out, "credentials must never be printed"
+    no_vhost = red_vhost.amqp_url.rsplit("/", 1)[0] + "/no-such-vhost-" + red_vhost.name[-6:]
+    code, out = _run(
+        "red", "replay", "--config", str(_red_cfg(short_tmp, no_vhost)), "--timeout", "8"
+    )
+    assert code == 2, out
+    assert "red.replay.amqp_url" in out and "create the vhost" in out, out
+
+
+def test_red_replay_until_caught_up_that_did_not_catch_up_exits_1(short_tmp: Path) -> None:
+    """A broker that is merely down is retried (logged at warning); a run asked to catch up
+    that ends before it did is a failure for the scheduler that started it."""
+    from bridge.protocol.exchange import ExchangeDecl
+    from bridge.protocol.rows import build_rows
+    from bridge.red.tables import RedTables
+
+    tables = RedTables(short_tmp / "red" / "tables", "delta-rs")
+    tables.ensure()
+    decl = ExchangeDecl("x.orders", "topic")
+    batch = build_rows("c1", [1], ["x.orders"], ["rk"], [False], [b"\x00\x00"], [b"m"],
+                       {"x.orders": decl})  # fmt: skip
+    t = pa.Table.from_batches([batch])
+    now = datetime.now(UTC)
+    for name, col in (
+        ("bundle_seq", pa.array([1], pa.int64())),
+        ("bundle_id", pa.array(["b1"])),
+        ("land_seq", pa.array([1], pa.int64())),
+        ("landed_at", pa.array([now], pa.timestamp("us", tz="UTC"))),
+        ("landed_date", pa.array([now.date()], pa.date32())),
+    ):
+        t = t.append_column(name, col)
+    assert tables.append("messages", t, app_id="diode-red", version=1)
+    p = _red_cfg(short_tmp, "amqp://guest:guest@127.0.0.1:1/%2F")
+    code, out = _run("red", "replay", "--config", str(p), "--until-caught-up", "--timeout", "2")
+    assert code == 1, out
+    assert '"caught_up": false' in out and "did not catch up (--timeout 2 s passed)" in out, out
+    assert "WARNING" in out and "keeps retrying" in out and "127.0.0.1:1" in out, out
+
+
+# ---------------------------------------------------------------------------- E: URL and places
+@pytest.mark.parametrize(
+    ("url", "words"),
+    [
+        ("amqp://guest:s3cret@127.0.0.1:5672/%2F?heartbeat=30", "query parameters"),
+        ("http://guest:s3cret@127.0.0.1:5672/%2F", "scheme 'http'"),
+    ],
+)
+def test_check_and_black_run_refuse_an_amqp_url_the_tap_refuses(
+    short_tmp: Path, url: str, words: str
+) -> None:
+    inv = init_keys(short_tmp / "keys")
+    p = _cfg(short_tmp, inv.black_fpr, list(inv.red_fprs.values()), url, "discover = false\n")
+    for cmd in (["check"], ["black", "run", "--trigger", "available-now"]):
+        code, out = _run(*cmd, "--config", str(p))
+        assert code == 2, out
+        assert "black.amqp_url" in out and words in out, out
+        assert "s3cret" not in out, "credentials must never be printed"
+    assert not (short_tmp / "black").exists(), "black run created its directories first"
+
+
+def test_check_refuses_staging_or_linked_archive_on_another_file_system(short_tmp: Path) -> None:
+    if os.stat("/dev/shm").st_dev == os.stat(short_tmp).st_dev:
+        pytest.skip("/dev/shm is not another file system here")
+    inv = init_keys(short_tmp / "keys")
+    other = Path(tempfile.mkdtemp(prefix="dt", dir="/dev/shm"))
+    try:
+        base = "discover = false\n"
+        p = _cfg(short_tmp, inv.black_fpr, list(inv.red_fprs.values()), GUEST,
+                 base + f'staging_dir = "{other}/staging"\n')  # fmt: skip
+        code, out = _run("check", "--config", str(p))
+        assert code == 2, out
+        assert "black.staging_dir" in out and "file system" in out, out
+        p = _cfg(short_tmp, inv.black_fpr, list(inv.red_fprs.values()), GUEST,
+                 base + f'archive_mode = "link"\narchive = "{other}/archive"\n')  # fmt: skip
+        code, out = _run("check", "--config", str(p))
+        assert code == 2, out
+        assert 'archive_mode = "link"' in out and "another file system" in out, out
+        assert not (other / "staging").exists() and not (other / "archive").exists()
+        p = _cfg(short_tmp, inv.black_fpr, list(inv.red_fprs.values()), GUEST, base)
+        code, out = _run("check", "--config", str(p))
+        assert code == 0, out
+    finally:
+        shutil.rmtree(other, ignore_errors=True)
+
+
+# ---------------------------------------------------------------------------- F: metrics port
+METRICS_COMMANDS = [
+    ["black", "run"],
+    ["red", "run"],
+    ["red", "replay"],
+    ["udp", "send"],
+    ["udp", "receive"],
+]
+
+
+@pytest.mark.parametrize("port", ["99999", "0", "-1"])
+def test_a_metrics_port_out_of_range_is_refused_at_option_parsing(
+    short_tmp: Path, port: str
+) -> None:
+    for cmd in METRICS_COMMANDS:
+        code, out = _run(*cmd, "--config", str(short_tmp / "none.toml"), "--metrics-port", port)
+        assert code == 2, (cmd, out)
+        assert "--metrics-port" in out and "1<=x<=65535" in out, (cmd, out)
+
+
+def test_a_metrics_port_in_use_fails_before_black_run_changes_the_broker(
+    short_tmp: Path, black_vhost: Vhost
+) -> None:
+    inv = init_keys(short_tmp / "keys")
+    p = _cfg(short_tmp, inv.black_fpr, list(inv.red_fprs.values()), black_vhost.amqp_url,
+             "discover = false\n")  # fmt: skip
+    red = _red_cfg(short_tmp, GUEST)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = str(s.getsockname()[1])
+        for cmd, cfg in ((["black", "run", "--trigger", "available-now"], p),
+                         (["red", "replay", "--until-caught-up"], red)):  # fmt: skip
+            code, out = _run(*cmd, "--config", str(cfg), "--metrics-port", port)
+            assert code == 2, (cmd, out)
+            assert f"--metrics-port {port}" in out and "another process" in out, (cmd, out)
+    mc = ManagementClient(black_vhost.management_url, "guest", "guest")
+    try:
+        with pytest.raises(ManagementApiError, match="does not exist"):
+            mc.queue_info(black_vhost.name, "diode.mirror.c1")  # not declared
+    finally:
+        mc.close()
+    assert not (short_tmp / "black").exists(), "black run created its directories first"
+
+
+# ---------------------------------------------------------------------------- G: passphrase env
+def test_keys_init_never_echoes_a_passphrase_given_as_the_variable_name(short_tmp: Path) -> None:
+    home = short_tmp / "home"
+    code, out = _run("keys", "init", "--side", "black", "--home", str(home),
+                     "--passphrase-env", "hunter2 is my secret")  # fmt: skip
+    assert code == 2, out
+    assert "hunter2" not in out and "--passphrase-env" in out and "NAME" in out, out
+    assert not home.exists()
+
+
+# ---------------------------------------------------------------------------- H: log settings
+def test_bad_log_level_or_format_exits_2_with_the_accepted_values(short_tmp: Path) -> None:
+    code, out = _run("--log-level", "BOGUS", "udp", "status", "--config", "x.toml")
+    assert code == 2 and "--log-level = 'BOGUS'" in out and "DEBUG, INFO, WARNING" in out, out
+    code, out = _run("udp", "status", "--config", "x.toml", log_format=(),
+                     env_extra={"DIODE_LOG_LEVEL": "verbose"})  # fmt: skip
+    assert code == 2 and "DIODE_LOG_LEVEL = 'verbose'" in out and "ERROR" in out, out
+    code, out = _run("udp", "status", "--config", "x.toml", log_format=(),
+                     env_extra={"DIODE_LOG_FORMAT": "xml"})  # fmt: skip
+    assert code == 2 and "DIODE_LOG_FORMAT = 'xml'" in out and "json, text" in out, out
+
+
+# ---------------------------------------------------------------------------- I: keys, exit 2
+def test_check_reports_a_missing_gnupg_home_without_creating_it(short_tmp: Path) -> None:
+    inv = init_keys(short_tmp / "keys")
+    p = _cfg(short_tmp, inv.black_fpr, list(inv.red_fprs.values()), GUEST,
+             "discover = false\n", home="keys/nowhere")  # fmt: skip
+    for cmd in (["check"], ["keys", "check", "--side", "black"]):
+        code, out = _run(*cmd, "--config", str(p))
+        assert code == 2, (cmd, out)
+        assert "black.gnupg_home" in out and "does not exist" in out, out
+        assert "diode keys init --side black" in out, out
+        assert not (short_tmp / "keys" / "nowhere").exists(), f"{cmd} created the GnuPG home"
+
+
+def test_missing_or_unusable_keys_are_configuration_errors(short_tmp: Path) -> None:
+    inv = init_keys(short_tmp / "keys")
+    stranger = "ABCDEF0123456789ABCDEF0123456789ABCDEF01"
+    p = _cfg(short_tmp, inv.black_fpr, [*inv.red_fprs.values(), stranger], GUEST,
+             "discover = false\n")  # fmt: skip
+    code, out = _run("check", "--config", str(p))
+    assert code == 2 and stranger in out, out
+    # the red home holds no black signing key: black's key is missing there
+    p = _cfg(short_tmp, inv.black_fpr, list(inv.red_fprs.values()), GUEST,
+             "discover = false\n", home="keys/red")  # fmt: skip
+    for cmd in (["check"], ["keys", "check", "--side", "black"]):
+        code, out = _run(*cmd, "--config", str(p))
+        assert code == 2, (cmd, out)
+        assert inv.black_fpr in out, out
+
+
+# ---------------------------------------------------------------------------- J: relay help
+def test_udp_relay_help_shows_the_relays_options() -> None:
+    for flag in ("--help", "-h"):
+        code, out = _run("udp", "relay", flag)
+        assert code == 0, out
+        assert "--listen" in out and "--forward" in out and "--loss" in out, out

@@ -105,3 +105,24 @@ def test_red_publish_is_the_replay_publisher() -> None:
         capture_output=True, timeout=60, check=False, cwd=REPO,
     )  # fmt: skip
     assert r.returncode == 0 and b"--until-caught-up" in r.stdout
+
+
+@pytest.mark.parametrize("hours", ["nan", "24"])
+def test_red_maintain_refuses_a_short_retention_before_touching_a_table(
+    tmp_path: Path, hours: str
+) -> None:
+    cfg = tmp_path / "diode.toml"
+    cfg.write_text(CONFIG)
+    open_tables(load_config(cfg)).ensure()
+    diode(cfg, "approve", "a")
+    audit = tmp_path / "red" / "delta" / "audit"
+    before = DeltaTable(str(audit)).version()
+    r = subprocess.run(
+        [sys.executable, "-m", "bridge.cli", "--log-level", "WARNING", "red", "maintain",
+         "--vacuum-hours", hours, "--config", str(cfg)],
+        capture_output=True, timeout=120, check=False, cwd=REPO,
+    )  # fmt: skip
+    err = r.stderr.decode(errors="replace")
+    assert r.returncode == 2, err[-2000:]
+    assert "at least 168" in err and "Traceback" not in err, err[-2000:]
+    assert DeltaTable(str(audit)).version() == before
