@@ -119,7 +119,12 @@ audit.groupby(["event", "channel"], dropna=False).size().unstack(fill_value=0)
 # MAGIC %md ## Transit gaps: bundles red has not received
 # MAGIC `gap_opened` names a run of missing bundle seqs (`detail.first_bundle_seq..last_bundle_seq`;
 # MAGIC `seq_first..seq_last` is the message seq range when known); each late arrival closes one
-# MAGIC bundle seq (`gap_closed`). Still missing = opened minus closed. `via_heartbeat`: the gap was
+# MAGIC bundle seq (`gap_closed`). An operator can declare missing bundles lost for good
+# MAGIC (`gap_written_off`, `detail.first_bundle_seq..last_bundle_seq`), or retire the channel
+# MAGIC (`channel_retired`, after a `gap_written_off` per open gap; `detail.gaps_written_off`).
+# MAGIC Still missing = opened minus arrived minus written off; a gap with none left is `closed`
+# MAGIC (all arrived), `written off` or `retired`. A written-off bundle that lands after all closes
+# MAGIC with `gap_closed` reason `written_off` and counts as arrived. `via_heartbeat`: the gap was
 # MAGIC found by a heartbeat naming a bundle red never got (`missing_last_bundle`).
 
 
@@ -141,17 +146,36 @@ def span(a: object, b: object) -> str | None:
 
 opened = audit[audit.event == "gap_opened"]
 closed = audit[audit.event == "gap_closed"]
+wrote_off = audit[audit.event == "gap_written_off"]
+retired = audit[audit.event == "channel_retired"]
 via_hb = {
     (r.channel, r.d.get("first_bundle_seq"), r.d.get("last_bundle_seq"))
     for r in audit[audit.event == "missing_last_bundle"].itertuples()
 }
+# bundle seqs declared lost for good, per channel: (first, last, at, how)
+lost: dict[str, list[tuple[int, int, Any, str]]] = {}
+for r in wrote_off.itertuples():
+    w = (int(r.d["first_bundle_seq"]), int(r.d["last_bundle_seq"]), r.at, "written off")
+    lost.setdefault(r.channel, []).append(w)
+for r in retired.itertuples():  # its gaps also have their gap_written_off rows: a set below
+    for x, y in r.d.get("gaps_written_off") or []:
+        lost.setdefault(r.channel, []).append((int(x), int(y), r.at, "retired"))
 gap_rows = []
 for r in opened.itertuples():
     a, b = int(r.d["first_bundle_seq"]), int(r.d["last_bundle_seq"])
     late = closed[(closed.channel == r.channel) & closed.bundle_seq.between(a, b)]
-    got = sorted(int(x) for x in late.bundle_seq)
+    got = sorted({int(x) for x in late.bundle_seq})
+    cut = [(max(a, x), min(b, y), at, how) for x, y, at, how in lost.get(r.channel, [])
+           if x <= b and y >= a]  # fmt: skip
     # sentinels a-1 and b+1 make holes() return the missing runs inside a..b
-    still = holes([(a - 1, a - 1), *((x, x) for x in got), (b + 1, b + 1)])
+    still = holes(
+        [(a - 1, a - 1), *((x, x) for x in got), *((x, y) for x, y, *_ in cut), (b + 1, b + 1)]
+    )
+    # written off and not arrived since (a written-off bundle that lands counts as arrived)
+    gone = b - a + 1 - len(got) - sum(y - x + 1 for x, y in still)
+    status = "open" if still else "closed"
+    if not still and gone:
+        status = "retired" if any(how == "retired" for *_, how in cut) else "written off"
     gap_rows.append(
         {
             "channel": r.channel,
@@ -161,13 +185,16 @@ for r in opened.itertuples():
             "via_heartbeat": (r.channel, a, b) in via_hb,
             "missing": b - a + 1,
             "arrived_late": len(got),
+            "written_off": gone,
             "still_missing": still,
             "last_closed_at": late["at"].max() if len(late) else None,
-            "status": "open" if still else "closed",
+            "written_off_at": max(at for *_, at, _ in cut) if cut else None,
+            "status": status,
         }
     )
 GAP_COLUMNS = ["channel", "opened_at", "bundle_seqs", "message_seqs", "via_heartbeat",
-               "missing", "arrived_late", "still_missing", "last_closed_at", "status"]  # fmt: skip
+               "missing", "arrived_late", "written_off", "still_missing", "last_closed_at",
+               "written_off_at", "status"]  # fmt: skip
 gaps = pd.DataFrame(gap_rows, columns=GAP_COLUMNS)
 open_gaps = gaps[gaps.status == "open"]
 gap_summary = gaps.groupby("channel").agg(
@@ -175,18 +202,27 @@ gap_summary = gaps.groupby("channel").agg(
     open=("status", lambda s: int((s == "open").sum())),
     bundles_missing=("missing", "sum"),
     arrived_late=("arrived_late", "sum"),
+    written_off=("written_off", "sum"),
 )
-gap_summary["still_missing"] = gap_summary.bundles_missing - gap_summary.arrived_late
+gap_summary["still_missing"] = (
+    gap_summary.bundles_missing - gap_summary.arrived_late - gap_summary.written_off
+)
 gap_summary
 
 # COMMAND ----------
-# missing bundles over time per channel: +n when a gap opens, -1 per late arrival
+# missing bundles over time per channel: +n when a gap opens, -1 per late arrival, -n when n
+# are written off (a written-off bundle that lands after all was taken off already)
+wrote_off_n = wrote_off.d.map(
+    lambda d: int(d["last_bundle_seq"]) - int(d["first_bundle_seq"]) + 1
+).astype(int)
+arrived = (closed.reason != "written_off").astype(int)
 steps = pd.concat(
     [
         pd.DataFrame({"channel": gaps.channel, "at": gaps.opened_at, "delta": gaps.missing}),
-        pd.DataFrame({"channel": closed.channel, "at": closed["at"], "delta": -1}),
+        pd.DataFrame({"channel": closed.channel, "at": closed["at"], "delta": -arrived}),
+        pd.DataFrame({"channel": wrote_off.channel, "at": wrote_off["at"], "delta": -wrote_off_n}),
     ]
-).sort_values("at")
+).sort_values("at", kind="stable")
 fig, ax = plt.subplots(figsize=(12, 4))
 for ch, g in steps.groupby("channel"):
     ax.step(g["at"], g.delta.cumsum(), where="post", label=ch)
@@ -218,22 +254,18 @@ declared
 # COMMAND ----------
 # MAGIC %md ## Rejected and quarantined files, by reason
 # MAGIC Every file red refused (bad signature, unknown signer, name/manifest mismatch, malformed,
-# MAGIC conflict...) is moved to `quarantine/` with its reason; the ledger keeps bundles' rows.
+# MAGIC conflict...) is moved to `quarantine/` with its reason. Counted from `audit` alone, one
+# MAGIC row per file: `rejected` (failed a check), `quarantined` (refused by the intake before any
+# MAGIC check) or `conflict`. The ledger's `quarantined` / `conflict` rows are the same bundle
+# MAGIC files again (heartbeats and unnamed files have none), so they are not added.
 
 # COMMAND ----------
 bundles = table("bundles")
-refused = audit[audit.event.isin(["rejected", "quarantined"])]
+refused = audit[audit.event.isin(["rejected", "quarantined", "conflict"])]
 rejections = (
-    pd.concat(
-        [
-            refused.assign(source="audit:" + refused.event)[["source", "channel", "reason"]],
-            bundles[bundles.status == "quarantined"].assign(source="bundles:quarantined")[
-                ["source", "channel", "reason"]
-            ],
-        ]
-    )
-    .fillna({"reason": "?", "channel": "?"})
-    .groupby(["source", "reason", "channel"])
+    refused[["event", "reason", "channel"]]
+    .fillna("?")
+    .groupby(["event", "reason", "channel"])
     .size()
     .rename("files")
 )
@@ -286,15 +318,26 @@ chain_problems
 # MAGIC %md ## Replay into red RabbitMQ, approvals
 
 # COMMAND ----------
+# Rows come from `detail.rows`: a channel's seqs are shared by all its exchanges, so an
+# exchange's seq_first..seq_last spans the other exchanges' rows too. `rows_replayed`: rows the
+# red broker confirmed; `rows_skipped`: rows a `replay_failed` (bad_row, unroutable) passed
+# over; the other columns count events.
 replay = audit[audit.event.isin(["replayed", "replay_failed", "approved", "revoked"])].copy()
-replay["messages"] = (replay.seq_last - replay.seq_first + 1).fillna(1)
+replay["rows"] = replay.d.map(lambda d: int(d.get("rows") or 0))
 replay_by_exchange = replay.pivot_table(
-    index="exchange", columns="event", values="messages", aggfunc="sum", fill_value=0
+    index="exchange", columns="event", values="at", aggfunc="size", fill_value=0
+).rename(columns={"replayed": "replayed_events"})
+replay_by_exchange["rows_replayed"] = (
+    replay[replay.event == "replayed"].groupby("exchange").rows.sum()
 )
+replay_by_exchange["rows_skipped"] = (
+    replay[replay.event == "replay_failed"].groupby("exchange").rows.sum()
+)
+replay_by_exchange = replay_by_exchange.fillna(0).astype(int)
 replayed = replay[replay.event == "replayed"]
 fig, ax = plt.subplots(figsize=(12, 3))
 for ex, g in replayed.groupby("exchange"):
-    ax.step(g["at"], g.messages.cumsum(), where="post", label=ex)
+    ax.step(g["at"], g.rows.cumsum(), where="post", label=ex)
 ax.set(xlabel="UTC", ylabel="messages", title="replayed (cumulative)")
 if not replayed.empty:
     ax.legend()

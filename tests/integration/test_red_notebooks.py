@@ -73,7 +73,11 @@ def _schemas() -> tuple[pa.Schema, pa.Schema, pa.Schema]:
 #        (open gap); a second, different bundle 2 (conflict); bundle 5 quarantined.
 # beta:  bundles 1 (0-4), 3 (10-14) landed, then 2 (5-9) late (gap opened and closed);
 #        bundle 1 arrived twice (duplicate). One very old message (outside the lookback).
-# Plus an unnamed junk file rejected, replay of `orders`, and an approval.
+# alpha again: bundles 5..6 announced by a heartbeat (5's file was refused), written off by an
+#        operator; 6 landed after all (gap_closed, reason written_off).
+# gamma: bundles 2..4 missing, 3 came late, then the channel was retired (2 and 4 written off).
+# Plus an unnamed junk file rejected, a special file quarantined by the intake, replay of
+# `orders` (two channels) and `events`, and an approval.
 
 EXCHANGES = ("orders", "events", "metrics")
 BUNDLES = {  # (channel, bundle_seq) -> (first_seq, last_seq, coverage_last, land_seq, chain)
@@ -168,6 +172,20 @@ def _bundles() -> list[dict[str, Any]]:
     return rows
 
 
+def _replayed(channel: str, exchange: str, first: int, last: int) -> int:
+    """The fixture's messages of ``exchange`` on ``channel`` with seqs first..last."""
+    return sum(
+        m["channel"] == channel and m["exchange"] == exchange and first <= m["seq"] <= last
+        for m in _messages()
+    )
+
+
+REPLAYED = {  # (channel, exchange, seq_first, seq_last) -> detail.rows, as replay.py counts
+    k: _replayed(*k) for k in (("alpha", "orders", 0, 9), ("beta", "orders", 0, 14),
+                               ("alpha", "events", 1, 19))
+}  # fmt: skip
+
+
 def _audit() -> list[dict[str, Any]]:
     def ev(event: str, land: int, **kw: Any) -> dict[str, Any]:
         d = kw.pop("detail", None)
@@ -191,10 +209,37 @@ def _audit() -> list[dict[str, Any]]:
         ev("conflict", 3, channel="alpha", bundle_seq=2, reason="conflict"),
         ev("rejected", 3, channel="alpha", bundle_seq=5, reason="signature"),
         ev("rejected", 3, file_name="junk.bin", reason="bad_name"),
+        ev("quarantined", 3, file_name="000000000007.fifo", reason="not_regular_file"),
+        # alpha 5..6: announced, written off, 6 lands after all
+        ev("missing_last_bundle", 3, channel="alpha", reason="transit",
+           detail={"first_bundle_seq": 5, "last_bundle_seq": 6, "heartbeat_seq": 4}),
+        ev("gap_opened", 3, channel="alpha", reason="transit",
+           detail={"first_bundle_seq": 5, "last_bundle_seq": 6}),
+        ev("gap_written_off", 3, channel="alpha", reason="operator",
+           detail={"first_bundle_seq": 5, "last_bundle_seq": 6, "note": "gone (by op)"}),
+        ev("gap_closed", 3, channel="alpha", bundle_seq=6, reason="written_off",
+           detail={"first_bundle_seq": 6, "last_bundle_seq": 6, "gap_first_bundle_seq": 5,
+                   "gap_last_bundle_seq": 6}),
+        # gamma 2..4: 3 late, then retired (a gap_written_off per open gap, then the retirement)
+        ev("gap_opened", 1, channel="gamma", reason="transit",
+           detail={"first_bundle_seq": 2, "last_bundle_seq": 4}),
+        ev("gap_closed", 2, channel="gamma", bundle_seq=3, reason="transit",
+           detail={"first_bundle_seq": 3, "last_bundle_seq": 3, "gap_first_bundle_seq": 2,
+                   "gap_last_bundle_seq": 4}),
+        ev("gap_written_off", 3, channel="gamma", reason="operator",
+           detail={"first_bundle_seq": 2, "last_bundle_seq": 2, "note": "retired (by op)"}),
+        ev("gap_written_off", 3, channel="gamma", reason="operator",
+           detail={"first_bundle_seq": 4, "last_bundle_seq": 4, "note": "retired (by op)"}),
+        ev("channel_retired", 3, channel="gamma", reason="operator",
+           detail={"note": "retired (by op)", "gaps_written_off": [[2, 2], [4, 4]]}),
         ev("approved", 3, exchange="orders"),
-        ev("replayed", 3, channel="alpha", exchange="orders", seq_first=0, seq_last=9),
+        # seqs are per channel, shared by every exchange: a range spans other exchanges' rows
+        *(ev("replayed", 3, channel=ch, exchange=ex, seq_first=a, seq_last=b,
+             detail={"rows": REPLAYED[ch, ex, a, b]}) for ch, ex, a, b in REPLAYED),
         ev("replay_failed", 3, channel="alpha", exchange="events", seq_first=1, seq_last=1,
            reason="nack"),
+        ev("replay_failed", 3, channel="beta", exchange="metrics", seq_first=2, seq_last=8,
+           reason="no route", detail={"kind": "unroutable", "rows": 3}),
     ]  # fmt: skip
     for i, e in enumerate(evs):
         e |= {"event_id": f"diode-red:{i}:0", "app_id": "diode-red", "version": i}
@@ -289,20 +334,35 @@ def test_audit_notebook(diode_config: Path, monkeypatch: pytest.MonkeyPatch) -> 
     ns = run_notebook("red_audit.py", diode_config, monkeypatch, spark=object())
     assert ns["ENGINE"] == "delta-rs"
     assert ns["events_per_minute"].to_numpy().sum() == len(_audit())
-    gaps = ns["gaps"].set_index("channel")
-    assert gaps.loc["alpha", "status"] == "open" and gaps.loc["alpha", "still_missing"] == [(3, 3)]
-    assert gaps.loc["alpha", "message_seqs"] == "22..29"
-    assert gaps.loc["beta", "status"] == "closed" and gaps.loc["beta", "arrived_late"] == 1
-    assert ns["open_gaps"].channel.tolist() == ["alpha"]
-    assert ns["gap_summary"].still_missing.to_dict() == {"alpha": 1, "beta": 0}
+    gaps = ns["gaps"].set_index(["channel", "bundle_seqs"])
+    cols = ["status", "arrived_late", "written_off", "still_missing", "via_heartbeat"]
+    assert gaps[cols].to_dict("index") == {
+        ("alpha", "3..3"): dict(zip(cols, ["open", 0, 0, [(3, 3)], False], strict=True)),
+        ("alpha", "5..6"): dict(zip(cols, ["written off", 1, 1, [], True], strict=True)),
+        ("beta", "2..2"): dict(zip(cols, ["closed", 1, 0, [], False], strict=True)),
+        ("gamma", "2..4"): dict(zip(cols, ["retired", 1, 2, [], False], strict=True)),
+    }
+    assert gaps.loc[("alpha", "3..3"), "message_seqs"] == "22..29"
+    assert gaps.loc[("gamma", "2..4"), "written_off_at"] == _at(3)
+    assert ns["open_gaps"].bundle_seqs.tolist() == ["3..3"]
+    summary = ns["gap_summary"]
+    assert summary.still_missing.to_dict() == {"alpha": 1, "beta": 0, "gamma": 0}
+    assert summary.written_off.to_dict() == {"alpha": 1, "beta": 0, "gamma": 2}
+    assert summary.open.to_dict() == {"alpha": 1, "beta": 0, "gamma": 0}
+    # the chart ends at what is still missing: a written-off bundle landing is not taken off twice
+    assert ns["steps"].groupby("channel").delta.sum().to_dict() == summary.still_missing.to_dict()
     declared = ns["declared"]
     assert declared[["seq_first", "seq_last", "reason", "messages"]].values.tolist() == [
         [20, 21, "maxlen", 2]
     ]
-    rej = ns["rejections"]
-    assert rej[("audit:rejected", "bad_name", "?")] == 1
-    assert rej[("bundles:quarantined", "signature", "alpha")] == 1
-    assert ns["alarms"].event.tolist() == ["conflict", "replay_failed"]
+    # each refused file once, from audit (alpha 5 has a ledger row too: not counted again)
+    assert ns["rejections"].to_dict() == {
+        ("conflict", "conflict", "alpha"): 1,
+        ("quarantined", "not_regular_file", "?"): 1,
+        ("rejected", "bad_name", "?"): 1,
+        ("rejected", "signature", "alpha"): 1,
+    }
+    assert sorted(ns["alarms"].event) == ["conflict", "replay_failed", "replay_failed"]
     conflicts = ns["conflicts"]
     assert conflicts[["bundle_seq", "plaintext_sha256", "plaintext_sha256_landed"]].values.tolist()[
         0
@@ -310,7 +370,14 @@ def test_audit_notebook(diode_config: Path, monkeypatch: pytest.MonkeyPatch) -> 
     assert ns["chain_problems"][["channel", "bundle_seq"]].values.tolist() == [["alpha", 4]]
     assert ns["chain"].loc["beta", "verified"] == 2
     rx = ns["replay_by_exchange"]
-    assert rx.loc["orders", "replayed"] == 10 and rx.loc["events", "replay_failed"] == 1
+    # rows from detail.rows, not seq_last - seq_first + 1 (which would give 10 + 15 and 19)
+    orders = [m for m in _messages() if m["exchange"] == "orders" and m["seq"] <= 14]
+    orders = [m for m in orders if m["channel"] == "beta" or m["seq"] <= 9]
+    assert rx.loc["orders", "rows_replayed"] == len(orders) == 9
+    assert rx.loc["events", "rows_replayed"] == 7 and rx.loc["metrics", "rows_replayed"] == 0
+    assert rx.loc["orders", "replayed_events"] == 2 and rx.loc["orders", "approved"] == 1
+    assert rx.loc["events", "replay_failed"] == 1 and rx.loc["events", "rows_skipped"] == 0
+    assert rx.loc["metrics", "rows_skipped"] == 3
 
 
 def test_notebooks_share_one_engine_cell() -> None:
