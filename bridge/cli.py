@@ -7,13 +7,14 @@ import dataclasses
 import json
 import os
 import sys
+import threading
 from pathlib import Path
 from typing import Any
 
 import click
 
 from bridge.errors import ConfigError, CryptoError, DiodeError
-from bridge.signals import exit_now
+from bridge.signals import exit_now, stop_on_signals
 
 __all__ = ["main", "cli"]
 
@@ -594,7 +595,8 @@ def red_run(
     run = RedRun(cfg)  # fails fast on keys, pinned signers and directories before Spark starts
     spark = get_spark("diode-red")
     try:
-        summary = run.run(spark, trigger, timeout=timeout)  # type: ignore[arg-type]
+        with stop_on_signals(threading.Event()) as stop:  # SIGTERM/SIGINT: a graceful stop
+            summary = run.run(spark, trigger, timeout=timeout, stop=stop)  # type: ignore[arg-type]
     finally:
         spark.stop()
     click.echo(json.dumps(summary.to_json()))
@@ -657,7 +659,8 @@ def red_replay(
     _replay_preflight(url)
     _metrics(metrics_port)
     replayer = Replayer(cfg, sink=audit_sink(cfg))
-    summary = replayer.run(until_caught_up=until_caught_up, timeout=timeout)
+    with stop_on_signals(threading.Event()) as stop:  # SIGTERM/SIGINT: a graceful stop, exit 0
+        summary = replayer.run(until_caught_up=until_caught_up, timeout=timeout, stop=stop)
     click.echo(json.dumps(summary.to_json()))
     if until_caught_up and not summary.caught_up:
         why = f"--timeout {timeout:g} s passed" if timeout is not None else "it was stopped"

@@ -32,12 +32,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--metrics-port", type=int, default=None, help="serve /metrics on 127.0.0.1")
     a = p.parse_args(argv)
-    setup_logging()
-    if a.metrics_port:
-        from bridge.metrics import serve_metrics
-
-        serve_metrics(a.metrics_port)
     try:
+        setup_logging()
+        if a.metrics_port:
+            from bridge.metrics import serve_metrics
+
+            serve_metrics(a.metrics_port, option="--metrics-port")
         cfg = load_config(a.config)
         spark = get_spark("diode-black")
         summary = run_black(cfg, spark, a.trigger, timeout=a.timeout)

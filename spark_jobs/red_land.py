@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import threading
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -18,6 +19,7 @@ def main(argv: list[str] | None = None) -> int:
     from bridge.errors import ConfigError, DiodeError
     from bridge.logs import get_logger, log_event, setup_logging
     from bridge.red.job import run_red
+    from bridge.signals import stop_on_signals
     from bridge.spark import get_spark
 
     p = argparse.ArgumentParser(
@@ -32,15 +34,16 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--metrics-port", type=int, default=None, help="serve /metrics on 127.0.0.1")
     a = p.parse_args(argv)
-    setup_logging()
-    if a.metrics_port:
-        from bridge.metrics import serve_metrics
-
-        serve_metrics(a.metrics_port)
     try:
+        setup_logging()
+        if a.metrics_port:
+            from bridge.metrics import serve_metrics
+
+            serve_metrics(a.metrics_port, option="--metrics-port")
         cfg = load_config(a.config)
         spark = get_spark("diode-red")
-        summary = run_red(cfg, spark, a.trigger, timeout=a.timeout)
+        with stop_on_signals(threading.Event()) as stop:  # SIGTERM/SIGINT: a graceful stop
+            summary = run_red(cfg, spark, a.trigger, timeout=a.timeout, stop=stop)
     except DiodeError as e:  # a clear line and an exit status, not a traceback
         log_event(get_logger("spark_jobs.red_land"), 50, f"red job failed: {e}")
         print(f"error: {e}", file=sys.stderr)

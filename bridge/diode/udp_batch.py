@@ -168,4 +168,4 @@ class DatagramBatcher:
                 time.sleep(0.001)
 
     def _where(self) -> str:
-        return f"{self.dest[0]}:{self.dest[1]}"
+        return f"{self.dest[0]}:{self.dest[1]} (udp.send.destination)"

@@ -12,10 +12,12 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
 import tempfile
+import time
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -388,3 +390,29 @@ def test_udp_relay_help_shows_the_relays_options() -> None:
         code, out = _run("udp", "relay", flag)
         assert code == 0, out
         assert "--listen" in out and "--forward" in out and "--loss" in out, out
+
+
+def test_red_replay_service_stops_gracefully_on_sigterm(short_tmp: Path) -> None:
+    """systemd stops a service with SIGTERM: the publisher finishes its pass, prints its
+    summary and exits 0 (it died with 143 and no summary)."""
+    from bridge.red.tables import RedTables
+
+    RedTables(short_tmp / "red" / "tables", "delta-rs").ensure()
+    p = _red_cfg(short_tmp, "amqp://guest:guest@127.0.0.1:1/%2F")  # down: it keeps retrying
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("DIODE__", "DIODE_CONFIG"))}
+    log = short_tmp / "stderr.txt"
+    with open(log, "w") as err_file:  # noqa: PTH123
+        proc = subprocess.Popen(
+            [*DIODE, "--log-format", "text", "red", "replay", "--config", str(p)],
+            stdout=subprocess.PIPE, stderr=err_file, text=True, env=env,
+        )  # fmt: skip
+        deadline = time.monotonic() + 60
+        while "keeps retrying" not in log.read_text() and time.monotonic() < deadline:
+            assert proc.poll() is None, log.read_text()
+            time.sleep(0.1)
+        time.sleep(1.5)  # past the start-up warning: publishing passes (retrying) have begun
+        assert proc.poll() is None, log.read_text()
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 0, log.read_text()[-2000:]
+    assert json.loads(out.strip().splitlines()[-1])["caught_up"] is False, out
