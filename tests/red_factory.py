@@ -20,9 +20,12 @@ import datetime as dt
 import decimal
 import json
 import os
+import shutil
 import subprocess
+import tempfile
 import uuid
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -82,6 +85,18 @@ def kill_agents(root: Path) -> None:
             capture_output=True,
             check=False,
         )
+
+
+@contextmanager
+def temp_red_keys(prefix: str) -> Iterator[RedKeys]:
+    """``RedKeys`` under a new short dir in /tmp (gpg-agent socket paths), its agents stopped and
+    the dir removed afterwards: the body of a module-scoped ``keys`` fixture."""
+    root = Path(tempfile.mkdtemp(prefix=prefix, dir="/tmp"))
+    try:
+        yield RedKeys.create(root)
+    finally:
+        kill_agents(root)
+        shutil.rmtree(root, ignore_errors=True)
 
 
 @dataclass

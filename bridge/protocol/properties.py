@@ -184,15 +184,7 @@ def headers_table(raw: bytes) -> bytes | None:
     it has none. Checks the block's structure exactly as :func:`scan_properties` does (flags,
     lengths, no trailing bytes; ProtocolError otherwise) but decodes no value: the cheap check
     for a caller that only forwards the bytes."""
-    if type(raw) is not bytes:
-        raw = _bytes(raw, "property bytes")
-    n = len(raw)
-    if n < 2:
-        raise ProtocolError(f"property bytes are {n} byte(s) long: the property flags need 2")
-    flags = raw[0] << 8 | raw[1]
-    if flags & 3:
-        what = "continuation flag (bit 0)" if flags & 1 else "unknown property flag bit 1"
-        raise ProtocolError(f"property flags 0x{flags:04x} set the {what}: not AMQP 0-9-1 Basic")
+    raw, n, flags = _block(raw)
     table = None
     off = 2
     try:
@@ -213,22 +205,13 @@ def headers_table(raw: bytes) -> bytes | None:
         raise ProtocolError(
             f"property bytes are truncated: {n} bytes, property flags 0x{flags:04x}"
         ) from None
-    if off != n:
-        if off > n:
-            raise ProtocolError(
-                f"property bytes are truncated: {n} bytes, the properties need {off}"
-            )
-        raise ProtocolError(f"property bytes have {n - off} trailing byte(s) at offset {off}")
+    _ends_at(n, off)
     return table
 
 
-def _bytes(raw: Any, what: str) -> bytes:
-    if isinstance(raw, bytearray | memoryview):
-        return bytes(raw)
-    raise ProtocolError(f"{what} must be bytes, not {type(raw).__name__}")
-
-
-def _scan(raw: bytes, tables: bool) -> list[Any]:
+def _block(raw: Any) -> tuple[bytes, int, int]:
+    """``raw`` as bytes, its length and its property flags (checked: two bytes, no
+    continuation, no unknown bit)."""
     if type(raw) is not bytes:
         raw = _bytes(raw, "property bytes")
     n = len(raw)
@@ -238,6 +221,27 @@ def _scan(raw: bytes, tables: bool) -> list[Any]:
     if flags & 3:
         what = "continuation flag (bit 0)" if flags & 1 else "unknown property flag bit 1"
         raise ProtocolError(f"property flags 0x{flags:04x} set the {what}: not AMQP 0-9-1 Basic")
+    return raw, n, flags
+
+
+def _ends_at(n: int, off: int) -> None:
+    """The properties, read up to ``off``, must end exactly at the block's end ``n``."""
+    if off != n:
+        if off > n:
+            raise ProtocolError(
+                f"property bytes are truncated: {n} bytes, the properties need {off}"
+            )
+        raise ProtocolError(f"property bytes have {n - off} trailing byte(s) at offset {off}")
+
+
+def _bytes(raw: Any, what: str) -> bytes:
+    if isinstance(raw, bytearray | memoryview):
+        return bytes(raw)
+    raise ProtocolError(f"{what} must be bytes, not {type(raw).__name__}")
+
+
+def _scan(raw: bytes, tables: bool) -> list[Any]:
+    raw, n, flags = _block(raw)
     out: list[Any] = [None] * 14
     off = 2
     try:
@@ -270,12 +274,7 @@ def _scan(raw: bytes, tables: bool) -> list[Any]:
         ) from None
     except RecursionError:
         raise ProtocolError("headers table is nested too deeply") from None
-    if off != n:
-        if off > n:
-            raise ProtocolError(
-                f"property bytes are truncated: {n} bytes, the properties need {off}"
-            )
-        raise ProtocolError(f"property bytes have {n - off} trailing byte(s) at offset {off}")
+    _ends_at(n, off)
     return out
 
 

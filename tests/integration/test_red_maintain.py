@@ -16,17 +16,8 @@ from bridge.red.job import open_tables
 from bridge.red.layout import LOCK_FILE
 from bridge.red.maintain import maintain_tables
 from bridge.red.tables import RedTables
+from tests.integration.test_cli_red_ops import CONFIG
 from tests.integration.test_red_tables import ledger
-
-CONFIG = """[[channels]]
-name = "orders"
-encrypt = false
-
-[red]
-state_dir = "red/state"
-tables_dir = "red/delta"
-delta_engine = "delta-rs"
-"""
 
 
 def setup(tmp_path: Path) -> tuple[Config, RedTables]:

@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import dataclasses
 import random
-import shutil
-import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -23,10 +21,10 @@ from bridge.red.source import FileBatch, InboxStreamReader
 from tests.integration.test_gpg import busy_message
 from tests.red_factory import (
     RedKeys,
-    kill_agents,
     make_bundle,
     make_heartbeat,
     make_rows,
+    temp_red_keys,
     write_red_toml,
 )
 from tests.support import small_tmpfs
@@ -37,12 +35,8 @@ ALL = ReadAllAvailable()
 
 @pytest.fixture(scope="module")
 def keys() -> Iterator[RedKeys]:
-    root = Path(tempfile.mkdtemp(prefix="rs", dir="/tmp"))
-    try:
-        yield RedKeys.create(root)
-    finally:
-        kill_agents(root)
-        shutil.rmtree(root, ignore_errors=True)
+    with temp_red_keys("rs") as k:
+        yield k
 
 
 @pytest.fixture

@@ -15,7 +15,6 @@ import shutil
 import signal
 import struct
 import subprocess
-import tempfile
 import threading
 import time
 from collections.abc import Iterator
@@ -47,13 +46,13 @@ from bridge.red.verify import (
 from tests.integration.test_gpg import busy_message
 from tests.red_factory import (
     RedKeys,
-    kill_agents,
     make_bundle,
     make_chain,
     make_heartbeat,
     make_rows,
     red_config,
     seal_as,
+    temp_red_keys,
 )
 from tests.support import small_tmpfs
 
@@ -62,12 +61,8 @@ CHANNELS = {"orders": True, "plain": False}
 
 @pytest.fixture(scope="module")
 def keys() -> Iterator[RedKeys]:
-    root = Path(tempfile.mkdtemp(prefix="rv", dir="/tmp"))
-    try:
-        yield RedKeys.create(root)
-    finally:
-        kill_agents(root)
-        shutil.rmtree(root, ignore_errors=True)
+    with temp_red_keys("rv") as k:
+        yield k
 
 
 @pytest.fixture

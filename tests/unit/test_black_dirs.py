@@ -10,25 +10,9 @@ import pytest
 
 from bridge.black.job import make_black_dirs
 from bridge.black.spool import SPOOL_DIR_MODE
-from bridge.config import Config, config_from_dict
 from bridge.errors import ConfigError
 from tests.support import small_tmpfs
-
-
-def config(base: Path, **black: str) -> Config:
-    data = {
-        "channels": [{"name": "d1", "encrypt": False}],
-        "black": {
-            "outbox": "black/outbox",
-            "archive": "black/archive",
-            "state_dir": "black/state",
-            "spool_dir": "black/spool",
-            "checkpoint_dir": "black/checkpoint",
-            "gnupg_home": "keys/black",
-            **black,
-        },
-    }
-    return config_from_dict(data, base=base, environ={})
+from tests.unit.test_file_drop_places import config
 
 
 @pytest.mark.parametrize("key", ["state_dir", "spool_dir", "checkpoint_dir"])

@@ -10,10 +10,8 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -22,7 +20,7 @@ import pytest
 from bridge.config import Config, load_config
 from bridge.errors import ConfigError
 from bridge.red.job import check_red_config
-from tests.red_factory import BRIDGE_ID, RedKeys, kill_agents
+from tests.red_factory import BRIDGE_ID, RedKeys, temp_red_keys
 
 pytestmark = [pytest.mark.gpg]
 
@@ -42,12 +40,8 @@ NO_JAVA = "/nonexistent/diode-test-no-java"
 
 @pytest.fixture(scope="module")
 def keys() -> Iterator[RedKeys]:
-    root = Path(tempfile.mkdtemp(prefix="drd", dir="/tmp"))  # short: gpg-agent sockets
-    try:
-        yield RedKeys.create(root)
-    finally:
-        kill_agents(root)
-        shutil.rmtree(root, ignore_errors=True)
+    with temp_red_keys("drd") as k:
+        yield k
 
 
 def cfg_file(root: Path, keys: RedKeys, **red: str) -> Path:
