@@ -383,26 +383,35 @@ def captured_logs(logger_name: str) -> Iterator[list[logging.LogRecord]]:
         logger.setLevel(level)
 
 
+def _confirmed(conn: Connection, acked: int, seconds: float) -> int:
+    """The highest delivery tag confirmed, after one poll of up to ``seconds``; a nack fails."""
+    for c in conn.poll(seconds).confirms:
+        assert c.ack, f"the broker nacked publish {c.delivery_tag}"
+        acked = max(acked, c.delivery_tag)
+    return acked
+
+
 def publish_confirmed(
     url: str,
     messages: Iterable[tuple[str, str, bytes, bytes]],
     *,
     client_name: str = "diode-test-producer",
+    window: int = 2000,
 ) -> None:
-    """Publish ``(exchange, routing key, property bytes, body)`` in order with confirms, through
+    """Publish ``(exchange, routing key, property bytes, body)`` in order with confirms (at
+    most about ``window`` unconfirmed), through
     the bridge's own client (raw property bytes: pika cannot send float headers; names that are
     not UTF-8 go as surrogate escapes); returns once the broker acked every one."""
     conn = Connection.open(url, client_name=client_name)
     try:
         ch = conn.channel()
         ch.confirm_select()
-        last = 0
+        acked = last = 0
         for exchange, rk, props, body in messages:
             last = ch.publish(exchange, rk, props, body)
-        acked = 0
+            if last - acked > window:  # bounded in flight: take the confirms so far
+                acked = _confirmed(conn, acked, 0.5)
         while acked < last:
-            for c in conn.poll(1.0).confirms:
-                assert c.ack, f"the broker nacked publish {c.delivery_tag}"
-                acked = max(acked, c.delivery_tag)
+            acked = _confirmed(conn, acked, 1.0)
     finally:
         conn.close()

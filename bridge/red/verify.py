@@ -543,12 +543,7 @@ def _check_host(
         _require_unlockable(gpg, name)
     if res.has("ERRSIG") or res.has("NO_PUBKEY"):
         _require_pinned_keys(gpg, name, ctx)
-    if room is not None:
-        src, need, plain_dir = room
-        with open(src, "rb") as f:  # unreadable intake file: OSError, a fault of this host
-            f.read(1)
-        if res.has("PLAINTEXT"):
-            _require_room(plain_dir, need, name)
+    _require_intake_and_room(room, name, wrote=res.has("PLAINTEXT"))
 
 
 def _check_host_after_timeout(
@@ -562,10 +557,21 @@ def _check_host_after_timeout(
     probe = ctx.gpg(timeout=_PROBE_SECONDS)
     _require_unlockable(probe, name)
     _require_pinned_keys(probe, name, ctx)
-    if room is not None:
-        src, need, plain_dir = room
-        with open(src, "rb") as f:  # unreadable intake file: OSError, a fault of this host
-            f.read(1)
+    _require_intake_and_room(room, name, wrote=True)
+
+
+def _require_intake_and_room(
+    room: tuple[Path, int, Path] | None, name: str, *, wrote: bool
+) -> None:
+    """For a bundle (``room``: intake file, bytes its plaintext may need, plaintext dir): its
+    intake file readable (OSError, a fault of this host), and, if gpg may have ``wrote`` its
+    plaintext, ``plain_dir`` room for it (``_require_room``)."""
+    if room is None:
+        return
+    src, need, plain_dir = room
+    with open(src, "rb") as f:
+        f.read(1)
+    if wrote:
         _require_room(plain_dir, need, name)
 
 

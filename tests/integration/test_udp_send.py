@@ -381,13 +381,18 @@ def send_in_background(env: Env, cfg: Config) -> tuple[threading.Thread, list[An
         target=lambda: result.append(run_sender(cfg, until_idle=True, timeout=30)), daemon=True
     )
     th.start()
-    deadline = time.monotonic() + 10
+    wait_until_sending(env, th)
+    return th, result
+
+
+def wait_until_sending(env: Env, th: threading.Thread, timeout: float = 10) -> None:
+    """Until the sender's journal says a file is being sent (its thread still alive)."""
+    deadline = time.monotonic() + timeout
     while (
         not (env.state / JOURNAL).exists() or '"sending"' not in (env.state / JOURNAL).read_text()
     ):
-        assert time.monotonic() < deadline
+        assert th.is_alive() and time.monotonic() < deadline
         time.sleep(0.01)
-    return th, result
 
 
 def test_a_file_truncated_while_it_is_sent_is_never_journaled_sent_as_it_was(env: Env) -> None:
@@ -620,12 +625,7 @@ def test_a_sender_stopped_mid_file_leaves_no_outbox_file_open(env: Env) -> None:
     result: list[SendSummary] = []
     th = threading.Thread(target=lambda: result.append(run_sender(cfg, stop=stop)), daemon=True)
     th.start()
-    deadline = time.monotonic() + 10
-    while (
-        not (env.state / JOURNAL).exists() or '"sending"' not in (env.state / JOURNAL).read_text()
-    ):
-        assert time.monotonic() < deadline
-        time.sleep(0.01)
+    wait_until_sending(env, th)
     time.sleep(0.2)
     assert outbox_fds(env.outbox)  # the file is being read
     stop.set()
@@ -884,12 +884,7 @@ def test_heartbeats_keep_their_period_while_a_large_file_is_digested(env: Env) -
     stop = threading.Event()
     th = threading.Thread(target=lambda: run_sender(cfg, stop=stop), daemon=True)
     th.start()
-    deadline = time.monotonic() + 30
-    while (
-        not (env.state / JOURNAL).exists() or '"sending"' not in (env.state / JOURNAL).read_text()
-    ):
-        assert th.is_alive() and time.monotonic() < deadline
-        time.sleep(0.01)
+    wait_until_sending(env, th, timeout=30)
     time.sleep(0.1)
     stop.set()
     th.join(timeout=30)

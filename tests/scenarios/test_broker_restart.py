@@ -33,7 +33,7 @@ from bridge.config import Config, load_config
 from bridge.errors import BrokerError
 from bridge.protocol.properties import Properties, encode_properties, field_table
 from tests.conftest import AUTH, MGMT, Vhost
-from tests.support import REPO, wait_for
+from tests.support import REPO, publish_confirmed, wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.broker]
 
@@ -77,22 +77,14 @@ def sent_messages() -> list[tuple[bytes, bytes]]:
 
 
 def publish(url: str, messages: list[tuple[bytes, bytes]]) -> None:
-    conn = Connection.open(url, client_name="restart-test-producer")
+    conn = Connection.open(url, client_name="restart-test-setup")
     try:
-        ch = conn.channel()
-        ch.exchange_declare("ev", "fanout", durable=True)
-        ch.confirm_select()
-        acked = last = 0
-        for props, body in messages:
-            last = ch.publish("ev", "", props, body)
-            if last - acked > 2000:
-                acked = max([acked, *(c.delivery_tag for c in conn.poll(0.5).confirms)])
-        while acked < last:
-            for c in conn.poll(1.0).confirms:
-                assert c.ack, f"the broker nacked message {c.delivery_tag}"
-                acked = max(acked, c.delivery_tag)
+        conn.channel().exchange_declare("ev", "fanout", durable=True)
     finally:
         conn.close()
+    publish_confirmed(
+        url, (("ev", "", p, b) for p, b in messages), client_name="restart-test-producer"
+    )
 
 
 def rabbitmqctl(*args: str, timeout: float = 120) -> None:
