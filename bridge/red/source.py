@@ -38,7 +38,7 @@ import json
 import logging
 import os
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -62,6 +62,7 @@ from bridge.red.verify import (
     NoRoomNow,
     PlainRoom,
     VerifyContext,
+    held_beside,
     plain_need,
     plain_room,
     verify_file,
@@ -206,7 +207,7 @@ class InboxStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         ``red.max_batch_bytes`` (at least one file), whose plaintexts fit in ``plain_dir``
         together. Files at the head that cannot be verified now (no room, still changing)
         are skipped; when files behind them are chosen, they are renumbered behind those."""
-        room = self._room()
+        rooms = self._rooms()
         now = time.monotonic()
         self._forget_gone(files)
         budget, total, planned = self.cfg.red.max_batch_bytes, 0, 0
@@ -215,6 +216,7 @@ class InboxStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         for t in files:
             if len(chosen) >= cap:
                 break
+            room = rooms(t)
             need = 0 if room is None else plain_need(t.name, t.size, self.ctx, room)
             ready = self._unchanged(t, now) and (room is None or room.fits(need, planned=planned))
             if not ready:
@@ -235,13 +237,18 @@ class InboxStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
             self._get_intake().renumber(skipped)
         return chosen
 
-    def _room(self) -> PlainRoom | None:
-        """The room in ``plain_dir``'s file system now (None: cannot tell; executors check)."""
+    def _rooms(self) -> Callable[[Taken], PlainRoom | None]:
+        """The room in ``plain_dir``'s file system now for each intake file: less its own
+        size when intake shares that file system (None: cannot tell; executors check)."""
         d = Path(self.ctx.plain_dir)
+        d = d if d.is_dir() else d.parent
         try:
-            return plain_room(d if d.is_dir() else d.parent)
+            room = plain_room(d)
         except OSError:
-            return None
+            return lambda _t: None
+        if held_beside(intake_dir(self.cfg), 1, d) == 0:
+            return lambda _t: room
+        return lambda t: room.beside(t.size)
 
     def _unchanged(self, t: Taken, now: float) -> bool:
         """False while a file taken again (``_take_back_left``) keeps changing, and until it
@@ -355,10 +362,11 @@ class InboxStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         s, e = int(start.get("next", 0)), int(end.get("next", 0))
         self._planned = (s, e)
         files = [t for t in self._get_intake().pending() if s <= t.ordinal < e]
-        room = self._room()
+        rooms = self._rooms()
         keep: list[Taken] = []
         planned = 0
         for t in files:
+            room = rooms(t)
             need = 0 if room is None else plain_need(t.name, t.size, self.ctx, room)
             if room is not None and not room.fits(need, planned=planned):
                 # less room than when planned (or a batch replayed after a restart): left in

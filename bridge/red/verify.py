@@ -35,7 +35,8 @@ Reject reasons (``Verdict.reason``), in check order:
 ``too_large``             bigger than a configured limit: a heartbeat file over 1 MiB, or a
                           bundle whose plaintext would exceed ``max_plain_bytes``; or a
                           bundle that needs more room than the whole file system of
-                          ``plain_dir`` has (it could never be verified here; one that only
+                          ``plain_dir`` has beside the intake file itself when they share
+                          it (it could never be verified here; one that only
                           needs more than is free now waits in intake: ``NoRoomNow``)
 ``signature``             bad, missing or several signatures, unknown key, wrong class, on
                           an intact envelope (signed-only, or decryption integrity-checked)
@@ -119,6 +120,7 @@ __all__ = [
     "VerifyEnvironmentError",
     "NoRoomNow",
     "PlainRoom",
+    "held_beside",
     "plain_need",
     "plain_room",
     "sweep_plain_dir",
@@ -671,6 +673,11 @@ class PlainRoom:
         """Whether a plaintext of ``need`` bytes fits now beside ``planned`` more bytes."""
         return need <= 0 or planned + need + self.reserve(need) <= self.free
 
+    def beside(self, held: int) -> PlainRoom:
+        """This room for a plaintext written while ``held`` bytes (the intake file itself, on
+        the same file system) stay used: the most that can ever be free is then less."""
+        return PlainRoom(free=self.free, capacity=max(0, self.capacity - held))
+
 
 def plain_room(plain_dir: Path | str) -> PlainRoom:
     """The room in the file system of ``plain_dir`` (OSError if it cannot be asked)."""
@@ -681,9 +688,19 @@ def plain_room(plain_dir: Path | str) -> PlainRoom:
     )
 
 
+def held_beside(path: Path, size: int, plain_dir: Path) -> int:
+    """``size`` if the intake file at ``path`` lies in ``plain_dir``'s file system (it stays
+    there while its plaintext is written), else 0; 0 too if either cannot be asked."""
+    try:
+        return size if os.stat(path).st_dev == os.stat(plain_dir).st_dev else 0
+    except OSError:
+        return 0
+
+
 def plain_need(name: str, size: int, ctx: VerifyContext, room: PlainRoom) -> int:
     """Bytes gpg may write to ``plain_dir`` for the intake file ``name`` of ``size`` bytes:
-    0 for a heartbeat (opened in memory) and for a bundle refused before gpg runs."""
+    0 for a heartbeat (opened in memory) and for a bundle refused before gpg runs. ``room``
+    is that of the file (``PlainRoom.beside`` its own size when they share a file system)."""
     if _kind_of(name) != "bundle":
         return 0
     limit, configured = _open_limit(size, ctx)
@@ -747,13 +764,15 @@ def _verify_bundle(
         )
     # bundles are sealed uncompressed: an honest plaintext is never larger than its file
     need = min(size, limit)
-    room = plain_room(plain.parent)
+    held = held_beside(path, size, plain.parent)
+    room = plain_room(plain.parent).beside(held)
     if need > room.capacity:  # could never be verified here: a host fault forever, so reject
+        also = f" beside the file itself ({held} bytes)" if held else ""
         raise _Reject(
             "too_large",
             f"{size} bytes on the wire: its plaintext may need {need} bytes, more than the "
-            f"whole file system of {plain.parent} holds ({room.capacity}); set "
-            "red.max_plain_bytes or give red.work_dir more room",
+            f"whole file system of {plain.parent} holds{also} ({room.capacity} bytes left); "
+            "set red.max_plain_bytes or give red.work_dir more room",
         )
     if not room.fits(need):
         # gpg writes the plaintext before it checks the signature: a file bigger than the

@@ -212,3 +212,24 @@ def test_a_file_that_changes_after_it_was_taken_is_judged_once_complete(
     finally:
         t.join()
     assert [n for _, n in r._pending()] == [name]
+
+
+def test_a_bundle_that_can_never_fit_beside_itself_is_planned_and_rejected(
+    keys: RedKeys, reader_at: Callable[[Path, RedKeys], InboxStreamReader]
+) -> None:
+    """Intake and plain_dir share a file system: a file bigger than half of it can never be
+    opened, however much is freed. The source plans it at once (to be rejected ``too_large``
+    before gpg) instead of leaving it waiting for room forever."""
+    with small_tmpfs("16m", "rshalf") as fs:
+        r = reader_at(fs, keys)
+        inbox = fs / "red" / "inbox"
+        big = "orders.000000000001." + "e" * 32 + ".dbundle"
+        (inbox / big).write_bytes(random.Random(2).randbytes(9 * MiB))
+        start = {"next": 1}
+        end = poll(r, start, lambda: len(r._pending()) == 1)
+        parts = planned(r, start, end)
+        assert [n for _, n in ordinals(parts)] == [big]
+        judged = rows(r, parts)
+        assert [(x["name"], x["status"], x["reason"]) for x in judged] == [
+            (big, "reject", "too_large")
+        ]

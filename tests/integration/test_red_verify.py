@@ -40,6 +40,9 @@ from bridge.red.verify import (
     Verdict,
     VerifyContext,
     VerifyEnvironmentError,
+    held_beside,
+    plain_need,
+    plain_room,
     sweep_plain_dir,
     verify_file,
 )
@@ -672,6 +675,34 @@ def test_a_bundle_bigger_than_the_free_space_waits_without_filling_the_disk(
 
 
 # ---------------------------------------------------------------------------- context, rows
+
+
+def test_a_bundle_that_can_never_fit_beside_itself_is_rejected_not_left_waiting(
+    keys: RedKeys, ctx: VerifyContext
+) -> None:
+    """The intake file stays on disk while gpg writes its plaintext: where both share a file
+    system, a file bigger than half of it could never be opened, however much is freed. It is
+    rejected ``too_large`` before gpg runs, instead of waiting in intake forever."""
+    name = "orders.000000000001." + "e" * 32 + ".dbundle"
+    with small_tmpfs("16m", "rvhalf") as fs:
+        (fs / "plain").mkdir()
+        (fs / "intake").mkdir()
+        path = fs / "intake" / name
+        subprocess.run(
+            ["gpg", "--homedir", str(keys.forger_home), "--batch", "-z", "0", "--store",
+             "--output", str(path)],
+            input=random.Random(4).randbytes(9 * 2**20), check=True, capture_output=True,
+        )  # fmt: skip
+        small = dataclasses.replace(ctx, plain_dir=str(fs / "plain"))
+        room = plain_room(fs / "plain")
+        assert path.stat().st_size < room.capacity < 2 * path.stat().st_size  # the case
+        with PeakWatcher(fs / "plain") as w:
+            v = rejected(path, name, small, "too_large")
+        assert w.peak == 0 and "beside the file itself" in (v.detail or ""), v.detail
+        held = held_beside(path, path.stat().st_size, fs / "plain")
+        assert held == path.stat().st_size
+        assert plain_need(name, held, small, room.beside(held)) == 0  # the source agrees
+        assert plain_need(name, held, small, room) == held  # as it judged before
 
 
 def test_context_from_config_and_pickle(keys: RedKeys, short_tmp: Path) -> None:
