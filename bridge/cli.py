@@ -403,7 +403,8 @@ def black_run(
     run.mirror.sync()  # ... and on the broker, the management API and queue arguments
     spark = get_spark("diode-black")
     try:
-        summary = run.run(spark, trigger, timeout=timeout)  # type: ignore[arg-type]
+        with stop_on_signals(threading.Event()) as stop:  # SIGTERM/SIGINT: a graceful stop
+            summary = run.run(spark, trigger, timeout=timeout, stop=stop)  # type: ignore[arg-type]
     finally:
         spark.stop()
     click.echo(json.dumps(summary.to_json()))

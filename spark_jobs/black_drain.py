@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import threading
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -18,6 +19,7 @@ def main(argv: list[str] | None = None) -> int:
     from bridge.config import load_config
     from bridge.errors import ConfigError, DiodeError
     from bridge.logs import get_logger, log_event, setup_logging
+    from bridge.signals import stop_on_signals
     from bridge.spark import get_spark
 
     p = argparse.ArgumentParser(
@@ -40,7 +42,8 @@ def main(argv: list[str] | None = None) -> int:
             serve_metrics(a.metrics_port, option="--metrics-port")
         cfg = load_config(a.config)
         spark = get_spark("diode-black")
-        summary = run_black(cfg, spark, a.trigger, timeout=a.timeout)
+        with stop_on_signals(threading.Event()) as stop:  # SIGTERM/SIGINT: a graceful stop
+            summary = run_black(cfg, spark, a.trigger, timeout=a.timeout, stop=stop)
     except DiodeError as e:  # a clear line and an exit status, not a traceback
         log_event(get_logger("spark_jobs.black_drain"), 50, f"black job failed: {e}")
         print(f"error: {e}", file=sys.stderr)

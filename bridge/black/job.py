@@ -17,6 +17,7 @@ query idles, a last availableNow query seals what is left (the earlier behaviour
 from __future__ import annotations
 
 import os
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -43,6 +44,8 @@ __all__ = ["BlackRun", "BlackSummary", "run_black", "check_black_config", "Trigg
 
 log = get_logger("bridge.black.job")
 Trigger = Literal["available-now", "continuous"]
+Stop = threading.Event | None
+"""Set to end a run gracefully (SIGTERM); None: only its timeout or its end stop it."""
 DRAIN_TRIGGER_SECONDS = 1.0
 """Scheduled runs: the drain query's trigger (at most; black.trigger_seconds if shorter)."""
 DRAIN_IDLE_TRIGGERS = 5
@@ -188,17 +191,20 @@ class BlackRun:
             for ch in self.cfg.channels
         )
 
-    def _drain(self, spark: Any, taps: UntilEmptyTaps, t0: float, timeout: float | None) -> bool:
+    def _drain(
+        self, spark: Any, taps: UntilEmptyTaps, t0: float, timeout: float | None, stop: Stop
+    ) -> bool:
         """Scheduled runs: one drain query while the taps drain; True once the taps have
-        ended and the journal covers every spool, False to leave the rest to an availableNow
-        query (the drain query idled ``DRAIN_IDLE_TRIGGERS`` triggers short of the end)."""
+        ended and the journal covers every spool (or the run was stopped), False to leave the
+        rest to an availableNow query (the drain query idled ``DRAIN_IDLE_TRIGGERS`` triggers
+        short of the end)."""
         query = self.start_query(spark, "drain")
         every = self._drain_every()
         seen, progressed = -1, time.monotonic()
         try:
             while not query.awaitTermination(min(every, 0.2)):  # the end is seen within 0.2 s
                 now = time.monotonic()
-                if timeout is not None and now - t0 >= timeout:
+                if _ended(t0, timeout, stop):
                     return True  # as an availableNow run stopped by its timeout
                 if not taps.done():
                     continue
@@ -224,10 +230,14 @@ class BlackRun:
             finally:
                 self.sink.drain()
 
-    def _query(self, spark: Any, trigger: Trigger, timeout: float | None) -> None:
+    def _query(
+        self, spark: Any, trigger: Trigger, t0: float, timeout: float | None, stop: Stop
+    ) -> None:
         query = self.start_query(spark, trigger)
         try:
-            query.awaitTermination(timeout)
+            while not query.awaitTermination(0.2):  # a stop is seen within 0.2 s
+                if _ended(t0, timeout, stop):
+                    break
         finally:
             try:
                 if query.isActive:
@@ -236,17 +246,26 @@ class BlackRun:
                 self.sink.drain()  # every collected batch sealed (or the error raised)
 
     def run(
-        self, spark: Any, trigger: Trigger = "available-now", *, timeout: float | None = None
+        self,
+        spark: Any,
+        trigger: Trigger = "available-now",
+        *,
+        timeout: float | None = None,
+        stop: threading.Event | None = None,
     ) -> BlackSummary:
         """Mirror, drain and seal. ``available-now`` stops when the backlog is sealed.
+
+        ``timeout`` (seconds) or ``stop`` (set, e.g. on SIGTERM) end the run gracefully: the
+        query stops, every batch it collected is sealed, the taps stop (what they made durable
+        stays in the spool for the next run) and a final heartbeat is written.
 
         Holds an exclusive lock on the state dir for the whole run: two black jobs on one
         journal would fork the bundle chain.
         """
         with exclusive_lock(Path(self.cfg.black.state_dir) / LOCK_FILE, what="black run"):
-            return self._run(spark, trigger, timeout)
+            return self._run(spark, trigger, timeout, stop)
 
-    def _run(self, spark: Any, trigger: Trigger, timeout: float | None) -> BlackSummary:
+    def _run(self, spark: Any, trigger: Trigger, timeout: float | None, stop: Stop) -> BlackSummary:
         t0 = time.monotonic()
         self.outbox.sweep_stale_temps()
         self.sink = BatchSink(self.cfg, self.sealer)  # a fresh sink: no stale error or results
@@ -272,11 +291,12 @@ class BlackRun:
             else:
                 scheduled = UntilEmptyTaps(self.cfg, timeout=timeout)
             if scheduled is None:
-                self._query(spark, trigger, timeout)
+                self._query(spark, trigger, t0, timeout, stop)
             else:
-                if not self._drain(spark, scheduled, t0, timeout):
-                    self._query(spark, "available-now", timeout)  # seals what is left
-                scheduled.finish()  # raises if a tap failed (what it spooled is sealed)
+                if not self._drain(spark, scheduled, t0, timeout, stop):
+                    self._query(spark, "available-now", t0, timeout, stop)  # seals the rest
+                if stop is None or not stop.is_set():  # stopped: the taps are stopped below
+                    scheduled.finish()  # raises if a tap failed (what it spooled is sealed)
         finally:
             mirror_loop.stop()  # a no-op when it never started
             if taps is not None:
@@ -296,6 +316,13 @@ class BlackRun:
             s.bundles += 1
             s.lost += sum(g.last_seq - g.first_seq + 1 for g in b.gaps)
         return s
+
+
+def _ended(t0: float, timeout: float | None, stop: Stop) -> bool:
+    """The run's timeout has passed or it was asked to stop."""
+    return (stop is not None and stop.is_set()) or (
+        timeout is not None and time.monotonic() - t0 >= timeout
+    )
 
 
 def run_black(

@@ -29,6 +29,7 @@ import hashlib
 import io
 import json
 import os
+import signal
 import urllib.parse
 from pathlib import Path
 from typing import Any
@@ -55,6 +56,22 @@ MAX_ROWS = 20
 HEARTBEAT_S = 1.0
 N_BIG = 100
 BIG_BYTES = 4 * 1024 * 1024
+
+
+def tap_pids(job_pid: int) -> list[int]:
+    """The pids of ``diode black tap`` processes whose parent is ``job_pid``."""
+    found = []
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            ppid = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            cmd = (d / "cmdline").read_bytes().split(b"\0")
+        except (OSError, IndexError, ValueError):
+            continue
+        if ppid == job_pid and b"tap" in cmd:
+            found.append(int(d.name))
+    return found
 
 
 def write_config(work: Path, amqp_url: str, mgmt: str, black_fpr: str, red_fpr: str) -> Path:
@@ -310,6 +327,18 @@ def test_live_job_heartbeats_new_exchange_unbound_direct_and_a_long_seal(
         bad = [e for e in job.log_events() if e.get("level") in ("error", "critical")]
         assert bad == [], bad
         assert len(direct_reported()) == 1, "the unbound direct exchange must be warned once"
+
+        # ---- 5. systemd's stop (KillMode=mixed): SIGTERM to the job's process only. The job
+        #      stops its query and its taps, writes a last heartbeat, prints its summary and
+        #      exits 0 (it died with -15, no summary)
+        taps = tap_pids(job.proc.pid)
+        assert taps, "no tap process found under the job"
+        job.proc.send_signal(signal.SIGTERM)
+        rc = job.wait(120)
+        assert rc == 0, job.stderr_path.read_text()[-3000:]
+        summary = json.loads(job.stdout_path.read_text().strip().splitlines()[-1])
+        assert summary["messages"] == total, summary
+        wait_for(lambda: not any(Path(f"/proc/{p}").exists() for p in taps), 30, "taps to end")
     finally:
         job.kill()
 
