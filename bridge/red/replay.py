@@ -76,7 +76,14 @@ from prometheus_client import Counter, Gauge
 
 from bridge.amqp.client import Channel, Connection, Returned, parse_url
 from bridge.config import Config
-from bridge.errors import AmqpClosed, BrokerError, DiodeError, ProtocolError, StateError
+from bridge.errors import (
+    AmqpAccessRefused,
+    AmqpClosed,
+    BrokerError,
+    DiodeError,
+    ProtocolError,
+    StateError,
+)
 from bridge.fsutil import atomic_write_bytes, durable_mkdir, exclusive_lock
 from bridge.logs import get_logger, log_event
 from bridge.metrics import REGISTRY
@@ -1244,11 +1251,19 @@ class Replayer:
                 self._url, client_name=self.client_name, heartbeat=HEARTBEAT
             )
         except BrokerError as e:
-            METRICS.errors.labels("", "connection").inc()
+            refused = isinstance(e, AmqpAccessRefused)
+            METRICS.errors.labels("", "login_refused" if refused else "connection").inc()
             self._schedule_reconnect()
             res.error = f"red broker at {self.where}: {e}"
-            log_event(log, 30, "red broker unavailable", target=self.where, error=str(e),
-                      retry_seconds=self._backoff)  # fmt: skip
+            if refused:  # a password or permission changed under a running publisher
+                log_event(log, 40, "red broker refused the login or the vhost: nothing is "
+                          "published until red.replay.amqp_url's user, password and vhost are "
+                          "accepted again (fix them on the broker, or fix the config and "
+                          "restart); retrying", target=self.where, error=str(e),
+                          retry_seconds=self._backoff)  # fmt: skip
+            else:
+                log_event(log, 30, "red broker unavailable", target=self.where, error=str(e),
+                          retry_seconds=self._backoff)  # fmt: skip
             return False
         if self._backoff:  # kept until a publish is confirmed (a row may kill each connection)
             log_event(log, 20, "red broker connected again", target=self.where)

@@ -14,6 +14,7 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.parse
 import uuid
 from collections.abc import Iterator, Sequence
 from dataclasses import replace
@@ -749,6 +750,57 @@ def test_broker_down_and_lost_connections_are_survived(
         relay.stopped.set()
         if c:
             c.close()
+
+
+@pytestmark_broker
+def test_a_login_refused_after_a_good_start_is_an_error_with_its_own_metric(
+    tmp_path: Path, tables: RedTables, red_vhost: Vhost, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The publisher's password is changed on the red broker while it runs: it keeps retrying
+    (a service: the fix may come on the broker's side), but says so as an error naming
+    red.replay.amqp_url, counted apart from a broker that is down."""
+    import requests
+
+    from tests.integration.test_amqp_client import Relay
+
+    user = f"diode-test-{uuid.uuid4().hex[:8]}"
+    api = f"{MGMT}/api"
+    vq = urllib.parse.quote(red_vhost.name, safe="")
+    auth = ("guest", "guest")
+    requests.put(f"{api}/users/{user}", json={"password": "one", "tags": ""}, auth=auth,
+                 timeout=10).raise_for_status()  # fmt: skip
+    relay = Relay()
+    r: Replayer | None = None
+    try:
+        everything = {"configure": ".*", "write": ".*", "read": ".*"}
+        requests.put(
+            f"{api}/permissions/{vq}/{user}", auth=auth, timeout=10, json=everything
+        ).raise_for_status()
+        x = ExchangeDecl("r", "fanout", True)
+        land(tables, 1, rows("c1", range(10), x))
+        url = f"amqp://{user}:one@127.0.0.1:{relay.port}/{vq}"
+        r = Replayer(make_cfg(tmp_path, url, ["r"]))
+        assert r.step().confirmed == 10
+        refused = ("bridge_red_replay_errors_total", {"exchange": "", "kind": "login_refused"})
+        before = REGISTRY.get_sample_value(*refused) or 0.0
+        requests.put(f"{api}/users/{user}", json={"password": "two", "tags": ""}, auth=auth,
+                     timeout=10).raise_for_status()  # fmt: skip
+        relay.sever()
+        land(tables, 2, rows("c1", range(10, 20), x))
+        caplog.set_level("WARNING", logger="bridge.red.replay")
+        t0 = time.monotonic()
+        while (REGISTRY.get_sample_value(*refused) or 0.0) == before:
+            assert time.monotonic() - t0 < 30, "the refused login was never counted"
+            assert r.step().confirmed == 0
+            time.sleep(0.1)
+        errors = [x for x in caplog.records if x.levelname == "ERROR"]
+        assert errors and "refused the login" in errors[0].getMessage(), caplog.records
+        assert "red.replay.amqp_url" in errors[0].getMessage()
+    finally:
+        if r is not None:
+            r.close()
+        relay.stopped.set()
+        requests.delete(f"{api}/users/{user}", auth=auth, timeout=10)
 
 
 @pytestmark_broker
