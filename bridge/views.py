@@ -170,7 +170,7 @@ def red_status_view(st: Mapping[str, Any]) -> RenderableType:
         gaps = _ranges(c.get("open_gaps", []), "first_bundle_seq", "last_bundle_seq")
         t.add_row(
             name,
-            _v(c.get("contig")),
+            _v(c.get("accounted", c.get("contig"))),
             _v(c.get("lag_bundles")),
             _v(c.get("highest")),
             _warn(gaps) if gaps != _NONE else gaps,

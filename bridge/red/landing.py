@@ -72,7 +72,21 @@ log = get_logger("bridge.red.landing")
 APP_ID = "diode-red"
 REQUESTS_DIR = "requests"
 """``work_dir/requests/*.json``: operator requests the landing applies at its next tick."""
+_CHAIN_EVENTS = {
+    "chain_verified": "verified",
+    "chain_broken": "broken",
+    "chain_unverifiable": "unverifiable",
+}
+"""Sequence events that set a landed bundle's ``bundles.chain_status``."""
 READ_BATCH_ROWS = 16_384
+
+
+def _seq_of(doc: dict[str, Any], key: str) -> int:
+    """``doc[key]`` as a bundle seq: a JSON integer, nothing that merely converts to one."""
+    v = doc[key]
+    if type(v) is not int:
+        raise ValueError(f"{key} must be an integer, not {v!r}")
+    return v
 
 
 class LandingError(DiodeError):
@@ -465,8 +479,8 @@ class Landing:
             for ev in adm.events:
                 audit.append(_event_row(ev, now))
                 res.events[ev.kind] = res.events.get(ev.kind, 0) + 1
-                if ev.kind in ("chain_verified", "chain_broken"):
-                    status = "verified" if ev.kind == "chain_verified" else "broken"
+                if ev.kind in _CHAIN_EVENTS:
+                    status = _CHAIN_EVENTS[ev.kind]
                     if ev.bundle_seq == facts.bundle_seq:
                         chain = status if chain != "broken" else chain
                     elif ev.bundle_seq is not None:
@@ -559,7 +573,11 @@ class Landing:
                 "plains": [],
                 "ledger": [],
                 "audit": audit,
-                "chain_updates": [],
+                "chain_updates": [
+                    [ev.channel, ev.bundle_seq, _CHAIN_EVENTS[ev.kind]]
+                    for ev in events
+                    if ev.kind in _CHAIN_EVENTS and ev.bundle_seq is not None
+                ],  # a write-off makes the link into the bundle above it unverifiable
                 "moves": [],
                 "consumed": consumed,
                 "state_after": state.to_json(),
@@ -624,6 +642,8 @@ class Landing:
         ``work_dir/requests/``; an unreadable one is logged and audited as refused."""
         docs, paths = [], []
         for p, doc, error in _json_files(self.work_dir / REQUESTS_DIR):
+            if error is None and not isinstance(doc, dict):  # JSON, but not a request
+                doc, error = None, ValueError(f"not a JSON object: {type(doc).__name__}")
             if error is not None:
                 log_event(log, 40, "operator request unreadable: ignored", path=str(p),
                           error=str(error))  # fmt: skip
@@ -640,7 +660,7 @@ class Landing:
         try:
             note = str(doc.get("note", ""))
             if kind == "write_off":
-                first, last = int(doc["first_bundle_seq"]), int(doc["last_bundle_seq"])
+                first, last = _seq_of(doc, "first_bundle_seq"), _seq_of(doc, "last_bundle_seq")
                 events = sq.write_off(state, str(doc["channel"]), first, last, note, now)
             elif kind == "retire":
                 events = sq.retire(state, str(doc["channel"]), note, now, self.channels)
@@ -858,7 +878,7 @@ class Landing:
             RED.events.labels(kind).inc(k)
         for ch, cs in self.state.channels.items():
             RED.open_gaps.labels(ch).set(len(cs.gaps))
-            RED.contiguous_bundle_seq.labels(ch).set(cs.contig)
+            RED.contiguous_bundle_seq.labels(ch).set(sq.accounted(cs))  # written off counts
             RED.known_bundle_seq.labels(ch).set(cs.known)
             RED.link_silent.labels(ch).set(1 if cs.silent else 0)
             if cs.heartbeat is not None:

@@ -61,8 +61,12 @@ def _operator_view(c: dict[str, Any], now: datetime) -> dict[str, Any]:
     counters = c.get("counters") or {}
     broken = int(counters.get("chain_broken", 0))
     chain = f"broken ({broken})" if broken else "intact"
-    if c.get("open_gaps") or c.get("landed_above"):
-        chain += f", unverified above {c['contig']}"  # links across a hole wait for it
+    accounted = c.get("accounted", c["contig"])  # carried across written-off bundles
+    if c.get("written_off"):  # links into the bundles after them can never be checked
+        chain += f", unverifiable across {len(c['written_off'])} written-off range(s)"
+    above = [r for r in c.get("landed_above", []) if r[1] > accounted]
+    if c.get("open_gaps") or above:
+        chain += f", unverified above {accounted}"  # links across a hole wait for it
     return {
         "lag_bundles": sum(
             g["last_bundle_seq"] - g["first_bundle_seq"] + 1 for g in c.get("open_gaps", [])

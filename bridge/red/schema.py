@@ -54,10 +54,11 @@ AUDIT_PARTITIONS = ("event_date",)
 BUNDLE_STATUSES = ("landed", "duplicate", "conflict", "quarantined")
 """``bundles.status``: what red did with the file."""
 
-CHAIN_STATUSES = ("first", "verified", "pending", "broken")
+CHAIN_STATUSES = ("first", "verified", "pending", "broken", "unverifiable")
 """``bundles.chain_status`` of a landed bundle: ``first`` (bundle 1, no predecessor),
 ``verified`` (prev_sha256 matches the landed predecessor), ``pending`` (predecessor not landed
-yet), ``broken`` (mismatch). Rows that did not land carry ``CHAIN_NOT_LANDED``."""
+yet), ``broken`` (mismatch), ``unverifiable`` (the predecessor was written off). Rows that did
+not land carry ``CHAIN_NOT_LANDED``."""
 CHAIN_NOT_LANDED = "n/a"
 """``bundles.chain_status`` of a row whose status is not ``landed`` (no chain to check)."""
 
@@ -77,6 +78,7 @@ AUDIT_EVENTS = (
     "request_refused",  # an operator request (write-off, retire) was refused when applied
     "chain_verified",  # prev_sha256 of a bundle matched its landed predecessor
     "chain_broken",  # prev_sha256 did not match: the bundle chain was forked or tampered with
+    "chain_unverifiable",  # the predecessor of a landed bundle was written off: never checked
     "coverage_mismatch",  # a manifest's coverage disagrees with its rows and declared gaps
     "overlap_skipped",  # rows already landed by an earlier bundle were not appended again
     "heartbeat",  # a verified heartbeat arrived

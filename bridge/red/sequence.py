@@ -6,7 +6,9 @@ Docs: protocol.md §6 (seqs, gaps, coverage rule, hash chain), §8 (duplicates),
 Per channel the state is a *frontier* that stays small however long the link runs:
 
 - ``contig``: the highest bundle seq n with 1..n all landed, with the plaintext SHA-256 and the
-  coverage end ("accounted up to seq") of bundle n;
+  coverage end ("accounted up to seq") of bundle n (``accounted``: carried across bundles an
+  operator wrote off, for reports; the links into the bundles after them are
+  ``chain_unverifiable``);
 - ``runs``: landed bundles above ``contig`` (only while a hole is open), as runs of
   consecutive bundle seqs keeping just what the links at their two edges still need, so a hole
   that never fills costs one run, not one record per bundle behind it;
@@ -73,6 +75,7 @@ __all__ = [
     "write_off",
     "retire",
     "seqs_within",
+    "accounted",
     "summary",
 ]
 
@@ -362,6 +365,8 @@ def admit(state: SequenceState, facts: BundleFacts, now: datetime | None = None)
     skip, overlap_events = _overlap(cs, facts)
     events += overlap_events
     events += _place(cs, facts)
+    if _written_off(cs, n - 1):  # its predecessor will never come: the link cannot be checked
+        events.append(_unverifiable(cs, facts.channel, n))
     cov = facts.coverage
     if cov is not None:
         cs.landed = _add_interval(cs.landed, *cov)
@@ -488,7 +493,37 @@ def write_off(
     cs.gaps = kept
     cs.written_off.append(WrittenOff(first, last, at, note))
     cs.written_off.sort(key=lambda w: w.first)
+    above = _run_holding(cs, last + 1)
+    if above is not None and above.lo == last + 1:  # landed, waiting for a link now lost
+        events.append(_unverifiable(cs, channel, last + 1))
     return events
+
+
+def _written_off(cs: ChannelState, n: int) -> bool:
+    """Bundle ``n`` is written off (and has not arrived since)."""
+    return any(w.first <= n <= w.last for w in cs.written_off)
+
+
+def _unverifiable(cs: ChannelState, channel: str, n: int) -> Event:
+    """The link into bundle ``n`` can never be checked: bundle n-1 was written off."""
+    _count(cs, "chain_unverifiable")
+    detail = {"prev_bundle_seq": n - 1}
+    return Event("chain_unverifiable", channel, n, reason="written_off", detail=detail)
+
+
+def accounted(cs: ChannelState) -> int:
+    """The highest bundle seq n with each of 1..n landed or written off: ``contig`` carried
+    across written-off ranges and the landed runs right above them."""
+    n = cs.contig
+    starts = {r.lo: r.hi for r in cs.runs}
+    offs = {w.first: w.last for w in cs.written_off}
+    while True:
+        if n + 1 in offs:
+            n = offs[n + 1]
+        elif n + 1 in starts:
+            n = starts[n + 1]
+        else:
+            return n
 
 
 def retire(
@@ -545,6 +580,7 @@ def summary(state: SequenceState) -> dict[str, dict[str, Any]]:
         hb = cs.heartbeat
         out[name] = {
             "contig": cs.contig,
+            "accounted": accounted(cs),
             "highest": cs.highest,
             "known": cs.known,
             "landed_above": [[r.lo, r.hi] for r in cs.runs],

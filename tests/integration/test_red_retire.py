@@ -67,7 +67,7 @@ def test_retire_is_refused_while_configured_then_audits_and_stops_the_watch(
     assert p.returncode == 0, p.stderr
     out = json.loads(p.stdout.strip().splitlines()[-1])
     assert out["applied"] is True and out["gaps_written_off"] == [[2, 5]]
-    assert out["events"] == {"gap_written_off": 1, "channel_retired": 1}
+    assert out["events"] == {"gap_written_off": 1, "chain_unverifiable": 1, "channel_retired": 1}
     (row,) = _audit(cfg, "channel_retired")
     detail = json.loads(row["detail"])
     assert (row["channel"], row["reason"], detail["was_silent"]) == ("old", "operator", True)
@@ -103,7 +103,7 @@ def test_retire_beside_a_running_job_is_queued_for_its_next_tick(tmp_path: Path)
         out = json.loads(p.stdout.strip().splitlines()[-1])
         assert out["applied"] is False and Path(out["queued"]).exists()
         res = landing.tick()  # what the running job does about every second
-    assert res.events == {"gap_written_off": 1, "channel_retired": 1}
+    assert res.events == {"gap_written_off": 1, "chain_unverifiable": 1, "channel_retired": 1}
     assert not Path(out["queued"]).exists()
     assert landing.state.channels["old"].retired is not None
 

@@ -102,3 +102,24 @@ def test_write_off_beside_a_running_job_is_queued_for_its_next_tick(tmp_path: Pa
     assert _gaps(cfg)["open_transit_gaps"] == []
     assert not Path(out["queued"]).exists()
     assert len(_audit(cfg, "gap_written_off")) == 1
+
+
+def test_writing_off_a_whole_gap_carries_the_frontier_and_marks_the_link_unverifiable(
+    tmp_path: Path,
+) -> None:
+    """Bundles 2..5 written off with 6 landed: red's status counts 1..6 as accounted (it
+    stayed at 1 for good, so 'does not move' alerts fired for ever), and the link into 6 is
+    audited as unverifiable."""
+    cfg = _config(tmp_path)
+    _with_gap(cfg)
+    p = _cli(cfg, "write-off", "--channel", "c1", "--from", "2", "--to", "5", "--note", "INC-8")
+    assert p.returncode == 0, p.stderr
+    out = json.loads(p.stdout.strip().splitlines()[-1])
+    assert out["events"] == {"gap_written_off": 1, "chain_unverifiable": 1}, out
+    (row,) = _audit(cfg, "chain_unverifiable")
+    assert (row["channel"], row["bundle_seq"], row["reason"]) == ("c1", 6, "written_off")
+    p = _cli(cfg, "status", "--json")
+    assert p.returncode == 0, p.stderr
+    c1 = json.loads(p.stdout)["channels"]["c1"]
+    assert (c1["contig"], c1["accounted"]) == (1, 6), c1
+    assert "unverified above" not in c1["chain"] and "unverifiable across 1" in c1["chain"], c1

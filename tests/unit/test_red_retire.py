@@ -27,9 +27,11 @@ def test_retiring_writes_off_open_gaps_and_stops_the_watch() -> None:
     s = _state()
     events = sq.retire(s, "old", "CHG-42 decommissioned", T1, configured=["new"])
     assert [(e.kind, e.reason) for e in events] == [
-        ("gap_written_off", "operator"), ("channel_retired", "operator")]  # fmt: skip
+        ("gap_written_off", "operator"), ("chain_unverifiable", "written_off"),
+        ("channel_retired", "operator")]  # fmt: skip
     assert (events[0].detail["first_bundle_seq"], events[0].detail["last_bundle_seq"]) == (2, 5)
-    d = events[1].detail
+    assert events[1].bundle_seq == 6  # landed above the written-off range
+    d = events[2].detail
     assert d["gaps_written_off"] == [[2, 5]] and d["was_silent"] is True
     assert (d["contig"], d["highest"], d["known"], d["note"]) == (1, 6, 6, "CHG-42 decommissioned")
     assert sq.open_gaps(s) == []
