@@ -27,7 +27,7 @@ from bridge.black.heartbeat import HeartbeatLoop, HeartbeatWriter, prune_unless_
 from bridge.black.mirror import Mirror, MirrorLoop
 from bridge.black.recovery import recover_committed
 from bridge.black.seal import BundleSealer
-from bridge.black.sink import BatchSink
+from bridge.black.sink import BatchSink, SealingFailed
 from bridge.black.source import SpoolDataSource
 from bridge.black.spool import SPOOL_DIR_MODE, SpoolReader
 from bridge.black.state import LOCK_FILE, StateStore
@@ -36,7 +36,7 @@ from bridge.config import Config
 from bridge.crypto.gpg import Gpg
 from bridge.crypto.keys import signing_gpg
 from bridge.diode.file_drop import Outbox
-from bridge.errors import ConfigError
+from bridge.errors import ConfigError, DiodeError
 from bridge.fsutil import DIR_MODE, durable_mkdir, exclusive_lock
 from bridge.logs import get_logger, log_event
 
@@ -204,8 +204,8 @@ class BlackRun:
         try:
             while not query.awaitTermination(min(every, 0.2)):  # the end is seen within 0.2 s
                 now = time.monotonic()
-                if _ended(t0, timeout, stop):
-                    return True  # as an availableNow run stopped by its timeout
+                if _ended(t0, timeout, stop) or self.sink.failure() is not None:
+                    return True  # as an availableNow run stopped by its timeout (or raises)
                 if not taps.done():
                     continue
                 if self._caught_up():
@@ -235,8 +235,15 @@ class BlackRun:
     ) -> None:
         query = self.start_query(spark, trigger)
         try:
-            while not query.awaitTermination(0.2):  # a stop is seen within 0.2 s
-                if _ended(t0, timeout, stop):
+            while True:
+                try:
+                    if query.awaitTermination(0.2):  # a stop is seen within 0.2 s
+                        break
+                except Exception:
+                    if self.sink.failure() is None:
+                        raise
+                    break  # the sink stopped the query: its own error is raised below
+                if _ended(t0, timeout, stop) or self.sink.failure() is not None:
                     break
         finally:
             try:
@@ -244,6 +251,17 @@ class BlackRun:
                     query.stop()
             finally:
                 self.sink.drain()  # every collected batch sealed (or the error raised)
+        self._raise_unhealthy()
+
+    def _raise_unhealthy(self) -> None:
+        """A dead tap or a failed mirror ends the run with its own error (a tap's
+        configuration error exits 2), not with a clean summary."""
+        err = self.sink.failure()
+        if err is None:
+            return
+        if isinstance(err, DiodeError):
+            raise err
+        raise SealingFailed(f"stopping the black job: {err}") from err
 
     def run(
         self,

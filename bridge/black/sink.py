@@ -99,8 +99,20 @@ class BatchSink:
         self._journal = StateStore(Path(cfg.black.state_dir))
 
     def busy(self) -> bool:
-        """A batch handed over is still being collected or sealed."""
-        return self.handed > self.totals.batches
+        """A batch handed over is still being collected or sealed (never after a failure)."""
+        return self._error is None and self.handed > self.totals.batches
+
+    def failure(self) -> BaseException | None:
+        """Why the query must stop now: sealing failed, or a health check (a dead tap, a
+        failed mirror) says so. The job polls this: Spark calls the sink only when there is a
+        next batch, and after such a failure there may never be one."""
+        if self._error is not None:
+            return self._error
+        for check in self.health_checks:
+            err = check()
+            if err is not None:
+                return err
+        return None
 
     # -- Spark side ---------------------------------------------------------------------------
     def __call__(self, df: Any, batch_id: int) -> None:

@@ -275,3 +275,83 @@ def test_a_drain_query_idle_short_of_the_spool_end_leaves_the_rest_to_an_availab
     assert any("drain query idle" in r.getMessage() for r in caplog.records), "fault fired"
     assert summary.messages == 300 and summary.lost == 0
     assert StateStore(cfg.black.state_dir).load("main").last_seq == 299
+
+
+def test_a_sealing_failure_on_the_last_batch_ends_a_scheduled_run_at_once(
+    black_vhost: Any, short_tmp: Path, spark: Any
+) -> None:
+    """Sealing fails on the run's last batch (the archive cannot take the bundle): Spark never
+    hands the sink another batch, so the error must be seen without one. The run raises at
+    once; it hung until its timeout (for ever without one), holding black.lock and sending
+    heartbeats, so nothing told red or the scheduler."""
+    from bridge.black.sink import SealingFailed
+
+    inv = init_keys(short_tmp / "keys", red_names=("red",))
+    cfg = load_config(
+        write_config(short_tmp, black_vhost.amqp_url, inv.black_fpr, list(inv.red_fprs.values()))
+    )
+    declare(black_vhost.amqp_url)
+    run = BlackRun(cfg)
+    run.mirror.sync()
+    publish(black_vhost.amqp_url, 10)
+    archive = short_tmp / "black" / "archive"
+    archive.mkdir(parents=True, exist_ok=True)
+    (archive / "main").write_text("not a directory")  # the fault
+    t0 = time.monotonic()
+    with pytest.raises(SealingFailed, match="not a directory"):
+        run.run(spark, "available-now", timeout=150)
+    assert time.monotonic() - t0 < 60, "the failure was seen only at the run's timeout"
+    assert StateStore(cfg.black.state_dir).load("main").last_seq == -1  # nothing shipped
+
+
+def test_a_tap_stopped_by_a_configuration_error_ends_a_continuous_run(
+    black_vhost: Any, short_tmp: Path, spark: Any
+) -> None:
+    """The broker refuses the tap (permissions revoked) and the tap exits on a configuration
+    error: nothing reaches the spool, so Spark hands the sink no batch to check health on. The
+    run must end with that error (systemd restarts on failure); it ran on for ever with no tap,
+    heartbeating, and exited 0 when stopped."""
+    import threading
+    import urllib.parse
+
+    import requests
+
+    from bridge.errors import DiodeError
+
+    inv = init_keys(short_tmp / "keys", red_names=("red",))
+    cfg = load_config(
+        write_config(short_tmp, black_vhost.amqp_url, inv.black_fpr, list(inv.red_fprs.values()))
+    )
+    declare(black_vhost.amqp_url)
+    run = BlackRun(cfg)
+    api, auth = f"{black_vhost.management_url}/api", ("guest", "guest")
+    vq = urllib.parse.quote(black_vhost.name, safe="")
+    raised: list[BaseException] = []
+
+    def go() -> None:
+        try:
+            run.run(spark, "continuous", timeout=150)
+        except BaseException as e:  # noqa: BLE001 - handed to the test
+            raised.append(e)
+
+    t = threading.Thread(target=go, daemon=True)
+    t.start()
+    try:
+        deadline = time.monotonic() + 60
+        while not requests.get(f"{api}/vhosts/{vq}/connections", auth=auth, timeout=10).json():
+            assert time.monotonic() < deadline and t.is_alive(), "the tap never connected"
+            time.sleep(0.3)
+        requests.delete(f"{api}/permissions/{vq}/guest", auth=auth, timeout=10)  # the fault
+        for c in requests.get(f"{api}/vhosts/{vq}/connections", auth=auth, timeout=10).json():
+            requests.delete(f"{api}/connections/{urllib.parse.quote(c['name'], safe='')}",
+                            auth=auth, timeout=10)  # fmt: skip
+        t0 = time.monotonic()
+        t.join(120)
+        assert not t.is_alive(), "the run went on without its tap"
+        assert time.monotonic() - t0 < 60
+    finally:
+        everything = {"configure": ".*", "write": ".*", "read": ".*"}
+        requests.put(f"{api}/permissions/{vq}/guest", json=everything, auth=auth, timeout=10)
+        t.join(150)
+    assert len(raised) == 1 and isinstance(raised[0], DiodeError), raised
+    assert "tap" in str(raised[0]) or "mirror" in str(raised[0]), raised[0]
