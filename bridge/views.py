@@ -159,12 +159,7 @@ def red_status_view(st: Mapping[str, Any]) -> RenderableType:
             t.add_row(name, _v(c.get("note")), *[_NONE] * 8)
             continue
         counters = c.get("counters") or {}
-        if c.get("retired"):
-            link: Text | str = "retired"
-        elif c.get("silent"):
-            link = _warn(f"SILENT (> {silent_after} s)")
-        else:
-            link = "ok"
+        link = _link_cell(c, silent_after)
         age = c.get("heartbeat_age_s")
         chain: str = _v(c.get("chain"))
         gaps = _ranges(c.get("open_gaps", []), "first_bundle_seq", "last_bundle_seq")
@@ -191,11 +186,32 @@ def red_status_view(st: Mapping[str, Any]) -> RenderableType:
         parts.append(_warn("an interrupted landing waits: the next red run applies it first"))
     elif st.get("landing_running"):
         parts.append(Text("a red job (or an operator command) is landing now"))
+    if not st.get("landing_running"):
+        parts.append(_unwatched(st.get("channels", {})))
     parts.append(_replay_view(st.get("replay")))
     udp = st.get("link")
     if isinstance(udp, Mapping) and udp.get("transport") == "udp":
         parts.append(_link_view(udp))
     return Group(*parts)
+
+
+def _link_cell(c: Mapping[str, Any], silent_after: Any) -> RenderableType:
+    """SILENT when the job flagged it or the last heartbeat is older than allowed, else ok."""
+    if c.get("retired"):
+        return "retired"
+    if c.get("silent") or c.get("silent_now"):
+        return _warn(f"SILENT (> {silent_after} s)")
+    return "ok"
+
+
+def _unwatched(channels: Mapping[str, Any]) -> RenderableType:
+    """Without a red job nobody checks for silence: say so, louder when a link is silent."""
+    silent = sorted(n for n, c in channels.items() if c.get("silent_now") and not c.get("retired"))
+    text = ("no red job is running: silence is not being watched (no link_silent event, no "
+            "alarm); the link column is judged from the last heartbeat's age")  # fmt: skip
+    if silent:
+        return _warn(f"{text}; silent now: {', '.join(silent)}")
+    return Text(text)
 
 
 def _replay_view(rp: Any) -> RenderableType:

@@ -18,7 +18,11 @@ its whole landed history (its replay progress starts empty).
 
 ``approve_exchanges`` (the CLI) also writes ``approved`` / ``revoked`` rows into the audit
 table with the Delta application transaction ``("diode-approve", revision)``, catching up on
-any change whose audit row is missing (a crash between the two writes).
+any change whose audit row is missing (a crash between the two writes). It changes the file
+and writes the audit rows under one hold of ``approvals.lock``, so two runs never write the
+same rows, and numbers new changes above the audit's newest ``diode-approve`` version: after
+the file was lost or restored from an older backup, new changes still get audit rows (the
+file's revision jumps ahead instead of restarting at 1).
 """
 
 from __future__ import annotations
@@ -26,6 +30,8 @@ from __future__ import annotations
 import getpass
 import json
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -43,6 +49,7 @@ __all__ = [
     "Approvals",
     "Change",
     "approve_exchanges",
+    "audited_revision",
     "check_exchange_name",
     "effective_approved",
     "sync_audit",
@@ -187,9 +194,19 @@ class Approvals:
         revision when it was not approved)."""
         return self.change("revoke", name, by, note)[0]
 
-    def change(self, action: Action, name: str, by: str, note: str = "") -> tuple[int, bool]:
-        """Apply ``action`` to ``name``: (revision, whether this call changed anything)."""
+    def change(
+        self, action: Action, name: str, by: str, note: str = "", *, tables_dir: Path | None = None
+    ) -> tuple[int, bool]:
+        """Apply ``action`` to ``name``: (revision, whether this call changed anything). With
+        ``tables_dir``, a new revision is also above the audit's ``diode-approve`` version."""
         check_exchange_name(name)
+        with self.locked():
+            floor = _audit_floor(tables_dir)[0] if tables_dir is not None else 0
+            return self._apply(action, name, by, note, floor)
+
+    @contextmanager
+    def locked(self) -> Iterator[None]:
+        """Hold ``approvals.lock`` with the file read fresh: nothing changes it meanwhile."""
         durable_mkdir(self.state_dir)
         with exclusive_lock(
             self.state_dir / LOCK_FILE,
@@ -200,15 +217,24 @@ class Approvals:
             fresh = Approvals.load(self.state_dir)
             self.revision, self.history = fresh.revision, fresh.history
             self._approved = fresh._approved
-            current = self._approved.get(name)
-            if (action == "approve") == (current is not None):
-                return (current.revision if current is not None else self.revision), False
-            change = Change(self.revision + 1, action, name, str(by), str(note), _now())
-            self.history.append(change)
-            self.revision = change.revision
-            self._approved = _replay(self.history)
-            data = json.dumps(self.to_json(), indent=1, sort_keys=True).encode() + b"\n"
-            atomic_write_bytes(self.path, data)
+            yield
+
+    def _apply(self, action: Action, name: str, by: str, note: str, floor: int) -> tuple[int, bool]:
+        """``change`` for a holder of :meth:`locked`; a new revision is above ``floor`` too."""
+        current = self._approved.get(name)
+        if (action == "approve") == (current is not None):
+            return (current.revision if current is not None else self.revision), False
+        revision = max(self.revision, floor) + 1
+        if floor > self.revision:
+            log_event(log, 30, "approvals revision continues above the audit's",
+                      path=str(self.path), file_revision=self.revision, audit_revision=floor,
+                      revision=revision)  # fmt: skip
+        change = Change(revision, action, name, str(by), str(note), _now())
+        self.history.append(change)
+        self.revision = change.revision
+        self._approved = _replay(self.history)
+        data = json.dumps(self.to_json(), indent=1, sort_keys=True).encode() + b"\n"
+        atomic_write_bytes(self.path, data)
         log_event(log, 20, f"exchange {action}d for replay", exchange=name,
                   revision=change.revision, by=change.by, note=note)  # fmt: skip
         return change.revision, True
@@ -242,24 +268,69 @@ def _audit_event(c: Change) -> dict[str, Any]:
     }
 
 
-def sync_audit(tables_dir: Path, approvals: Approvals) -> int:
-    """Write the audit rows of every change the audit table lacks, in one commit
-    ``("diode-approve", newest revision)``; returns how many were written. Nothing (0) when
-    the audit table does not exist yet (the red job creates it; a later call catches up)."""
+def audited_revision(tables_dir: Path) -> int | None:
+    """The audit table's newest ``diode-approve`` version (0: none yet); None before the table
+    exists (the red job creates it)."""
     from deltalake import DeltaTable
 
-    from bridge.red.schema import audit_rows
     from bridge.red.tables import RedTables
 
     tables = RedTables(Path(tables_dir), "delta-rs")
     if not DeltaTable.is_deltatable(str(tables.path("audit"))):
+        return None
+    return max(tables.txn_version("audit", APP_ID), 0)
+
+
+def _audit_floor(tables_dir: Path) -> tuple[int, str | None]:
+    """(the audited revision new changes must exceed, why it could not be read or None)."""
+    try:
+        return audited_revision(tables_dir) or 0, None
+    except Exception as e:  # the approval still holds; sync_audit reports the same problem
+        why = (
+            f"the audit table in {tables_dir} is not readable ({type(e).__name__}: {e}): new "
+            f"revisions may repeat audited ones; check the audit's {APP_ID} rows"
+        )
+        log_event(log, 30, "approvals: audited revision not read", tables_dir=str(tables_dir),
+                  error=str(e))  # fmt: skip
+        return 0, why
+
+
+def _behind_audit(approvals: Approvals, audited: int) -> str | None:
+    """Why the approvals file is suspect when its revision is below the audit's, else None."""
+    if approvals.revision >= audited:
+        return None
+    return (
+        f"approvals file {approvals.path} is at revision {approvals.revision} but the audit "
+        f"table holds {APP_ID} revision {audited}: the file was lost or restored from an "
+        f"older backup, so changes {approvals.revision + 1}..{audited} are missing from it "
+        "(a revocation among them no longer holds); compare the approvals with the audit's "
+        "approved / revoked rows and approve or revoke again; new changes are numbered above "
+        f"{audited}"
+    )
+
+
+def sync_audit(tables_dir: Path, approvals: Approvals) -> int:
+    """Write the audit rows of every change the audit table lacks, in one commit
+    ``("diode-approve", newest revision)``; returns how many were written. Nothing (0) when
+    the audit table does not exist yet (the red job creates it; a later call catches up).
+    Call it holding ``approvals.locked()``: two unlocked calls may both write the same rows.
+    Warns when the audit holds a newer revision than the file (the file was lost or restored)."""
+    from bridge.red.schema import audit_rows
+    from bridge.red.tables import RedTables
+
+    have = audited_revision(tables_dir)
+    if have is None:
         return 0
-    have = tables.txn_version("audit", APP_ID)
+    behind = _behind_audit(approvals, have)
+    if behind is not None:
+        log_event(log, 30, behind, path=str(approvals.path), file_revision=approvals.revision,
+                  audit_revision=have)  # fmt: skip
     missing = approvals.changes_since(have)
     if not missing:
         return 0
     version = missing[-1].revision
     rows = audit_rows([_audit_event(c) for c in missing], APP_ID, version, datetime.now(UTC))
+    tables = RedTables(Path(tables_dir), "delta-rs")
     return len(missing) if tables.append("audit", rows, app_id=APP_ID, version=version) else 0
 
 
@@ -271,34 +342,37 @@ def approve_exchanges(
     note: str = "",
     by: str | None = None,
 ) -> dict[str, Any]:
-    """`diode approve [--revoke] NAME...`: change the approvals, audit them; returns a report."""
+    """`diode approve [--revoke] NAME...`: change the approvals and audit them, under one hold
+    of ``approvals.lock``; returns a report."""
     for name in names:
         check_exchange_name(name)
     who = by or _who()
-    approvals = Approvals.load(Path(cfg.red.state_dir))
+    action: Action = "revoke" if revoke else "approve"
+    tables_dir = Path(cfg.red.tables_dir)
+    approvals = Approvals(Path(cfg.red.state_dir))
     changed: list[dict[str, Any]] = []
     unchanged: list[str] = []
-    for name in names:
-        rev, did = approvals.change("revoke" if revoke else "approve", name, who, note)
-        if did:
-            changed.append({"exchange": name, "revision": rev})
-        else:
-            unchanged.append(name)
+    warnings: list[str] = []
+    with approvals.locked():
+        floor, unreadable = _audit_floor(tables_dir)
+        behind = _behind_audit(approvals, floor)  # before the changes lift the revision
+        for name in names:
+            rev, did = approvals._apply(action, name, who, note, floor)
+            if did:
+                changed.append({"exchange": name, "revision": rev})
+            else:
+                unchanged.append(name)
+        audited = _sync_or_defer(tables_dir, approvals)
+    warnings += [w for w in (unreadable, behind) if w is not None]
     configured = set(cfg.red.replay.approved)
-    warnings = []
     if revoke:
         for name in sorted(configured & set(names)):
             warnings.append(
                 f"exchange {name!r} stays approved: it is listed in red.replay.approved of the "
                 "configuration; remove it there and restart the replay publisher"
             )
-    try:
-        audited: int | str = sync_audit(Path(cfg.red.tables_dir), approvals)
-    except Exception as e:  # the approval itself is durable; the next call catches up
-        log_event(log, 30, "approval not audited yet", error=str(e))
-        audited = f"not written ({type(e).__name__}: {e}); the next `diode approve` retries"
     return {
-        "action": "revoke" if revoke else "approve",
+        "action": action,
         "revision": approvals.revision,
         "changed": changed,
         "unchanged": unchanged,
@@ -307,6 +381,16 @@ def approve_exchanges(
         "warnings": warnings,
         "audit_rows_written": audited,
     }
+
+
+def _sync_or_defer(tables_dir: Path, approvals: Approvals) -> int | str:
+    """``sync_audit``, or why it failed (the approvals are durable; the next call retries)."""
+    try:
+        return sync_audit(tables_dir, approvals)
+    except Exception as e:
+        log_event(log, 30, "approval not audited yet", tables_dir=str(tables_dir),
+                  revision=approvals.revision, error=str(e))  # fmt: skip
+        return f"not written ({type(e).__name__}: {e}); the next `diode approve` retries"
 
 
 def _who() -> str:

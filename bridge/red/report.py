@@ -76,6 +76,19 @@ def _operator_view(c: dict[str, Any], now: datetime) -> dict[str, Any]:
     }
 
 
+def _silence(
+    c: dict[str, Any], watch_since: str | None, now: datetime, silent_after: float
+) -> dict[str, Any]:
+    """``quiet_s`` (since the last heartbeat, else since watched) and ``silent_now`` (above
+    ``silent_after``; None if retired or never watched): true without a running job too."""
+    heard = (c.get("last_heartbeat") or {}).get("received_at")
+    ages = [a for a in (_age_s(heard, now), _age_s(watch_since, now)) if a is not None]
+    quiet = min(ages, default=None)  # the later reference is the younger one
+    if quiet is None or c.get("retired"):
+        return {"quiet_s": quiet, "silent_now": None}
+    return {"quiet_s": quiet, "silent_now": quiet > silent_after}
+
+
 def _quarantine(cfg: Config) -> dict[str, Any]:
     from bridge.red.quarantine import list_quarantined, quarantine_summary
 
@@ -87,13 +100,15 @@ def _quarantine(cfg: Config) -> dict[str, Any]:
 
 def red_status(cfg: Config) -> dict[str, Any]:
     """Per channel (last bundle, lag behind black's heartbeat, open gaps, chain, heartbeat
-    age, silence), files by folder, what was quarantined by reason, and replay progress."""
+    age, silence: ``silent`` as the running job last judged it, ``silent_now`` by the clock),
+    files by folder, what was quarantined by reason, and replay progress."""
     r = cfg.red
     land_seq, state, saved_at = load_sequence(cfg)
     now = datetime.now(UTC)
     channels = sq.summary(state)
-    for c in channels.values():
+    for name, c in channels.items():
         c.update(_operator_view(c, now))
+        c.update(_silence(c, state.channels[name].watch_since, now, r.link_silent_seconds))
     for name in (c.name for c in cfg.channels):
         channels.setdefault(name, {"note": "nothing received yet"})
     inbox = Path(r.inbox)

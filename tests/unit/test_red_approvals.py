@@ -198,3 +198,115 @@ def test_approvals_are_audited_once_and_missing_rows_catch_up(tmp_path: Path) ->
     assert sync_audit(tmp_path / "tables", Approvals.load(tmp_path / "state")) == 0
     dt.update_incremental()
     assert dt.to_pyarrow_table().num_rows == 3
+
+
+def _audited(dt: DeltaTable) -> list[tuple[str, str, int]]:
+    """(event, exchange, revision) of every approval audit row, in revision order."""
+    dt.update_incremental()
+    rows = [r for r in dt.to_pyarrow_table().to_pylist() if r["app_id"] == ap.APP_ID]
+    got = [(r["event"], r["exchange"], json.loads(r["detail"])["revision"]) for r in rows]
+    return sorted(got, key=lambda g: g[2])
+
+
+def test_a_lost_approvals_file_continues_above_the_audit(tmp_path: Path) -> None:
+    """Runbook: approvals.json lost -> "approve again". The new changes must not restart at
+    revision 1, at or below the audit's diode-approve version: they would never be audited."""
+    cfg = _cfg(tmp_path)
+    dt = _audit(tmp_path)
+    for name in ("a", "b", "c"):
+        approve_exchanges(cfg, [name], by="ops")
+    (tmp_path / "state" / ap.APPROVALS_FILE).unlink()
+    out = approve_exchanges(cfg, ["orders"], by="ops")
+    assert out["changed"] == [{"exchange": "orders", "revision": 4}], out
+    assert out["audit_rows_written"] == 1
+    (warning,) = out["warnings"]  # the operator learns changes 1..3 are not in the file
+    assert "revision 0" in warning and "revision 3" in warning and "1..3" in warning, warning
+    out = approve_exchanges(cfg, ["orders"], revoke=True, by="ops")
+    assert out["changed"] == [{"exchange": "orders", "revision": 5}] and out["warnings"] == []
+    assert _audited(dt)[3:] == [("approved", "orders", 4), ("revoked", "orders", 5)]
+    dt.update_incremental()
+    assert dt.transaction_version(ap.APP_ID) == 5
+    assert [c.revision for c in Approvals.load(tmp_path / "state").history] == [4, 5]
+
+
+def test_an_older_backup_is_warned_about_and_new_changes_are_audited(tmp_path: Path) -> None:
+    cfg = _cfg(tmp_path)
+    dt = _audit(tmp_path)
+    approve_exchanges(cfg, ["a", "b"], by="ops")
+    path = tmp_path / "state" / ap.APPROVALS_FILE
+    backup = path.read_bytes()  # revision 2
+    approve_exchanges(cfg, ["c"], by="ops")  # revision 3, audited
+    path.write_bytes(backup)  # restored from the older backup
+    out = approve_exchanges(cfg, ["a"], by="ops")  # approved already: no new revision
+    assert out["unchanged"] == ["a"] and out["audit_rows_written"] == 0
+    (warning,) = out["warnings"]
+    assert str(path) in warning and "revision 2" in warning and "revision 3" in warning, warning
+    assert "3..3" in warning and ap.APP_ID in warning
+    out = approve_exchanges(cfg, ["d"], by="ops")  # still behind: warned again, numbered above
+    assert out["changed"] == [{"exchange": "d", "revision": 4}] and out["warnings"] == [warning]
+    assert out["audit_rows_written"] == 1
+    assert _audited(dt)[-1] == ("approved", "d", 4)
+    assert approve_exchanges(cfg, ["e"], by="ops")["warnings"] == []  # caught up: no warning
+
+
+def test_change_with_tables_dir_numbers_above_the_audit_and_keeps_counting_without_it(
+    tmp_path: Path,
+) -> None:
+    state, tables = tmp_path / "state", tmp_path / "tables"
+    assert Approvals.load(state).change("approve", "x", "ops", tables_dir=tables) == (1, True)
+    (state / ap.APPROVALS_FILE).unlink()  # no audit table yet: the file's numbering stands
+    assert Approvals.load(state).change("approve", "y", "ops", tables_dir=tables) == (1, True)
+    assert ap.audited_revision(tables) is None
+    cfg = _cfg(tmp_path)
+    _audit(tmp_path)
+    approve_exchanges(cfg, ["z"], by="ops")  # revision 2, audited with y
+    assert ap.audited_revision(tables) == 2
+    (state / ap.APPROVALS_FILE).unlink()
+    assert Approvals.load(state).change("approve", "w", "ops", tables_dir=tables) == (3, True)
+    assert Approvals.load(state).change("approve", "v", "ops") == (4, True)
+
+
+def test_the_audit_rows_are_written_holding_the_approvals_lock(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two `diode approve` runs that write the audit outside the lock can both read the old
+    txn version and append the same rows (delta-rs accepts both commits)."""
+    from bridge.fsutil import lock_held
+    from bridge.red.tables import RedTables
+
+    cfg = _cfg(tmp_path)
+    _audit(tmp_path)
+    real_append = RedTables.append
+    held: list[bool] = []
+
+    def append_seeing_the_lock(self: RedTables, name: str, data: object, **kw: object) -> bool:
+        held.append(lock_held(tmp_path / "state" / ap.LOCK_FILE))
+        return real_append(self, name, data, **kw)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(RedTables, "append", append_seeing_the_lock)
+    out = approve_exchanges(cfg, ["orders", "prices"], by="ops")
+    assert out["audit_rows_written"] == 2 and held == [True]
+
+
+def test_concurrent_approve_runs_audit_each_revision_once(tmp_path: Path) -> None:
+    cfg = _cfg(tmp_path)
+    dt = _audit(tmp_path)
+    names = [f"x{i}" for i in range(12)]
+    errors: list[BaseException] = []
+
+    def work(chunk: list[str]) -> None:
+        try:
+            for n in chunk:
+                approve_exchanges(cfg, [n], by="t")
+        except BaseException as e:  # pragma: no cover - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=work, args=(names[i::3],)) for i in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    got = _audited(dt)
+    assert [g[2] for g in got] == list(range(1, 13)), got
+    assert sorted(g[1] for g in got) == sorted(names)

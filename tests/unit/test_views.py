@@ -174,3 +174,29 @@ def test_names_from_the_wire_are_never_rich_markup() -> None:
     assert "[/b]" in _text(views.black_status_view(black))
     out = _text(views.red_gaps_view(gaps))
     assert "[/note] [bold]n" in out and "[/why]" in out
+
+
+def _silence_report(**channel: Any) -> dict[str, Any]:
+    ops = {"contig": 4, "highest": 4, "chain": "intact", "heartbeat_age_s": 7200.0,
+           "silent": False, "counters": {}} | channel  # fmt: skip
+    return {"land_seq": 3, "link_silent_seconds": 60, "channels": {"ops": ops},
+            "files": {}, "quarantine": {}, "landing_running": False}  # fmt: skip
+
+
+def test_red_status_without_a_job_judges_silence_by_the_heartbeats_age() -> None:
+    """The saved ``silent`` is only updated by a running job's tick: with no job, a heartbeat
+    two hours old must not show "ok", and the view says nobody is watching."""
+    st = _silence_report(silent_now=True, quiet_s=7200.0)
+    out = _text(views.red_status_view(st))
+    assert "SILENT (> 60 s)" in out and "│ ok" not in out.replace("┃", "│"), out
+    assert "silence is not being watched" in out and "silent now: ops" in out, out
+    st = _silence_report(heartbeat_age_s=5.0, silent_now=False, quiet_s=5.0)
+    out = _text(views.red_status_view(st))
+    assert "SILENT" not in out and "silence is not being watched" in out, out
+    assert "silent now" not in out, out
+    st = _silence_report(silent_now=True, quiet_s=7200.0, retired={"at": "t", "note": "gone"})
+    out = _text(views.red_status_view(st))
+    assert "retired" in out and "SILENT" not in out and "silent now" not in out, out
+    st = _silence_report(silent_now=False, quiet_s=5.0) | {"landing_running": True}
+    out = _text(views.red_status_view(st))
+    assert "not being watched" not in out and "is landing now" in out, out
