@@ -300,8 +300,9 @@ class BlackConfig(_Strict):
     max_batch_bytes: int = Field(default=256 * 1024 * 1024, ge=1024 * 1024)
     """Memory budget of one micro-batch (estimated from the average message size seen so far)."""
 
-    heartbeat_seconds: float = Field(default=10.0, gt=0)
-    """A signed .dheartbeat per channel is written this often, even when idle."""
+    heartbeat_seconds: float = Field(default=10.0, gt=0, le=86400)
+    """A signed .dheartbeat per channel is written this often, even when idle (at most a day:
+    the heartbeat's ``interval_seconds``, protocol §9)."""
 
     bundle: BundleConfig = Field(default_factory=BundleConfig)
     """Bundle rotation and size limits."""

@@ -93,6 +93,9 @@ class BatchSink:
         self._avg: dict[str, float] = {}
         self._queue: queue.Queue[tuple[pa.Table, int, float, float] | None] = queue.Queue(maxsize=1)
         self._error: BaseException | None = None
+        self._sealing: tuple[str, int, int] | None = None
+        """The channel and spool positions [a, b) being sealed now (named when it fails)."""
+        self._failed_at = ""
         self._thread: threading.Thread | None = None
         self.handed = 0
         """Batches Spark has handed over (each is collected, then sealed: ``totals.batches``)."""
@@ -144,7 +147,9 @@ class BatchSink:
     # -- sealing thread -----------------------------------------------------------------------
     def _raise_if_failed(self) -> None:
         if self._error is not None:
-            raise SealingFailed(f"sealing failed, stopping: {self._error}") from self._error
+            raise SealingFailed(
+                f"sealing failed, stopping{self._failed_at}: {self._error}"
+            ) from self._error
 
     def _worker(self) -> None:
         while True:
@@ -156,7 +161,15 @@ class BatchSink:
             try:
                 self._seal(*item)
             except BaseException as e:  # noqa: BLE001 - reported through drain/next batch
-                log_event(log, 50, f"sealing failed: {e}", batch_id=item[1])
+                self._failed_at = (
+                    ""
+                    if self._sealing is None
+                    else (
+                        f" (channel {self._sealing[0]!r}, spool positions "
+                        f"{self._sealing[1]}..{self._sealing[2] - 1})"
+                    )
+                )
+                log_event(log, 50, f"sealing failed{self._failed_at}: {e}", batch_id=item[1])
                 self._error = e
 
     def _seal(self, table: pa.Table, batch_id: int, collect: float, began: float) -> None:
@@ -199,6 +212,7 @@ class BatchSink:
             if ch.name not in spans:
                 continue
             a, b = spans[ch.name]
+            self._sealing = (ch.name, a, b)
             batches = list(read_rows(Path(self.cfg.black.spool_dir), ch.name, a, b, catalog))
             sub = pa.Table.from_batches(batches, schema=source_schema())
             if not len(sub):

@@ -298,7 +298,9 @@ def test_a_sealing_failure_on_the_last_batch_ends_a_scheduled_run_at_once(
     archive.mkdir(parents=True, exist_ok=True)
     (archive / "main").write_text("not a directory")  # the fault
     t0 = time.monotonic()
-    with pytest.raises(SealingFailed, match="not a directory"):
+    with pytest.raises(
+        SealingFailed, match=r"channel .main., spool positions 0\.\.9.*not a directory"
+    ):
         run.run(spark, "available-now", timeout=150)
     assert time.monotonic() - t0 < 60, "the failure was seen only at the run's timeout"
     assert StateStore(cfg.black.state_dir).load("main").last_seq == -1  # nothing shipped

@@ -280,3 +280,11 @@ def test_a_metrics_port_out_of_range_or_in_use_names_port_and_option() -> None:
         with pytest.raises(ConfigError) as e:
             serve_metrics(port, option="--metrics-port")
     assert f"--metrics-port {port}" in str(e.value) and "another process" in str(e.value)
+
+
+def test_a_heartbeat_period_over_a_day_is_refused_at_load(tmp_path: Path) -> None:
+    """The heartbeat's interval_seconds is at most 86400 (protocol §9): a longer period was
+    accepted, then every heartbeat failed to build and red never heard one."""
+    msg = _refused(tmp_path, after="[black]\nheartbeat_seconds = 172800.0\n")
+    assert "black.heartbeat_seconds" in msg and "86400" in msg, msg
+    assert _load(tmp_path, after="[black]\nheartbeat_seconds = 86400.0\n")
