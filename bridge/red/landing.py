@@ -647,7 +647,7 @@ class Landing:
             if error is not None:
                 log_event(log, 40, "operator request unreadable: ignored", path=str(p),
                           error=str(error))  # fmt: skip
-            docs.append({} if doc is None else doc)
+            docs.append({"unreadable": str(error)} if doc is None else doc)
             paths.append(str(p))
         return docs, paths
 
@@ -659,6 +659,8 @@ class Landing:
         kind = doc.get("kind")
         try:
             note = str(doc.get("note", ""))
+            if "unreadable" in doc and kind is None:
+                raise StateError(f"request file unreadable: {doc['unreadable']}")
             if kind == "write_off":
                 first, last = _seq_of(doc, "first_bundle_seq"), _seq_of(doc, "last_bundle_seq")
                 events = sq.write_off(state, str(doc["channel"]), first, last, note, now)

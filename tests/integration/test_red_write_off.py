@@ -123,3 +123,21 @@ def test_writing_off_a_whole_gap_carries_the_frontier_and_marks_the_link_unverif
     c1 = json.loads(p.stdout)["channels"]["c1"]
     assert (c1["contig"], c1["accounted"]) == (1, 6), c1
     assert "unverified above" not in c1["chain"] and "unverifiable across 1" in c1["chain"], c1
+
+
+def test_a_request_file_that_is_not_a_request_is_refused_not_fatal(tmp_path: Path) -> None:
+    """A request file holding JSON that is not an object, or seqs that are not integers, is
+    refused and audited; the job's tick goes on (a list stopped it at every tick and start)."""
+    cfg = _config(tmp_path)
+    landing = _with_gap(cfg)
+    reqs = Path(cfg.red.work_dir) / REQUESTS_DIR
+    reqs.mkdir(parents=True, exist_ok=True)
+    (reqs / "a.json").write_text('["write_off"]')
+    doc = {"kind": "write_off", "channel": "c1", "first_bundle_seq": "2", "last_bundle_seq": 3.9}
+    (reqs / "b.json").write_text(json.dumps(doc))
+    res = landing.tick()
+    assert res.events == {"request_refused": 2}, res.events
+    errors = sorted(json.loads(r["detail"])["error"] for r in _audit(cfg, "request_refused"))
+    assert "must be an integer" in errors[0] and "not a JSON object" in errors[1], errors
+    assert [g["first_bundle_seq"] for g in _gaps(cfg)["open_transit_gaps"]] == [2]
+    assert not list(reqs.glob("*.json"))  # consumed
