@@ -6,7 +6,7 @@ import json
 import os
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 from bridge.config import Config
 
@@ -54,19 +54,30 @@ MAX_GAP_RECORD_BYTES = 1 << 16
 """A gap record is a few hundred bytes; a longer line is skipped, never waited on."""
 
 
+def _line_ends_at(f: BinaryIO, offset: int) -> bool:
+    """Whether a record ends right before ``offset`` (the start, or a newline there): what
+    was consumed ends there in the file red read before. A replaced file that has already
+    grown past ``offset`` almost never has its newline at that very byte."""
+    if offset == 0:
+        return True
+    f.seek(offset - 1)
+    return f.read(1) == b"\n"
+
+
 def read_new_gap_records(
     spool_dir: Path, offset: int, *, limit: int = 10_000
 ) -> tuple[list[dict[str, Any]], int, bool]:
     """Gap records appended to ``gaps.jsonl`` since byte ``offset``: ``(records, new_offset,
     restarted)``. Only complete lines are consumed (a line being written is read next time);
-    a line that is not a JSON object is skipped. A file shorter than ``offset`` was replaced
-    (a new spool): it is read from the start and ``restarted`` says so. At most ``limit``
+    a line that is not a JSON object is skipped. A file shorter than ``offset``, or with no
+    record ending there, was replaced (a new spool): it is read from the start and
+    ``restarted`` says so. At most ``limit``
     records per call, so memory stays bounded whatever the file holds."""
     path = Path(spool_dir) / "gaps.jsonl"
     try:
         with open(path, "rb") as f:
             size = os.fstat(f.fileno()).st_size
-            restarted = size < offset
+            restarted = size < offset or not _line_ends_at(f, offset)
             if restarted:
                 offset = 0
             f.seek(offset)
@@ -76,10 +87,12 @@ def read_new_gap_records(
                 if not line.endswith(b"\n"):
                     if len(line) < MAX_GAP_RECORD_BYTES:
                         break  # not complete yet: read next time
+                    start = offset
                     while line and not line.endswith(b"\n"):  # no record is this long: skip
                         offset += len(line)
                         line = f.readline(MAX_GAP_RECORD_BYTES)
                     if not line:
+                        offset = start  # not complete yet: consumed once its newline is there
                         break
                     offset += len(line)
                     continue

@@ -258,6 +258,30 @@ def test_a_gap_record_after_a_torn_one_starts_its_own_line(tmp_path: Path) -> No
     assert offset2 == (tmp_path / "gaps.jsonl").stat().st_size - len(b'{"object_id": 8')
 
 
+def test_a_replaced_gap_file_that_grew_past_the_offset_is_read_from_its_start(
+    tmp_path: Path,
+) -> None:
+    """Red saved an offset into the old receiver spool's gaps.jsonl; a new spool's file that has
+    already grown past it is no longer cut at a record there: it is read from the start, not
+    from mid-line with its first records skipped. A long line still being written at the end
+    of the file is not consumed, so it cannot look like a replaced file next time."""
+    path = tmp_path / "gaps.jsonl"
+    path.write_bytes(b'{"object_id": 1}\n{"object_id": 2}\n')
+    _, offset, _ = read_new_gap_records(tmp_path, 0)
+    path.write_bytes(b'{"object_id": 10, "reason": "timeout"}\n{"object_id": 11}\n')  # new
+    records, offset2, restarted = read_new_gap_records(tmp_path, offset)
+    assert restarted and [r["object_id"] for r in records] == [10, 11]
+    assert offset2 == path.stat().st_size
+    with open(path, "ab") as f:
+        f.write(b"y" * 150_000)  # an over-long line, no newline yet
+    more, offset3, restarted = read_new_gap_records(tmp_path, offset2)
+    assert (more, offset3, restarted) == ([], offset2, False)
+    with open(path, "ab") as f:
+        f.write(b'\n{"object_id": 12}\n')
+    more, _, restarted = read_new_gap_records(tmp_path, offset3)
+    assert [r["object_id"] for r in more] == [12] and not restarted
+
+
 def test_a_symbol_whose_header_contradicts_its_open_object_is_malformed(tmp_path: Path) -> None:
     env = envelope(os.urandom(2 * T * K))
     h = header(7, env)
