@@ -608,8 +608,9 @@ class Landing:
                       path=str(self.udp_spool / "gaps.jsonl"), error=str(e))  # fmt: skip
             return [], self.udp_gaps_offset
         if restarted:
-            log_event(log, 30, "UDP gap records file is shorter than what was audited: "
-                      "the receiver's spool was replaced; reading it from the start",
+            log_event(log, 30, "UDP gap records file is not the one audited so far (shorter, "
+                      "or no record ends where red stopped): the receiver's spool was "
+                      "replaced; reading it from the start",
                       path=str(self.udp_spool / "gaps.jsonl"),
                       audited_bytes=self.udp_gaps_offset)  # fmt: skip
         rows = []
