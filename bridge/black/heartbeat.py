@@ -95,6 +95,21 @@ class HeartbeatWriter:
                 '{"heartbeat_seq": N} with N above the last heartbeat red received'
             ) from None
 
+    def _next_seq(self, channel: str, last_bundle_seq: int) -> int:
+        """The next heartbeat seq. When its file is gone but the journal shows bundles were
+        shipped (the file was lost, or a backup restored without it), red has heard higher
+        seqs than 1 and would take every new heartbeat as replayed: continue from the time in
+        tenths of a second instead, above any seq a period of 0.1 s or more can have reached
+        (heartbeat seqs may skip, protocol §9)."""
+        if last_bundle_seq <= 0 or self._seq_path(channel).exists():
+            return self.last_seq(channel) + 1
+        seq = int(time.time() * 10)
+        log_event(log, 30, "heartbeat seq file missing while bundles were shipped: heartbeat "
+                  "seqs continue from the time (tenths of a second) so red takes them as new",
+                  channel=channel, path=str(self._seq_path(channel)), heartbeat_seq=seq,
+                  last_bundle_seq=last_bundle_seq)  # fmt: skip
+        return seq
+
     def _save_seq(self, channel: str, seq: int) -> None:
         atomic_write_bytes(self._seq_path(channel), json.dumps({"heartbeat_seq": seq}).encode())
 
@@ -108,7 +123,7 @@ class HeartbeatWriter:
         """
         with self._lock:
             st = self.store.load(channel.name)
-            seq = self.last_seq(channel.name) + 1
+            seq = self._next_seq(channel.name, st.last_bundle_seq)
             hb = Heartbeat(
                 format=1,
                 channel=channel.name,

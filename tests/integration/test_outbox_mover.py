@@ -481,6 +481,27 @@ def test_heartbeat_that_never_reached_the_outbox_gives_its_seq_back(rig: Rig) ->
 
 
 @pytest.mark.gpg
+def test_a_lost_heartbeat_seq_file_continues_above_every_earlier_seq(rig: Rig) -> None:
+    """heartbeat-<C>.json lost while the journal shows shipped bundles: red has heard seqs
+    above 1, and took every new heartbeat from 1 as replayed (the link looked silent). Seqs
+    continue from the time in tenths of a second, then count on."""
+    import time
+
+    from bridge.black.state import ChannelState
+    from bridge.protocol.naming import parse_heartbeat_name as parse_name
+
+    ops = rig.cfg.channel("ops")
+    first = parse_name(rig.heartbeats.beat(ops)).heartbeat_seq  # a fresh channel starts at 1
+    assert first == 1
+    rig.heartbeats.store.save(ChannelState("ops", last_bundle_seq=5, last_seq=49))
+    (rig.heartbeats.store.dir / "heartbeat-ops.json").unlink()  # the fault
+    t0 = int(time.time() * 10)
+    seq = parse_name(rig.heartbeats.beat(ops)).heartbeat_seq
+    assert t0 <= seq <= int(time.time() * 10) and seq > 1_000_000_000
+    assert parse_name(rig.heartbeats.beat(ops)).heartbeat_seq == seq + 1
+
+
+@pytest.mark.gpg
 def test_delivery_whose_temp_vanished_fails_cleanly(rig: Rig) -> None:
     name = "ops.000000000001." + "a" * 32 + ".dbundle"
     sealed = rig.outbox.temp_for(name)  # never written (or swept): the delivery cannot happen
