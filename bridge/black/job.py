@@ -234,16 +234,21 @@ class BlackRun:
         self, spark: Any, trigger: Trigger, t0: float, timeout: float | None, stop: Stop
     ) -> None:
         query = self.start_query(spark, trigger)
+        failed: BaseException | None = None  # kept: the condition may clear while draining
         try:
             while True:
                 try:
                     if query.awaitTermination(0.2):  # a stop is seen within 0.2 s
+                        if trigger == "continuous" and not _ended(t0, timeout, stop):
+                            failed = SealingFailed("the continuous black query ended by itself")
                         break
                 except Exception:
-                    if self.sink.failure() is None:
+                    failed = self.sink.failure()
+                    if failed is None:
                         raise
                     break  # the sink stopped the query: its own error is raised below
-                if _ended(t0, timeout, stop) or self.sink.failure() is not None:
+                failed = self.sink.failure()
+                if failed is not None or _ended(t0, timeout, stop):
                     break
         finally:
             try:
@@ -251,17 +256,8 @@ class BlackRun:
                     query.stop()
             finally:
                 self.sink.drain()  # every collected batch sealed (or the error raised)
-        self._raise_unhealthy()
-
-    def _raise_unhealthy(self) -> None:
-        """A dead tap or a failed mirror ends the run with its own error (a tap's
-        configuration error exits 2), not with a clean summary."""
-        err = self.sink.failure()
-        if err is None:
-            return
-        if isinstance(err, DiodeError):
-            raise err
-        raise SealingFailed(f"stopping the black job: {err}") from err
+        if failed is not None:
+            _raise_unhealthy(failed)
 
     def run(
         self,
@@ -303,7 +299,7 @@ class BlackRun:
                 # a mirror that failed for good (permissions, arguments) must stop the job: new
                 # exchanges would otherwise never reach the mirror queue, and black could not
                 # tell
-                self.sink.health_checks.append(lambda: mirror_loop.error)
+                self.sink.health_checks.append(lambda: mirror_loop.fatal)  # not a transient one
                 taps = self.taps = TapSupervisor(self.cfg).start()
                 self.sink.health_checks.append(lambda: taps.error if taps else None)
             else:
@@ -334,6 +330,14 @@ class BlackRun:
             s.bundles += 1
             s.lost += sum(g.last_seq - g.first_seq + 1 for g in b.gaps)
         return s
+
+
+def _raise_unhealthy(err: BaseException) -> None:
+    """A dead tap or a failed mirror ends the run with its own error (a tap's configuration
+    error exits 2), not with a clean summary."""
+    if isinstance(err, DiodeError):
+        raise err
+    raise SealingFailed(f"stopping the black job: {err}") from err
 
 
 def _ended(t0: float, timeout: float | None, stop: Stop) -> bool:

@@ -545,6 +545,8 @@ class MirrorLoop:
         self.run_now = run_now
         self.last_report: MirrorReport | None = None
         self.error: DiodeError | None = None
+        self.fatal: DiodeError | None = None
+        """The terminal error that ended the loop (a transient one is only in ``error``)."""
         self.failures = 0
         self.on_report: Callable[[MirrorReport], None] | None = None
         self._stop = threading.Event()
@@ -580,7 +582,7 @@ class MirrorLoop:
                     failures=self.failures,
                 )
             except DiodeError as e:
-                self.error = e
+                self.error = self.fatal = e
                 log_event(log, logging.ERROR, f"mirror sync failed terminally, loop stopped: {e}")
                 return
             except Exception:

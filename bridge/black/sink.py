@@ -196,6 +196,7 @@ class BatchSink:
         skipped. Only the sealer, called from here, advances the journal, so nothing after it
         is released while the range is read.
         """
+        self._sealing = None
         spans: dict[str, tuple[int, int]] = {}
         for ch, a, b in zip(
             ranges.column("channel").to_pylist(),
@@ -219,6 +220,7 @@ class BatchSink:
                 continue
             self._avg[ch.name] = float(row_size_estimate(sub).mean())
             res.bundles.extend(self.sealer.seal_rows(ch, sub))
+        self._sealing = None
         if self._avg:
             hint = Path(self.cfg.black.state_dir) / READ_HINT_FILE
             atomic_write_bytes(hint, json.dumps({"avg_row_bytes": self._avg}).encode())

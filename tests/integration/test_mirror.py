@@ -521,3 +521,29 @@ def test_a_limit_on_the_dead_queue_is_reported(
         assert time.monotonic() < deadline, "the lifted limit is still reported"
         time.sleep(0.2)
     assert REGISTRY.get_sample_value(gauge, {"channel": "c1"}) == 0
+
+
+def test_a_transient_mirror_failure_is_not_fatal_a_terminal_one_is(
+    black_vhost: Vhost, tmp_path: Path
+) -> None:
+    """The continuous job stops on the mirror loop's ``fatal`` error only: a broker that is
+    unreachable for a moment (a restart) is retried, and ended the whole job once the job
+    polled the loop's last error every 0.2 s."""
+    down = Vhost(black_vhost.name, black_vhost.amqp_url, f"http://127.0.0.1:{free_port()}")
+    loop = MirrorLoop(Mirror(make_cfg(down, tmp_path), catalog_path=tmp_path / "c.json"), 0.1,
+                      run_now=True).start()  # fmt: skip
+    try:
+        deadline = time.monotonic() + 10
+        while loop.error is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert loop.error is not None and loop.alive, "the transient fault did not fire"
+        assert loop.fatal is None
+    finally:
+        loop.stop()
+    cfg = make_cfg(black_vhost, tmp_path, black={"mirror_queue_type": "quorum"})
+    Mirror(make_cfg(black_vhost, tmp_path), catalog_path=tmp_path / "c.json").sync()  # classic
+    loop = MirrorLoop(Mirror(cfg, catalog_path=tmp_path / "c.json"), 0.1, run_now=True).start()
+    deadline = time.monotonic() + 10
+    while loop.alive and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert isinstance(loop.fatal, ConfigError) and loop.error is loop.fatal
