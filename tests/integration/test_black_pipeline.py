@@ -144,6 +144,16 @@ def read_bundles(folder: Path, red_home: Path, black_fpr: str) -> list[tuple[dic
     return out
 
 
+def black_run(black_vhost: Any, work: Path) -> tuple[Any, BlackRun]:
+    """Keys, the config and the exchanges of a fresh black under ``work``, and its job."""
+    inv = init_keys(work / "keys", red_names=("red",))
+    cfg = load_config(
+        write_config(work, black_vhost.amqp_url, inv.black_fpr, list(inv.red_fprs.values()))
+    )
+    declare(black_vhost.amqp_url)
+    return cfg, BlackRun(cfg)
+
+
 def record_queries(run: BlackRun) -> list[str]:
     """The trigger of every query ``run`` starts, in order."""
     started: list[str] = []
@@ -258,12 +268,7 @@ def test_a_drain_query_idle_short_of_the_spool_end_leaves_the_rest_to_an_availab
 ) -> None:  # fmt: skip
     """The drain query never sees the journal reach the spool's end (forced): after
     DRAIN_IDLE_TRIGGERS idle triggers an availableNow query seals the rest, once."""
-    inv = init_keys(short_tmp / "keys", red_names=("red",))
-    cfg = load_config(
-        write_config(short_tmp, black_vhost.amqp_url, inv.black_fpr, list(inv.red_fprs.values()))
-    )
-    declare(black_vhost.amqp_url)
-    run = BlackRun(cfg)
+    cfg, run = black_run(black_vhost, short_tmp)
     run.mirror.sync()
     publish(black_vhost.amqp_url, 300)
     monkeypatch.setattr(job_module, "DRAIN_TRIGGER_SECONDS", 0.2)
@@ -286,12 +291,7 @@ def test_a_sealing_failure_on_the_last_batch_ends_a_scheduled_run_at_once(
     heartbeats, so nothing told red or the scheduler."""
     from bridge.black.sink import SealingFailed
 
-    inv = init_keys(short_tmp / "keys", red_names=("red",))
-    cfg = load_config(
-        write_config(short_tmp, black_vhost.amqp_url, inv.black_fpr, list(inv.red_fprs.values()))
-    )
-    declare(black_vhost.amqp_url)
-    run = BlackRun(cfg)
+    cfg, run = black_run(black_vhost, short_tmp)
     run.mirror.sync()
     publish(black_vhost.amqp_url, 10)
     archive = short_tmp / "black" / "archive"
@@ -320,12 +320,7 @@ def test_a_tap_stopped_by_a_configuration_error_ends_a_continuous_run(
 
     from bridge.errors import ConfigError
 
-    inv = init_keys(short_tmp / "keys", red_names=("red",))
-    cfg = load_config(
-        write_config(short_tmp, black_vhost.amqp_url, inv.black_fpr, list(inv.red_fprs.values()))
-    )
-    declare(black_vhost.amqp_url)
-    run = BlackRun(cfg)
+    cfg, run = black_run(black_vhost, short_tmp)
     api, auth = f"{black_vhost.management_url}/api", ("guest", "guest")
     vq = urllib.parse.quote(black_vhost.name, safe="")
     raised: list[BaseException] = []
