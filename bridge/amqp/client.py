@@ -1066,11 +1066,7 @@ class Connection:
         failed = f" (refusing {_method_name(class_id, method_id)})" if class_id else ""
         doing = f" while {c._doing}" if c._doing else ""
         if c.number == 0:
-            try:
-                self._send(f.close_ok_frame(0))
-            except BrokerError:
-                pass
-            if self._handshake and code in (403, 530):
+            if self._handshake and code in (403, 530) and not _a_limit(text):
                 hint = (
                     "create the vhost or fix the URL's vhost (URL-encode '/' as %2F)"
                     if code == 530
@@ -1088,6 +1084,13 @@ class Connection:
                     reply_code=code, reply_text=text, class_id=class_id, method_id=method_id,
                     channel=0,
                 )  # fmt: skip
+                if code == 530:  # a connection limit: it may be lifted, or a slot free up
+                    err.retryable = True
+            try:
+                self._send(f.close_ok_frame(0))
+            except BrokerError:
+                pass
+            self._fatal = err  # the broker's reason, not the broken pipe close-ok may have hit
             self._die(err)
         c.is_open = False
         self._send(f.close_ok_frame(c.number))
@@ -1099,3 +1102,9 @@ class Connection:
         )  # fmt: skip
         c._error = closed
         self._errors.append(closed)
+
+
+def _a_limit(reply_text: str) -> bool:
+    """A 530 that refuses a connection because a vhost's or user's connection limit is
+    reached: transient (a slot frees up), never a wrong vhost or password."""
+    return "limit" in reply_text.lower()

@@ -569,6 +569,47 @@ def test_heartbeats_keep_an_idle_connection_and_a_frozen_peer_is_detected(
 
 
 @broker
+def test_a_connection_limit_is_a_retryable_refusal_not_a_wrong_vhost(vhost: str) -> None:
+    """RabbitMQ refuses a connection over a vhost's connection limit with 530, as it refuses a
+    missing vhost: it was taken for a configuration error, and the tap stopped for good."""
+    import requests
+
+    limit = f"{MGMT}/api/vhost-limits/{urllib.parse.quote(vhost, safe='')}/max-connections"
+    first = Connection.open(url_of(vhost))
+    requests.put(limit, json={"value": 1}, auth=AUTH, timeout=10).raise_for_status()
+    try:
+        with pytest.raises(AmqpClosed) as e:
+            Connection.open(url_of(vhost))
+        assert not isinstance(e.value, AmqpAccessRefused)
+        assert e.value.reply_code == 530 and "limit" in str(e.value) and e.value.retryable
+    finally:
+        requests.delete(limit, auth=AUTH, timeout=10)
+        first.close()
+
+
+@broker
+def test_the_brokers_reason_survives_a_broken_pipe_on_close_ok(vhost: str) -> None:
+    """A header frame over frame_max makes RabbitMQ close the connection (501) while 30 MB
+    more are being written: the error raised is the broker's AmqpClosed with its reply code,
+    not the broken pipe the close-ok met (replay tells a row the broker refuses by it)."""
+    from bridge.protocol.properties import Properties, encode_properties, field_table
+
+    conn = Connection.open(url_of(vhost))
+    try:
+        ch = conn.channel()
+        ch.confirm_select()
+        big = encode_properties(Properties(headers=field_table({"x": "a" * conn.frame_max})))
+        with pytest.raises(AmqpClosed) as e:
+            ch.publish("amq.direct", "k", big, b"x")
+            for _ in range(30):
+                ch.publish("amq.direct", "k", b"\x00\x00", b"y" * 1_000_000)
+            conn.poll(5.0)
+        assert e.value.reply_code == 501 and e.value.channel == 0, e.value
+    finally:
+        conn.close()
+
+
+@broker
 def test_connection_errors_name_host_and_vhost(vhost: str) -> None:
     with pytest.raises(AmqpAccessRefused) as e:
         Connection.open(url_of(vhost, password="wrong"))
