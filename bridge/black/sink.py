@@ -120,10 +120,9 @@ class BatchSink:
     # -- Spark side ---------------------------------------------------------------------------
     def __call__(self, df: Any, batch_id: int) -> None:
         self._raise_if_failed()
-        for check in self.health_checks:
-            err = check()
-            if err is not None:
-                raise SealingFailed(f"stopping the black job: {err}") from err
+        err = self.failure()  # a health check (the sealing error was raised just above)
+        if err is not None:
+            raise SealingFailed(f"stopping the black job: {err}") from err
         self.handed += 1
         t0 = time.monotonic()
         table: pa.Table = df.toArrow()
