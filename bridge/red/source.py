@@ -62,9 +62,9 @@ from bridge.red.verify import (
     NoRoomNow,
     PlainRoom,
     VerifyContext,
-    held_beside,
     plain_need,
     plain_room,
+    same_file_system,
     verify_file,
 )
 from bridge.red.watch import InboxWatcher
@@ -246,7 +246,7 @@ class InboxStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
             room = plain_room(d)
         except OSError:
             return lambda _t: None
-        if held_beside(intake_dir(self.cfg), 1, d) == 0:
+        if not same_file_system(intake_dir(self.cfg), d):
             return lambda _t: room
         return lambda t: room.beside(t.size)
 

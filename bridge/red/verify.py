@@ -121,6 +121,7 @@ __all__ = [
     "NoRoomNow",
     "PlainRoom",
     "held_beside",
+    "same_file_system",
     "plain_need",
     "plain_room",
     "sweep_plain_dir",
@@ -688,13 +689,18 @@ def plain_room(plain_dir: Path | str) -> PlainRoom:
     )
 
 
+def same_file_system(a: Path, b: Path) -> bool:
+    """Whether ``a`` and ``b`` lie in one file system (False if either cannot be asked)."""
+    try:
+        return os.stat(a).st_dev == os.stat(b).st_dev
+    except OSError:
+        return False
+
+
 def held_beside(path: Path, size: int, plain_dir: Path) -> int:
     """``size`` if the intake file at ``path`` lies in ``plain_dir``'s file system (it stays
     there while its plaintext is written), else 0; 0 too if either cannot be asked."""
-    try:
-        return size if os.stat(path).st_dev == os.stat(plain_dir).st_dev else 0
-    except OSError:
-        return 0
+    return size if same_file_system(path, plain_dir) else 0
 
 
 def plain_need(name: str, size: int, ctx: VerifyContext, room: PlainRoom) -> int:
