@@ -6,6 +6,7 @@ import json
 import os
 import stat
 import threading
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -80,23 +81,29 @@ def test_a_stale_instance_reads_the_file_before_changing_it(tmp_path: Path) -> N
     assert Approvals.load(tmp_path).approved() == {"b"}
 
 
-def test_concurrent_approvals_lose_nothing(tmp_path: Path) -> None:
-    names = [f"x{i}" for i in range(24)]
+def in_threads(each: Callable[[str], object], names: list[str], k: int) -> list[BaseException]:
+    """Call ``each`` on every name from ``k`` threads at once (names dealt round-robin); the
+    errors they raised."""
     errors: list[BaseException] = []
 
     def work(chunk: list[str]) -> None:
         try:
             for n in chunk:
-                Approvals.load(tmp_path).approve(n, "t")
-        except BaseException as e:  # pragma: no cover - reported below
+                each(n)
+        except BaseException as e:  # pragma: no cover - reported by the caller
             errors.append(e)
 
-    threads = [threading.Thread(target=work, args=(names[i::4],)) for i in range(4)]
+    threads = [threading.Thread(target=work, args=(names[i::k],)) for i in range(k)]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
-    assert not errors
+    return errors
+
+
+def test_concurrent_approvals_lose_nothing(tmp_path: Path) -> None:
+    names = [f"x{i}" for i in range(24)]
+    assert in_threads(lambda n: Approvals.load(tmp_path).approve(n, "t"), names, 4) == []
     a = Approvals.load(tmp_path)
     assert a.approved() == set(names)
     assert sorted(c.revision for c in a.history) == list(range(1, 25))
@@ -292,21 +299,7 @@ def test_concurrent_approve_runs_audit_each_revision_once(tmp_path: Path) -> Non
     cfg = _cfg(tmp_path)
     dt = _audit(tmp_path)
     names = [f"x{i}" for i in range(12)]
-    errors: list[BaseException] = []
-
-    def work(chunk: list[str]) -> None:
-        try:
-            for n in chunk:
-                approve_exchanges(cfg, [n], by="t")
-        except BaseException as e:  # pragma: no cover - reported below
-            errors.append(e)
-
-    threads = [threading.Thread(target=work, args=(names[i::3],)) for i in range(3)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert not errors
+    assert in_threads(lambda n: approve_exchanges(cfg, [n], by="t"), names, 3) == []
     got = _audited(dt)
     assert [g[2] for g in got] == list(range(1, 13)), got
     assert sorted(g[1] for g in got) == sorted(names)
