@@ -101,7 +101,13 @@ class TransportError(DiodeError):
 
 
 # -- AMQP client (bridge.amqp) ----------------------------------------------------------------
-__all__ += ["AmqpConnectionError", "AmqpAccessRefused", "AmqpFrameError", "AmqpClosed"]
+__all__ += [
+    "AmqpConnectionError",
+    "AmqpAccessRefused",
+    "AmqpFrameError",
+    "AmqpInterrupted",
+    "AmqpClosed",
+]
 
 
 class AmqpConnectionError(BrokerError):
@@ -116,6 +122,11 @@ class AmqpAccessRefused(AmqpConnectionError):
 
 class AmqpFrameError(AmqpConnectionError):
     """The broker sent bytes that are not AMQP 0-9-1 frames; the connection is unusable."""
+
+
+class AmqpInterrupted(AmqpConnectionError):
+    """The caller's ``interrupt`` hook asked to stop while a send waited for the broker to read
+    (a resource alarm blocks publishers): the connection was abandoned mid-frame."""
 
 
 class AmqpClosed(BrokerError):

@@ -240,6 +240,9 @@ def _replay_view(rp: Any) -> RenderableType:
             _warn(str(why)) if why else _NONE,
         )
     parts: list[RenderableType] = [t if t.row_count else Text(f"{t.title}: no exchange landed yet")]
+    if live.get("running") and not live.get("stale") and live.get("broker_blocked"):
+        parts.append(_warn(f"the red broker blocks publishing ({live['broker_blocked']}): "
+                           "a memory or disk alarm; replay waits until it clears"))  # fmt: skip
     if rp.get("approvals_error"):  # nothing replays while the approvals cannot be read
         parts.append(_warn(f"approvals not readable: {rp['approvals_error']}"))
     waiting = rp.get("unapproved_waiting") or {}

@@ -6,9 +6,11 @@ import os
 import shutil
 import subprocess
 import tempfile
+import time
 import urllib.parse
 import uuid
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -75,6 +77,71 @@ def short_tmp() -> Iterator[Path]:
                 check=False,
             )
         shutil.rmtree(d, ignore_errors=True)
+
+
+# ---------------------------------------------------------------------- broker resource alarm
+WATERMARK_SAVED = Path(tempfile.gettempdir()) / "diode-test-memory-watermark"
+"""The broker's own memory watermark while a test raises an alarm: restored by that test, or
+by the next session's start if the test process was killed (a broker left alarmed blocks every
+publisher of every later test)."""
+
+
+def _ctl(*args: str) -> str:
+    out = subprocess.run(["rabbitmqctl", "-q", *args], capture_output=True, text=True, timeout=60)
+    if out.returncode:
+        raise RuntimeError(f"rabbitmqctl {' '.join(args)}: {out.stderr.strip() or out.stdout}")
+    return out.stdout.strip()
+
+
+def _memory_alarmed() -> bool:
+    return "memory" in _ctl("eval", "rabbit_alarm:get_alarms().")
+
+
+def _restore_watermark() -> None:
+    saved = WATERMARK_SAVED.read_text().split()
+    _ctl("set_vm_memory_high_watermark", *saved)
+    for _ in range(100):
+        if not _memory_alarmed():
+            break
+        time.sleep(0.1)
+    WATERMARK_SAVED.unlink()
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    if WATERMARK_SAVED.exists():
+        _restore_watermark()
+
+
+@pytest.fixture
+def memory_alarm() -> Iterator[None]:
+    """A real memory alarm on the test broker for the whole test (:func:`raised_memory_alarm`)."""
+    with raised_memory_alarm():
+        yield
+
+
+@contextmanager
+def raised_memory_alarm() -> Iterator[None]:
+    """A real memory alarm on the test broker (its high watermark set far below what it uses):
+    it blocks every publishing connection until the block ends. Skips where rabbitmqctl cannot
+    run here (not root, or the broker on another host)."""
+    try:
+        now = _ctl("eval", "vm_memory_monitor:get_vm_memory_high_watermark().")
+    except (OSError, RuntimeError, subprocess.TimeoutExpired) as e:
+        pytest.skip(f"a memory alarm needs rabbitmqctl on the broker's host: {e}")
+    if now.startswith("{absolute,"):
+        saved = f"absolute {now.strip('{}').split(',')[1].strip()}"
+    else:
+        saved = str(float(now))
+    WATERMARK_SAVED.write_text(saved)
+    try:
+        _ctl("set_vm_memory_high_watermark", "0.0001")
+        deadline = time.monotonic() + 30
+        while not _memory_alarmed():
+            assert time.monotonic() < deadline, "the broker raised no memory alarm"
+            time.sleep(0.1)
+        yield
+    finally:
+        _restore_watermark()
 
 
 @pytest.fixture(scope="session")

@@ -31,7 +31,7 @@ import sys
 import time
 import urllib.parse
 from collections import deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple, NoReturn
 
@@ -43,6 +43,7 @@ from bridge.errors import (
     AmqpClosed,
     AmqpConnectionError,
     AmqpFrameError,
+    AmqpInterrupted,
     BrokerError,
     ConfigError,
 )
@@ -63,6 +64,8 @@ __all__ = [
 DEFAULT_PORT = 5672
 MIN_FRAME_MAX = 4096  # AMQP 0-9-1: frame-min-size
 READ_BUFFER = 1 << 20
+SEND_WAKE = 0.5  # a send waiting for the broker to read checks the interrupt hook this often
+CLOSE_SEND_LIMIT = 10.0  # connection.close never waits longer than this for the broker to read
 _HEAD = struct.Struct(">BHI")
 _U32 = struct.Struct(">I")
 _U64 = struct.Struct(">Q")
@@ -454,6 +457,7 @@ class Connection:
         heartbeat: int,
         frame_max: int,
         rpc_timeout: float,
+        send_timeout: float = 60,
     ) -> None:
         self._sock = sock
         self.params = params
@@ -463,8 +467,12 @@ class Connection:
         self.frame_max = frame_max
         self.channel_max = 2047
         self.rpc_timeout = rpc_timeout
+        self.send_timeout = send_timeout
         self.server_properties: dict[str, Any] = {}
         self.blocked: str | None = None
+        #: asked at least every SEND_WAKE seconds while a send waits for the broker to read;
+        #: True abandons the connection (:class:`~bridge.errors.AmqpInterrupted`)
+        self.interrupt: Callable[[], bool] | None = None
         self.heartbeats_sent = 0
         self._fatal: BrokerError | None = None
         self._handshake = True
@@ -509,12 +517,18 @@ class Connection:
         client_name: str = "diode-bridge",
         frame_max: int = 131072,
         rpc_timeout: float = 60,
+        send_timeout: float = 60,
     ) -> Connection:
         """Connect, authenticate (PLAIN) and open the URL's vhost.
 
         ``heartbeat`` seconds (0: none), ``frame_max`` and the channel count are negotiated
         down to what the broker allows. Refused or unreachable: :class:`AmqpConnectionError`;
         bad login or vhost: :class:`AmqpAccessRefused`; both name host and vhost.
+
+        A send the broker reads nothing of for ``send_timeout`` seconds abandons the
+        connection, unless the broker said it blocked the connection (``connection.blocked``:
+        a memory or disk alarm), which lasts as long as the alarm; the :attr:`interrupt` hook
+        bounds that wait.
         """
         params = parse_url(url)
         if frame_max < MIN_FRAME_MAX:
@@ -531,7 +545,12 @@ class Connection:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         sock.setblocking(False)
         conn = cls(
-            sock, params, heartbeat=heartbeat, frame_max=frame_max, rpc_timeout=connect_timeout
+            sock,
+            params,
+            heartbeat=heartbeat,
+            frame_max=frame_max,
+            rpc_timeout=connect_timeout,
+            send_timeout=send_timeout,
         )
         try:
             conn._open(client_name)
@@ -816,10 +835,15 @@ class Connection:
 
     def _send_rest(self, data: bytes, sent: int) -> None:
         """The socket is full: wait until it drains, reading meanwhile so that a broker busy
-        sending to us cannot deadlock against us."""
+        sending to us cannot deadlock against us.
+
+        Bounded: the broker's silence (two heartbeat intervals), a broker that reads nothing
+        for ``send_timeout`` seconds without having blocked the connection (CLOSE_SEND_LIMIT
+        while closing, blocked or not) and the :attr:`interrupt` hook each abandon it."""
         fd = self._sock.fileno()
         view = memoryview(data)[sent:]
         self._poller.modify(fd, select.POLLIN | select.POLLOUT)
+        moved = _monotonic()
         try:
             while len(view):
                 now = _monotonic()
@@ -832,20 +856,69 @@ class Connection:
                             "while sending: the broker or the network is gone"
                         )
                     )
-                for _fd, event in self._poller.poll(wait * 1000.0):
+                self._stalled(now - moved)
+                for _fd, event in self._poller.poll(min(wait, SEND_WAKE) * 1000.0):
                     if event & select.POLLIN:
-                        self._fill(0.0)
+                        if self._fill(0.0):
+                            self._peek_flow()
                     if event & (select.POLLOUT | select.POLLERR | select.POLLHUP):
                         try:
-                            view = view[self._sock.send(view) :]
+                            n = self._sock.send(view)
                         except BlockingIOError:
-                            pass
+                            n = 0
                         except OSError as e:
                             self._lost(e)
+                        if n:
+                            view = view[n:]
+                            moved = _monotonic()
         finally:
             view.release()
             if self._fatal is None:
                 self._poller.modify(fd, select.POLLIN)
+
+    def _stalled(self, for_s: float) -> None:
+        """A send has moved nothing for ``for_s`` seconds: give up if the hook or a limit
+        says so (a frame is half sent, so the connection cannot be kept)."""
+        if self.interrupt is not None and self.interrupt():
+            why = f" (blocked by the broker: {self.blocked})" if self.blocked is not None else ""
+            self._die(
+                AmqpInterrupted(
+                    f"sending to {self.where} was interrupted after {for_s:.1f}s of waiting for "
+                    f"the broker to read{why}: the connection is abandoned"
+                )
+            )
+        limit = CLOSE_SEND_LIMIT if self._closing else self.send_timeout
+        if for_s < limit or (self.blocked is not None and not self._closing):
+            return
+        if self.blocked is not None:
+            why = f"blocked this connection ({self.blocked}) and "
+        else:
+            why = ""
+        self._die(
+            AmqpConnectionError(
+                f"RabbitMQ at {self.where} {why}read nothing from it for {for_s:.0f}s while "
+                f"{'closing' if self._closing else 'sending'}: the connection is abandoned "
+                "(a memory or disk alarm blocks publishers: `rabbitmqctl status` lists alarms)"
+            )
+        )
+
+    def _peek_flow(self) -> None:
+        """Track connection.blocked / unblocked among the complete frames read so far without
+        dispatching anything (a send is half done: no other frame may be written now); the
+        frames are dispatched as usual by the next parse."""
+        buf, end, pos = self._rbuf, self._rlen, 0
+        while pos + 7 <= end:
+            ftype, channel, size = _HEAD.unpack_from(buf, pos)
+            if pos + 8 + size > end:
+                return
+            if ftype == 1 and channel == 0 and size >= 4:
+                index = _U32.unpack_from(buf, pos + 7)[0]
+                payload = bytes(buf[pos + 7 : pos + 7 + size])
+                if index == f.CONNECTION_BLOCKED:
+                    self.blocked = str(f.unmarshal_method(payload).reason or "blocked")  # type: ignore[attr-defined]
+                elif index == f.CONNECTION_UNBLOCKED:
+                    self.blocked = None
+            pos += 8 + size
 
     # -- parsing ---------------------------------------------------------------------------
     def _parse(self) -> None:

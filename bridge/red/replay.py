@@ -79,6 +79,7 @@ from bridge.config import Config
 from bridge.errors import (
     AmqpAccessRefused,
     AmqpClosed,
+    AmqpInterrupted,
     BrokerError,
     DiodeError,
     ProtocolError,
@@ -201,6 +202,12 @@ class _Metrics:
         self.held = Gauge(
             "bridge_red_replay_held_exchanges",
             "Approved exchanges waiting (hold-back) for an open gap below their next row",
+            registry=REGISTRY,
+        )
+        self.broker_blocked = Gauge(
+            "bridge_red_replay_broker_blocked",
+            "1 while the red broker blocks the replay's connection (connection.blocked: a "
+            "memory or disk alarm; nothing is published until it clears)",
             registry=REGISTRY,
         )
         self.lag = Gauge(
@@ -337,6 +344,8 @@ class Replayer:
         self._last: tuple[dict[str, list[FileStat]] | None, set[str]] = (None, set())
         self._view: GapView | None = None  # the landing's holes, read every pass
         self._view_error: str | None = None
+        self._blocked: str | None = None  # the broker's connection.blocked reason, as reported
+        self._waiting: tuple[float | None, threading.Event | None] = (None, None)
 
     def __repr__(self) -> str:
         return f"Replayer({str(self.table_path)!r} -> {self.where})"
@@ -437,6 +446,7 @@ class Replayer:
             "pid": os.getpid(),
             "running": not closed,
             "connected": self._conn is not None and self._conn.is_open,
+            "broker_blocked": self._blocked,
             "exchanges": {
                 name: {"held": lane.held, "stopped": lane.blocked, "in_flight": len(lane.window)}
                 for name, lane in sorted(self._lanes.items())
@@ -449,7 +459,7 @@ class Replayer:
         pass."""
         doc = self._live_doc(closed=closed)
         key = json.dumps(  # in_flight moves every pass: it only refreshes with the period
-            [doc["running"], doc["connected"],
+            [doc["running"], doc["connected"], doc["broker_blocked"],
              [(n, x["held"], x["stopped"]) for n, x in doc["exchanges"].items()]],
             default=str,
         )  # fmt: skip
@@ -481,12 +491,18 @@ class Replayer:
         self._last = (stats, approved)
         self._view = self._gap_view()
         if stats is not None and self._connect(res):
+            self._waiting = (deadline, stop)
             try:
                 self._pass(stats, deadline, stop)
                 if wait:
                     self._drain(deadline, stop, DRAIN_SECONDS)
             except _Stop:
                 pass
+            except AmqpInterrupted as e:  # stopping while the broker blocked a send
+                log_event(log, 20, "stopped while the red broker read nothing (blocked); the "
+                          "unconfirmed publishes are sent again at the next start",
+                          target=self.where, error=str(e))  # fmt: skip
+                self._drop_connection()
             except _TableError as e:
                 res.error = str(e)
                 stats = None  # not known to be caught up
@@ -997,6 +1013,8 @@ class Replayer:
                 raise
             self._channel_closed(e)
             return
+        finally:
+            self._note_blocked()
         touched: dict[int, _Lane] = {}
         by_channel = self._by_channel
         for r in ev.returns:  # before the confirms: each return comes before its own confirm
@@ -1221,12 +1239,37 @@ class Replayer:
                 "alone: that row is refused (stopped, retried later; the other exchanges go on)",
             )  # fmt: skip
 
+    def _interrupted(self) -> bool:
+        """The connection's interrupt hook: a send waits for the broker to read (it blocked
+        the connection for an alarm); say so, and give up the send once the run must stop."""
+        self._note_blocked()
+        return self._should_stop(*self._waiting)
+
+    def _note_blocked(self) -> None:
+        """Report the broker's connection.blocked / unblocked once each (log, gauge, live
+        status): a publisher held by a memory or disk alarm is never silent."""
+        now = self._conn.blocked if self._conn is not None else None
+        if now == self._blocked:
+            return
+        if now is not None:
+            log_event(log, 40, "the red broker blocked the replay's connection: nothing is "
+                      "published until its memory or disk alarm clears (`rabbitmqctl status` "
+                      "on the red broker lists alarms); waiting", target=self.where,
+                      reason=now)  # fmt: skip
+        else:
+            log_event(log, 20, "the red broker unblocked the replay's connection",
+                      target=self.where)  # fmt: skip
+        self._blocked = now
+        METRICS.broker_blocked.set(0 if now is None else 1)
+        self._write_live()
+
     def _drop_connection(self) -> None:
         conn, self._conn = self._conn, None
         if conn is not None:
             with contextlib.suppress(Exception):
                 conn.close()
         self._by_channel.clear()
+        self._note_blocked()
         for lane in self._lanes.values():
             lane.channel = None
             lane.declared = None
@@ -1250,6 +1293,7 @@ class Replayer:
             self._conn = Connection.open(
                 self._url, client_name=self.client_name, heartbeat=HEARTBEAT
             )
+            self._conn.interrupt = self._interrupted
         except BrokerError as e:
             refused = isinstance(e, AmqpAccessRefused)
             METRICS.errors.labels("", "login_refused" if refused else "connection").inc()

@@ -27,6 +27,7 @@ from bridge.errors import (
     AmqpAccessRefused,
     AmqpClosed,
     AmqpConnectionError,
+    AmqpInterrupted,
     ConfigError,
     ManagementApiError,
 )
@@ -666,3 +667,73 @@ def test_broker_closing_the_connection_raises_amqp_closed_320(url: str, vhost: s
     assert not conn.is_open
     with pytest.raises(AmqpClosed):
         conn.channel()
+
+
+# ---------------------------------------------------------------------------- sends that wait
+MB = b"y" * 1_000_000
+
+
+@broker
+def test_a_send_the_broker_reads_nothing_of_is_abandoned_after_send_timeout(
+    relay: Relay, vhost: str
+) -> None:
+    """A peer that stops reading (no heartbeats to notice it by) used to hold a publish in
+    ``_send_rest`` for ever."""
+    conn = Connection.open(url_of(vhost, "127.0.0.1", relay.port), heartbeat=0, send_timeout=1.0)
+    ch = conn.channel()
+    relay.freeze()
+    t0 = time.monotonic()
+    with pytest.raises(AmqpConnectionError, match="read nothing from it for") as e:
+        for _ in range(200):  # 200 MB: far past every socket buffer between us and the relay
+            ch.publish("amq.direct", "nobody", b"\x00\x00", MB)
+    assert not isinstance(e.value, AmqpInterrupted) and "blocked" not in str(e.value)
+    assert time.monotonic() - t0 >= 1.0  # it waited its send_timeout first
+    assert not conn.is_open
+    conn.close()
+
+
+@broker
+def test_a_send_blocked_by_a_broker_alarm_waits_until_interrupted_and_close_is_bounded(
+    vhost: str, memory_alarm: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A real memory alarm: RabbitMQ blocks the publishing connection and reads nothing more
+    while it keeps sending heartbeats. The send waits past ``send_timeout`` (the alarm is flow
+    control, not a dead broker), knows it is blocked, and the ``interrupt`` hook ends it;
+    closing a blocked connection gives up after CLOSE_SEND_LIMIT."""
+    from bridge.amqp import client
+
+    conn = Connection.open(url_of(vhost), heartbeat=2, send_timeout=0.5)
+    ch = conn.channel()
+    seen: list[str | None] = []
+    t0 = time.monotonic()
+
+    def interrupt() -> bool:
+        seen.append(conn.blocked)
+        return time.monotonic() - t0 > 5  # > send_timeout and > two heartbeat intervals
+
+    conn.interrupt = interrupt
+    with pytest.raises(AmqpInterrupted, match=r"blocked by the broker: low on memory") as e:
+        for _ in range(200):
+            ch.publish("amq.direct", "nobody", b"\x00\x00", MB)
+    assert "low on memory" in seen and len(seen) >= 5, seen  # the hook ran while blocked
+    assert isinstance(e.value, AmqpConnectionError) and not conn.is_open
+
+    class Full(Exception):
+        pass
+
+    def full() -> bool:  # leaves the connection open with its socket full (a test's trick)
+        if other.blocked is not None and not other._closing:
+            raise Full
+        return False
+
+    monkeypatch.setattr(client, "CLOSE_SEND_LIMIT", 1.0)
+    other = Connection.open(url_of(vhost), heartbeat=2)
+    och = other.channel()
+    other.interrupt = full
+    with pytest.raises(Full):
+        for _ in range(200):
+            och.publish("amq.direct", "nobody", b"\x00\x00", MB)
+    assert other.is_open
+    t1 = time.monotonic()
+    other.close()  # the close frame cannot be written while the alarm lasts: given up, not hung
+    assert time.monotonic() - t1 >= 1.0 and not other.is_open

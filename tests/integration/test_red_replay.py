@@ -804,6 +804,53 @@ def test_a_login_refused_after_a_good_start_is_an_error_with_its_own_metric(
 
 
 @pytestmark_broker
+def test_a_broker_alarm_is_reported_and_a_stop_ends_a_publish_the_broker_blocked(
+    tmp_path: Path, tables: RedTables, red_vhost: Vhost, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A memory alarm on red: the broker blocks the publisher and reads nothing more, so a
+    publish of large rows waits in the client's send. That wait had no end: SIGTERM set the
+    stop event and nothing looked at it. Now the block is reported (log, gauge, live status)
+    and a stop ends the run at once; the rows are published after the alarm, none skipped."""
+    import threading
+
+    from tests.conftest import raised_memory_alarm
+
+    x = ExchangeDecl("big", "fanout", True)
+    land(tables, 1, rows("c1", range(40), x, body_size=1_000_000))  # 40 MB: past every buffer
+    cfg = make_cfg(tmp_path, red_vhost.amqp_url, ["big"])
+    caplog.set_level("INFO", logger="bridge.red.replay")
+    live = Path(cfg.red.state_dir) / rp.LIVE_FILE
+    stop = threading.Event()
+    out: list[Any] = []
+    with raised_memory_alarm():
+        t = threading.Thread(target=lambda: out.append(Replayer(cfg).run(stop=stop)))
+        t.start()
+        t0 = time.monotonic()
+        while not (live.exists() and json.loads(live.read_text()).get("broker_blocked")):
+            assert time.monotonic() - t0 < 60 and t.is_alive(), "the block was never reported"
+            time.sleep(0.1)
+        assert metric("bridge_red_replay_broker_blocked") == 1
+        time.sleep(1.0)  # the run is in the blocked send now, or waiting for confirms
+        stop.set()
+        t.join(20)
+        assert not t.is_alive(), "a stop did not end a replay blocked by the broker's alarm"
+    assert out and out[0].confirmed == 0
+    said = [r.getMessage() for r in caplog.records]
+    assert any("blocked the replay's connection" in m and r.levelname == "ERROR"
+               for m, r in zip(said, caplog.records, strict=True)), said  # fmt: skip
+    assert any("stopped while the red broker read nothing" in m for m in said), said
+    assert not json.loads(live.read_text())["running"]
+    c = Consumer(red_vhost.amqp_url, "big", "")
+    try:
+        s = Replayer(cfg).run(until_caught_up=True, timeout=60)
+        assert s.confirmed == 40
+        assert sorted(body_id(m)[1] for m in c.collect(40)) == list(range(40))
+    finally:
+        c.close()
+    assert metric("bridge_red_replay_broker_blocked") == 0
+
+
+@pytestmark_broker
 def test_audit_sink_writes_replay_events_with_their_own_app_id(
     tmp_path: Path, tables: RedTables, red_vhost: Vhost, admin: Connection
 ) -> None:
