@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -107,9 +108,46 @@ def _restore_watermark() -> None:
     WATERMARK_SAVED.unlink()
 
 
+RABBIT_ENV_SAVED = Path(tempfile.gettempdir()) / "diode-test-rabbit-env.json"
+"""The broker's own `rabbit` application settings while a test changes them (as
+WATERMARK_SAVED): the Erlang terms to set back, or null for a key that was unset."""
+
+
+def _restore_rabbit_env() -> None:
+    for key, term in json.loads(RABBIT_ENV_SAVED.read_text()).items():
+        if term is None:
+            _ctl("eval", f"application:unset_env(rabbit, {key}).")
+        else:
+            _ctl("eval", f"application:set_env(rabbit, {key}, {term}).")
+    RABBIT_ENV_SAVED.unlink()
+
+
+@contextmanager
+def rabbit_env(**terms: str) -> Iterator[None]:
+    """Set the broker's `rabbit` application settings (Erlang terms, e.g. consumer_timeout=
+    "1000") for the block, and put the broker's own back after it, even if the run is killed
+    (the next session's start does). Skips where rabbitmqctl cannot run here."""
+    saved: dict[str, str | None] = {}
+    try:
+        for key in terms:
+            now = _ctl("eval", f"application:get_env(rabbit, {key}).")
+            saved[key] = now[len("{ok,") : -1] if now.startswith("{ok,") else None
+    except (OSError, RuntimeError, subprocess.TimeoutExpired) as e:
+        pytest.skip(f"changing broker settings needs rabbitmqctl on the broker's host: {e}")
+    RABBIT_ENV_SAVED.write_text(json.dumps(saved))
+    try:
+        for key, term in terms.items():
+            _ctl("eval", f"application:set_env(rabbit, {key}, {term}).")
+        yield
+    finally:
+        _restore_rabbit_env()
+
+
 def pytest_sessionstart(session: pytest.Session) -> None:
     if WATERMARK_SAVED.exists():
         _restore_watermark()
+    if RABBIT_ENV_SAVED.exists():
+        _restore_rabbit_env()
 
 
 @pytest.fixture

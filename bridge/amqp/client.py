@@ -62,7 +62,7 @@ __all__ = [
 ]
 
 DEFAULT_PORT = 5672
-MIN_FRAME_MAX = 4096  # AMQP 0-9-1: frame-min-size
+MIN_FRAME_MAX = 8192  # AMQP 0-9-1 allows 4096; RabbitMQ 4.1 and later refuse below 8192
 READ_BUFFER = 1 << 20
 SEND_WAKE = 0.5  # a send waiting for the broker to read checks the interrupt hook this often
 CLOSE_SEND_LIMIT = 10.0  # connection.close never waits longer than this for the broker to read
@@ -135,6 +135,13 @@ class Events:
 
     def __bool__(self) -> bool:
         return bool(self.deliveries or self.confirms or self.syncs or self.returns or self.cancels)
+
+    def drop_channel(self, number: int) -> None:
+        """Forget what channel ``number`` left unread (the number now names a new channel)."""
+        for name in ("deliveries", "confirms", "returns", "cancels"):
+            items = getattr(self, name)
+            if any(x.channel == number for x in items):
+                items[:] = [x for x in items if x.channel != number]
 
 
 class QueueInfo(NamedTuple):
@@ -482,6 +489,7 @@ class Connection:
         self._errors: list[AmqpClosed] = []
         self._ch0 = Channel(self, 0)
         self._channels: dict[int, Channel] = {0: self._ch0}
+        self._last_number = 0  # channel numbers go round: a closed one's late events stay its own
         self._tokens = 0
         self._ev = Events()
         self._rsize = max(READ_BUFFER, 4 * frame_max)
@@ -532,7 +540,10 @@ class Connection:
         """
         params = parse_url(url)
         if frame_max < MIN_FRAME_MAX:
-            raise ConfigError(f"frame_max {frame_max} is below AMQP's minimum {MIN_FRAME_MAX}")
+            raise ConfigError(
+                f"frame_max {frame_max} is below {MIN_FRAME_MAX} (RabbitMQ 4.1 and later refuse "
+                "smaller frames)"
+            )
         if not 0 <= heartbeat <= 65535:
             raise ConfigError(f"heartbeat {heartbeat} s is outside 0..65535")
         try:
@@ -610,11 +621,20 @@ class Connection:
         self._handshake = False
 
     def channel(self) -> Channel:
-        """Open a new channel."""
+        """Open a new channel.
+
+        Numbers are taken in turn (after the last one given, wrapping around), never the
+        lowest free one: confirms, returns or deliveries a closed channel left unread would
+        otherwise be read as the new channel's."""
         self._check()
         chans = self._channels
+        top, last = self.channel_max, self._last_number
         number = next(
-            (n for n in range(1, self.channel_max + 1) if n not in chans or not chans[n].is_open),
+            (
+                n
+                for n in (*range(last + 1, top + 1), *range(1, min(last, top) + 1))
+                if n not in chans or not chans[n].is_open
+            ),
             0,
         )
         if not number:
@@ -623,6 +643,8 @@ class Connection:
             )
         ch = Channel(self, number)
         chans[number] = ch
+        self._last_number = number
+        self._ev.drop_channel(number)  # wrapped around onto a number with events still unread
         try:
             ch._rpc(f.channel_open_frame(number), f.CHANNEL_OPEN_OK, "opening the channel")
         except BaseException:
@@ -1173,6 +1195,8 @@ class Connection:
             reply_code=code, reply_text=text, class_id=class_id, method_id=method_id,
             channel=c.number,
         )  # fmt: skip
+        if code == 406 and "timed out" in text:  # the broker's consumer (ack) timeout
+            closed.retryable = True  # a new channel gets the unacked deliveries again
         c._error = closed
         self._errors.append(closed)
 

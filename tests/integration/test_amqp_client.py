@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 from pamqp.header import ContentHeader as PContentHeader
 
-from bridge.amqp.client import Channel, Connection, Delivery, Events, parse_url
+from bridge.amqp.client import Channel, Confirm, Connection, Delivery, Events, parse_url
 from bridge.black.management import ManagementClient
 from bridge.errors import (
     AmqpAccessRefused,
@@ -365,12 +365,12 @@ def test_consume_with_manual_acks_and_prefetch(conn: Connection) -> None:
 
 @broker
 def test_multi_frame_bodies_and_zero_length_body(url: str) -> None:
-    with Connection.open(url, frame_max=4096) as conn:
-        assert conn.frame_max == 4096
+    with Connection.open(url, frame_max=8192) as conn:
+        assert conn.frame_max == 8192
         q = qname("frames")
         ch = conn.channel()
         ch.queue_declare(q)
-        room = 4096 - 8
+        room = 8192 - 8
         bodies = [os.urandom(1 << 20), b"", os.urandom(room), os.urandom(room + 1), b"x"]
         publish_confirmed(ch, conn, "", q, [(PERSISTENT, b) for b in bodies])
         ch.basic_qos(100)
@@ -737,3 +737,97 @@ def test_a_send_blocked_by_a_broker_alarm_waits_until_interrupted_and_close_is_b
     t1 = time.monotonic()
     other.close()  # the close frame cannot be written while the alarm lasts: given up, not hung
     assert time.monotonic() - t1 >= 1.0 and not other.is_open
+
+
+# ---------------------------------------------------------------------------- channel numbers
+@broker
+def test_a_new_channel_never_takes_the_number_whose_late_confirms_are_unread(url: str) -> None:
+    """A channel the broker closes leaves its confirms unread in the connection; the next
+    channel used to get the same (lowest free) number, so those confirms read as its own."""
+    conn = Connection.open(url)
+    try:
+        old = conn.channel()
+        old.confirm_select()
+        for _ in range(50):
+            old.publish("amq.direct", "nobody", b"\x00\x00", b"x")
+        old.publish(f"no-such-{uuid.uuid4().hex[:6]}", "k", b"\x00\x00", b"x")  # 404 closes it
+        seen = Events()
+        with pytest.raises(AmqpClosed) as e:
+            deadline = time.monotonic() + 30
+            while time.monotonic() < deadline:
+                seen.confirms += conn.poll(0.5).confirms
+        assert e.value.reply_code == 404 and e.value.channel == old.number
+        new = conn.channel()
+        assert new.number != old.number
+        seen.confirms += conn.poll(0.5).confirms  # what the raise kept for the next call
+        assert len(seen.confirms) > 0 and {c.channel for c in seen.confirms} == {old.number}
+        new.confirm_select()
+        assert new.publish("amq.direct", "nobody", b"\x00\x00", b"y") == 1
+        got = wait_events(conn, lambda ev: any(c.channel == new.number for c in ev.confirms))
+        assert [(c.channel, c.delivery_tag) for c in got.confirms] == [(new.number, 1)]
+    finally:
+        conn.close()
+
+
+@broker
+def test_channel_numbers_wrap_around_and_a_reused_number_starts_with_no_events(url: str) -> None:
+    conn = Connection.open(url)
+    try:
+        conn.channel_max = 3
+        numbers = []
+        for _ in range(5):
+            ch = conn.channel()
+            numbers.append(ch.number)
+            ch.close()
+        assert numbers == [1, 2, 3, 1, 2]
+        a, b = conn.channel(), conn.channel()  # 3, then 1 (2 is free too, but 1 comes first)
+        assert (a.number, b.number) == (3, 1)
+        conn._ev.confirms.append(Confirm(2, 7, False, True))  # a closed channel 2 left this
+        assert conn.channel().number == 2 and not conn._ev.confirms
+        with pytest.raises(AmqpConnectionError, match="all 3 channels"):
+            conn.channel()
+    finally:
+        conn.close()
+
+
+def test_frame_max_below_what_rabbitmq_4_1_takes_is_refused() -> None:
+    with pytest.raises(ConfigError, match="8192"):
+        Connection.open("amqp://guest:guest@127.0.0.1:1/%2F", frame_max=4096)
+
+
+@broker
+def test_the_brokers_consumer_ack_timeout_closes_the_channel_as_a_retryable_error(
+    url: str,
+) -> None:
+    """RabbitMQ closes a consumer's channel with 406 when a delivery stays unacked past its
+    consumer_timeout: a tap held by a slow disk that long must reconnect (the deliveries come
+    again), not stop for good as for a real precondition failure."""
+    from tests.conftest import rabbit_env
+
+    q = qname("ack-timeout")
+    with rabbit_env(consumer_timeout="1000", channel_tick_interval="200"):
+        conn = Connection.open(url)
+        try:
+            ch = conn.channel()
+            ch.queue_declare(q)
+            publish_confirmed(ch, conn, "", q, [(PERSISTENT, b"a")])
+            ch.basic_qos(10)
+            ch.basic_consume(q)
+            assert [d.body for d in collect(conn, 1)] == [b"a"]
+            with pytest.raises(AmqpClosed) as e:
+                deadline = time.monotonic() + 60
+                while time.monotonic() < deadline:
+                    conn.poll(0.5)
+            assert e.value.reply_code == 406 and "timed out" in e.value.reply_text
+            assert e.value.retryable and e.value.channel == ch.number
+            again = conn.channel()  # the connection lives on; the delivery comes back
+            again.basic_qos(10)
+            again.basic_consume(q)
+            back = collect(conn, 1)
+            assert [d.body for d in back] == [b"a"] and back[0].redelivered
+            again.ack(back[0].delivery_tag)
+        finally:
+            conn.close()
+    with Connection.open(url) as c, pytest.raises(AmqpClosed) as e:
+        c.channel().queue_declare(q, durable=True)  # not as declared: 406 inequivalent arg
+    assert e.value.reply_code == 406 and not e.value.retryable  # a real one stays final
