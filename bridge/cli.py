@@ -102,8 +102,13 @@ def _device(path: Path) -> tuple[int, Path] | None:
 
 def _check_black_places(cfg: Any) -> None:
     """What the black job checks when it builds its outbox, without creating anything: the
-    staging dir on the file system of the outbox (and udp_outbox), and with archive_mode =
+    staging dir on the file system and mount of the outbox (and udp_outbox; a bind mount keeps
+    the device number, so the rename of an absent name is probed), and with archive_mode =
     "link" the archive too. Paths not created yet count as their nearest existing parent."""
+    import errno
+
+    from bridge.diode.file_drop import rename_refusal
+
     b = cfg.black
     staging = Path(b.staging_dir)
     drops = [("outbox", Path(b.outbox))]
@@ -112,15 +117,27 @@ def _check_black_places(cfg: Any) -> None:
     st = _device(staging)
     for key, d in drops:
         dv = _device(d)
-        if st is None or dv is None or st[0] == dv[0]:
+        if st is None or dv is None:
             continue
-        raise ConfigError(
-            f"black.staging_dir {staging} (on the file system of {st[1]}) is not on the file "
-            f"system of black.{key} {d} (on that of {dv[1]}): a rename into the outbox is "
-            "atomic only within one file system, else a mover could see partial files. Set "
-            "black.staging_dir to a directory on the outbox's file system outside the outbox "
-            f"(default: {d.parent / ('.' + d.name + '.staging')})"
+        fix = (
+            "a rename into the outbox is atomic only within one file system and mount, else a "
+            "mover could see partial files. Set black.staging_dir to a directory on the "
+            "outbox's file system outside the outbox (default: "
+            f"{d.parent / ('.' + d.name + '.staging')}); if the outbox is itself a mount point "
+            "(a bind mount included), mount the folder above it instead"
         )
+        if st[0] != dv[0]:
+            raise ConfigError(
+                f"black.staging_dir {staging} (on the file system of {st[1]}) is not on the "
+                f"file system of black.{key} {d} (on that of {dv[1]}): {fix}"
+            )
+        refused = rename_refusal(st[1], dv[1])
+        if refused is not None and refused.errno == errno.EXDEV:
+            raise ConfigError(
+                f"black.staging_dir {staging} (at {st[1]}) and black.{key} {d} (at {dv[1]}) "
+                "are on one file system but on different mounts (a bind mount): rename(2) "
+                f"between them fails ({refused.strerror}). {fix}"
+            )
     if b.archive_mode == "link":
         ar = _device(Path(b.archive))
         if st is not None and ar is not None and st[0] != ar[0]:
@@ -445,7 +462,9 @@ def resend(config_path: Path | None, channel: str, first: int, last: int, wait: 
     """Re-drop archived bundles of a channel, unchanged, into the outbox.
 
     Runs beside a running black job and the diode's mover: each bundle is copied from the
-    archive through the staging dir and appears in the outbox by one rename.
+    archive through the staging dir and appears in the outbox by one rename. Prints
+    ``{"resent": [file names], "missing": [[first, last], ...]}`` (inclusive bundle seq ranges
+    not in the archive); exit 1 if any is missing.
     """
     from bridge.diode.file_drop import Outbox
 
@@ -454,12 +473,21 @@ def resend(config_path: Path | None, channel: str, first: int, last: int, wait: 
     rep = Outbox.from_config(cfg, lock_wait=wait).resend(channel, first, last)
     click.echo(json.dumps({"resent": rep.resent, "missing": rep.missing}))
     if rep.missing:
+        count = sum(b - a + 1 for a, b in rep.missing)
         click.echo(
-            f"warning: {len(rep.missing)} bundle(s) not in the archive (pruned?): "
-            f"{rep.missing[:20]}",
+            f"warning: {count} bundle(s) not in the archive (pruned?): "
+            f"{_seq_ranges_text(rep.missing)}",
             err=True,
         )
         sys.exit(1)
+
+
+def _seq_ranges_text(ranges: list[tuple[int, int]], shown: int = 20) -> str:
+    """``1-4, 7, 9-12`` for ``[(1, 4), (7, 7), (9, 12)]``; past ``shown`` ranges, how many more."""
+    text = ", ".join(f"{a}" if a == b else f"{a}-{b}" for a, b in ranges[:shown])
+    if len(ranges) > shown:
+        text += f" and {len(ranges) - shown} more range(s)"
+    return text
 
 
 side_option = click.option(

@@ -9,8 +9,10 @@
                                        (same inode as the outbox file: one write, one fsync)
 
 The staging dir (``black.staging_dir``, default ``.<outbox name>.staging`` beside the outbox)
-must be on the outbox's file system, for the rename to be atomic; that is checked here (also
-for ``black.udp_outbox``, where the UDP channels' files go when it is set). Black's own
+must be on the outbox's file system and mount, for the rename to be atomic (rename(2) refuses
+to cross a bind mount, which keeps the device number); that is checked here by probing a rename
+that creates nothing (also for ``black.udp_outbox``, where the UDP channels' files go when it
+is set). Black's own
 directories (archive, staging, state, spool, checkpoint, GnuPG home) must not be inside the
 outbox or the UDP outbox, nor the outbox inside the archive: refused here, before anything is
 created. A mover may take
@@ -52,7 +54,14 @@ from bridge.fsutil import (
 from bridge.logs import get_logger, log_event
 from bridge.protocol.naming import MAX_SEQ, parse_bundle_name
 
-__all__ = ["DROP_LOCK", "LOCK_WAIT_SECONDS", "Outbox", "ResendReport", "default_staging"]
+__all__ = [
+    "DROP_LOCK",
+    "LOCK_WAIT_SECONDS",
+    "Outbox",
+    "ResendReport",
+    "default_staging",
+    "rename_refusal",
+]
 
 log = get_logger("bridge.diode.file_drop")
 _TEMP_RE = re.compile(r"^\.[A-Za-z0-9._-]+\.[0-9a-f]{12}\.tmp$")
@@ -67,6 +76,8 @@ LOCK_WAIT_SECONDS = 120.0
 """How long a re-drop waits for a start-up sweep, and a sweep for one re-drop, by default."""
 _PROBE_NAME = "archive-link-probe"
 """Base name of the ``archive_mode = "link"`` check's files (temp names: ``.<it>.<hex>.tmp``)."""
+_RENAME_PROBE = "rename-probe"
+"""Base name of the absent file the staging check renames (:func:`rename_refusal`)."""
 _PROBE_ATTEMPTS = 3
 """Probes whose file vanished before the link (removed under us) before giving up."""
 
@@ -86,12 +97,37 @@ def default_staging(outbox: Path) -> Path:
     return outbox.parent / f".{outbox.name}.staging"
 
 
+def rename_refusal(src_dir: Path, dst_dir: Path) -> OSError | None:
+    """Why rename(2) would refuse to move a file from ``src_dir`` into ``dst_dir``, or None.
+
+    Nothing is created, in ``dst_dir`` least of all (a mover may take any file there, dot-files
+    included): the probe renames an absent name. The kernel checks that both directories are
+    on one mount (EXDEV otherwise: another file system, or a bind mount of the same one, whose
+    st_dev agrees), and that mount writable (EROFS), before it looks the name up: ENOENT means
+    a real file would get that far. A missing directory also answers ENOENT (check first).
+    """
+    name = tmp_path_for(Path(_RENAME_PROBE)).name
+    try:
+        os.rename(src_dir / name, dst_dir / name)
+    except FileNotFoundError:
+        return None
+    except OSError as e:
+        return e
+    raise StateError(  # a random name: only something writing black's own dir could do this
+        f"the rename probe {src_dir / name} existed and is now {dst_dir / name}: something "
+        f"else writes files in {src_dir}; stop it, remove that file and start again"
+    )
+
+
 @dataclass
 class ResendReport:
     """What a resend re-dropped and what it could not find in the archive."""
 
     resent: list[str]
-    missing: list[int]
+    """File names re-dropped, by bundle seq."""
+    missing: list[tuple[int, int]]
+    """Bundle seq ranges ``(first, last)``, inclusive and ascending, not in the archive (or
+    pruned during the resend)."""
 
 
 def _copy_fd(src: int, dst: int) -> int:
@@ -253,19 +289,55 @@ class Outbox:
                 )
 
     def _check_staging_device(self) -> None:
+        """ConfigError unless a file can be renamed from the staging dir into every drop dir:
+        the same device, and no mount between them (a bind mount keeps the device number, and
+        rename(2) still refuses to cross it: EXDEV), found by :func:`rename_refusal`."""
         dev_s = os.stat(self.staging).st_dev
         for key, d in self._drop_dirs():
             dev_o = os.stat(d).st_dev
-            if dev_s == dev_o:
+            if dev_s != dev_o:
+                raise ConfigError(
+                    f"black.staging_dir {self.staging} (device {dev_s}) is not on the file "
+                    f"system of black.{key} {d} (device {dev_o}): {self._staging_fix()}"
+                )
+            refused = rename_refusal(self.staging, d)
+            if refused is None:
                 continue
+            if refused.errno == errno.EXDEV:
+                raise ConfigError(
+                    f"black.staging_dir {self.staging} and black.{key} {d} are on one file "
+                    f"system (device {dev_s}) but on different mounts (a bind mount): rename(2) "
+                    f"between them fails ({refused.strerror}). {self._staging_fix()}"
+                )
             raise ConfigError(
-                f"black.staging_dir {self.staging} (device {dev_s}) is not on the file system of "
-                f"black.{key} {d} (device {dev_o}): a rename into the outbox is atomic "
-                "only within one file system, else a mover could see partial files. Set "
-                "black.staging_dir to a directory on the outbox's file system outside the outbox "
-                f"(default: {default_staging(self.outbox)}) and keep black.udp_outbox on it too; "
-                "if the outbox is itself a mount point, mount the folder above it instead"
+                f"black.{key} {d} refuses a rename from black.staging_dir {self.staging} "
+                f"({refused.strerror or refused}), the only way files enter it: make black.{key} "
+                "writable for the user running black (and mounted read-write), or point it "
+                "elsewhere"
             )
+
+    def _staging_fix(self) -> str:
+        """Why the staging dir must be on the outbox's mount, and how to get there."""
+        return (
+            "a rename into the outbox is atomic only within one file system and mount, else a "
+            "mover could see partial files. Set black.staging_dir to a directory on the "
+            f"outbox's file system outside the outbox (default: {default_staging(self.outbox)}) "
+            "and keep black.udp_outbox on it too; if the outbox is itself a mount point (a bind "
+            "mount included), mount the folder above it instead"
+        )
+
+    def _exdev_hint(self, e: BaseException, final: Path) -> str:
+        """The fix, when the rename of a staged temp to ``final`` failed with EXDEV (the staging
+        dir and the drop dir on different mounts since start-up); "" for anything else."""
+        if not isinstance(e, OSError) or e.errno != errno.EXDEV:
+            return ""
+        if e.filename2 != os.fspath(final):
+            return ""
+        return (
+            f"; black.staging_dir {self.staging} and {final.parent} are on different mounts "
+            f"(another file system, or a bind mount of the same one), so nothing can be "
+            f"delivered until that is fixed: {self._staging_fix()}; then start black again"
+        )
 
     def _check_archive_link(self) -> None:
         """Link a probe file from the staging dir into the archive: a device check alone
@@ -409,6 +481,7 @@ class Outbox:
         except OSError as e:
             raise TransportError(
                 f"cannot deliver {name} (channel {channel!r}) into {outbox}: {e}"
+                f"{self._exdev_hint(e, final)}"
             ) from e
         return final
 
@@ -437,7 +510,9 @@ class Outbox:
             os.replace(staged, final)
         except OSError as e:
             staged.unlink(missing_ok=True)
-            raise TransportError(f"cannot move {name} into {outbox}: {e}") from e
+            raise TransportError(
+                f"cannot move {name} into {outbox}: {e}{self._exdev_hint(e, final)}"
+            ) from e
         try:
             fsync_dir(outbox)
         except OSError as e:
@@ -485,7 +560,10 @@ class Outbox:
         try:
             size = self._redrop(self.archive / channel / name, name, channel)
         except OSError as e:
-            raise TransportError(f"cannot re-drop {name} of channel {channel!r}: {e}") from e
+            raise TransportError(
+                f"cannot re-drop {name} of channel {channel!r}: {e}"
+                f"{self._exdev_hint(e, self.dir_for(channel) / name)}"
+            ) from e
         if size is None:
             raise TransportError(
                 f"cannot re-drop {name} of channel {channel!r}: it is no longer in the archive "
@@ -512,6 +590,8 @@ class Outbox:
         """Re-drop archived bundles ``first..last`` of ``channel`` unchanged into the outbox.
 
         Safe beside a running job and a mover; a bundle pruned meanwhile counts as missing.
+        Lists the archive once and visits only the bundles it holds in the range, so the
+        work and the report grow with the archive, not with the range (up to 10^12 seqs).
         """
         if last < first:
             raise TransportError(f"resend range {first}..{last} of channel {channel!r} is empty")
@@ -521,30 +601,37 @@ class Outbox:
             )
         have = self.archived(channel)
         resent: list[str] = []
-        missing: list[int] = []
-        for seq in range(first, last + 1):
-            src = have.get(seq)
-            if src is None:
-                missing.append(seq)
-                continue
-            try:
-                size = self._redrop(src, src.name, channel)
-            except (OSError, StateError) as e:
-                stop = (
-                    f"resend of channel {channel!r} stopped at bundle seq {seq} ({src.name}): "
-                    f"{e}; {len(resent)} bundle(s) of {first}..{seq - 1} were re-dropped before"
-                )
-                if isinstance(e, StateError):
-                    raise StateError(stop) from None
-                raise TransportError(stop) from e
-            if size is None:
-                missing.append(seq)
-                log_event(log, 30, "bundle pruned from the archive during the resend",
-                          channel=channel, bundle_seq=seq)  # fmt: skip
-                continue
-            resent.append(src.name)
-            log_event(log, 20, "bundle re-dropped", channel=channel, bundle_seq=seq, file=src.name)
+        missing: list[tuple[int, int]] = []
+        after = first  # the lowest seq not yet re-dropped nor counted missing
+        for seq in sorted(s for s in have if first <= s <= last):
+            if self._resend_one(channel, seq, have[seq], first, len(resent)):
+                resent.append(have[seq].name)
+                if seq > after:
+                    missing.append((after, seq - 1))
+                after = seq + 1
+        if after <= last:
+            missing.append((after, last))
         return ResendReport(resent=resent, missing=missing)
+
+    def _resend_one(self, channel: str, seq: int, src: Path, first: int, done: int) -> bool:
+        """Re-drop one archived bundle for :meth:`resend`; False if it was pruned meanwhile."""
+        try:
+            size = self._redrop(src, src.name, channel)
+        except (OSError, StateError) as e:
+            hint = self._exdev_hint(e, self.dir_for(channel) / src.name)
+            stop = (
+                f"resend of channel {channel!r} stopped at bundle seq {seq} ({src.name}): "
+                f"{e}{hint}; {done} bundle(s) of {first}..{seq - 1} were re-dropped before"
+            )
+            if isinstance(e, StateError):
+                raise StateError(stop) from None
+            raise TransportError(stop) from e
+        if size is None:
+            log_event(log, 30, "bundle pruned from the archive during the resend",
+                      channel=channel, bundle_seq=seq)  # fmt: skip
+            return False
+        log_event(log, 20, "bundle re-dropped", channel=channel, bundle_seq=seq, file=src.name)
+        return True
 
     def prune_archive(self, *, now: float | None = None, keep: Collection[str] = ()) -> int:
         """Delete archived bundles older than the retention; returns how many.

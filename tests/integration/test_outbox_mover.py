@@ -461,7 +461,7 @@ def test_bundle_pruned_between_listing_and_copy_is_reported_missing(
         p.unlink()
     rep = rig.outbox.resend("ops", 1, 3)
     assert pruned == [names[1]]
-    assert rep.resent == [names[0], names[2]] and rep.missing == [2]
+    assert rep.resent == [names[0], names[2]] and rep.missing == [(2, 2)]
     assert listing(rig.cfg.black.outbox) == sorted([names[0], names[2]])
     assert listing(rig.outbox.staging) == [DROP_LOCK]
     with pytest.raises(TransportError, match="no longer in the archive"):

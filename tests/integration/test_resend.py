@@ -19,6 +19,7 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -151,9 +152,9 @@ def test_resend_status_gaps_after_a_black_run(black_vhost: Any, short_tmp: Path,
     )
     assert r.returncode == 1, (r.returncode, r.stdout, r.stderr)
     out = json.loads(r.stdout)
-    assert out["missing"] == list(range(top + 1, 100))
+    assert out["missing"] == [[top + 1, 99]]  # seq ranges, inclusive
     assert out["resent"] == [archived[s].name for s in range(1, top + 1)]
-    assert "not in the archive" in r.stderr
+    assert f"warning: {99 - top} bundle(s) not in the archive (pruned?): {top + 1}-99" in r.stderr
     assert files(outbox) == sorted(p.name for p in archived.values())
     for p in archived.values():
         assert (outbox / p.name).read_bytes() == p.read_bytes()
@@ -191,7 +192,7 @@ def test_resend_status_gaps_after_a_black_run(black_vhost: Any, short_tmp: Path,
     assert ob.prune_archive() == 2
     assert sorted(ob.archived(CHANNEL)) == list(range(3, top + 1))
     r = diode("resend", "--config", str(cfg_path), "--channel", CHANNEL, "--from", "1", "--to", "3")
-    assert r.returncode == 1 and json.loads(r.stdout)["missing"] == [1, 2], r.stdout
+    assert r.returncode == 1 and json.loads(r.stdout)["missing"] == [[1, 2]], r.stdout
 
 
 def test_prune_archive_removes_old_keeps_recent(tmp_path: Path) -> None:
@@ -341,7 +342,7 @@ def _plain_config(work: Path) -> Path:
     return p
 
 
-def _archive(work: Path, seqs: range) -> list[str]:
+def _archive(work: Path, seqs: Iterable[int]) -> list[str]:
     """Archived bundles (their bytes do not matter to resend: it copies them unchanged)."""
     adir = work / "black" / "archive" / CHANNEL
     adir.mkdir(parents=True)
@@ -396,3 +397,73 @@ def test_resend_waits_for_a_sweep_and_says_so_when_it_lasts(tmp_path: Path) -> N
     assert "stopped at bundle seq 1" in r.stderr
     assert str(lock) in r.stderr and "sweeps stale temp files at start-up" in r.stderr
     assert files(tmp_path / "black" / "outbox") == []
+
+
+RESEND_LIMITED = """
+import resource, sys
+resource.setrlimit(resource.RLIMIT_AS, (1 << 30, 1 << 30))  # 1 GiB: a per-seq walk dies here
+from bridge.cli import main
+sys.argv = ["diode", *sys.argv[1:]]
+main()
+"""
+
+
+def test_resend_of_the_whole_seq_space_visits_only_the_archived_bundles(tmp_path: Path) -> None:
+    """``--to`` may be 10^12 - 1: the work, the memory and the report follow what the archive
+    holds, not the range; missing bundles are reported as seq ranges (JSON and warning)."""
+    from bridge.protocol.naming import MAX_SEQ
+
+    cfg_path = _plain_config(tmp_path)
+    names = _archive(tmp_path, [3, 5, 6, 10])
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    env.pop("DIODE_CONFIG", None)
+    try:
+        r = subprocess.run(
+            [sys.executable, "-c", RESEND_LIMITED, "resend", "--config", str(cfg_path),
+             "--channel", CHANNEL, "--from", "1", "--to", str(MAX_SEQ)],
+            cwd=REPO, env=env, capture_output=True, text=True, timeout=60, check=False,
+        )  # fmt: skip
+    except subprocess.TimeoutExpired:
+        pytest.fail("resend 1..MAX_SEQ over 4 archived bundles still ran after 60 s")
+    assert r.returncode == 1, (r.returncode, r.stdout[-2000:], r.stderr[-2000:])
+    assert json.loads(r.stdout) == {
+        "resent": names,
+        "missing": [[1, 2], [4, 4], [7, 9], [11, MAX_SEQ]],
+    }
+    assert (
+        f"warning: {MAX_SEQ - 4} bundle(s) not in the archive (pruned?): 1-2, 4, 7-9, 11-{MAX_SEQ}"
+        in r.stderr
+    ), r.stderr
+    assert files(tmp_path / "black" / "outbox") == names
+
+
+def test_resend_reports_missing_bundles_as_merged_ranges(tmp_path: Path) -> None:
+    """Gaps in the archive, the range's ends, and a bundle pruned during the resend all fold
+    into ascending, non-overlapping ranges; a long report is cut after 20 ranges."""
+    black = tmp_path / "black"
+    ob = Outbox(black / "outbox", black / "archive", retention_days=1)
+    names = _archive(tmp_path, [2, 3, 4, 8])
+    adir = black / "archive" / CHANNEL
+    (adir / f"other.{5:012d}.{5:032x}.dbundle").write_bytes(b"another channel's")
+    (adir / f".{names[2]}.0123456789ab.tmp").write_bytes(b"a temp")
+    real = ob.archived
+
+    def archived_then_pruned(channel: str) -> dict[int, Path]:
+        have = real(channel)
+        have[4].unlink()  # pruned right after resend listed the archive
+        return have
+
+    ob.archived = archived_then_pruned  # type: ignore[method-assign]
+    rep = ob.resend(CHANNEL, 1, 9)
+    assert rep.resent == [names[0], names[1], names[3]]
+    assert rep.missing == [(1, 1), (4, 7), (9, 9)]
+    ob.archived = real  # type: ignore[method-assign]
+    assert ob.resend(CHANNEL, 3, 3).missing == []
+    assert ob.resend(CHANNEL, 5, 7).missing == [(5, 7)] and ob.resend(CHANNEL, 5, 7).resent == []
+    from bridge.cli import _seq_ranges_text
+
+    assert _seq_ranges_text([(1, 1), (4, 7)]) == "1, 4-7"
+    many = [(s, s) for s in range(1, 50, 2)]
+    assert _seq_ranges_text(many) == ", ".join(str(s) for s in range(1, 40, 2)) + (
+        " and 5 more range(s)"
+    )
