@@ -812,6 +812,11 @@ def quarantine_list(
         click.echo(f"{e['day']}/{e['stored_as']}  {e['reason']}  {why}"[:240])
     by = ", ".join(f"{k} {v}" for k, v in summary["by_reason"].items())
     click.echo(f"{summary['total']} quarantined" + (f": {by}" if by else ""))
+    if summary.get("file_gone"):
+        click.echo(
+            f"{summary['file_gone']} reason file(s) kept without their file (re-injected, "
+            "runbook §12.2)"
+        )
 
 
 @quarantine.command("show")

@@ -46,7 +46,8 @@ def key_counts(keys: pa.Table) -> tuple[int, int]:
 def red_account(cfg: Config) -> RedAccount:
     """Count the ``messages`` table's rows and unique keys, and red's quarantined files."""
     rows, unique = key_counts(open_tables(cfg).read("messages", columns=["channel", "seq"]))
-    return RedAccount(rows, unique, len(list_quarantined(cfg)))
+    quarantined = sum(1 for e in list_quarantined(cfg) if not e.get("file_gone"))
+    return RedAccount(rows, unique, quarantined)
 
 
 def _n(v: Any) -> str:

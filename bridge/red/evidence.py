@@ -9,6 +9,14 @@ repeated after a crash between the two steps finds its own link (same inode) and
 without a second copy. Entries that cannot be hard-linked (directories, files of another
 owner under ``fs.protected_hardlinks``) are renamed with ``RENAME_NOREPLACE`` instead.
 Symlinks are moved as links: their targets are never opened.
+
+A reason file is created only where none exists (written to a temp name, then renamed with
+``RENAME_NOREPLACE``): another entry's reason file is never replaced, and a name whose reason
+file is there without its entry (a file re-injected from the quarantine, its reason file kept
+as evidence) is never taken again. Before a rename the reason file reserves the name: it
+carries ``pending_move`` (device, inode and ctime of the entry, which any rename changes), and
+only a later call for that same, unmoved entry honours it; once the rename is done the reason
+file is rewritten without it.
 """
 
 from __future__ import annotations
@@ -28,7 +36,13 @@ from typing import Any
 
 from bridge.errors import StateError
 from bridge.faults import crash_point
-from bridge.fsutil import atomic_write_bytes, durable_mkdir, fsync_dir
+from bridge.fsutil import (
+    atomic_write_bytes,
+    durable_mkdir,
+    fsync_dir,
+    tmp_path_for,
+    write_new_file,
+)
 from bridge.logs import get_logger, log_event
 
 __all__ = [
@@ -36,6 +50,7 @@ __all__ = [
     "safe_name",
     "SAFE_NAME_RE",
     "REASON_SUFFIX",
+    "PENDING_KEY",
     "rename_noreplace",
     "file_kind",
     "sha256_regular",
@@ -46,6 +61,8 @@ log = get_logger("bridge.red.evidence")
 SAFE_NAME_RE = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,99}")
 """Every name :func:`safe_name` returns matches this (ASCII, no leading dot, <= 100 chars)."""
 REASON_SUFFIX = ".reason.json"
+PENDING_KEY = "pending_move"
+"""In a reason file written before its entry's rename: the move it reserves the name for."""
 _MAX_SAFE = 100
 _HASH_HEX = 16
 _KEEP_NAME = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,199}")
@@ -124,22 +141,31 @@ def _inode(st: os.stat_result) -> str:
     return f"{st.st_dev}:{st.st_ino}"
 
 
+def _move_id(st: os.stat_result) -> str:
+    """What a reservation is for: the entry (device, inode) as it was, unmoved (its ctime,
+    which a rename changes: ours once done, or an operator's ``mv`` back into the inbox)."""
+    return f"{st.st_dev}:{st.st_ino}:{st.st_ctime_ns}"
+
+
 def _reserved_for(dst: Path, st: os.stat_result) -> bool | None:
     """Whether the reason file of ``dst`` (an absent entry) reserves that name for ``st``'s
-    inode: True, False (another entry's, or unreadable), None (no reason file)."""
+    entry: True only while it is that entry's pending move (its rename never happened);
+    False for any other reason file (another entry's, one whose move completed, unreadable);
+    None if there is no reason file."""
     try:
         rec = json.loads(dst.with_name(dst.name + REASON_SUFFIX).read_bytes())
     except FileNotFoundError:
         return None
     except (OSError, ValueError):
         return False
-    return isinstance(rec, dict) and rec.get("inode") == _inode(st)
+    return isinstance(rec, dict) and rec.get(PENDING_KEY) == _move_id(st)
 
 
 def _earlier_place(root: Path, name: str, st: os.stat_result) -> Path | None:
-    """Where an interrupted earlier move put ``st``'s inode, in any day folder under ``root``:
+    """Where an interrupted earlier move put ``st``'s entry, in any day folder under ``root``:
     its link (same inode), or a name whose reason file reserved it before a rename that never
-    happened (then the entry is absent). None if there is neither."""
+    happened (then the entry is absent). None if there is neither; a reason file kept after
+    its file was re-injected reserves nothing."""
     if not root.is_dir():
         return None
     for day in sorted((d for d in root.iterdir() if d.is_dir()), reverse=True):
@@ -155,6 +181,21 @@ def _earlier_place(root: Path, name: str, st: os.stat_result) -> Path | None:
             if mine:
                 return dst
     return None
+
+
+def _create_new(path: Path, data: bytes) -> bool:
+    """Write ``data`` to ``path`` if nothing is there (temp, fsync, rename without replace,
+    fsync the folder); False, and nothing changed, if ``path`` exists."""
+    tmp = tmp_path_for(path)
+    try:
+        write_new_file(tmp, data)
+        rename_noreplace(tmp, path)
+    except FileExistsError:
+        return False
+    finally:
+        tmp.unlink(missing_ok=True)
+    fsync_dir(path.parent)
+    return True
 
 
 def _same_entry(path: Path, st: os.stat_result) -> bool:
@@ -223,6 +264,57 @@ def _fsync_and_hash(path: Path, *, want_hash: bool) -> str | None:
         os.close(fd)
 
 
+class _Taken(Exception):
+    """The name's reason file belongs to another entry: the next name is tried."""
+
+
+class _Reason:
+    """The reason file of one quarantine: created beside the name the entry gets, never over
+    another entry's; ``placed`` runs once it is in place."""
+
+    def __init__(
+        self, record: dict[str, Any], st: os.stat_result, placed: Callable[[Path], None] | None
+    ) -> None:
+        self.record = record
+        self.st = st
+        self.placed = placed
+
+    @staticmethod
+    def path(dst: Path) -> Path:
+        return dst.with_name(dst.name + REASON_SUFFIX)
+
+    def _data(self, dst: Path, *, pending: bool) -> bytes:
+        rec = {**self.record, "stored_as": dst.name}
+        if pending:
+            rec[PENDING_KEY] = _move_id(self.st)
+        return json.dumps(rec, sort_keys=True, default=str, indent=1).encode()
+
+    def _done(self, dst: Path) -> None:
+        if self.placed is not None:
+            self.placed(dst)
+
+    def reserve(self, dst: Path) -> None:
+        """Before renaming the entry to ``dst``: its reason file, marked pending (or this same
+        move's pending one, left by an interrupted call), then ``placed``. _Taken if the name
+        has any other reason file."""
+        if not _create_new(self.path(dst), self._data(dst, pending=True)):
+            if _reserved_for(dst, self.st) is not True:
+                raise _Taken(str(dst))
+        self._done(dst)
+
+    def renamed(self, dst: Path) -> None:
+        """The rename is done: the reservation is cleared (the reason file is this move's)."""
+        atomic_write_bytes(self.path(dst), self._data(dst, pending=False))
+
+    def linked(self, dst: Path, *, fresh: bool) -> None:
+        """After linking the entry to ``dst``: its reason file, then ``placed``. A reason file
+        already there is kept: an interrupted call's own when the link is not ``fresh`` (it
+        was found, same inode), else another entry's (_Taken: the link is undone)."""
+        if not _create_new(self.path(dst), self._data(dst, pending=False)) and fresh:
+            raise _Taken(str(dst))
+        self._done(dst)
+
+
 class Evidence:
     """Moves files that red has judged: kept (processed) or quarantined (with a reason)."""
 
@@ -266,12 +358,17 @@ class Evidence:
         write ``<that name>.reason.json`` beside it (reason, detail, original name, at, file
         type, size, sha256 of a regular file). None when ``src`` is gone already.
 
+        A name whose reason file exists without its entry is not free: a file re-injected
+        from the quarantine (its reason file kept) and refused again gets a name of its own,
+        under the day of this ``at``, with its own reason file; the first stays as it was.
+
         ``placed(dst)`` runs once the reason file is in place and before ``src`` is dropped:
         what it records durably is never missing for a quarantined file. A hard link comes
         first (a crash before the drop leaves ``src``, and the next call reuses the link); an
         entry that must be renamed (a directory, a file ``protected_hardlinks`` will not link)
-        gets its reason file and ``placed`` before the rename, and the reason file's ``inode``
-        reserves the name for the next call if a crash comes between."""
+        gets its reason file (marked ``pending_move``) and ``placed`` before the rename, which
+        reserves the name for the next call if a crash comes between; the mark is cleared
+        once the rename is done."""
         src = Path(src)
         try:
             st = os.lstat(src)
@@ -291,19 +388,7 @@ class Evidence:
         }
         if stat.S_ISLNK(st.st_mode):
             record["link_target"] = ascii(os.readlink(os.fsencode(src)))
-        recorded: list[Path] = []
-
-        def record_at(dst: Path) -> None:
-            record["stored_as"] = dst.name
-            data = json.dumps(record, sort_keys=True, default=str, indent=1).encode()
-            atomic_write_bytes(dst.with_name(dst.name + REASON_SUFFIX), data)
-            if placed is not None:
-                placed(dst)
-            recorded.append(dst)
-
-        dst = self._place(src, st, folder, _stored_name(name), before_rename=record_at)
-        if recorded[-1:] != [dst]:  # linked: the reason and the record follow the link
-            record_at(dst)
+        dst = self._place(src, st, folder, _stored_name(name), _Reason(record, st, placed))
         crash_point("red.quarantine_before_drop")
         self._drop_source(src, st)
         log_event(
@@ -319,32 +404,35 @@ class Evidence:
         st: os.stat_result,
         folder: Path,
         name: str,
-        *,
-        before_rename: Callable[[Path], None] | None = None,
+        reason: _Reason | None = None,
     ) -> Path:
-        """Give ``src``'s entry the first free name ``name``, ``name.1``, ... in ``folder``.
+        """Give ``src``'s entry the first free name ``name``, ``name.1``, ... in ``folder``: no
+        entry there and no reason file (a reason file without its entry keeps its name).
 
         Hard link when possible (``src`` stays until :meth:`_drop_source`), else rename, with
-        ``before_rename(dst)`` first. What an interrupted earlier call left (a link to the same
-        inode, or a name reserved by its reason file) is reused, whichever day's folder it is
-        in (a retry after midnight UTC must not place the file a second time)."""
+        the reason file reserving the name first. What an interrupted earlier call left (a
+        link to the same inode, or a name its pending reason file reserved) is reused,
+        whichever day's folder it is in (a retry after midnight UTC must not place the file a
+        second time)."""
         linkable = not stat.S_ISDIR(st.st_mode)
         if not linkable or st.st_nlink > 1:
             earlier = _earlier_place(folder.parent, name, st)
             if earlier is not None:
-                if os.path.lexists(earlier):
-                    return earlier
-                return self._rename(src, earlier, before_rename)
+                return self._resume(src, earlier, reason)
         for n in itertools.count():
             dst = _candidate(folder, name, n)
+            if not os.path.lexists(dst):
+                mine = _reserved_for(dst, st)
+                if mine:  # this entry's own reservation, its rename interrupted
+                    return self._resume(src, dst, reason)
+                if mine is False:
+                    continue  # another entry's reason file keeps the name
             if linkable:
-                if not os.path.lexists(dst) and _reserved_for(dst, st) is False:
-                    continue  # reserved by another entry's interrupted rename
                 try:
                     os.link(src, dst, follow_symlinks=False)
                 except FileExistsError:
                     if _same_entry(dst, st):
-                        return dst
+                        return self._resume(src, dst, reason)
                     continue
                 except OSError as e:
                     if e.errno not in (errno.EPERM, errno.EACCES, errno.EMLINK, errno.ENOTSUP):
@@ -352,22 +440,37 @@ class Evidence:
                     linkable = False  # protected_hardlinks, a foreign owner: rename instead
                     earlier = _earlier_place(folder.parent, name, st)
                     if earlier is not None:  # a name reserved before an interrupted rename
-                        return self._rename(src, earlier, before_rename)
+                        return self._resume(src, earlier, reason)
                 else:
                     fsync_dir(folder)
+                    try:
+                        if reason is not None:
+                            reason.linked(dst, fresh=True)
+                    except _Taken:  # a reason file appeared meanwhile: undo, next name
+                        _unlink_own(dst, st)
+                        continue
                     return dst
-            if os.path.lexists(dst) or _reserved_for(dst, st) is not None:
-                continue  # taken, or reserved by another entry's interrupted rename
+            if os.path.lexists(dst):
+                continue
             try:
-                return self._rename(src, dst, before_rename)
-            except FileExistsError:
+                return self._rename(src, dst, reason)
+            except (FileExistsError, _Taken):
                 continue
         raise AssertionError("unreachable")  # pragma: no cover
 
+    def _resume(self, src: Path, dst: Path, reason: _Reason | None) -> Path:
+        """Finish what an earlier call began at ``dst``: its link is there (the reason file
+        is completed if missing), or its reservation waits for the rename."""
+        if os.path.lexists(dst):
+            if reason is not None:
+                reason.linked(dst, fresh=False)
+            return dst
+        return self._rename(src, dst, reason)
+
     @staticmethod
-    def _rename(src: Path, dst: Path, before: Callable[[Path], None] | None) -> Path:
-        if before is not None:
-            before(dst)
+    def _rename(src: Path, dst: Path, reason: _Reason | None) -> Path:
+        if reason is not None:
+            reason.reserve(dst)
             crash_point("red.evidence_before_rename")
         try:
             rename_noreplace(src, dst)
@@ -377,6 +480,8 @@ class Evidence:
             raise _move_error(src, dst, e) from e
         fsync_dir(dst.parent)
         fsync_dir(src.parent)
+        if reason is not None:
+            reason.renamed(dst)
         return dst
 
     @staticmethod
@@ -389,6 +494,13 @@ class Evidence:
             return
         os.unlink(src)
         fsync_dir(src.parent)
+
+
+def _unlink_own(dst: Path, st: os.stat_result) -> None:
+    """Remove the link this call just made at ``dst`` (only if it is still that entry)."""
+    if _same_entry(dst, st):
+        os.unlink(dst)
+        fsync_dir(dst.parent)
 
 
 def _move_error(src: Path, dst: Path, e: OSError) -> StateError:

@@ -9,7 +9,9 @@ has been landed for ``red.replay.gap_hold_seconds``; then it goes past the hole 
 (audited ``replayed_out_of_order``). A hole an operator wrote off (``diode red write-off``)
 holds nothing. Runbook §15.1, docs/red-tables.md §3.
 
-Nothing here reads a clock or a file: the replay passes ``now`` and the state in.
+Nothing here reads a clock or a file: the replay passes ``now`` (wall and monotonic) and the
+state in, including :data:`HoldSince`, the monotonic start of each hold, which lives as long as
+the replay process (see :func:`plan_release` for how the two clocks combine).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from bridge.red.sequence import SequenceState, seqs_within
 __all__ = [
     "Hole",
     "GapView",
+    "HoldSince",
     "Release",
     "Passed",
     "plan_release",
@@ -30,6 +33,12 @@ __all__ = [
     "OutOfOrder",
     "out_of_order",
 ]
+
+
+HoldSince = dict[tuple[str, int], int]
+"""Per ``(channel, hole resume)``: the monotonic µs the running replay counts that hole's hold
+from. Kept by the replay for its process's life (not saved: after a restart the wall clock
+gives the start again); :func:`plan_release` fills and prunes it."""
 
 
 @dataclass(frozen=True)
@@ -90,7 +99,7 @@ class GapView:
 @dataclass(frozen=True)
 class Passed:
     """The exchange went past ``hole`` at row ``index`` (``channel``, ``seq``) after holding it
-    ``held_us`` microseconds since that row landed."""
+    ``held_us`` microseconds (counted as :func:`plan_release` says)."""
 
     index: int
     channel: str
@@ -117,10 +126,31 @@ def plan_release(
     passed: dict[str, int],
     now_us: int,
     hold_us: int,
+    *,
+    since: HoldSince | None = None,
+    mono_us: int | None = None,
 ) -> Release:
     """Walk rows in replay order; stop at the first row above a hole of its channel that is
     still within its hold. Rows above holes whose hold ran out pass them: ``passed[channel]``
-    is raised to the highest ``resume`` passed (so later rows above the same hole flow)."""
+    is raised to the highest ``resume`` passed (so later rows above the same hole flow).
+
+    How long a hole has been held, so that a step of the wall clock can neither stretch the
+    hold without bound nor cut it short:
+
+    - the first time the running replay finds a hole holding (no entry in ``since``), the wall
+      clock says how long its first row has waited already: ``now_us - landed_at``, counted
+      as 0 for a ``landed_at`` in the future (a clock stepped back) and as at most ``hold_us``;
+      the hold's start is recorded in ``since`` on the monotonic clock (``mono_us`` minus that);
+    - from then on only the monotonic clock counts: the hole is passed once ``mono_us`` is
+      ``hold_us`` past that start. A wall clock stepped back or forward while the replay runs
+      changes nothing; after a restart (``since`` empty) the wall clock is read once again.
+
+    So a hole is held at most ``hold_us`` of this process's time after it was first seen, and
+    at least what the wall clock said was left then. Without ``since`` (or ``mono_us``) the
+    wall clock alone decides, row by row, as of ``now_us``. ``since`` forgets holes that are
+    passed or no longer in ``view``."""
+    if since is not None:
+        _forget(since, view, passed)
     if not view.holes or not any(c in view.holes for c in set(channels)):
         return Release(len(channels), (), None)
     went: list[Passed] = []
@@ -128,12 +158,28 @@ def plan_release(
         hole = view.blocking(ch, seq, passed.get(ch, -1))
         if hole is None:
             continue
-        until = landed_at_us[i] + hold_us
-        if now_us < until:
-            return Release(i, tuple(went), (i, ch, seq, hole, until))
-        went.append(Passed(i, ch, seq, hole, now_us - landed_at_us[i]))
+        waited = max(now_us - landed_at_us[i], 0)  # by the wall clock, now
+        if since is not None and mono_us is not None:
+            key = (ch, hole.resume)
+            if key in since:
+                waited = mono_us - since[key]
+            else:  # first seen holding: the wall clock, read once, gives the start
+                since[key] = mono_us - min(waited, hold_us)
+        if waited < hold_us:
+            return Release(i, tuple(went), (i, ch, seq, hole, now_us + hold_us - waited))
+        went.append(Passed(i, ch, seq, hole, waited))
         passed[ch] = max(passed.get(ch, -1), view.highest_under(ch, seq))
+        if since is not None:
+            _forget(since, view, passed)
     return Release(len(channels), tuple(went), None)
+
+
+def _forget(since: HoldSince, view: GapView, passed: Mapping[str, int]) -> None:
+    """Drop from ``since`` the holes passed already or gone from ``view`` (filled, written off)."""
+    for ch, resume in list(since):
+        live = any(h.resume == resume for h in view.holes.get(ch, ()))
+        if not live or resume <= passed.get(ch, -1):
+            del since[(ch, resume)]
 
 
 def publish_order(

@@ -6,12 +6,15 @@ Read-only and without Spark: the reason files say why; ``show`` also checks that
 still the one quarantined (its SHA-256 against the recorded one) and gathers its ``audit`` rows.
 A quarantined file without a readable reason file (a crash between the move and the reason's
 write, or a damaged reason file) is listed with the reason ``no_reason_file`` or
-``unreadable_reason_file``: never left out.
+``unreadable_reason_file``: never left out. A reason file whose file is gone (re-injected into
+the inbox, runbook §12.2, or a move a crash interrupted before its rename) is listed too, with
+``file_gone`` (and ``pending_move`` for the latter); the summary counts it apart.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import re
 from collections import Counter
 from datetime import date
@@ -22,7 +25,7 @@ import pyarrow.dataset as pads
 
 from bridge.config import Config
 from bridge.errors import DiodeError
-from bridge.red.evidence import REASON_SUFFIX, sha256_regular
+from bridge.red.evidence import PENDING_KEY, REASON_SUFFIX, sha256_regular
 
 __all__ = ["QuarantineError", "list_quarantined", "quarantine_summary", "show_quarantined"]
 
@@ -63,6 +66,34 @@ def _read_entry(day: Path, stored: Path) -> tuple[dict[str, Any], dict[str, Any]
     }, rec
 
 
+def _gone_entry(day: Path, stored: Path) -> dict[str, Any]:
+    """The entry of a reason file whose file is no longer beside it: what it recorded, marked
+    ``file_gone``; ``why`` says so first (the CLI prints it)."""
+    entry, rec = _read_entry(day, stored)
+    pending = rec is not None and rec.get(PENDING_KEY) is not None
+    gone = (
+        "move pending (a crash before the rename: the file is still in the inbox or intake)"
+        if pending
+        else "file gone (re-injected or removed; this reason file is kept as evidence)"
+    )
+    why = entry.get("why") or entry.get("error")
+    entry.update(file_gone=True, why=f"[{gone}] {why}" if why else f"[{gone}]")
+    if pending:
+        entry["pending_move"] = True
+    return entry
+
+
+def _day_entries(day: Path) -> list[dict[str, Any]]:
+    """Every quarantined file of ``day``, and every reason file whose file is gone."""
+    names = {p.name for p in day.iterdir() if not p.name.startswith(".")}
+    out = [_entry(day, day / n) for n in names if not n.endswith(REASON_SUFFIX)]
+    for n in names:
+        stored = n[: -len(REASON_SUFFIX)]
+        if n.endswith(REASON_SUFFIX) and stored and stored not in names:
+            out.append(_gone_entry(day, day / stored))
+    return out
+
+
 def _days(root: Path, since: date | None) -> list[Path]:
     if not root.is_dir():
         return []
@@ -76,23 +107,25 @@ def list_quarantined(
     cfg: Config, *, reason: str | None = None, since: date | None = None
 ) -> list[dict[str, Any]]:
     """Every quarantined file (oldest day first, then by time), optionally of one reason and
-    from one day on; the reason files themselves are not entries."""
+    from one day on; the reason files themselves are not entries, except one whose file is
+    gone (an entry with ``file_gone``: a re-injected file's first verdict)."""
     out: list[dict[str, Any]] = []
     for day in _days(Path(cfg.red.quarantine_dir), since):
-        entries = [
-            _entry(day, p)
-            for p in day.iterdir()
-            if not p.name.endswith(REASON_SUFFIX) and not p.name.startswith(".")
-        ]
+        entries = _day_entries(day)
         entries.sort(key=lambda e: (str(e.get("at") or ""), e["stored_as"]))
         out.extend(e for e in entries if reason is None or e["reason"] == reason)
     return out
 
 
 def quarantine_summary(entries: list[dict[str, Any]]) -> dict[str, Any]:
-    """Total and count per reason of :func:`list_quarantined`'s entries."""
-    by = Counter(str(e["reason"]) for e in entries)
-    return {"total": len(entries), "by_reason": dict(sorted(by.items()))}
+    """Total and count per reason of :func:`list_quarantined`'s entries whose file is there;
+    ``file_gone`` (only when there are any): reason files listed without their file."""
+    here = [e for e in entries if not e.get("file_gone")]
+    by = Counter(str(e["reason"]) for e in here)
+    out: dict[str, Any] = {"total": len(here), "by_reason": dict(sorted(by.items()))}
+    if len(entries) > len(here):
+        out["file_gone"] = len(entries) - len(here)
+    return out
 
 
 def _audit_rows(cfg: Config, names: list[str]) -> list[dict[str, Any]] | dict[str, str]:
@@ -124,7 +157,11 @@ def show_quarantined(cfg: Config, name: str, *, audit: bool = True) -> dict[str,
         raise QuarantineError(f"{name!r}: give a stored name, or DAY/NAME as listed")
     root = Path(cfg.red.quarantine_dir)
     days = [d for d in _days(root, None) if not day_part or d.name == day_part]
-    hits = [d for d in days if (d / stored).exists() or (d / stored).is_symlink()]
+    hits = [d for d in days if os.path.lexists(d / stored)]
+    if not hits:  # a reason file kept after its file went (re-injected)
+        hits = [d for d in days if (d / (stored + REASON_SUFFIX)).is_file()]
+        if len(hits) == 1:
+            return _show_gone(cfg, hits[0], stored, audit=audit)
     if not hits:
         raise QuarantineError(
             f"{name!r} is not in the quarantine {root}: `diode quarantine list` shows the names"
@@ -144,6 +181,18 @@ def show_quarantined(cfg: Config, name: str, *, audit: bool = True) -> dict[str,
         out["sha256_error"] = f"{path}: {e.strerror or e}"
     out["sha256_now"] = now
     out["unchanged"] = None if now is None or not out.get("sha256") else now == out["sha256"]
+    return _with_audit(cfg, out, stored, audit=audit)
+
+
+def _show_gone(cfg: Config, day: Path, stored: str, *, audit: bool) -> dict[str, Any]:
+    """``show`` of a reason file whose file is gone: its record, nothing to hash."""
+    entry = _gone_entry(day, day / stored)
+    out: dict[str, Any] = {**entry, "record": _read_entry(day, day / stored)[1]}
+    out.update(sha256_now=None, unchanged=None)
+    return _with_audit(cfg, out, stored, audit=audit)
+
+
+def _with_audit(cfg: Config, out: dict[str, Any], stored: str, *, audit: bool) -> dict[str, Any]:
     if audit:
         names = sorted({n for n in (stored, out.get("original_name")) if isinstance(n, str)})
         out["audit"] = _audit_rows(cfg, names)

@@ -95,7 +95,7 @@ from bridge.protocol.properties import encode_table
 from bridge.protocol.rows import UNKNOWN_EXCHANGE_TYPE
 from bridge.red import replay_state
 from bridge.red.approvals import Approvals
-from bridge.red.holdback import GapView, out_of_order, plan_release, publish_order
+from bridge.red.holdback import GapView, HoldSince, out_of_order, plan_release, publish_order
 from bridge.red.landing import STATE_FILE, read_saved_state
 from bridge.red.replay_check import name_problem, row_problem
 from bridge.red.replay_plan import FileStat, plan_upper
@@ -346,6 +346,9 @@ class Replayer:
         self._view_error: str | None = None
         self._blocked: str | None = None  # the broker's connection.blocked reason, as reported
         self._waiting: tuple[float | None, threading.Event | None] = (None, None)
+        # the hold-back's monotonic start per hole, per exchange (holdback.plan_release); not
+        # on the lanes, which are rebuilt at every reconnect
+        self._hold_since: dict[str, HoldSince] = {}
 
     def __repr__(self) -> str:
         return f"Replayer({str(self.table_path)!r} -> {self.where})"
@@ -806,7 +809,11 @@ class Replayer:
         seqs = batch.column("seq").to_pylist()
         landed = pc.cast(batch.column("landed_at"), pa.int64()).to_pylist()
         now_us = time.time_ns() // 1000
-        rel = plan_release(chans, seqs, landed, view, lane.progress.passed, now_us, self.hold_us)
+        rel = plan_release(
+            chans, seqs, landed, view, lane.progress.passed, now_us, self.hold_us,
+            since=self._hold_since.setdefault(lane.name, {}),
+            mono_us=time.monotonic_ns() // 1000,
+        )  # fmt: skip
         for p in rel.passed:
             self._dirty = True
             METRICS.gaps_passed.labels(lane.name).inc()

@@ -4,20 +4,27 @@ refused, naming the open gaps, for bundles red is not waiting for."""
 
 from __future__ import annotations
 
+import fcntl
 import json
+import os
 import subprocess
 import sys
+import threading
+import time
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+import pytest
 from deltalake import DeltaTable
 
 from bridge.config import Config
+from bridge.errors import StateError
 from bridge.fsutil import exclusive_lock
 from bridge.red import sequence as sq
 from bridge.red.job import open_landing
 from bridge.red.landing import REQUESTS_DIR, Landing
+from bridge.red.writeoff import write_off_gap
 from tests.red_factory import keyless_red_config
 
 DIODE = [sys.executable, "-m", "bridge.cli"]
@@ -96,6 +103,7 @@ def test_write_off_beside_a_running_job_is_queued_for_its_next_tick(tmp_path: Pa
         assert p.returncode == 0, p.stderr
         out = json.loads(p.stdout.strip().splitlines()[-1])
         assert out["applied"] is False and Path(out["queued"]).exists()
+        assert out["note"].startswith("a red job holds "), out["note"]
         assert [g["first_bundle_seq"] for g in _gaps(cfg)["open_transit_gaps"]] == [2]
         res = landing.tick()  # what the running job does about every second
     assert res.events.get("gap_written_off") == 1
@@ -141,3 +149,55 @@ def test_a_request_file_that_is_not_a_request_is_refused_not_fatal(tmp_path: Pat
     assert "must be an integer" in errors[0] and "not a JSON object" in errors[1], errors
     assert [g["first_bundle_seq"] for g in _gaps(cfg)["open_transit_gaps"]] == [2]
     assert not list(reqs.glob("*.json"))  # consumed
+
+
+def _shared_probe(cfg: Config) -> int:
+    """What `diode red status` does to red.lock (a shared flock), held until closed."""
+    fd = os.open(Path(cfg.red.state_dir) / "red.lock", os.O_RDONLY | os.O_CREAT, 0o640)
+    fcntl.flock(fd, fcntl.LOCK_SH)
+    return fd
+
+
+def test_write_off_waits_for_a_command_that_holds_red_lock_briefly(tmp_path: Path) -> None:
+    """Another command's shared hold on red.lock (a status probe) is not a running job: the
+    write-off waits for it and is applied, not queued for a tick that no job will run."""
+    cfg = _config(tmp_path)
+    _with_gap(cfg)
+    fd = _shared_probe(cfg)
+    threading.Timer(0.5, os.close, (fd,)).start()
+    out = write_off_gap(cfg, "c1", 2, 3, "INC-1")
+    assert out["applied"] is True, out
+    assert [g["first_bundle_seq"] for g in _gaps(cfg)["open_transit_gaps"]] == [4]
+    assert not list((Path(cfg.red.work_dir) / REQUESTS_DIR).glob("*.json"))
+
+
+def test_write_off_queued_while_no_job_runs_does_not_claim_a_job(tmp_path: Path) -> None:
+    cfg = _config(tmp_path)
+    _with_gap(cfg)
+    fd = _shared_probe(cfg)
+    try:
+        began = time.monotonic()
+        out = write_off_gap(cfg, "c1", 2, 3, "INC-1")
+        assert time.monotonic() - began >= 1.0  # it waited for the lock first
+    finally:
+        os.close(fd)
+    assert out["applied"] is False and Path(out["queued"]).exists()
+    assert "a red job holds" not in out["note"] and "no red job holds" in out["note"], out
+
+
+def test_a_second_write_off_says_when_and_with_which_note_it_was_written_off(
+    tmp_path: Path,
+) -> None:
+    cfg = _config(tmp_path)
+    _with_gap(cfg)
+    assert write_off_gap(cfg, "c1", 4, 5, "INC-2")["applied"] is True
+    (w,) = _gaps(cfg)["written_off"]
+    with pytest.raises(StateError) as e:
+        write_off_gap(cfg, "c1", 4, 5, "INC-2")
+    msg = str(e.value)
+    assert f"bundle seqs 4..5: already written off: 4..5 at {w['at']} (note: 'INC-2 (by " in msg
+    assert msg.endswith("; nothing to do") and "open gaps" not in msg, msg
+    p = _cli(cfg, "write-off", "--channel", "c1", "--from", "3", "--to", "5", "--note", "x")
+    assert p.returncode == 1
+    assert "already written off: 4..5" in p.stderr
+    assert "not all in an open transit gap (open gaps of 'c1': 2..3)" in p.stderr

@@ -7,6 +7,7 @@ import hashlib
 import json
 import os
 import socket
+import time
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
@@ -15,7 +16,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from bridge.protocol.naming import parse_bundle_name
-from bridge.red.evidence import REASON_SUFFIX, SAFE_NAME_RE, Evidence, safe_name, sha256_regular
+from bridge.red.evidence import (
+    PENDING_KEY,
+    REASON_SUFFIX,
+    SAFE_NAME_RE,
+    Evidence,
+    safe_name,
+    sha256_regular,
+)
 
 AT = datetime(2024, 5, 6, 23, 59, 59, tzinfo=UTC)
 DAY = "2024-05-06"
@@ -293,3 +301,75 @@ def test_sha256_regular_reads_only_regular_files_and_never_hides_a_read_error(
     with pytest.raises(OSError) as e:  # a regular file whose read fails (EIO)
         sha256_regular(Path("/proc/self/mem"))
     assert e.value.errno == errno.EIO
+
+
+def _reason_of(dst: Path) -> dict[str, object]:
+    rec = json.loads(dst.with_name(dst.name + REASON_SUFFIX).read_text())
+    assert isinstance(rec, dict)
+    return rec
+
+
+@pytest.mark.parametrize("kind", ["regular", "directory"])
+@pytest.mark.parametrize("days", [0, 7], ids=["same_day", "a_week_later"])
+def test_a_re_injected_file_quarantined_again_gets_its_own_place_and_reason(
+    ev: Evidence, tmp_path: Path, kind: str, days: int
+) -> None:
+    """Runbook §12.2: the operator moves a quarantined file back into the inbox (``mv``: same
+    inode) and keeps its reason file. Refused again, it gets its own name under the day of
+    the second verdict with its own reason file; the first reason file stays as it was."""
+    inbox = _mkdir(tmp_path / "inbox")
+    src = inbox / BUNDLE
+    _mkdir(src) if kind == "directory" else _file(src, b"forged-or-unpinned")
+    at1 = AT - timedelta(hours=2)
+    first = ev.quarantine(src, BUNDLE, "unpinned_signer", {"why": "first"}, at1)
+    assert first == tmp_path / "quarantine" / DAY / BUNDLE
+    kept = first.with_name(BUNDLE + REASON_SUFFIX).read_bytes()
+    assert PENDING_KEY not in _reason_of(first)  # the move completed: nothing reserved
+    os.rename(first, src)  # re-injected, the reason file kept as evidence
+
+    later = at1 + timedelta(days=days, hours=1)
+    second = ev.quarantine(src, BUNDLE, "conflict", {"why": "second"}, later)
+    day2 = tmp_path / "quarantine" / later.strftime("%Y-%m-%d")
+    assert second == day2 / (BUNDLE if days else f"{BUNDLE}.1")
+    assert os.path.lexists(second) and not os.path.lexists(src)
+    assert first.with_name(BUNDLE + REASON_SUFFIX).read_bytes() == kept  # intact
+    rec = _reason_of(second)
+    assert (rec["reason"], rec["stored_as"], rec["at"]) == (
+        "conflict", second.name, later.isoformat())  # fmt: skip
+    assert PENDING_KEY not in rec
+
+
+def test_a_reservation_is_not_honoured_once_its_entry_moved(ev: Evidence, tmp_path: Path) -> None:
+    """A crash after the rename but before the reservation was cleared leaves ``pending_move``
+    in the reason file. Once the entry has been moved since (re-injected), the mark no longer
+    matches it (a rename changes the ctime): the file is placed anew, the old record kept."""
+    inbox = _mkdir(tmp_path / "inbox")
+    src = _mkdir(inbox / "adir")
+    before = os.lstat(src)
+    time.sleep(0.05)  # ctime ticks are coarse: the renames below must change it
+    first = ev.quarantine(src, "adir", "not_regular_file", {}, AT)
+    assert first is not None
+    rf = first.with_name("adir" + REASON_SUFFIX)
+    rec = {
+        **_reason_of(first),
+        PENDING_KEY: f"{before.st_dev}:{before.st_ino}:{before.st_ctime_ns}",
+    }
+    rf.write_text(json.dumps(rec))  # as if the crash came before the mark was cleared
+    time.sleep(0.05)
+    os.rename(first, src)  # re-injected
+    second = ev.quarantine(src, "adir", "not_regular_file", {"why": "again"}, AT)
+    assert second == first.with_name("adir.1") and second.is_dir()
+    assert json.loads(rf.read_text()) == rec
+    assert _reason_of(second)["detail"] == {"why": "again"}
+
+
+def test_a_reason_file_is_never_replaced(ev: Evidence, tmp_path: Path) -> None:
+    """A reason file whose entry is gone keeps its name, even for an entry with its inode."""
+    day = _mkdir(tmp_path / "quarantine" / DAY)
+    src = _file(tmp_path / "in", b"x")
+    st = os.lstat(src)
+    other = {"inode": f"{st.st_dev}:{st.st_ino}", "reason": "crypto", "stored_as": BUNDLE}
+    (day / (BUNDLE + REASON_SUFFIX)).write_text(json.dumps(other))
+    dst = ev.quarantine(src, BUNDLE, "malformed", {}, AT)
+    assert dst == day / f"{BUNDLE}.1"
+    assert json.loads((day / (BUNDLE + REASON_SUFFIX)).read_text()) == other

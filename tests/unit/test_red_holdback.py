@@ -8,7 +8,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from bridge.red import sequence as sq
-from bridge.red.holdback import GapView, Hole, out_of_order, plan_release, publish_order
+from bridge.red.holdback import (
+    GapView,
+    HoldSince,
+    Hole,
+    out_of_order,
+    plan_release,
+    publish_order,
+)
 
 T0 = datetime(2026, 11, 23, 9, 0, tzinfo=UTC)
 
@@ -80,6 +87,54 @@ def test_an_expired_hold_passes_the_hole_once_and_later_rows_above_it_flow() -> 
 def test_hold_zero_never_waits() -> None:
     rel = plan_release(["c1"], [31], [10], VIEW, {}, now_us=10, hold_us=0)
     assert rel.count == 1 and len(rel.passed) == 1
+
+
+S = 1_000_000  # µs
+NOW = 1_800_000_000 * S  # wall clock, µs since the epoch
+MONO = 5_000 * S  # monotonic clock, µs
+
+
+def test_a_landed_at_in_the_future_is_held_from_now_not_from_then() -> None:
+    """The wall clock stepped back an hour after the row landed: without the replay's
+    monotonic state, the hold ends ``hold`` after now (it ended an hour and ``hold`` later)."""
+    rel = plan_release(["c1"], [31], [NOW + 3600 * S], VIEW, {}, NOW, 30 * S)
+    assert rel.held is not None and rel.held[4] == NOW + 30 * S
+
+
+def test_a_clock_stepped_back_holds_no_longer_than_the_hold_by_the_monotonic_clock() -> None:
+    since: HoldSince = {}
+    landed = [NOW + 3600 * S]  # landed "an hour from now": the clock was stepped back
+    rel = plan_release(["c1"], [31], landed, VIEW, {}, NOW, 30 * S, since=since, mono_us=MONO)
+    assert rel.held is not None and rel.held[4] == NOW + 30 * S
+    assert since == {("c1", 30): MONO}
+    passed: dict[str, int] = {}
+    rel = plan_release(["c1"], [31], landed, VIEW, passed, NOW + 29 * S, 30 * S, since=since,
+                       mono_us=MONO + 29 * S)  # fmt: skip
+    assert rel.count == 0
+    rel = plan_release(["c1"], [31], landed, VIEW, passed, NOW + 30 * S, 30 * S, since=since,
+                       mono_us=MONO + 30 * S)  # fmt: skip
+    assert rel.count == 1 and [(p.seq, p.held_us) for p in rel.passed] == [(31, 30 * S)]
+    assert passed == {"c1": 30} and since == {}  # a hole passed is forgotten
+
+
+def test_a_clock_stepped_forward_does_not_cut_the_hold_short() -> None:
+    since: HoldSince = {}
+    landed = [NOW - 10 * S]  # landed 10 s ago: 20 s left
+    rel = plan_release(["c1"], [31], landed, VIEW, {}, NOW, 30 * S, since=since, mono_us=MONO)
+    assert rel.held is not None and rel.held[4] == NOW + 20 * S
+    step = 3600 * S  # the wall clock jumps an hour ahead one second later
+    rel = plan_release(["c1"], [31], landed, VIEW, {}, NOW + step + S, 30 * S, since=since,
+                       mono_us=MONO + S)  # fmt: skip
+    assert rel.count == 0 and rel.held is not None and rel.held[4] == NOW + step + 20 * S
+    rel = plan_release(["c1"], [31], landed, VIEW, {}, NOW + step + 20 * S, 30 * S,
+                       since=since, mono_us=MONO + 20 * S)  # fmt: skip
+    assert rel.count == 1 and rel.passed[0].held_us == 30 * S
+
+
+def test_holds_of_holes_that_vanished_are_forgotten() -> None:
+    since: HoldSince = {("c1", 30): MONO, ("c2", 7): MONO}
+    plan_release(["c1"], [31], [NOW], VIEW, {}, NOW, 30 * S, since=since, mono_us=MONO + S)
+    assert since == {("c1", 30): MONO}  # c2's hole filled; c1's still counts from MONO
 
 
 # -- publish order ---------------------------------------------------------------------------

@@ -73,3 +73,35 @@ def test_show_finds_one_file_and_refuses_names_that_are_not_stored_names(tmp_pat
             show_quarantined(cfg, name, audit=False)
     with pytest.raises(QuarantineError, match="not in the quarantine"):
         show_quarantined(cfg, "nope.dbundle", audit=False)
+
+
+def test_a_reason_file_whose_file_was_re_injected_is_still_listed_and_shown(
+    tmp_path: Path,
+) -> None:
+    """Runbook §12.2 keeps the reason file when the file goes back into the inbox: list and
+    show still give that verdict, marked ``file_gone``, counted apart from files present."""
+    cfg = _cfg(tmp_path)
+    first = _put(tmp_path, "2026-11-22", "a.dbundle", "unpinned_signer", at="2026-11-22T08:00")
+    first.unlink()  # mv back into the inbox
+    _put(tmp_path, "2026-11-23", "a.dbundle", "conflict", at="2026-11-23T08:00")
+    pending = _put(tmp_path, "2026-11-23", "d", "not_regular_file", at="2026-11-23T09:00")
+    rec = json.loads(pending.with_name("d.reason.json").read_text())
+    pending.with_name("d.reason.json").write_text(json.dumps({**rec, "pending_move": "1:2:3"}))
+    pending.unlink()  # a crash before the rename: the entry is still in the inbox
+    entries = list_quarantined(cfg)
+    assert [
+        (e["day"], e["stored_as"], e["reason"], e.get("file_gone", False)) for e in entries
+    ] == [  # fmt: skip
+        ("2026-11-22", "a.dbundle", "unpinned_signer", True),
+        ("2026-11-23", "a.dbundle", "conflict", False),
+        ("2026-11-23", "d", "not_regular_file", True),
+    ]
+    assert entries[0]["why"].startswith("[file gone") and entries[0]["why"].endswith("because")
+    assert entries[2].get("pending_move") is True and entries[2]["why"].startswith("[move pending")
+    assert quarantine_summary(entries) == {
+        "total": 1, "by_reason": {"conflict": 1}, "file_gone": 2}  # fmt: skip
+    shown = show_quarantined(cfg, "2026-11-22/a.dbundle", audit=False)
+    assert shown["file_gone"] is True and shown["record"]["reason"] == "unpinned_signer"
+    assert shown["sha256_now"] is None and shown["unchanged"] is None
+    # without a day, the file present wins over a reason file kept from an earlier verdict
+    assert show_quarantined(cfg, "a.dbundle", audit=False)["reason"] == "conflict"
