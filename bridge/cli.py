@@ -303,8 +303,10 @@ def keys_check(config_path: Path | None, side: str) -> None:
     """Check this side's keys: permissions, presence, passphrase (a test sign or decrypt).
 
     Exit 1 if group/others can read the GnuPG home, its files, the passphrase file, or a
-    config file holding secrets (the running job only warns about these); exit 2 if a key is
-    missing or unusable, or the GnuPG home does not exist (it is not created).
+    config file holding secrets; if group/others can write the config file or its directory;
+    or on red if others can write the inbox or anyone but the owner red's other directories
+    (the running job only warns about these). Exit 2 if a key is missing or unusable, or the
+    GnuPG home does not exist (it is not created). A gpg-agent this command started is stopped.
     """
     from bridge.crypto.keys import decryption_gpg, signing_gpg
     from bridge.crypto.perms import permission_problems
@@ -313,7 +315,10 @@ def keys_check(config_path: Path | None, side: str) -> None:
     _require_gnupg_home(cfg, side)
     problems = permission_problems(cfg, side=side)  # type: ignore[arg-type]
     try:
-        gpg = signing_gpg(cfg) if side == "black" else decryption_gpg(cfg)
+        if side == "black":
+            gpg = signing_gpg(cfg, one_shot=True)
+        else:
+            gpg = decryption_gpg(cfg, one_shot=True)
     except CryptoError as e:
         raise _key_problem(e) from None
     for p in problems:

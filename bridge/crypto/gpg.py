@@ -9,7 +9,9 @@ else deletes the temp file (gpg writes the plaintext in full even when the signa
 bad) and raises.
 
 Hot path (``seal``/``open``): gpg is run directly with ``--status-fd`` and reads/writes
-the files itself, so a 1 GB bundle never passes through Python memory or a pipe.
+the files itself, so a 1 GB bundle never passes through Python memory or a pipe. The file
+gpg writes is created by the bridge first, 0600 whatever the umask, and gpg gets only its
+descriptor (``--output -``): a plaintext or sealed bundle is never readable by others.
 Key listing, import and export go through python-gnupg. What gpg's status lines mean,
 and which of them red accepts, is decided in ``bridge.crypto.verdict``.
 
@@ -37,7 +39,7 @@ from bridge.crypto.passphrase import Passphrase
 from bridge.crypto.verdict import Opened, Transcript, judge, parse_status
 from bridge.crypto.verdict import check_length as _check_length
 from bridge.errors import CryptoError, KeyMissingError, SignatureError
-from bridge.fsutil import durable_rename, tmp_path_for, write_all
+from bridge.fsutil import fsync_dir, tmp_path_for, write_all
 
 __all__ = ["Gpg", "Opened", "normalize_fingerprint"]
 
@@ -108,6 +110,40 @@ def _passphrase_hint(res: Transcript, passphrase: Passphrase | None) -> str:
     return ""
 
 
+def _blocker_hint(path: Path) -> str:
+    """`` (X is not a directory)`` when an existing ancestor of ``path`` is no directory."""
+    for parent in path.parents:
+        if parent.exists() or parent.is_symlink():
+            return "" if parent.is_dir() else f" ({parent} exists and is not a directory)"
+    return ""
+
+
+def _private_output(path: Path, *, what: str, replace: bool = False) -> int:
+    """``path`` created now, 0600 whatever the umask, open for writing; returns the fd.
+
+    gpg writes into this descriptor (``--output -``): it never creates the file itself, so
+    the plaintext or sealed bundle is never readable by group/others, not even briefly.
+    O_EXCL and O_NOFOLLOW: never a file or symlink someone else put there first.
+    ``replace``: an existing ``path`` is removed first (gpg's ``--yes``). CryptoError naming
+    ``path`` and ``what`` it is for when it cannot be created.
+    """
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+    try:
+        if replace:
+            path.unlink(missing_ok=True)
+        fd = os.open(path, flags, 0o600)
+    except OSError as e:
+        raise CryptoError(
+            f"cannot create {path} for {what}: {e.strerror or e}{_blocker_hint(path)}"
+        ) from None
+    try:
+        os.fchmod(fd, 0o600)  # the umask may only narrow it; never leave it narrower either
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
 @dataclass
 class _Result(Transcript):
     """A status transcript plus what gpg wrote to stdout (``--output -``)."""
@@ -141,8 +177,7 @@ class Gpg:
         self.open_base_seconds = float(open_base_seconds)
         """Opening a message may take this plus its size at ``OPEN_BYTES_PER_SECOND``."""
         if not self.home.exists():
-            self.home.mkdir(mode=0o700, parents=True)
-            os.chmod(self.home, 0o700)  # mkdir's mode is masked by the umask
+            self._make_home()
         elif not self.home.is_dir():
             raise CryptoError(f"GnuPG home {self.home} exists but is not a directory")
         elif stat.S_IMODE(self.home.stat().st_mode) & 0o077:
@@ -155,6 +190,23 @@ class Gpg:
 
     def __repr__(self) -> str:
         return f"Gpg(home={str(self.home)!r})"
+
+    def _make_home(self) -> None:
+        """Create the missing home, 0700; CryptoError naming the path and the fix otherwise."""
+        if self.home.is_symlink():
+            raise CryptoError(
+                f"GnuPG home {self.home} is a symlink to {os.readlink(self.home)}, which does "
+                f"not exist: create the target directory (mode 0700), or remove the link and "
+                "point the home at a real directory"
+            )
+        try:
+            self.home.mkdir(mode=0o700, parents=True)
+        except OSError as e:
+            raise CryptoError(
+                f"cannot create GnuPG home {self.home}: {e.strerror or e}"
+                f"{_blocker_hint(self.home)}; point the home at a directory this user may create"
+            ) from None
+        os.chmod(self.home, 0o700)  # mkdir's mode is masked by the umask
 
     # ------------------------------------------------------------------ plumbing
 
@@ -186,11 +238,13 @@ class Gpg:
         *,
         data: bytes | None = None,
         stdin_fd: int | None = None,
+        stdout_fd: int | None = None,
         secret: bool = False,
         timeout: float | None = None,
     ) -> _Result:
         """Run gpg with status lines on stderr; stdin is ``data`` (piped), the open file
-        ``stdin_fd`` (read from its current offset), or closed.
+        ``stdin_fd`` (read from its current offset), or closed. stdout is captured, or goes
+        to the open file ``stdout_fd`` (then ``_Result.stdout`` is empty).
 
         ``secret``: the call uses a secret key, so the passphrase (if any) goes down a pipe.
         ``timeout``: seconds (default ``self.timeout``); past it gpg's process group is killed
@@ -225,7 +279,7 @@ class Gpg:
             proc = subprocess.Popen(
                 cmd,
                 stdin=stdin,
-                stdout=subprocess.PIPE,
+                stdout=subprocess.PIPE if stdout_fd is None else stdout_fd,
                 stderr=subprocess.PIPE,
                 env=env,
                 pass_fds=pass_fds,
@@ -253,7 +307,7 @@ class Gpg:
                 _kill_group(proc)  # interrupted: never leave gpg writing behind us
                 raise
         status, diag = parse_status(err.decode("utf-8", "replace"))
-        return _Result(rc=proc.returncode, status=status, diag=diag, stdout=out)
+        return _Result(rc=proc.returncode, status=status, diag=diag, stdout=out or b"")
 
     def open_timeout(self, size: int) -> float:
         """Seconds opening a message of ``size`` bytes may take: ``open_base_seconds`` plus
@@ -494,8 +548,9 @@ class Gpg:
 
         A protected key without a configured passphrase (``fix`` says how to configure
         one), or with a wrong one, raises CryptoError; messages never hold the passphrase. A
-        passphrase gpg-agent still caches is forgotten first: it would hide a wrong one
-        until the cache expires, in the middle of a run.
+        passphrase gpg-agent still caches is forgotten first (it would hide a wrong one
+        until the cache expires, in the middle of a run), and again after the test, so the
+        agent does not keep the key unlocked (every later call passes the passphrase itself).
         """
         fpr = normalize_fingerprint(fpr, what=purpose)
         protected = self.needs_passphrase(fpr, capability=capability)
@@ -506,6 +561,16 @@ class Gpg:
             )
         if protected:
             self.forget_passphrase(fpr)
+        try:
+            self._probe_unlock(fpr, capability=capability, purpose=purpose)
+        finally:
+            if protected:  # the test unlocked it: gpg-agent must not keep it unlocked after
+                self.forget_passphrase(fpr)
+
+    def _probe_unlock(
+        self, fpr: str, *, capability: Literal["sign", "encrypt"], purpose: str
+    ) -> None:
+        """One test signature or decryption with ``fpr``; CryptoError if it fails."""
         probe = b"diode-bridge key check"
         if capability == "sign":
             res = self._run(
@@ -598,39 +663,43 @@ class Gpg:
         bytes-like object, e.g. a view of a pyarrow Buffer: no copy) that gpg reads from an
         anonymous in-memory file (``memfd``; a pipe where there is none): the plaintext never
         touches the disk, and feeding gpg costs one memory copy instead of a loop of 4 KiB
-        pipe writes. ``dst`` is fsynced but neither renamed nor moved (the caller owns temp
+        pipe writes. ``dst`` is created 0600 (whatever the umask; an existing one is replaced)
+        before gpg writes into it, fsynced, and neither renamed nor moved (the caller owns temp
         names). On failure ``dst`` is removed and CryptoError carries gpg's reason.
         """
         args = self._seal_args(
             signer=signer, recipients=recipients, encrypt=encrypt, hide_recipients=hide_recipients
         )
-        if not isinstance(src, Path):
-            view = memoryview(src)
-            what = f"{view.nbytes} bytes"
-            out = [*args, "--yes", "--output", str(dst)]
-            if not hasattr(os, "memfd_create"):
-                res = self._run(out, data=view.tobytes(), secret=True)
-            else:
-                fd = os.memfd_create("diode-plaintext", os.MFD_CLOEXEC)
-                try:
-                    write_all(fd, view)
-                    os.lseek(fd, 0, os.SEEK_SET)
-                    res = self._run(out, stdin_fd=fd, secret=True)
-                finally:
-                    os.close(fd)
-        else:
-            what = str(src)
-            res = self._run([*args, "--yes", "--output", str(dst), "--", str(src)], secret=True)
+        dst = Path(dst)
+        what = str(src) if isinstance(src, Path) else f"{memoryview(src).nbytes} bytes"
+        # 0600 before gpg writes a byte
+        out_fd = _private_output(dst, what=f"the sealed {what}", replace=True)
         try:
+            out = [*args, "--output", "-"]
+            if not isinstance(src, Path):
+                res = self._seal_from_memory(out, memoryview(src), out_fd)
+            else:
+                res = self._run([*out, "--", str(src)], stdout_fd=out_fd, secret=True)
             self._check_sealed(res, signer=signer, encrypt=encrypt, what=what)
-            fd = os.open(dst, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
+            os.fsync(out_fd)
         except BaseException:
-            Path(dst).unlink(missing_ok=True)
+            dst.unlink(missing_ok=True)
             raise
+        finally:
+            os.close(out_fd)
+
+    def _seal_from_memory(self, args: list[str], view: memoryview, out_fd: int) -> _Result:
+        """Run a seal whose plaintext is ``view``: gpg reads it from a memfd (a pipe where
+        there is none) and writes the message to ``out_fd``."""
+        if not hasattr(os, "memfd_create"):
+            return self._run(args, data=view.tobytes(), stdout_fd=out_fd, secret=True)
+        fd = os.memfd_create("diode-plaintext", os.MFD_CLOEXEC)
+        try:
+            write_all(fd, view)
+            os.lseek(fd, 0, os.SEEK_SET)
+            return self._run(args, stdin_fd=fd, stdout_fd=out_fd, secret=True)
+        finally:
+            os.close(fd)
 
     def seal_bytes(
         self,
@@ -683,10 +752,11 @@ class Gpg:
     ) -> Opened:
         """Decrypt (if encrypted) and verify ``src``; ``dst`` appears only if all is well.
 
-        gpg writes to a hidden temp file beside ``dst``; it is renamed (fsynced) only on a
-        single GOOD signature whose primary fingerprint is in ``pinned_signers``, else it
-        is deleted. ``max_output`` caps the plaintext (default: the size of ``src`` plus
-        1 MiB, since bundles are never compressed), defusing compression bombs. gpg gets
+        gpg writes to a hidden temp file beside ``dst``, created 0600 beforehand (whatever
+        the umask; gpg only gets its descriptor); it is renamed (fsynced) only on a single
+        GOOD signature whose primary fingerprint is in ``pinned_signers``, else it is deleted.
+        ``max_output`` caps the plaintext (default: the size of ``src`` plus 1 MiB, since
+        bundles are never compressed), defusing compression bombs. gpg gets
         ``open_timeout(size)`` seconds; past that it is killed, the temp file deleted and
         GpgTimeout raised.
         """
@@ -698,17 +768,22 @@ class Gpg:
             raise CryptoError(f"cannot read bundle {src}: {e.strerror}") from None
         limit = max_output if max_output is not None else size + _OUTPUT_SLACK
         tmp = tmp_path_for(dst)
+        out_fd = _private_output(tmp, what=f"the plaintext of {src}")  # 0600 before gpg runs
         try:
-            res = self._run(
-                [*self._open_args(limit), "--output", str(tmp), "--decrypt", "--", str(src)],
-                secret=True,
-                timeout=self.open_timeout(size),
-            )
-            opened = self._judge(res, pinned, str(src))
-            if not tmp.exists():
-                raise CryptoError(f"{src}: gpg reported success but wrote no output")
-            _check_length(res, tmp.stat().st_size, str(src))
-            durable_rename(tmp, dst)
+            try:
+                res = self._run(
+                    [*self._open_args(limit), "--output", "-", "--decrypt", "--", str(src)],
+                    stdout_fd=out_fd,
+                    secret=True,
+                    timeout=self.open_timeout(size),
+                )
+                opened = self._judge(res, pinned, str(src))
+                _check_length(res, os.fstat(out_fd).st_size, str(src))
+                os.fsync(out_fd)
+            finally:
+                os.close(out_fd)
+            os.replace(tmp, dst)  # fsynced above
+            fsync_dir(dst.parent)
         except BaseException:
             tmp.unlink(missing_ok=True)
             raise

@@ -25,7 +25,8 @@ import logging
 import re
 import shutil
 import subprocess
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -34,7 +35,13 @@ from bridge.config import Config
 from bridge.crypto.fingerprint import normalize_fingerprint
 from bridge.crypto.gpg import Gpg
 from bridge.crypto.passphrase import Passphrase, resolve_passphrase
-from bridge.crypto.perms import PUBLIC_FILE_MODE, lock_down_home, permission_problems, write_file
+from bridge.crypto.perms import (
+    PUBLIC_FILE_MODE,
+    check_dir_path,
+    lock_down_home,
+    permission_problems,
+    write_file,
+)
 from bridge.errors import ConfigError, CryptoError, KeyMissingError
 
 __all__ = [
@@ -164,7 +171,12 @@ class SideKeys:
 
 
 def _secret_roles(gpg: Gpg) -> dict[str, tuple[str, str]]:
-    """fingerprint -> (capabilities, first uid) of every secret key in the home."""
+    """fingerprint -> (capabilities, first uid) of every secret key in the home.
+
+    The capabilities are gpg's letters for the whole key (upper case: usable now) followed
+    by each secret subkey's own letters (lower case, whatever its validity): a revoked or
+    expired red key shows only ``c`` for the whole key, its ``e`` is on its subkey.
+    """
     public = {str(k["fingerprint"]).upper(): k for k in gpg._list(secret=False)}
     out = {}
     for k in gpg._list(secret=True):
@@ -172,8 +184,32 @@ def _secret_roles(gpg: Gpg) -> dict[str, tuple[str, str]]:
         pub = public.get(fpr, k)
         uids = pub.get("uids")
         first = uids[0] if isinstance(uids, list) and uids else ""
-        out[fpr] = (str(pub.get("cap") or ""), str(first))
+        subs = k.get("subkey_info")
+        sub_caps = (
+            [str(i.get("cap") or "") for i in subs.values()] if isinstance(subs, dict) else []
+        )
+        out[fpr] = (str(pub.get("cap") or "") + "".join(sub_caps).lower(), str(first))
     return out
+
+
+def _is_red(caps: str) -> bool:
+    """Whether a secret key with capability letters ``caps`` (``_secret_roles``) is red's.
+
+    Black's key is a signing key without any encryption (sub)key; anything else is red's: an
+    ``e`` in any case (upper: usable; lower: revoked or expired, still red's secret), or a
+    key that cannot sign. Letter case is ignored: a revoked black key is still black's.
+    """
+    letters = caps.lower()
+    return "e" in letters or "s" not in letters
+
+
+def _secret_kind(caps: str) -> str:
+    """Words for a secret key that has no business in black's home (for messages)."""
+    if "E" in caps:
+        return "a red key: can decrypt"
+    if "e" in caps.lower():
+        return "a red key, revoked or expired"
+    return f"not black.signing_key; capabilities {caps!r}"
 
 
 def _delete_secret_key(gpg: Gpg, fpr: str) -> None:
@@ -201,8 +237,9 @@ def init_side(
 
     Refuses (CryptoError) to create a second black signing key, a red key whose name exists,
     or any key in a home holding the OTHER side's secret keys (red secrets never sit on black,
-    nor black's on red). ``force`` deletes the conflicting key of the same side once the new
-    one exists: it is gone for good.
+    nor black's on red; revoked or expired ones included). ``force`` deletes the conflicting
+    key of the same side once the new one exists: it is gone for good. A gpg-agent this call
+    started for ``home`` is stopped when it returns.
     """
     if side not in ("black", "red"):
         raise CryptoError(f"side must be 'black' or 'red', got {side!r}")
@@ -211,15 +248,29 @@ def init_side(
         _check_name(name)
     home = Path(home)
     pub_dir = Path(pub_dir) if pub_dir is not None else home.parent / "pub"
-    fresh = not home.exists()
+    check_dir_path(pub_dir, what="public key directory (--pub-dir)")
+    with _stopping_agent(home):
+        return _init_side(side, home, name, pub_dir, algo, bridge_id, passphrase, force)
+
+
+def _init_side(
+    side: Side,
+    home: Path,
+    name: str,
+    pub_dir: Path,
+    algo: Algo,
+    bridge_id: str,
+    passphrase: Passphrase | None,
+    force: bool,
+) -> SideKeys:
+    fresh = not home.exists() and not home.is_symlink()
     gpg = Gpg(home, passphrase=passphrase)
     uid = _uid(side, bridge_id, name)
     other = "red" if side == "black" else "black"
     conflicting: list[str] = []  # "FPR ('uid')" of this side's keys that would be replaced
     conflicting_fprs: list[str] = []
     for fpr, (caps, key_uid) in _secret_roles(gpg).items():
-        is_black = "S" in caps and "E" not in caps
-        if is_black != (side == "black"):
+        if _is_red(caps) == (side == "black"):  # revoked or expired keys count too
             raise CryptoError(
                 f"GnuPG home {home} holds the {other} secret key {fpr} ({key_uid!r}): each "
                 f"side keeps its keys on its own host, in its own home. Use another --home for "
@@ -332,9 +383,15 @@ def import_public_keys(home: Path, files: Iterable[Path]) -> list[ImportedKey]:
     """Import public keys from ``files`` into ``home``; returns what they held.
 
     Every file is checked before anything is imported: a file holding secret key material,
-    or no key at all, makes the whole call fail (CryptoError) with nothing imported.
+    or no key at all, makes the whole call fail (CryptoError) with nothing imported. A
+    gpg-agent this call started for ``home`` is stopped when it returns.
     """
-    gpg = Gpg(Path(home))
+    with _stopping_agent(Path(home)):
+        return _import_public_keys(Path(home), files)
+
+
+def _import_public_keys(home: Path, files: Iterable[Path]) -> list[ImportedKey]:
+    gpg = Gpg(home)
     found: list[tuple[bytes, list[ImportedKey]]] = []
     for path in (Path(f) for f in files):
         try:
@@ -403,28 +460,39 @@ def _warn_permissions(cfg: Config, side: Side) -> None:
         log.warning("%s", problem)
 
 
-def signing_gpg(cfg: Config, *, environ: Mapping[str, str] | None = None) -> Gpg:
+def signing_gpg(
+    cfg: Config, *, environ: Mapping[str, str] | None = None, one_shot: bool = False
+) -> Gpg:
     """Black's GnuPG home with the signing key unlocked; fails fast on anything to fix.
 
-    Checks: the signing key is configured, present and can sign; the home holds no red
-    secret key; a protected key has a passphrase that works (a test signature). Loose
-    permissions are logged as warnings (``diode keys check`` fails on them).
+    Checks: the signing key is configured, present and can sign; the home holds no other
+    secret key (a red key, revoked or expired ones too); a protected key has a passphrase
+    that works (a test signature). Loose permissions are logged as warnings (``diode keys
+    check`` fails on them). ``one_shot`` (a check, not the black job): a gpg-agent this
+    call started is stopped when it returns.
     """
     if not cfg.black.signing_key:
         raise ConfigError(
             "black.signing_key is empty: run `diode keys init --side black` on the black host "
             "and paste the fingerprint it prints"
         )
+    with _agent_scope(Path(cfg.black.gnupg_home), one_shot=one_shot):
+        return _signing_gpg(cfg, environ)
+
+
+def _signing_gpg(cfg: Config, environ: Mapping[str, str] | None) -> Gpg:
     _warn_permissions(cfg, "black")
     fpr = normalize_fingerprint(cfg.black.signing_key, what="black.signing_key")
     gpg = Gpg(Path(cfg.black.gnupg_home), passphrase=_passphrase(cfg, "black", environ))
     gpg.require_keys([fpr], secret=True, purpose="black.signing_key", capability="sign")
-    red = [f for f, (caps, _) in _secret_roles(gpg).items() if f != fpr and "E" in caps]
-    if red:
+    others = {f: caps for f, (caps, _) in _secret_roles(gpg).items() if f != fpr}
+    if others:
+        shown = ", ".join(f"{f} ({_secret_kind(caps)})" for f, caps in others.items())
         raise CryptoError(
-            f"black GnuPG home {gpg.home} holds secret key(s) that can decrypt: "
-            f"{', '.join(red)}. Black must hold no red secret key: keep them on red only, and "
-            f"delete them here (`gpg --homedir {gpg.home} --delete-secret-keys FPR`)"
+            f"black GnuPG home {gpg.home} holds secret key(s) besides black.signing_key {fpr}: "
+            f"{shown}. Black must hold no red secret key (revoked or expired ones included): "
+            f"keep them on red only, and delete them here "
+            f"(`gpg --homedir {gpg.home} --delete-secret-keys FPR`)"
         )
     gpg.check_unlock(
         fpr, capability="sign", purpose="black.signing_key", fix=_passphrase_fix(cfg, "black")
@@ -432,13 +500,21 @@ def signing_gpg(cfg: Config, *, environ: Mapping[str, str] | None = None) -> Gpg
     return gpg
 
 
-def decryption_gpg(cfg: Config, *, environ: Mapping[str, str] | None = None) -> Gpg:
+def decryption_gpg(
+    cfg: Config, *, environ: Mapping[str, str] | None = None, one_shot: bool = False
+) -> Gpg:
     """Red's GnuPG home with its decryption keys unlocked; fails fast on anything to fix.
 
     Checks: at least one secret decryption key; every pinned black signer is present; no
     pinned black key's SECRET is here; each protected key opens with the passphrase (a
-    test decryption).
+    test decryption). ``one_shot`` (a check, not the red job): a gpg-agent this call
+    started is stopped when it returns.
     """
+    with _agent_scope(Path(cfg.red.gnupg_home), one_shot=one_shot):
+        return _decryption_gpg(cfg, environ)
+
+
+def _decryption_gpg(cfg: Config, environ: Mapping[str, str] | None) -> Gpg:
     _warn_permissions(cfg, "red")
     if not cfg.link.black_signers:
         raise ConfigError(
@@ -507,11 +583,57 @@ class KeyInventory:
 
 
 def _kill_agent(home: Path) -> None:
-    subprocess.run(
-        ["gpgconf", "--homedir", str(home), "--kill", "gpg-agent"],
-        capture_output=True,
-        check=False,
-    )
+    """Stop the gpg-agent of ``home`` (none running: nothing happens)."""
+    try:
+        subprocess.run(
+            ["gpgconf", "--homedir", str(home), "--kill", "gpg-agent"],
+            stdin=subprocess.DEVNULL,
+            capture_output=True,
+            check=False,
+            timeout=60,
+        )
+    except (OSError, subprocess.TimeoutExpired) as e:
+        log.warning("could not stop the gpg-agent of GnuPG home %s: %s", home, e)
+
+
+def _agent_running(home: Path) -> bool:
+    """Whether a gpg-agent serves ``home`` now (asked without starting one).
+
+    When that cannot be told (gpg-connect-agent missing or hung), True: an agent that may be
+    another process's is never stopped.
+    """
+    if not home.is_dir():
+        return False
+    try:
+        proc = subprocess.run(
+            ["gpg-connect-agent", "--homedir", str(home), "--no-autostart", "GETINFO pid", "/bye"],
+            stdin=subprocess.DEVNULL,
+            capture_output=True,
+            check=False,
+            timeout=30,
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return True
+    return any(line.startswith(b"D ") for line in proc.stdout.splitlines())
+
+
+@contextmanager
+def _stopping_agent(home: Path) -> Iterator[None]:
+    """Run a one-shot key operation on ``home``; stop the gpg-agent it started, if any.
+
+    An agent that was already running (a black or red job's, an operator's) is left alone.
+    The agent would otherwise live on after the command, with any passphrase it cached.
+    """
+    before = _agent_running(home)
+    try:
+        yield
+    finally:
+        if not before:
+            _kill_agent(home)  # none running: gpgconf starts none
+
+
+def _agent_scope(home: Path, *, one_shot: bool) -> AbstractContextManager[None]:
+    return _stopping_agent(home) if one_shot else nullcontext()
 
 
 def _occupied(home: Path) -> bool:

@@ -4,24 +4,79 @@ The secret itself never enters the configuration, argv, logs or error messages: 
 names where it lives (``black.passphrase_file`` / ``black.passphrase_env``, same on red), this
 module reads it, and ``Gpg`` hands it to gpg through a pipe (``--passphrase-fd``). A pickled
 ``Passphrase`` carries only its source and reads the secret again where it is unpickled.
+
+A process that has read a passphrase never dumps core (``RLIMIT_CORE`` 0, and not dumpable
+on Linux): the secret stays in its memory for the life of the process.
 """
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+import logging
 import os
 import re
+import resource
 import stat
+import sys
 from collections.abc import Mapping
 from pathlib import Path
 
 from bridge.errors import ConfigError
 
-__all__ = ["Passphrase", "resolve_passphrase", "check_env_name", "MAX_PASSPHRASE_BYTES"]
+__all__ = [
+    "Passphrase",
+    "resolve_passphrase",
+    "check_env_name",
+    "disable_core_dumps",
+    "MAX_PASSPHRASE_BYTES",
+]
+
+log = logging.getLogger(__name__)
 
 MAX_PASSPHRASE_BYTES = 4096
 """Longer is refused: the whole secret must fit one pipe write (the pipe buffer is 64 KiB)."""
 
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,127}")
+_PR_SET_DUMPABLE = 4  # <linux/prctl.h>
+_dumps_disabled = False
+
+
+def disable_core_dumps() -> None:
+    """No core dump of this process from now on (its children inherit the limit).
+
+    ``RLIMIT_CORE`` soft and hard 0 (cannot be raised again), and on Linux
+    ``prctl(PR_SET_DUMPABLE, 0)``, which also stops a core_pattern pipe handler and ptrace
+    by other processes of the same user (a child regains it when it execs). Once per
+    process; a failure is logged, never raised: it costs protection, not the service.
+    """
+    global _dumps_disabled
+    if _dumps_disabled:
+        return
+    _dumps_disabled = True
+    done = []
+    try:
+        resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+        done.append("RLIMIT_CORE 0")
+    except (OSError, ValueError) as e:
+        log.warning("could not disable core dumps (RLIMIT_CORE): %s", e)
+    if sys.platform.startswith("linux"):
+        try:
+            _prctl(_PR_SET_DUMPABLE, 0)
+            done.append("PR_SET_DUMPABLE 0")
+        except (OSError, AttributeError) as e:
+            log.warning("could not make the process non-dumpable (prctl): %s", e)
+    log.debug("reading a key passphrase: core dumps disabled (%s)", ", ".join(done) or "none")
+
+
+def _prctl(option: int, arg: int) -> None:
+    libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+    prctl = libc.prctl
+    prctl.argtypes = [ctypes.c_int, *[ctypes.c_ulong] * 4]
+    prctl.restype = ctypes.c_int
+    if prctl(option, arg, 0, 0, 0) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, os.strerror(err))
 
 
 def check_env_name(name: str, where: str) -> str:
@@ -72,6 +127,7 @@ class Passphrase:
     def secret(self, environ: Mapping[str, str] | None = None) -> bytes:
         """The passphrase bytes, validated; ConfigError (naming the source only) if unusable."""
         if self._secret is None:
+            disable_core_dumps()  # before the secret is in this process's memory
             raw = self._read_file() if self.path is not None else self._read_env(environ)
             self._secret = self._check(raw)
         return self._secret
@@ -79,8 +135,8 @@ class Passphrase:
     def _read_file(self) -> bytes:
         assert self.path is not None
         fix = f"create it with `install -m 600 /dev/null {self.path}` and write the passphrase"
-        try:
-            fd = os.open(self.path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        try:  # O_NONBLOCK: opening a FIFO must not wait for a writer (it is refused below)
+            fd = os.open(self.path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
         except FileNotFoundError:
             raise ConfigError(f"{self.source} does not exist: {fix}") from None
         except OSError as e:
@@ -88,7 +144,12 @@ class Passphrase:
         try:
             st = os.fstat(fd)
             if not stat.S_ISREG(st.st_mode):
-                raise ConfigError(f"{self.source} is not a regular file (or is a symlink)")
+                raise ConfigError(
+                    f"{self.source} is not a regular file (a FIFO, device or directory): "
+                    f"write the passphrase to a regular file (`install -m 600 /dev/null "
+                    f"{self.path}`)"
+                )
+            os.set_blocking(fd, True)
             if stat.S_IMODE(st.st_mode) & 0o077:
                 raise ConfigError(
                     f"{self.source} is accessible by group/others (mode "

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import resource
+import signal
 import subprocess
 import time
 import tomllib
@@ -516,3 +518,69 @@ def test_passphrase_file(world: World) -> None:
     sealed = unlocked.seal_bytes(b"x", signer=fpr, recipients=[], encrypt=False)
     world.red1.import_keys(locked.export_public(fpr))
     assert world.red1.open_bytes(sealed, pinned_signers=[fpr])[0] == b"x"
+
+
+# ---------------------------------------------------------------- what gpg writes is private
+
+
+@pytest.mark.parametrize("umask", [0o000, 0o002])
+def test_sealed_and_opened_files_are_0600_whatever_the_umask(world: World, umask: int) -> None:
+    src = _payload(world.root, 50_000)
+    out = world.root / "out"
+    out.mkdir()
+    stale = out / "stale.dbundle"
+    stale.write_bytes(b"old")
+    stale.chmod(0o666)
+    old = os.umask(umask)
+    try:
+        world.black.seal(src, out / "file.dbundle", signer=world.b, recipients=[world.r1])
+        world.black.seal(
+            src.read_bytes(), out / "mem.dbundle", signer=world.b, recipients=[world.r1]
+        )
+        world.black.seal(src, out / "signed.dbundle", signer=world.b, recipients=[], encrypt=False)
+        world.black.seal(src, stale, signer=world.b, recipients=[world.r1])  # replaced, 0600
+        opened = [
+            world.red1.open(out / f"{n}.dbundle", out / f"{n}.plain", pinned_signers=[world.b])
+            for n in ("file", "mem", "signed", "stale")
+        ]
+    finally:
+        os.umask(old)
+    assert [o.encrypted for o in opened] == [True, True, False, True]
+    for name in _only(out):
+        assert (out / name).stat().st_mode & 0o777 == 0o600, name
+        if name.endswith(".plain"):
+            assert (out / name).read_bytes() == src.read_bytes()
+    assert len(_only(out)) == 8  # no temp file left behind
+
+
+def test_home_that_cannot_be_made_is_a_crypto_error_naming_it(short_tmp: Path) -> None:
+    dangling = short_tmp / "home"
+    dangling.symlink_to(short_tmp / "gone")
+    with pytest.raises(CryptoError, match=f"{dangling} is a symlink to .*gone, which does not"):
+        Gpg(dangling)
+    assert dangling.is_symlink() and not (short_tmp / "gone").exists()
+    (short_tmp / "afile").write_text("x")
+    with pytest.raises(CryptoError, match=f"{short_tmp / 'afile'} exists and is not a directory"):
+        Gpg(short_tmp / "afile" / "home")
+
+
+def test_open_that_cannot_write_the_plaintext_fails_and_leaves_nothing(world: World) -> None:
+    """gpg writes into the descriptor it was given: failing to write (here a file-size limit;
+    a full disk alike) fails the open, and the 0600 temp file goes."""
+    src = _payload(world.root, 400_000)
+    sealed = world.root / "x.dbundle"
+    world.black.seal(src, sealed, signer=world.b, recipients=[world.r1])
+    out = world.root / "out"
+    out.mkdir()
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    was = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # here; gpg gets the default: killed
+    try:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (64 * 1024, hard))
+        with pytest.raises(CryptoError):
+            world.red1.open(sealed, out / "plain", pinned_signers=[world.b])
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+        signal.signal(signal.SIGXFSZ, was)
+    assert _only(out) == []
+    world.red1.open(sealed, out / "plain", pinned_signers=[world.b])
+    assert (out / "plain").read_bytes() == src.read_bytes()

@@ -6,6 +6,7 @@ import logging
 import os
 import re
 import subprocess
+import time
 import tomllib
 from pathlib import Path
 
@@ -121,7 +122,7 @@ def test_a_home_never_mixes_sides(short_tmp: Path) -> None:
         check=True,
     ).stdout
     Gpg(black.home).import_keys(exported)
-    with pytest.raises(CryptoError, match=f"can decrypt: {red.fpr}.*no red secret key"):
+    with pytest.raises(CryptoError, match=f"{red.fpr} \\(a red key: can decrypt\\).*no red secret"):
         signing_gpg(_cfg(black, red, short_tmp))
 
 
@@ -211,6 +212,9 @@ def test_protected_signing_key_with_file_env_and_without(
     named = _cfg(black, red, short_tmp, passphrase_file=None, passphrase_env="MY_PW")
     assert signing_gpg(named, environ={"MY_PW": SECRET}).passphrase is not None
     # without: fails fast, saying how to fix it, even though gpg-agent caches the passphrase
+    probe.passphrase = Passphrase(path=pw)
+    probe.seal_bytes(b"warm", signer=black.fpr, recipients=[], encrypt=False)  # cache it
+    probe.passphrase = None
     cached = [ln for ln in probe._agent("KEYINFO --list") if ln.split()[6:7] == ["1"]]
     assert cached, "the agent should cache the passphrase here: the case under test"
     with pytest.raises(CryptoError, match="passphrase-protected.*black.passphrase_file") as info:
@@ -350,6 +354,14 @@ def test_cli_flow_prints_fingerprints_and_checks_permissions(
     home = runner.invoke(cli, ["keys", "check", "--side", "black", "--config", str(cfg_path)])
     assert home.exit_code == 1 and "chmod 700" in home.output
     assert load_config(cfg_path, environ={}).black.signing_key in r_black.output
+    # red's directories are checked on red, like black's on black
+    work = short_tmp / "red" / "work"
+    work.mkdir(parents=True)
+    work.chmod(0o777)
+    red = runner.invoke(cli, ["keys", "check", "--side", "red", "--config", str(cfg_path)])
+    assert red.exit_code == 1, red.output
+    assert f"red.work_dir {work} is writable by group and others" in red.output
+    assert f"`chmod go-w {work}`" in red.output
 
 
 def test_cli_init_with_passphrase_file(short_tmp: Path) -> None:
@@ -371,3 +383,134 @@ def test_cli_init_with_passphrase_file(short_tmp: Path) -> None:
     assert f'passphrase_file = "{pw}"' in r.output and SECRET not in r.output
     fpr = _secret_fprs(home)[0]
     assert Gpg(home).needs_passphrase(fpr, capability="sign")
+
+
+# ------------------------------------------------------------------------ revoked keys' sides
+
+
+def _revoke(owner: Path, fpr: str, *, into: Path) -> None:
+    """Import into ``into`` the revocation certificate gpg made for ``fpr`` in ``owner``."""
+    cert = (owner / "openpgp-revocs.d" / f"{fpr}.rev").read_text()
+    armored = cert.replace(":-----BEGIN PGP PUBLIC KEY BLOCK", "-----BEGIN PGP PUBLIC KEY BLOCK")
+    Gpg(into).import_keys(armored)
+
+
+def _caps(home: Path, fpr: str) -> str:
+    """gpg's capability letters of a key's primary (plain gpg CLI)."""
+    out = subprocess.run(
+        ["gpg", "--homedir", str(home), "--batch", "--with-colons", "--list-keys", fpr],
+        capture_output=True,
+        check=True,
+    ).stdout.decode()
+    return next(ln.split(":")[11] for ln in out.splitlines() if ln.startswith("pub:"))
+
+
+def test_a_revoked_red_secret_on_black_is_still_refused(short_tmp: Path) -> None:
+    black, red = _pair(short_tmp)
+    leaked = subprocess.run(
+        ["gpg", "--homedir", str(red.home), "--batch", "--export-secret-keys", red.fpr],
+        capture_output=True,
+        check=True,
+    ).stdout
+    Gpg(black.home).import_keys(leaked)
+    _revoke(red.home, red.fpr, into=black.home)
+    assert "e" not in _caps(black.home, red.fpr).lower()  # gpg shows no usable `E` any more
+    with pytest.raises(CryptoError, match=f"{red.fpr} \\(a red key, revoked or expired\\)"):
+        signing_gpg(_cfg(black, red, short_tmp))
+    with pytest.raises(CryptoError, match=f"holds the red secret key {red.fpr}"):
+        init_side("black", black.home, bridge_id="t", force=True)  # never "replaced" as black's
+    assert sorted(_secret_fprs(black.home)) == sorted([black.fpr, red.fpr])
+
+
+def test_a_revoked_black_secret_on_red_is_still_black(short_tmp: Path) -> None:
+    black = init_side("black", short_tmp / "bh" / "keys", bridge_id="t")
+    _revoke(black.home, black.fpr, into=black.home)
+    assert _caps(black.home, black.fpr) == "sc"  # no usable `S` any more
+    with pytest.raises(CryptoError, match=f"holds the black secret key {black.fpr}"):
+        init_side("red", black.home, name="ops", bridge_id="t")
+    assert _secret_fprs(black.home) == [black.fpr]
+
+
+# ------------------------------------------------------------------------ gpg-agent after a command
+
+
+def _agent_pid(home: Path) -> int | None:
+    """The pid of the gpg-agent serving ``home``, asked without starting one."""
+    out = subprocess.run(
+        ["gpg-connect-agent", "--homedir", str(home), "--no-autostart", "GETINFO pid", "/bye"],
+        capture_output=True,
+        check=False,
+    ).stdout.decode()
+    pids = [int(ln[2:]) for ln in out.splitlines() if ln.startswith("D ")]
+    return pids[0] if pids else None
+
+
+def _agent_gone(home: Path) -> bool:
+    for _ in range(50):  # gpgconf --kill returns before the agent has exited
+        if _agent_pid(home) is None:
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def test_one_shot_key_commands_stop_the_agents_they_started(
+    short_tmp: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    pw = _pw_file(short_tmp)
+    black, red = _pair(short_tmp, black_pp=Passphrase(path=pw))  # init and import, twice each
+    assert _agent_gone(black.home) and _agent_gone(red.home)
+    cfg = _cfg(black, red, short_tmp)
+    signing_gpg(cfg, one_shot=True)
+    decryption_gpg(cfg, one_shot=True)
+    assert _agent_gone(black.home) and _agent_gone(red.home)
+    # an agent that was running before (a job's) is never stopped
+    subprocess.run(["gpg-connect-agent", "--homedir", str(black.home), "/bye"], check=True)
+    running = _agent_pid(black.home)
+    assert running is not None
+    import_public_keys(black.home, [red.public_file])
+    signing_gpg(cfg, one_shot=True)
+    signing_gpg(cfg)  # the black job's own start: leaves the agent alone
+    assert _agent_pid(black.home) == running
+
+
+def _cached(home: Path) -> list[str]:
+    """Keygrips whose passphrase gpg-agent of ``home`` caches now."""
+    return [ln.split()[2] for ln in Gpg(home)._agent("KEYINFO --list") if ln.split()[6:7] == ["1"]]
+
+
+def test_a_key_check_leaves_no_passphrase_in_the_agent(
+    short_tmp: Path, red_locked: tuple[SideKeys, SideKeys]
+) -> None:
+    black, red = red_locked
+    pw = _pw_file(short_tmp)
+    cfg = _cfg(black, red, short_tmp)
+    gpg = decryption_gpg(cfg, environ={"RED_PW_AT_INIT": SECRET})  # the red job's start
+    assert _cached(red.home) == []  # the test decryption unlocked it: forgotten again
+    sealed = signing_gpg(cfg).seal_bytes(b"z", signer=black.fpr, recipients=[red.fpr])
+    assert gpg.open_bytes(sealed, pinned_signers=[black.fpr])[0] == b"z"  # still opens
+    locked_black = init_side("black", short_tmp / "b2" / "keys", passphrase=Passphrase(path=pw))
+    cfg2 = _cfg(locked_black, red, short_tmp)
+    signing_gpg(cfg2)
+    assert _cached(locked_black.home) == []
+
+
+# ------------------------------------------------------------------------ fix-it messages
+
+
+def test_bad_homes_and_pub_dirs_are_named_with_the_fix(short_tmp: Path) -> None:
+    (short_tmp / "afile").write_text("x")
+    with pytest.raises(ConfigError, match=f"--pub-dir.*{short_tmp / 'afile'}, which is a file"):
+        init_side("black", short_tmp / "bh", pub_dir=short_tmp / "afile" / "x")
+    assert not (short_tmp / "bh").exists()  # checked before any key is made
+    dangling = short_tmp / "rh"
+    dangling.symlink_to(short_tmp / "gone")
+    with pytest.raises(CryptoError, match=f"{dangling} is a symlink to .*gone, which does not"):
+        init_side("red", dangling, name="ops")
+    assert dangling.is_symlink() and not (short_tmp / "gone").exists()
+    black = init_side("black", short_tmp / "b" / "keys", bridge_id="t")
+    elsewhere = short_tmp / "elsewhere"
+    elsewhere.mkdir(mode=0o700)
+    (black.home / "extra.d").symlink_to(elsewhere, target_is_directory=True)
+    red = init_side("red", short_tmp / "r" / "keys", name="ops", bridge_id="t")
+    import_public_keys(black.home, [red.public_file])  # locks the home down: the link is left
+    assert (black.home / "extra.d").is_symlink()

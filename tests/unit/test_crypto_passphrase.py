@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import json
 import os
 import pickle
+import subprocess
+import sys
 import tempfile
+import threading
 from pathlib import Path
 
 import pytest
@@ -112,3 +116,55 @@ def test_secret_never_in_repr_or_pickle(tmp_path: Path) -> None:
     assert SECRET.encode() not in blob
     again = pickle.loads(blob)
     assert again.secret() == SECRET.encode()  # read again from its source where unpickled
+
+
+def test_a_fifo_is_refused_at_once(tmp_path: Path) -> None:
+    fifo = tmp_path / "pw"
+    os.mkfifo(fifo, 0o600)
+    outcome: list[BaseException | bytes] = []
+
+    def read() -> None:
+        try:
+            outcome.append(Passphrase(path=fifo).secret())
+        except BaseException as e:  # noqa: BLE001 - handed to the test thread
+            outcome.append(e)
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    reader.join(10)
+    if reader.is_alive():  # the old code waits for a writer: give it one, then fail
+        os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+        reader.join(10)
+        pytest.fail("opening a FIFO passphrase file hung (no O_NONBLOCK)")
+    assert len(outcome) == 1 and isinstance(outcome[0], ConfigError), outcome
+    assert "not a regular file" in str(outcome[0]) and str(fifo) in str(outcome[0])
+
+
+_PROBE = """
+import ctypes, json, logging, resource, sys
+from pathlib import Path
+from bridge.crypto.passphrase import resolve_passphrase
+logging.basicConfig(level=logging.DEBUG, stream=sys.stderr)
+libc = ctypes.CDLL(None)
+before = libc.prctl(3, 0, 0, 0, 0)  # 3: PR_GET_DUMPABLE
+pp = resolve_passphrase(file=Path(sys.argv[1]), env_name=None, side="red", environ={})
+print(json.dumps({"before": before, "dumpable": libc.prctl(3, 0, 0, 0, 0),
+                  "core_limit": resource.getrlimit(resource.RLIMIT_CORE)}))
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="prctl is Linux's")
+def test_a_process_holding_a_passphrase_never_dumps_core(tmp_path: Path) -> None:
+    path = _file(tmp_path, SECRET.encode())
+    out = subprocess.run(
+        [sys.executable, "-c", _PROBE, str(path)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
+    seen = json.loads(out.stdout)
+    assert seen["before"] == 1  # a fresh process may dump core...
+    assert seen["dumpable"] == 0  # ...not once it holds a passphrase
+    assert seen["core_limit"] == [0, 0]  # nor may it (or its children) raise the limit again
+    assert "core dumps disabled" in out.stderr and SECRET not in out.stderr
