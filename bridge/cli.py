@@ -363,11 +363,7 @@ def check(config_path: Path | None) -> None:
     if cfg.black.discover:
         from bridge.black.management import ManagementClient
 
-        mc = ManagementClient(
-            cfg.black.management_url,
-            cfg.black.management_user,
-            cfg.black.management_password.get_secret_value(),
-        )
+        mc = ManagementClient.from_config(cfg.black)
         version = mc.overview().get("rabbitmq_version")
         mc.close()
         click.echo(f"broker: RabbitMQ {version}")

@@ -20,6 +20,7 @@ import datetime
 import ipaddress
 import os
 import socket
+import ssl
 import tomllib
 import types
 import typing
@@ -209,6 +210,30 @@ class BlackConfig(_Strict):
 
     management_password: SecretStr = SecretStr("guest")
     """Management API password."""
+
+    management_ca_file: Path | None = None
+    """PEM bundle of the CA(s) that signed the certificate of an ``https://``
+    management_url (a private CA). Unset: the system's CAs."""
+
+    @field_validator("management_ca_file")
+    @classmethod
+    def _ca_file_usable(cls, v: Path | None) -> Path | None:
+        if v is None:
+            return v
+        try:
+            ssl.create_default_context(cafile=str(v))  # what requests will load
+        except ssl.SSLError as e:  # an OSError too: first
+            raise ValueError(
+                f"CA file {v} holds no PEM certificate ({e.reason or e}): it must be the PEM "
+                "bundle (-----BEGIN CERTIFICATE-----) of the CA that signed the management "
+                "API's certificate"
+            ) from None
+        except OSError as e:  # missing, unreadable, a directory
+            raise ValueError(
+                f"CA file {v} cannot be read ({e.strerror or e}): point it at a readable PEM "
+                "CA bundle, or remove the key to use the system's CAs"
+            ) from None
+        return v
 
     discover: bool = True
     """Discover exchanges through the management API (else only `direct_routing_keys` and
@@ -689,6 +714,7 @@ _PATH_KEYS = {
         "checkpoint_dir",
         "spool_dir",
         "passphrase_file",
+        "management_ca_file",
     ),
     "red": (
         "gnupg_home",

@@ -19,6 +19,7 @@ __all__ = [
     "connect_url",
     "connection_parameters",
     "describe_broker",
+    "tap_vhost",
 ]
 
 
@@ -31,11 +32,24 @@ def check_amqp_url(url: str, key: str = "black.amqp_url") -> AmqpParams:
         raise ConfigError(f"{key}: {e}") from None
 
 
+def tap_vhost(url: str) -> str:
+    """The vhost of ``url`` as the tap reads it (:func:`bridge.amqp.client.parse_url`): pika's
+    own reading differs (``amqp://host//`` is ``''`` for pika, ``'/'`` for the tap; ``/a/b`` is
+    ``'a'`` for pika). Query and fragment (pika options) and an ``amqps`` scheme do not change
+    the vhost; anything else parse_url refuses is a ConfigError."""
+    u = urllib.parse.urlsplit(url)
+    bare = urllib.parse.urlunsplit(u._replace(scheme="amqp", query="", fragment=""))
+    return check_amqp_url(bare).vhost
+
+
 def connection_parameters(black: BlackConfig | str, purpose: str) -> pika.URLParameters:
-    """pika parameters from black.amqp_url (or a URL): one attempt, short timeouts."""
+    """pika parameters from black.amqp_url (or a URL): one attempt, short timeouts; the
+    vhost read by the tap's parser (:func:`tap_vhost`), so the mirror binds the queues the
+    tap drains."""
     url = black if isinstance(black, str) else black.amqp_url.get_secret_value()
     if not isinstance(black, str):
         check_amqp_url(url)  # the tap's rules: refused here, not after Spark started
+    vhost = tap_vhost(url)
     try:
         params = pika.URLParameters(url)
     except Exception as e:  # pika raises assorted types on malformed URLs
@@ -54,6 +68,7 @@ def connection_parameters(black: BlackConfig | str, purpose: str) -> pika.URLPar
     for k, v in defaults.items():
         if k not in query:
             setattr(params, k, v)
+    params.virtual_host = vhost
     params.client_properties = {"connection_name": f"diode-black-{purpose}"}
     return params
 
@@ -85,9 +100,9 @@ def connect_url(url: str, *, purpose: str) -> BlockingConnection:
         pika.exceptions.ProbableAccessDeniedError,
     ) as e:
         raise ConfigError(
-            f"RabbitMQ at {where} refused the login or the vhost ({type(e).__name__}): check user "
-            "and password in black.amqp_url, that the vhost exists and that the user has "
-            "permissions on it (rabbitmqctl set_permissions)"
+            f"RabbitMQ at {where} refused the login or the vhost {params.virtual_host!r} "
+            f"({type(e).__name__}): check user and password in black.amqp_url, that the vhost "
+            "exists and that the user has permissions on it (rabbitmqctl set_permissions)"
         ) from None
     except (pika.exceptions.AMQPError, OSError) as e:
         raise BrokerError(

@@ -5,6 +5,11 @@ shipped) and a dead link (heartbeats stop). Heartbeats are protected like the ch
 bundles (signed, and encrypted unless the channel opted out) and dropped into the same
 outbox under ``<channel>.<heartbeat seq>.dheartbeat``; they are not archived.
 
+Heartbeat seqs count up in ``state_dir/heartbeat-<channel>.json``. Without a readable one (a
+new install, a lost or damaged file) they start from the time in tenths of a second, above
+any seq red can have heard (seqs may skip, protocol §9); a new seq never names a heartbeat
+of the channel still in the outbox, nor falls below one.
+
 The hourly pruning of the archive a continuous job does runs in a thread of its own (pruning a
 very large archive must not hold up heartbeats), and never deletes a bundle a channel's
 journal holds as pending (:func:`prune_unless_pending`).
@@ -14,32 +19,68 @@ from __future__ import annotations
 
 import datetime as dt
 import json
+import os
 import threading
 import time
 from pathlib import Path
 
 from bridge.black.state import StateStore
+from bridge.black.tap import status_path
 from bridge.config import ChannelConfig, Config
 from bridge.crypto.gpg import Gpg
 from bridge.diode.file_drop import Outbox
-from bridge.errors import ManifestError, StateError
+from bridge.errors import BundleNameError, ManifestError, StateError
 from bridge.fsutil import atomic_write_bytes
 from bridge.logs import get_logger, log_event
 from bridge.metrics import BLACK
 from bridge.protocol.heartbeat import Heartbeat
 from bridge.protocol.manifest import Manifest
-from bridge.protocol.naming import bundle_name, heartbeat_name
+from bridge.protocol.naming import bundle_name, heartbeat_name, parse_heartbeat_name
 
 __all__ = [
     "ArchivePruneLoop",
     "HeartbeatLoop",
     "HeartbeatWriter",
+    "heartbeat_seq_path",
     "pending_bundle_names",
     "prune_unless_pending",
+    "read_heartbeat_seq",
 ]
 
 log = get_logger("bridge.black.heartbeat")
 PRUNE_EVERY_SECONDS = 3600.0
+
+
+def heartbeat_seq_path(state_dir: Path, channel: str) -> Path:
+    """``state_dir/heartbeat-<channel>.json``: the last heartbeat seq written for a channel."""
+    return Path(state_dir) / f"heartbeat-{channel}.json"
+
+
+def read_heartbeat_seq(state_dir: Path, channel: str) -> int | None:
+    """The last heartbeat seq written for ``channel``; None if its file is missing. StateError
+    naming the file if it cannot be read or holds no seq (nothing is coerced)."""
+    p = heartbeat_seq_path(state_dir, channel)
+    try:
+        doc = json.loads(p.read_bytes())
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as e:
+        raise StateError(f"heartbeat seq file {p} is unreadable ({e})") from None
+    seq = doc.get("heartbeat_seq") if isinstance(doc, dict) else None
+    if type(seq) is not int or seq < 0:
+        raise StateError(
+            f"heartbeat seq file {p} is unreadable (no integer heartbeat_seq >= 0 in it)"
+        )
+    return seq
+
+
+def _heartbeat_seq_of(name: str, channel: str) -> int | None:
+    """The heartbeat seq of ``name`` if it is a heartbeat of ``channel`` (else None)."""
+    try:
+        h = parse_heartbeat_name(name)
+    except BundleNameError:
+        return None
+    return h.heartbeat_seq if h.channel == channel else None
 
 
 def pending_bundle_names(store: StateStore) -> set[str]:
@@ -81,37 +122,71 @@ class HeartbeatWriter:
         self._lock = threading.Lock()
 
     def _seq_path(self, channel: str) -> Path:
-        return self.store.dir / f"heartbeat-{channel}.json"
+        return heartbeat_seq_path(self.store.dir, channel)
 
     def last_seq(self, channel: str) -> int:
-        """The last heartbeat seq written for ``channel`` (0: none yet)."""
-        try:
-            return int(json.loads(self._seq_path(channel).read_bytes())["heartbeat_seq"])
-        except FileNotFoundError:
-            return 0
-        except (ValueError, KeyError, TypeError) as e:
-            raise StateError(
-                f"{self._seq_path(channel)} is unreadable ({e}); restore it, or write "
-                '{"heartbeat_seq": N} with N above the last heartbeat red received'
-            ) from None
+        """The last heartbeat seq written for ``channel`` (0: none yet); StateError if its
+        file is unreadable."""
+        return read_heartbeat_seq(self.store.dir, channel) or 0
 
-    def _next_seq(self, channel: str, last_bundle_seq: int) -> int:
-        """The next heartbeat seq. When its file is gone but the journal shows bundles were
-        shipped (the file was lost, or a backup restored without it), red has heard higher
-        seqs than 1 and would take every new heartbeat as replayed: continue from the time in
-        tenths of a second instead, above any seq a period of 0.1 s or more can have reached
-        (heartbeat seqs may skip, protocol §9)."""
-        if last_bundle_seq <= 0 or self._seq_path(channel).exists():
-            return self.last_seq(channel) + 1
-        seq = int(time.time() * 10)
-        log_event(log, 30, "heartbeat seq file missing while bundles were shipped: heartbeat "
-                  "seqs continue from the time (tenths of a second) so red takes them as new",
-                  channel=channel, path=str(self._seq_path(channel)), heartbeat_seq=seq,
-                  last_bundle_seq=last_bundle_seq)  # fmt: skip
-        return seq
+    def _ran_before(self, channel: str, last_bundle_seq: int) -> bool:
+        """Whether black's state shows ``channel`` ran here before (a journal, a tap status
+        file, a shipped bundle): then a missing seq file was lost, not never written."""
+        return (
+            last_bundle_seq > 0
+            or self.store.path(channel).exists()
+            or status_path(self.cfg, channel).exists()
+        )
+
+    def _next_seq(self, channel: str, last_bundle_seq: int) -> tuple[int, int | None]:
+        """(the next heartbeat seq, the saved one it follows: None when its file is missing
+        or unreadable).
+
+        Without a readable file (a new install, a lost file, a backup restored without it, a
+        damaged file) red may have heard seqs far above 1 — also on an idle channel, which
+        ships heartbeats only — and would take every new heartbeat as replayed: seqs start
+        from the time in tenths of a second, above any seq a period of 0.1 s or more can have
+        reached (heartbeat seqs may skip, protocol §9); a warning says so unless this is a new
+        channel. The seq is also above every heartbeat of the channel still in the outbox."""
+        try:
+            last, why = read_heartbeat_seq(self.store.dir, channel), ""
+        except StateError as e:
+            last, why = None, str(e)
+        if last is not None:
+            return self._above_outbox(channel, last + 1, scan=False), last
+        seq = self._above_outbox(channel, int(time.time() * 10), scan=True)
+        if why or self._ran_before(channel, last_bundle_seq):
+            log_event(log, 30, "heartbeat seq file missing or unreadable while black ran "
+                      "before: heartbeat seqs continue from the time (tenths of a second) so "
+                      f"red takes them as new{f' ({why})' if why else ''}",
+                      channel=channel, path=str(self._seq_path(channel)), heartbeat_seq=seq,
+                      last_bundle_seq=last_bundle_seq)  # fmt: skip
+        return seq, None
+
+    def _above_outbox(self, channel: str, seq: int, *, scan: bool) -> int:
+        """``seq``, or one above the channel's highest heartbeat still in its outbox when that
+        is not below ``seq`` (a name is never written over, and red never gets a lower seq
+        after a higher one). The outbox is listed with ``scan``, or when ``seq``'s name is
+        taken (a seq file restored from an older backup, a clock stepped back)."""
+        folder = self.outbox.dir_for(channel)
+        if not scan and not (folder / heartbeat_name(channel, seq)).exists():
+            return seq
+        try:
+            names = os.listdir(folder)
+        except FileNotFoundError:
+            return seq
+        return max([seq, *(s + 1 for n in names if (s := _heartbeat_seq_of(n, channel)))])
 
     def _save_seq(self, channel: str, seq: int) -> None:
         atomic_write_bytes(self._seq_path(channel), json.dumps({"heartbeat_seq": seq}).encode())
+
+    def _give_back(self, channel: str, last: int | None) -> None:
+        """Put the seq file back as it was before a heartbeat that never reached the outbox
+        (none, or damaged: gone, so the next heartbeat starts from the time again)."""
+        if last is None:
+            self._seq_path(channel).unlink(missing_ok=True)
+        else:
+            self._save_seq(channel, last)
 
     def beat(self, channel: ChannelConfig) -> str:
         """Write the next heartbeat of ``channel``; its seq is given back if writing fails.
@@ -123,7 +198,7 @@ class HeartbeatWriter:
         """
         with self._lock:
             st = self.store.load(channel.name)
-            seq = self._next_seq(channel.name, st.last_bundle_seq)
+            seq, last = self._next_seq(channel.name, st.last_bundle_seq)
             hb = Heartbeat(
                 format=1,
                 channel=channel.name,
@@ -147,7 +222,7 @@ class HeartbeatWriter:
                 )
                 staged = self.outbox.stage_bytes(name, data)  # in the staging dir, fsynced
             except BaseException:  # nothing reached the outbox: the seq is given back
-                self._save_seq(channel.name, seq - 1)
+                self._give_back(channel.name, last)
                 raise
             # from the rename on, the seq is never given back (the mover may take the file at
             # once, so its absence proves nothing); a failed rename only skips a seq

@@ -1,14 +1,23 @@
-"""Black, mirror: a small client of the RabbitMQ management HTTP API (exchange discovery)."""
+"""Black, mirror: a small client of the RabbitMQ management HTTP API (exchange discovery).
+
+A 404 is told apart: ``black.management_url`` is not the management API (its
+``/api/overview`` is not found either), the vhost does not exist, or only the object asked
+for (a queue) does not. An ``https://`` API whose certificate a private CA signed is
+verified against ``black.management_ca_file``.
+"""
 
 from __future__ import annotations
 
+import ssl
 import urllib.parse
 from dataclasses import dataclass, field
-from typing import Any
+from pathlib import Path
+from typing import Any, Literal
 
 import requests
 
-from bridge.errors import ManagementApiError
+from bridge.config import BlackConfig
+from bridge.errors import ConfigError, ManagementApiError
 from bridge.protocol.exchange import ExchangeDecl
 
 __all__ = ["ManagementClient", "QueueBinding", "ENABLE_HINT"]
@@ -32,6 +41,46 @@ def _q(part: str) -> str:
     return urllib.parse.quote(part, safe="")
 
 
+def _vh(vhost: str) -> str:
+    """``vhost`` quoted for a path; an empty one is refused (``/api/exchanges/`` would list
+    the exchanges of every vhost)."""
+    if not vhost:
+        raise ConfigError(
+            "vhost '' (empty) asked of the management API: the vhost of black.amqp_url is "
+            "the part after host:port/ (URL-encoded: the default vhost '/' is %2F)"
+        )
+    return _q(vhost)
+
+
+Missing = Literal["api", "vhost", "object"]
+
+
+class _NotFound(ManagementApiError):
+    """A 404; ``missing``: the management API itself (a wrong management_url), the vhost, or
+    the object asked for."""
+
+    def __init__(self, message: str, missing: Missing) -> None:
+        super().__init__(message)
+        self.missing = missing
+
+
+def _ssl_reason(e: BaseException) -> str:
+    """The innermost ``ssl.SSLError``'s reason in an exception chain (requests wraps it in
+    urllib3's errors), e.g. ``CERTIFICATE_VERIFY_FAILED: self-signed certificate``."""
+    todo, seen = [e], set()
+    while todo:
+        x = todo.pop()
+        if id(x) in seen:
+            continue
+        seen.add(id(x))
+        if isinstance(x, ssl.SSLError):
+            detail = getattr(x, "verify_message", None) or x.strerror
+            return ": ".join(str(p) for p in (x.reason, detail) if p) or str(x)
+        inner = [*x.args, getattr(x, "reason", None), x.__cause__, x.__context__]
+        todo += [a for a in inner if isinstance(a, BaseException)]
+    return str(e)
+
+
 class ManagementClient:
     """Read-only access to what black needs from the management API.
 
@@ -39,12 +88,36 @@ class ManagementClient:
     how to fix it; it is retryable (the API may be restarting).
     """
 
-    def __init__(self, base_url: str, user: str, password: str, *, timeout: float = 10) -> None:
+    def __init__(
+        self,
+        base_url: str,
+        user: str,
+        password: str,
+        *,
+        timeout: float = 10,
+        ca_file: Path | None = None,
+    ) -> None:
+        """``ca_file``: PEM CA bundle an ``https://`` API's certificate is verified against
+        (None: the system's CAs)."""
         self.base_url = base_url.rstrip("/")
         self._auth = (user, password)
         self._user = user
         self.timeout = timeout
+        self.ca_file = ca_file
+        # per request: a session's own verify loses to REQUESTS_CA_BUNDLE (requests #3829)
+        self._verify: str | bool = str(ca_file) if ca_file is not None else True
         self._session = requests.Session()
+
+    @classmethod
+    def from_config(cls, black: BlackConfig, *, timeout: float = 10) -> ManagementClient:
+        """The client of ``black.management_*`` (URL, user, password, CA file)."""
+        return cls(
+            black.management_url,
+            black.management_user,
+            black.management_password.get_secret_value(),
+            timeout=timeout,
+            ca_file=black.management_ca_file,
+        )
 
     def __repr__(self) -> str:
         return f"ManagementClient({self.base_url!r}, user={self._user!r})"
@@ -58,15 +131,29 @@ class ManagementClient:
         *,
         what: str,
         params: dict[str, str] | None = None,
-        not_found: str = "",
+        vhost: str | None = None,
+        thing: str = "",
         method: str = "GET",
         body: Any = None,
     ) -> Any:
+        """One request; ``vhost`` and ``thing`` (what ``path`` names, e.g. "queue 'q'") say
+        what a 404 may be missing."""
         url = f"{self.base_url}{path}"
         try:
             r = self._session.request(
-                method, url, auth=self._auth, timeout=self.timeout, params=params, json=body
+                method,
+                url,
+                auth=self._auth,
+                timeout=self.timeout,
+                params=params,
+                json=body,
+                verify=self._verify,
             )
+        except requests.exceptions.SSLError as e:
+            raise ManagementApiError(
+                f"management API at {url}: TLS failed ({_ssl_reason(e)}) while {what}: "
+                f"{self._tls_hint()}"
+            ) from None
         except requests.RequestException as e:
             raise ManagementApiError(
                 f"management API unreachable at {url} ({type(e).__name__}) while {what}: "
@@ -79,8 +166,7 @@ class ManagementClient:
                 "'monitoring' or 'management' tag"
             )
         if r.status_code == 404:
-            hint = f": {not_found}" if not_found else ""
-            raise ManagementApiError(f"management API {url}: not found (404) while {what}{hint}")
+            raise self._not_found(url, what, vhost, thing)
         if r.status_code >= 400:
             body = r.text[:200].replace("\n", " ")
             raise ManagementApiError(
@@ -96,6 +182,56 @@ class ManagementClient:
                 f"the management plugin (usually http://host:15672)? {ENABLE_HINT}"
             ) from None
 
+    def _tls_hint(self) -> str:
+        if self.ca_file is None:
+            return (
+                "if its certificate is signed by a private CA, set black.management_ca_file to "
+                "that CA's PEM bundle (and check that the host name in black.management_url is "
+                "one the certificate names)"
+            )
+        return (
+            f"check that black.management_ca_file ({self.ca_file}) holds the CA that signed "
+            "the API's certificate, and that the host name in black.management_url is one the "
+            "certificate names"
+        )
+
+    def _status(self, path: str) -> int | None:
+        """The HTTP status of ``GET path`` (None: no answer); a 200 that is not JSON counts
+        as a 404 (another web server)."""
+        try:
+            r = self._session.get(
+                f"{self.base_url}{path}", auth=self._auth, timeout=self.timeout, verify=self._verify
+            )
+        except requests.RequestException:
+            return None
+        if r.status_code == 200:
+            try:
+                r.json()
+            except ValueError:
+                return 404
+        return r.status_code
+
+    def _not_found(self, url: str, what: str, vhost: str | None, thing: str) -> _NotFound:
+        """Why ``url`` answered 404: the API (its overview is not found either), the vhost
+        (``/api/vhosts/<vhost>`` is not), or else only ``thing``."""
+        head = f"management API {url}: not found (404) while {what}"
+        if self._status("/api/overview") == 404:
+            return _NotFound(
+                f"{head}: black.management_url {self.base_url!r} is not the management API "
+                f"({self.base_url}/api/overview is not found either); it is usually "
+                f"http://host:15672, with no path. {ENABLE_HINT}",
+                "api",
+            )
+        if vhost is not None and self._status(f"/api/vhosts/{_q(vhost)}") == 404:
+            return _NotFound(
+                f"{head}: vhost {vhost!r} does not exist; check the vhost at the end of "
+                "black.amqp_url (URL-encoded: '/' is %2F)",
+                "vhost",
+            )
+        where = f" in vhost {vhost!r}" if vhost is not None else ""
+        detail = f": {thing} does not exist{where}" if thing else ""
+        return _NotFound(head + detail, "object")
+
     def put_vhost(
         self,
         vhost: str,
@@ -106,7 +242,7 @@ class ManagementClient:
     ) -> None:
         """Create ``vhost`` (idempotent; with ``description`` and comma-separated ``tags`` if
         given) and give ``user`` (default: ours) full permissions."""
-        q = urllib.parse.quote(vhost, safe="")
+        q = _vh(vhost)
         body = {k: v for k, v in (("description", description), ("tags", tags)) if v is not None}
         self._call(
             f"/api/vhosts/{q}", what=f"creating vhost {vhost!r}", method="PUT", body=body or None
@@ -119,11 +255,12 @@ class ManagementClient:
 
     def vhost_tags(self, vhost: str) -> list[str] | None:
         """The tags of ``vhost`` (``[]`` for none); None if there is no such vhost."""
-        q = urllib.parse.quote(vhost, safe="")
         try:
-            info = self._call(f"/api/vhosts/{q}", what=f"reading vhost {vhost!r}")
-        except ManagementApiError as e:
-            if "(404)" in str(e):
+            info = self._call(
+                f"/api/vhosts/{_vh(vhost)}", what=f"reading vhost {vhost!r}", vhost=vhost
+            )
+        except _NotFound as e:
+            if e.missing == "vhost":
                 return None
             raise
         tags = info.get("tags") if isinstance(info, dict) else None
@@ -133,11 +270,15 @@ class ManagementClient:
 
     def delete_vhost(self, vhost: str) -> None:
         """Delete ``vhost`` and everything in it; a missing vhost is fine."""
-        q = urllib.parse.quote(vhost, safe="")
         try:
-            self._call(f"/api/vhosts/{q}", what=f"deleting vhost {vhost!r}", method="DELETE")
-        except ManagementApiError as e:
-            if "(404)" not in str(e):
+            self._call(
+                f"/api/vhosts/{_vh(vhost)}",
+                what=f"deleting vhost {vhost!r}",
+                vhost=vhost,
+                method="DELETE",
+            )
+        except _NotFound as e:
+            if e.missing != "vhost":
                 raise
 
     def overview(self) -> dict[str, Any]:
@@ -150,11 +291,10 @@ class ManagementClient:
     def list_exchanges(self, vhost: str) -> list[ExchangeDecl]:
         """Every exchange of ``vhost`` (including the default ``""`` and ``amq.*``), by name."""
         rows = self._call(
-            f"/api/exchanges/{_q(vhost)}",
+            f"/api/exchanges/{_vh(vhost)}",
             what=f"listing exchanges of vhost {vhost!r}",
             params={"columns": "name,type,durable,auto_delete,internal,arguments"},
-            not_found=f"vhost {vhost!r} does not exist; check the vhost at the end of "
-            "black.amqp_url (URL-encoded: '/' is %2F)",
+            vhost=vhost,
         )
         if not isinstance(rows, list):
             raise ManagementApiError(
@@ -176,9 +316,10 @@ class ManagementClient:
     def queue_info(self, vhost: str, queue: str) -> dict[str, Any]:
         """The management API's view of ``queue`` (policy, effective policy definition...)."""
         doc = self._call(
-            f"/api/queues/{_q(vhost)}/{_q(queue)}",
+            f"/api/queues/{_vh(vhost)}/{_q(queue)}",
             what=f"reading queue {queue!r} in vhost {vhost!r}",
-            not_found="the queue or vhost does not exist",
+            vhost=vhost,
+            thing=f"queue {queue!r}",
         )
         if not isinstance(doc, dict):
             raise ManagementApiError(
@@ -189,9 +330,10 @@ class ManagementClient:
     def list_queue_bindings(self, vhost: str, queue: str) -> list[QueueBinding]:
         """Bindings of ``queue`` (the implicit default-exchange binding included)."""
         rows = self._call(
-            f"/api/queues/{_q(vhost)}/{_q(queue)}/bindings",
+            f"/api/queues/{_vh(vhost)}/{_q(queue)}/bindings",
             what=f"listing bindings of queue {queue!r} in vhost {vhost!r}",
-            not_found="the queue or vhost does not exist",
+            vhost=vhost,
+            thing=f"queue {queue!r}",
         )
         if not isinstance(rows, list):
             raise ManagementApiError(

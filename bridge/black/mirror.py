@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import logging
+import shlex
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -110,14 +111,14 @@ class Mirror:
     ) -> None:
         self.cfg = cfg
         self.catalog_path = Path(catalog_path)
+        # the vhost as the tap reads black.amqp_url (pika reads some URLs differently)
         self.vhost = connection_parameters(cfg.black, "mirror").virtual_host
-        b = cfg.black
-        self.management = management or ManagementClient(
-            b.management_url, b.management_user, b.management_password.get_secret_value()
-        )
+        self.management = management or ManagementClient.from_config(cfg.black)
         self._lock = threading.Lock()
         self._bound: dict[str, set[tuple[str, str, str]]] = {}
         self._told: set[tuple[str, str]] = set()
+        self._mgmt_error = ""  # why the management API failed this sync ("": it answered)
+        self._policies_failing = False  # whether the last policy check could not be made
 
     def queue_arguments(self, channel: str) -> dict[str, Any]:
         b = self.cfg.black
@@ -189,12 +190,14 @@ class Mirror:
         self, conn: BlockingConnection, catalog: dict[str, ExchangeDecl]
     ) -> tuple[list[ExchangeDecl], bool]:
         """(known exchanges, whether the management API answered)."""
+        self._mgmt_error = ""
         try:
             listing: list[ExchangeDecl] | None = self.management.list_exchanges(self.vhost)
         except ManagementApiError as e:
             if self.cfg.black.discover:
                 raise
             self._tell("", "mgmt", f"management API unavailable, using passive declares: {e}")
+            self._mgmt_error = str(e)
             listing = None
         if self.cfg.black.discover:
             assert listing is not None
@@ -273,9 +276,10 @@ class Mirror:
                         f"channel {channel!r}: {what} already exists in vhost {self.vhost!r} "
                         f"with other arguments than black needs ({e.reply_text}). Fix: set "
                         "black.mirror_queue_type back to the queue's type (rabbitmqctl "
-                        f"list_queues --vhost {self.vhost} name type arguments), or, once the "
-                        f"queue is empty, delete it (rabbitmqctl delete_queue --vhost "
-                        f"{self.vhost} {queue}) so the mirror re-creates it"
+                        f"list_queues --vhost {shlex.quote(self.vhost)} name type arguments), "
+                        "or, once the queue is empty, delete it (rabbitmqctl delete_queue "
+                        f"--vhost {shlex.quote(self.vhost)} {shlex.quote(queue)}) so the mirror "
+                        "re-creates it"
                     ) from None
                 raise broker_refused(e, f"declaring {what}", self.vhost) from None
         return chan
@@ -332,7 +336,9 @@ class Mirror:
             chan, blind = self._unbind_unlisted(conn, chan, plan, queue, known)
         chan.close()
         problems: list[str] = []
-        if listed:
+        if not listed:
+            self._policies_unchecked(queue, self._mgmt_error or "management API unavailable")
+        else:
             problems = [
                 p
                 for p in (
@@ -403,11 +409,27 @@ class Mirror:
 
     def _queue_info(self, queue: str) -> dict[str, Any] | None:
         try:
-            return self.management.queue_info(self.vhost, queue)
+            info = self.management.queue_info(self.vhost, queue)
         except DiodeError as e:
-            log_event(log, logging.DEBUG, "queue policy not checked", queue=queue,
-                      error=str(e))  # fmt: skip
+            self._policies_unchecked(queue, str(e))
             return None
+        if self._policies_failing:
+            self._policies_failing = False
+            log_event(log, logging.INFO, "queue policies are checked again", vhost=self.vhost)
+        return info
+
+    def _policies_unchecked(self, queue: str, why: str) -> None:
+        """Warn once per failure (until a check succeeds again) that the policies of the
+        mirror and dead queues (overflow, limits) could not be checked; repeats at debug."""
+        level = logging.DEBUG if self._policies_failing else logging.WARNING
+        self._policies_failing = True
+        log_event(
+            log, level,
+            "queue policies not checked (a policy's reject-publish overflow on a mirror queue, "
+            f"a limit on a dead queue would lose messages without a gap): {why}; checked again "
+            "at every sync",
+            queue=queue, vhost=self.vhost,
+        )  # fmt: skip
 
     def _check_overflow(self, channel: str, queue: str) -> str | None:
         """Warn when a policy makes the broker refuse messages at a length limit instead of

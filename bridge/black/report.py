@@ -1,4 +1,8 @@
-"""Black, report: what black has shipped and what waits in the outbox (for CLI and notebooks)."""
+"""Black, report: what black has shipped and what waits in the outbox (for CLI and notebooks).
+
+A damaged file of one channel (its journal, heartbeat seq file or tap status) shows as
+``"unreadable: <reason>"`` in that channel's entry; every other channel is still reported.
+"""
 
 from __future__ import annotations
 
@@ -10,9 +14,10 @@ from typing import Any
 import pyarrow as pa
 
 from bridge.black.gaplog import read_gaps
-from bridge.black.state import LOCK_FILE, StateStore
+from bridge.black.heartbeat import read_heartbeat_seq
+from bridge.black.state import LOCK_FILE, ChannelState, StateStore
 from bridge.config import Config
-from bridge.errors import BundleNameError
+from bridge.errors import BundleNameError, StateError
 from bridge.fsutil import lock_held
 from bridge.protocol.naming import parse_bundle_name, parse_heartbeat_name
 
@@ -44,25 +49,40 @@ def channel_status(cfg: Config) -> dict[str, Any]:
         out["udp_outbox_files"] = len(udp_waiting)
         waiting += udp_waiting
     for ch in cfg.channels:
-        st = store.load(ch.name)
         out["channels"][ch.name] = {
-            "last_bundle_seq": st.last_bundle_seq,
-            "last_seq": st.last_seq,
+            **_journal_status(store, ch.name),
             "spool": _spool_status(cfg, ch.name),
-            "pending": bool(st.pending),
             "heartbeat_seq": _heartbeat_seq(cfg, ch.name),
-            "counters": st.counters,
-            "lost": {k[len("lost_") :]: v for k, v in st.counters.items() if k.startswith("lost_")},
-            "inexact": {
-                k[len("inexact_") :]: v for k, v in st.counters.items() if k.startswith("inexact_")
-            },
-            # carried exact, but their property bytes do not decode (protocol §5)
-            "undecodable": st.counters.get("undecodable", 0),
             "encrypt": ch.encrypt,
             "recipients": len(ch.recipients),
             "outbox_bundles": sum(1 for n in waiting if _bundle_channel(n) == ch.name),
         }
     return out
+
+
+def _journal_status(store: StateStore, channel: str) -> dict[str, Any]:
+    """The journal's part of a channel's status. An unreadable journal: ``journal_error`` and
+    ``last_bundle_seq`` (the column a table shows first) say ``unreadable: <reason>``; what only
+    the journal knows is None (unknown, not zero)."""
+    try:
+        st: ChannelState = store.load(channel)
+    except (StateError, OSError) as e:
+        why = f"unreadable: {e}"
+        return {"journal_error": why, "last_bundle_seq": why, "last_seq": None, "pending": None,
+                "counters": None, "lost": None, "inexact": None, "undecodable": None}  # fmt: skip
+    return {
+        "journal_error": None,
+        "last_bundle_seq": st.last_bundle_seq,
+        "last_seq": st.last_seq,
+        "pending": bool(st.pending),
+        "counters": st.counters,
+        "lost": {k[len("lost_") :]: v for k, v in st.counters.items() if k.startswith("lost_")},
+        "inexact": {
+            k[len("inexact_") :]: v for k, v in st.counters.items() if k.startswith("inexact_")
+        },
+        # carried exact, but their property bytes do not decode (protocol §5)
+        "undecodable": st.counters.get("undecodable", 0),
+    }
 
 
 def _spool_status(cfg: Config, channel: str) -> dict[str, Any]:
@@ -71,7 +91,7 @@ def _spool_status(cfg: Config, channel: str) -> dict[str, Any]:
 
     st = tap_status(cfg, channel)
     if st is None:
-        return {"tap": "never ran"}
+        return {"tap": _tap_status_problem(cfg, channel) or "never ran"}
     return {
         "durable_end": st.durable_end,
         "acked_through": st.acked_through,
@@ -82,12 +102,28 @@ def _spool_status(cfg: Config, channel: str) -> dict[str, Any]:
     }
 
 
-def _heartbeat_seq(cfg: Config, channel: str) -> int | None:
-    p = Path(cfg.black.state_dir) / f"heartbeat-{channel}.json"
+def _tap_status_problem(cfg: Config, channel: str) -> str | None:
+    """``unreadable: <reason>`` when the tap's status file exists but ``tap_status`` could not
+    read it (it says None for both); None when there is no such file."""
+    from bridge.black.tap import TapStatus, status_path
+
+    p = status_path(cfg, channel)
     try:
-        return int(json.loads(p.read_bytes())["heartbeat_seq"])
-    except (FileNotFoundError, ValueError, KeyError, TypeError):
+        TapStatus(**json.loads(p.read_bytes()))
+    except FileNotFoundError:
         return None
+    except (OSError, ValueError, TypeError) as e:
+        return f"unreadable: tap status file {p}: {e}"
+    return None  # readable now: the tap rewrote it meanwhile
+
+
+def _heartbeat_seq(cfg: Config, channel: str) -> int | str | None:
+    """The last heartbeat seq written (None: none yet; ``unreadable: <reason>``: its file is
+    damaged, and the next heartbeat continues from the time)."""
+    try:
+        return read_heartbeat_seq(Path(cfg.black.state_dir), channel)
+    except StateError as e:
+        return f"unreadable: {e}"
 
 
 def gap_ranges(cfg: Config) -> dict[str, list[dict[str, Any]]]:

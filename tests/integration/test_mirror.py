@@ -547,3 +547,137 @@ def test_a_transient_mirror_failure_is_not_fatal_a_terminal_one_is(
     while loop.alive and time.monotonic() < deadline:
         time.sleep(0.05)
     assert isinstance(loop.fatal, ConfigError) and loop.error is loop.fatal
+
+
+# ------------------------------------------------------- one vhost reading, 404s, policy checks
+
+
+@pytest.mark.parametrize("tail", ["//", "/", "", "/%2F", "/a%2Fb", "/a/b", "/a%20b", "/p%25c"])
+def test_the_mirror_reads_the_vhost_as_the_tap_does(tmp_path: Path, tail: str) -> None:
+    """pika reads ``amqp://host:5672//`` as vhost '' and ``/a/b`` as 'a'; the tap's parser
+    (bridge.amqp.client.parse_url) as '/' and 'a/b'. The mirror must bind the queues the tap
+    drains: one reading, the tap's."""
+    from bridge.amqp.client import parse_url
+    from bridge.black.broker import connection_parameters
+
+    url = f"amqp://guest:guest@127.0.0.1:5672{tail}"
+    cfg = make_cfg(Vhost("unused", url), tmp_path)
+    want = parse_url(url).vhost
+    assert want, "the tap never reads an empty vhost"
+    assert Mirror(cfg, catalog_path=tmp_path / "c.json").vhost == want
+    assert connection_parameters(url, "test").virtual_host == want
+
+
+def test_a_vhost_whose_name_pika_misreads_is_mirrored_where_the_tap_reads(
+    tmp_path: Path,
+) -> None:
+    """A vhost with a '/' in its name, written unencoded in black.amqp_url: pika alone would
+    connect to the vhost before the '/', the tap to the whole name."""
+    import uuid
+
+    name = f"mend-black-{uuid.uuid4().hex[:8]}/sub"
+    mc = ManagementClient("http://127.0.0.1:15672", *AUTH, timeout=60)
+    mc.put_vhost(name)
+    try:
+        url = f"amqp://guest:guest@127.0.0.1:5672/{name}"  # not %2F-encoded
+        vh = Vhost(name, url)
+        conn = pika.BlockingConnection(
+            pika.ConnectionParameters("127.0.0.1", 5672, name, pika.PlainCredentials(*AUTH))
+        )
+        conn.channel().exchange_declare("ev", "fanout", durable=True)
+        conn.close()
+        report = Mirror(make_cfg(vh, tmp_path, exchanges=["ev"]),
+                        catalog_path=tmp_path / "c.json").sync()  # fmt: skip
+        assert report.vhost == name and report.channels["c1"].bound == ["ev"]
+        rows = api(vh, f"queues/{{v}}/{QUEUE}/bindings")
+        assert sorted(b["source"] for b in rows) == ["", "ev"]
+    finally:
+        mc.delete_vhost(name)
+        mc.close()
+
+
+def test_the_management_client_refuses_an_empty_vhost(black_vhost: Vhost) -> None:
+    """``/api/exchanges/`` (an empty vhost) lists the exchanges of every vhost."""
+    mc = ManagementClient(black_vhost.management_url, *AUTH)
+    for call in (
+        lambda: mc.list_exchanges(""),
+        lambda: mc.queue_info("", QUEUE),
+        lambda: mc.list_queue_bindings("", QUEUE),
+        lambda: mc.vhost_tags(""),
+        lambda: mc.delete_vhost(""),
+    ):
+        with pytest.raises(ConfigError, match=r"vhost '' \(empty\).*black\.amqp_url.*%2F"):
+            call()
+    mc.close()
+
+
+def test_a_404_tells_a_wrong_management_url_from_a_missing_vhost_or_queue(
+    black_vhost: Vhost,
+) -> None:
+    missing_vh = "no-such-vhost-" + black_vhost.name
+    wrong = ManagementClient(black_vhost.management_url + "/rabbitmq", *AUTH)
+    for call in (
+        lambda: wrong.list_exchanges(black_vhost.name),
+        lambda: wrong.queue_info(black_vhost.name, QUEUE),
+        lambda: wrong.vhost_tags(black_vhost.name),  # not "no such vhost": None
+    ):
+        with pytest.raises(ManagementApiError) as ei:
+            call()
+        msg = str(ei.value)
+        assert "is not the management API" in msg and "/rabbitmq/api/overview" in msg, msg
+        assert "does not exist" not in msg, msg
+    ok = ManagementClient(black_vhost.management_url, *AUTH)
+    with pytest.raises(ManagementApiError, match=rf"vhost '{missing_vh}' does not exist"):
+        ok.list_exchanges(missing_vh)
+    with pytest.raises(ManagementApiError) as ei:
+        ok.queue_info(black_vhost.name, "no-such-queue")
+    msg = str(ei.value)
+    assert f"queue 'no-such-queue' does not exist in vhost '{black_vhost.name}'" in msg, msg
+    assert f"vhost '{black_vhost.name}' does not exist" not in msg
+    assert ok.vhost_tags(missing_vh) is None
+    ok.delete_vhost(missing_vh)  # already gone: fine
+
+
+def _policy_warnings(records: list[Any]) -> list[str]:
+    return [
+        r.getMessage()
+        for r in records
+        if r.levelname == "WARNING" and "queue policies not checked" in r.getMessage()
+    ]
+
+
+def test_unchecked_queue_policies_are_warned_once_per_failure(
+    black_vhost: Vhost, amqp: BlockingChannel, tmp_path: Path
+) -> None:
+    """The management API answers the exchange listing but fails the queue lookups (a proxy
+    in front of the real API breaks them): the overflow and dead-queue limit checks cannot run.
+    One warning says so and why, not one per sync; it is re-armed once a check succeeds."""
+    from tests.mgmt_proxy import management_proxy
+    from tests.support import captured_logs
+
+    amqp.exchange_declare("ev", "fanout", durable=True)
+    with management_proxy(black_vhost.management_url) as proxy:
+        cfg = make_cfg(Vhost(black_vhost.name, black_vhost.amqp_url, proxy.url), tmp_path,
+                       exchanges=["ev"])  # fmt: skip
+        mirror = Mirror(cfg, catalog_path=tmp_path / "c.json")
+        proxy.fail = lambda path: 503 if path.startswith("/api/queues/") else None
+        with captured_logs("bridge.black.mirror") as logs:
+            for _ in range(3):
+                assert mirror.sync().channels["c1"].bound == ["ev"]
+            warned = _policy_warnings(logs)
+            assert len(warned) == 1, warned
+            assert "HTTP 503" in warned[0] and proxy.url in warned[0]
+
+            proxy.fail = None  # the API heals: checked again, said once
+            mirror.sync()
+            assert len(_policy_warnings(logs)) == 1
+            assert any("queue policies are checked again" in r.getMessage() for r in logs)
+
+            proxy.fail = lambda path: 503  # now the whole API fails (discover = true: fatal)
+            cfg2 = make_cfg(Vhost(black_vhost.name, black_vhost.amqp_url, proxy.url), tmp_path,
+                            black={"discover": False}, exchanges=["ev"])  # fmt: skip
+            quiet = Mirror(cfg2, catalog_path=tmp_path / "c.json")
+            for _ in range(2):
+                assert quiet.sync().channels["c1"].bound == ["ev"]
+            warned = _policy_warnings(logs)
+            assert len(warned) == 2 and "HTTP 503" in warned[1], warned

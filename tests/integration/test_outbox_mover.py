@@ -23,6 +23,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -43,7 +44,7 @@ from bridge.errors import ConfigError, StateError, TransportError
 from bridge.fsutil import DIR_MODE, FILE_MODE, exclusive_lock, shared_lock
 from bridge.protocol.bundle import manifest_for, pack_bundle, sha256_hex, unpack_bundle
 from bridge.protocol.manifest import format_utc, new_bundle_id
-from bridge.protocol.naming import bundle_name
+from bridge.protocol.naming import bundle_name, heartbeat_name, parse_heartbeat_name
 from bridge.protocol.schema import row_schema
 from tests.mover import GreedyMover, greedy_mover  # noqa: F401 - the fixture
 from tests.support import key_inventory
@@ -367,8 +368,9 @@ def test_file_taken_between_rename_and_fsync_is_a_success(
 
     hb = rig.heartbeats.beat(rig.cfg.channel("ops"))  # heartbeat: the seq is not given back
     assert race.taken[-1] == hb
-    assert rig.heartbeats.beat(rig.cfg.channel("ops")) != hb
-    assert rig.heartbeats.last_seq("ops") == 2
+    first = parse_heartbeat_name(hb).heartbeat_seq  # a new install: from the time
+    assert rig.heartbeats.beat(rig.cfg.channel("ops")) == heartbeat_name("ops", first + 1)
+    assert rig.heartbeats.last_seq("ops") == first + 1
     assert listing(rig.cfg.black.outbox) == [] and listing(rig.outbox.staging) == [DROP_LOCK]
     for i, n in enumerate(race.taken):  # every file taken in the window was whole
         assert (tmp_path / f"{i}.{n}").stat().st_size > 0
@@ -477,7 +479,9 @@ def test_heartbeat_that_never_reached_the_outbox_gives_its_seq_back(rig: Rig) ->
     assert rig.heartbeats.last_seq("ops") == 0
     assert listing(rig.cfg.black.outbox) == []
     rig.outbox.staging.mkdir()
-    assert rig.heartbeats.beat(ops).endswith(".000000000001.dheartbeat")
+    t0 = int(time.time() * 10)
+    seq = parse_heartbeat_name(rig.heartbeats.beat(ops)).heartbeat_seq
+    assert seq >= t0 and rig.heartbeats.last_seq("ops") == seq
 
 
 @pytest.mark.gpg
@@ -491,7 +495,8 @@ def test_a_lost_heartbeat_seq_file_continues_above_every_earlier_seq(rig: Rig) -
     from bridge.protocol.naming import parse_heartbeat_name as parse_name
 
     ops = rig.cfg.channel("ops")
-    first = parse_name(rig.heartbeats.beat(ops)).heartbeat_seq  # a fresh channel starts at 1
+    (rig.heartbeats.store.dir / "heartbeat-ops.json").write_text('{"heartbeat_seq": 0}')
+    first = parse_name(rig.heartbeats.beat(ops)).heartbeat_seq  # a seq file says 0: then 1
     assert first == 1
     rig.heartbeats.store.save(ChannelState("ops", last_bundle_seq=5, last_seq=49))
     (rig.heartbeats.store.dir / "heartbeat-ops.json").unlink()  # the fault

@@ -212,3 +212,28 @@ def test_archive_retention_of_an_hour_is_accepted(tmp_path: Path) -> None:
         tmp_path, '[[channels]]\nname="a"\nencrypt=false\n[black]\narchive_retention_days=0.05\n'
     )
     assert load_config(p, environ={}).black.archive_retention_days == 0.05
+
+
+def test_management_ca_file_must_be_a_readable_pem_bundle(tmp_path: Path) -> None:
+    from tests.mgmt_proxy import private_ca
+
+    base = '[[channels]]\nname="a"\nencrypt=false\n[black]\n'
+    assert load_config(_write(tmp_path, base), environ={}).black.management_ca_file is None
+    (tmp_path / "tls").mkdir()
+    bad = {
+        "tls/missing.pem": "cannot be read (No such file or directory)",
+        "tls": "cannot be read (Is a directory)",  # not a file
+        "tls/garbage.pem": "holds no PEM certificate",
+    }
+    (tmp_path / "tls" / "garbage.pem").write_text("not a certificate\n")
+    for value, why in bad.items():
+        with pytest.raises(ConfigError) as e:
+            load_config(_write(tmp_path, base + f'management_ca_file = "{value}"\n'), environ={})
+        msg = str(e.value)
+        assert "black.management_ca_file" in msg and why in msg, msg
+        assert str(tmp_path / value) in msg, msg
+    ca, _, _ = private_ca(tmp_path / "tls")
+    cfg = load_config(_write(tmp_path, base + 'management_ca_file = "tls/ca.pem"\n'), environ={})
+    assert cfg.black.management_ca_file == ca  # relative to the config file
+    env = {"DIODE__BLACK__MANAGEMENT_CA_FILE": str(ca)}
+    assert load_config(_write(tmp_path, base), environ=env).black.management_ca_file == ca

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from bridge.black.report import channel_status, files_table
 from bridge.black.state import ChannelState, StateStore
-from bridge.config import config_from_dict
+from bridge.config import config_from_dict, load_config
 from bridge.fsutil import atomic_write_bytes, durable_mkdir
 from bridge.red import sequence as sq
 from bridge.red.layout import STATE_FILE
@@ -76,3 +76,62 @@ def test_red_status_judges_silence_by_the_clock_without_a_job(tmp_path: Path) ->
     assert 7200 <= never["quiet_s"] < 7300  # since red began watching it
     assert gone["retired"] is not None and gone["silent_now"] is None
     json.dumps(report)  # --json prints it
+
+
+def test_a_damaged_file_of_one_channel_is_shown_and_the_others_still_reported(
+    tmp_path: Path,
+) -> None:
+    """An empty journal (channel-b.json), a torn heartbeat seq file (a's), a damaged tap status
+    file (c's): `diode status` and `diode gaps` used to fail for every channel on the first, and
+    showed the second as "-" and the third as "never ran". Each now says "unreadable: <reason>"
+    for its channel only; the other channels are reported as before."""
+    from click.testing import CliRunner
+
+    from bridge.black.gaplog import append_gaps
+    from bridge.cli import cli
+    from bridge.protocol.manifest import Gap
+
+    toml = tmp_path / "diode.toml"
+    toml.write_text(
+        "".join(f'[[channels]]\nname = "{c}"\nencrypt = false\n' for c in "abcd")
+        + '[black]\nstate_dir = "state"\noutbox = "outbox"\narchive = "archive"\n'
+    )
+    cfg = load_config(toml, environ={})
+    state = Path(cfg.black.state_dir)
+    store = StateStore(state)
+    for c in "acd":
+        store.save(ChannelState(channel=c, last_bundle_seq=3, last_seq=20,
+                                counters={"lost_maxlen": 2}))  # fmt: skip
+        append_gaps(state, c, 2, (Gap(5, 6, "maxlen"),))
+    (state / "channel-b.json").write_bytes(b"")  # the damage: an empty journal
+    append_gaps(state, "b", 1, (Gap(1, 1, "oversize"),))
+    (state / "heartbeat-a.json").write_bytes(b'{"heartbeat_s')  # torn
+    (state / "heartbeat-d.json").write_text('{"heartbeat_seq": 42}')
+    (state / "tap-c.json").write_text("[]")  # JSON, not a status
+
+    ch = channel_status(cfg)["channels"]
+    assert str(ch["b"]["last_bundle_seq"]).startswith("unreadable: ")
+    assert str(state / "channel-b.json") in ch["b"]["journal_error"]
+    assert ch["b"]["lost"] is None and ch["b"]["last_seq"] is None  # unknown, not zero
+    assert str(ch["a"]["heartbeat_seq"]).startswith("unreadable: heartbeat seq file ")
+    assert str(state / "heartbeat-a.json") in ch["a"]["heartbeat_seq"]
+    assert ch["c"]["spool"]["tap"].startswith(f"unreadable: tap status file {state}/tap-c.json")
+    for c in "acd":
+        assert (ch[c]["journal_error"], ch[c]["last_bundle_seq"], ch[c]["lost"]) == (
+            None, 3, {"maxlen": 2})  # fmt: skip
+    assert ch["d"]["heartbeat_seq"] == 42 and ch["d"]["spool"] == {"tap": "never ran"}
+
+    runner = CliRunner()
+    status = runner.invoke(cli, ["status", "--side", "black", "--config", str(toml), "--json"])
+    assert status.exit_code == 0, status.output
+    doc = json.loads(status.output)
+    assert doc["channels"]["b"]["last_bundle_seq"] == ch["b"]["last_bundle_seq"]
+    assert doc["channels"]["d"]["last_bundle_seq"] == 3
+    table = runner.invoke(cli, ["status", "--side", "black", "--config", str(toml)])
+    assert table.exit_code == 0, table.output
+    assert "unreadable" in table.output
+    gaps = runner.invoke(cli, ["gaps", "--side", "black", "--config", str(toml), "--json"])
+    assert gaps.exit_code == 0, gaps.output
+    got = json.loads(gaps.output)
+    assert [(r["first_seq"], r["reason"]) for r in got["b"]["ranges"]] == [(1, "oversize")]
+    assert got["b"]["lost"] is None and got["a"]["lost"] == {"maxlen": 2}
