@@ -1,39 +1,181 @@
-"""Both sides: build a Spark session tuned for this bridge (local or cluster)."""
+"""Both sides: build a Spark session tuned for this bridge (local or cluster).
+
+Under ``spark-submit`` the operator's settings win: ``--master``, ``--driver-memory`` and
+every ``--conf`` (or ``spark-defaults.conf``) are kept, and the bridge's defaults fill in
+only what is absent. Started from Python (``diode ... run``), the bridge launches the JVM
+itself: ``master`` or ``$SPARK_MASTER`` (default ``local[2]``) and
+``$DIODE_SPARK_DRIVER_MEMORY`` (default 2g) apply. ``spark.sql.session.timeZone`` is always
+UTC (the tables' timestamps are UTC).
+"""
 
 from __future__ import annotations
 
 import os
+import re
 import sys
+from pathlib import Path
+from typing import Any
 
-__all__ = ["get_spark"]
+from bridge.errors import ConfigError, DiodeError
+from bridge.logs import get_logger, log_event
+
+__all__ = [
+    "get_spark", "spark_path", "under_spark_submit", "failure_line", "worker_python", "DEFAULTS",
+    "FOREIGN_CHECKPOINT", "config_error_in",
+]  # fmt: skip
+
+log = get_logger("bridge.spark")
+
+DEFAULTS: dict[str, str] = {
+    "spark.ui.enabled": "false",
+    "spark.ui.showConsoleProgress": "false",
+    "spark.sql.shuffle.partitions": "2",
+    "spark.sql.execution.arrow.pyspark.enabled": "true",
+    "spark.sql.execution.arrow.maxRecordsPerBatch": "50000",
+}
+"""Set only when neither spark-submit nor ``spark-defaults.conf`` set them."""
+FORCED: dict[str, str] = {"spark.sql.session.timeZone": "UTC"}
+"""Always set, whatever the operator passed."""
+LOCAL_DEFAULTS: dict[str, str] = {
+    "spark.driver.bindAddress": "127.0.0.1",
+    "spark.driver.host": "127.0.0.1",
+}
+"""A local master: nothing listens on all interfaces (set only when absent)."""
+DRIVER_MEMORY_ENV = "DIODE_SPARK_DRIVER_MEMORY"
+FOREIGN_CHECKPOINT = "holds another query's checkpoint"
+"""In the ConfigError a streaming source raises for an offset it did not write (a checkpoint
+dir shared with another query): :func:`config_error_in` finds it in the query's failure."""
+_UNITS = {"k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}
+
+
+def under_spark_submit() -> bool:
+    """True when this Python was started by spark-submit (its JVM is already running)."""
+    return "PYSPARK_GATEWAY_PORT" in os.environ
+
+
+def spark_path(path: Path | str) -> str:
+    """``path`` (a local path: the config allows no other) as the fully qualified URI handed to
+    Spark: ``file:///abs/path``. Spark resolves a path without a scheme against
+    ``fs.defaultFS`` (``hdfs:``, ``dbfs:`` on clusters), while delta-rs and the bridge use the
+    local file: two different places. Not percent-encoded: Hadoop takes ``%20`` literally."""
+    text = str(path)
+    if re.match(r"^[A-Za-z][A-Za-z0-9+.-]*:", text):  # already a URI (s3://, file:, dbfs:/)
+        return text
+    return "file://" + str(Path(text).resolve())
+
+
+def _jvm_bytes(size: str) -> int | None:
+    """A JVM memory string (``512m``, ``2g``; no unit: MiB, as Spark reads it) in bytes."""
+    m = re.fullmatch(r"\s*(\d+)\s*([kmgt]?)b?\s*", size.lower())
+    if m is None:
+        return None
+    return int(m.group(1)) * _UNITS.get(m.group(2) or "m", 2**20)
+
+
+def _settings(conf: Any, master: str | None) -> dict[str, str]:
+    """What to set on the builder, given what ``conf`` (spark-submit's SparkConf) holds."""
+    want: dict[str, str] = {}
+    if master is not None:  # the caller's explicit choice
+        want["spark.master"] = master
+    elif not conf.contains("spark.master"):
+        want["spark.master"] = os.environ.get("SPARK_MASTER", "local[2]")
+    for key, value in DEFAULTS.items():
+        if not conf.contains(key):
+            want[key] = value
+    if not under_spark_submit() and not conf.contains("spark.driver.memory"):
+        # only the launcher sets the heap: under spark-submit the JVM runs already
+        want["spark.driver.memory"] = os.environ.get(DRIVER_MEMORY_ENV, "2g")
+    if want.get("spark.master", conf.get("spark.master", "")).startswith("local"):
+        want.update({k: v for k, v in LOCAL_DEFAULTS.items() if not conf.contains(k)})
+    want.update(FORCED)
+    return want
+
+
+def _check_driver_memory(spark: Any) -> None:
+    """Warn when $DIODE_SPARK_DRIVER_MEMORY is set but the driver JVM's heap differs (under
+    spark-submit it cannot apply: the JVM started before Python)."""
+    asked = os.environ.get(DRIVER_MEMORY_ENV)
+    if not asked:
+        return
+    want = _jvm_bytes(asked)
+    have = int(spark._jvm.java.lang.Runtime.getRuntime().maxMemory())
+    if want is not None and abs(have - want) <= want * 0.1:  # the JVM keeps a little back
+        return
+    log_event(
+        log, 30, f"{DRIVER_MEMORY_ENV} has no effect on this driver: its JVM's max heap is "
+        f"{have // 2**20} MiB; under spark-submit pass --driver-memory {asked} (or "
+        "spark.driver.memory in spark-defaults.conf), the JVM starts before Python",
+        asked=asked, max_heap_mib=have // 2**20, spark_submit=under_spark_submit(),
+    )  # fmt: skip
 
 
 def get_spark(app_name: str, *, master: str | None = None):  # type: ignore[no-untyped-def]
-    """Return a SparkSession; ``master`` defaults to $SPARK_MASTER or local[2]."""
+    """Return a SparkSession; ``master`` overrides spark-submit's, else spark-submit's
+    ``--master``, else $SPARK_MASTER, else local[2]."""
+    from pyspark import SparkConf, SparkContext
     from pyspark.sql import SparkSession
 
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
     os.environ.setdefault("PYSPARK_DRIVER_PYTHON", sys.executable)
-    master = master or os.environ.get("SPARK_MASTER", "local[2]")
-    local = master.startswith("local")
-    if local:  # nothing listens on all interfaces: keep a local driver on loopback
+    if under_spark_submit():
+        SparkContext._ensure_initialized()  # joins spark-submit's JVM: SparkConf sees its settings
+    want = _settings(SparkConf(), master)
+    if want.get("spark.master", "").startswith("local"):
         os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
-    builder = (
-        SparkSession.builder.appName(app_name)
-        .master(master)
-        .config("spark.ui.enabled", "false")
-        .config("spark.ui.showConsoleProgress", "false")
-        .config("spark.sql.shuffle.partitions", "2")
-        .config("spark.sql.execution.arrow.pyspark.enabled", "true")
-        .config("spark.sql.execution.arrow.maxRecordsPerBatch", "50000")
-        .config("spark.sql.session.timeZone", "UTC")
-        .config("spark.driver.memory", os.environ.get("DIODE_SPARK_DRIVER_MEMORY", "2g"))
-        .config("spark.sql.streaming.stopGracefullyOnShutdown", "true")
-    )
-    if local:
-        builder = builder.config("spark.driver.bindAddress", "127.0.0.1").config(
-            "spark.driver.host", "127.0.0.1"
-        )
+    builder = SparkSession.builder.appName(app_name)
+    for key, value in want.items():
+        builder = builder.config(key, value)
     spark = builder.getOrCreate()
     spark.sparkContext.setLogLevel(os.environ.get("DIODE_SPARK_LOG_LEVEL", "WARN"))
+    log_event(log, 20, "spark session", app=app_name, master=spark.sparkContext.master,
+              spark_submit=under_spark_submit())  # fmt: skip
+    _check_driver_memory(spark)
     return spark
+
+
+def config_error_in(exc: BaseException) -> ConfigError | None:
+    """The configuration error a source raised inside a failed streaming query (Spark hands it
+    over as text): a checkpoint written by another query. None for any other failure."""
+    for line in str(exc).splitlines():
+        if FOREIGN_CHECKPOINT in line:
+            return ConfigError(line.split("ConfigError: ", 1)[-1].strip())
+    return None
+
+
+def worker_python() -> str:
+    """The Python the executors run (``spark.pyspark.python`` / $PYSPARK_PYTHON)."""
+    from pyspark import SparkContext
+
+    sc = SparkContext._active_spark_context
+    exe = getattr(sc, "pythonExec", None) if sc is not None else None
+    return str(exe or os.environ.get("PYSPARK_PYTHON") or "the executors' Python")
+
+
+_CAUSE = re.compile(r"^\s*([A-Za-z_][\w.]*(?:Error|Exception)): (.+)$")
+
+
+def failure_line(exc: BaseException, python: str) -> str:
+    """One line for a job that failed with ``exc`` (a Py4J error, an AnalysisException, a
+    query's failure: their text runs to Java and Python stack traces; a DiodeError's own
+    message stays, cut to its first line and the last Python error it quotes). ``python``:
+    the executors' Python, named when a worker could not import the bridge."""
+    text = str(exc)
+    if "No module named 'bridge'" in text:
+        return (
+            f"a Spark worker's Python cannot import the bridge (No module named 'bridge'): "
+            f"install diode-bridge into {python} on every node (or ship it with "
+            "--py-files/--archives)"
+        )
+    java = getattr(exc, "java_exception", None)  # py4j.protocol.Py4JJavaError
+    if java is not None:
+        try:
+            text = str(java.toString())
+        except Exception:  # noqa: BLE001 - the gateway may be gone: keep str(exc)
+            pass
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+    head = lines[0] if lines else ""
+    causes = [m.group(0).strip() for ln in lines[1:] if (m := _CAUSE.match(ln))]
+    cause = causes[-1] if causes else ""  # a Python worker's own error, last in its trace
+    kind = "" if isinstance(exc, DiodeError) else f"{type(exc).__name__}: "  # ours: said already
+    line = f"{kind}{head}" + (f" ({cause})" if cause and cause != head else "")
+    return line[:1000]

@@ -20,7 +20,7 @@ def main(argv: list[str] | None = None) -> int:
     from bridge.logs import get_logger, log_event, setup_logging
     from bridge.red.job import run_red
     from bridge.signals import stop_on_signals
-    from bridge.spark import get_spark
+    from bridge.spark import failure_line, get_spark, worker_python
 
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -46,8 +46,13 @@ def main(argv: list[str] | None = None) -> int:
             summary = run_red(cfg, spark, a.trigger, timeout=a.timeout, stop=stop)
     except DiodeError as e:  # a clear line and an exit status, not a traceback
         log_event(get_logger("spark_jobs.red_land"), 50, f"red job failed: {e}")
-        print(f"error: {e}", file=sys.stderr)
+        print(f"error: {failure_line(e, worker_python())}", file=sys.stderr)
         return 2 if isinstance(e, ConfigError) else 1
+    except Exception as e:  # Py4J, AnalysisException, a query's failure: one line too
+        line = failure_line(e, worker_python())
+        log_event(get_logger("spark_jobs.red_land"), 50, f"red job failed: {line}")
+        print(f"error: {line}", file=sys.stderr)
+        return 1
     print(json.dumps(summary.to_json()))
     return 0
 

@@ -39,6 +39,7 @@ from bridge.diode.file_drop import Outbox
 from bridge.errors import ConfigError, DiodeError
 from bridge.fsutil import DIR_MODE, durable_mkdir, exclusive_lock
 from bridge.logs import get_logger, log_event
+from bridge.spark import config_error_in, spark_path
 
 __all__ = ["BlackRun", "BlackSummary", "run_black", "check_black_config", "Trigger"]
 
@@ -168,7 +169,7 @@ class BlackRun:
         w = (
             reader.load()
             .writeStream.foreachBatch(self.sink)
-            .option("checkpointLocation", str(self.cfg.black.checkpoint_dir))
+            .option("checkpointLocation", spark_path(self.cfg.black.checkpoint_dir))
             .queryName(query_name)
         )
         if trigger == "available-now":
@@ -277,7 +278,15 @@ class BlackRun:
         journal would fork the bundle chain.
         """
         with exclusive_lock(Path(self.cfg.black.state_dir) / LOCK_FILE, what="black run"):
-            return self._run(spark, trigger, timeout, stop)
+            try:
+                return self._run(spark, trigger, timeout, stop)
+            except DiodeError:
+                raise
+            except Exception as e:  # a query's failure: the source refused another query's
+                foreign = config_error_in(e)  # checkpoint (exit 2), or Spark's own error
+                if foreign is not None:
+                    raise foreign from None
+                raise
 
     def _run(self, spark: Any, trigger: Trigger, timeout: float | None, stop: Stop) -> BlackSummary:
         t0 = time.monotonic()

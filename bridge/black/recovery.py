@@ -28,8 +28,9 @@ from bridge.black.spool_read import read_tail
 from bridge.black.spool_rows import read_rows
 from bridge.black.state import StateStore
 from bridge.config import Config
-from bridge.errors import SpoolFull, StateError
+from bridge.errors import ConfigError, SpoolFull, StateError
 from bridge.logs import get_logger, log_event
+from bridge.spark import FOREIGN_CHECKPOINT
 
 __all__ = ["committed_offsets", "recover_committed", "repair_spool"]
 
@@ -49,12 +50,21 @@ def committed_offsets(checkpoint_dir: Path) -> dict[str, int] | None:
         lines = path.read_text().splitlines()
         # v1 / batch metadata / one offset per source: this query has exactly one source
         offsets = json.loads(lines[2])
-        return {str(k): int(v) for k, v in offsets.items()}
-    except (OSError, IndexError, ValueError, TypeError, AttributeError) as e:
+    except (OSError, IndexError, ValueError) as e:
         raise StateError(
             f"cannot read Spark's offset log {path} ({e}); the checkpoint is damaged: restore it, "
             "or delete it (black's journal then decides where to start)"
         ) from None
+    if not isinstance(offsets, dict) or not all(
+        type(v) is int and v >= 0 for v in offsets.values()
+    ):
+        shown = json.dumps(offsets)[:200]
+        raise ConfigError(
+            f"black.checkpoint_dir {checkpoint_dir} {FOREIGN_CHECKPOINT} (offset {shown} in "
+            f"{path}, not {{channel: position}}): point black.checkpoint_dir at an empty "
+            "directory, the black job's alone (a new checkpoint starts from the journal)"
+        )
+    return {str(k): v for k, v in offsets.items()}
 
 
 def repair_spool(cfg: Config, channel: str) -> None:

@@ -44,7 +44,9 @@ from bridge.black.chunking import ROW_OVERHEAD_BYTES
 from bridge.black.spool import SpoolReader
 from bridge.black.state import StateStore
 from bridge.config import Config, load_config
+from bridge.errors import ConfigError
 from bridge.logs import get_logger, log_event, setup_logging
+from bridge.spark import FOREIGN_CHECKPOINT
 
 __all__ = ["SpoolDataSource", "SpoolStreamReader", "READ_HINT_FILE", "RANGE_SCHEMA", "SpoolRange"]
 
@@ -144,7 +146,24 @@ class SpoolStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
             return min(b.max_messages_per_batch, FIRST_BATCH_PROBE)
         return max(1, min(b.max_messages_per_batch, int(b.max_batch_bytes // max(avg, 1.0))))
 
+    def _checked(self, offset: object) -> dict[str, int]:
+        """An offset of this source from Spark's checkpoint (channel -> next spool position);
+        a ConfigError when another query wrote the checkpoint (a rate source's ``0``): Spark
+        hands it over as it found it."""
+        if isinstance(offset, dict) and all(
+            isinstance(k, str) and type(v) is int and v >= 0 for k, v in offset.items()
+        ):
+            return offset
+        shown = json.dumps(offset, default=str)
+        shown = shown if len(shown) <= 200 else shown[:200] + "..."
+        raise ConfigError(
+            f"black.checkpoint_dir {self.cfg.black.checkpoint_dir} {FOREIGN_CHECKPOINT} "
+            f"(offset {shown}, not {{channel: position}}): point black.checkpoint_dir at an "
+            "empty directory, the black job's alone (a new checkpoint starts from the journal)"
+        )
+
     def latestOffset(self, start: dict[str, int], limit: ReadLimit) -> dict[str, int]:
+        start = self._checked(start)
         hint = read_hint(self.cfg.black.state_dir)
         init = None
         out: dict[str, int] = {}
@@ -207,6 +226,7 @@ class SpoolStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         return age + b.trigger_seconds <= b.bundle.max_age_seconds
 
     def partitions(self, start: dict[str, int], end: dict[str, int]) -> Sequence[InputPartition]:
+        start, end = self._checked(start), self._checked(end)
         start = self._from_journal(start) if not self._planned else start
         self._planned = True
         init: dict[str, int] | None = None

@@ -27,6 +27,7 @@ from bridge.red.landing import LOCK_FILE, Landing, LandingResult
 from bridge.red.layout import RED_DIR_KEYS, WALKED_DIR_KEYS
 from bridge.red.source import InboxDataSource
 from bridge.red.tables import RedTables, resolve_engine
+from bridge.spark import config_error_in, spark_path
 
 __all__ = [
     "RedRun", "RedSummary", "run_red", "check_red_config", "check_red_places", "Trigger",
@@ -250,7 +251,7 @@ class RedRun:
         )
         w = (
             df.writeStream.foreachBatch(self._sink)
-            .option("checkpointLocation", str(self.cfg.red.checkpoint_dir))
+            .option("checkpointLocation", spark_path(self.cfg.red.checkpoint_dir))
             .queryName("diode_red")
         )
         if trigger == "available-now":
@@ -311,10 +312,16 @@ class RedRun:
         self._end(query, quiet=query.exception() is not None)
         exc = query.exception()
         if exc is not None:
-            raise DiodeError(f"red query failed: {exc}")
+            raise _query_error(exc)
         self.summary.totals.add(self.landing.tick())
         self.summary.seconds = time.monotonic() - t0
         return self.summary
+
+
+def _query_error(exc: Any) -> DiodeError:
+    """The red query's failure as the run's error: a ConfigError (exit 2) when the source
+    refused a checkpoint written by another query, else ``red query failed: …``."""
+    return config_error_in(exc) or DiodeError(f"red query failed: {exc}")
 
 
 def run_red(cfg: Config, spark: Any, trigger: Trigger = "available-now", **kw: Any) -> RedSummary:

@@ -53,6 +53,7 @@ from pyspark.sql.streaming.datasource import (
 from pyspark.sql.types import StructType
 
 from bridge.config import Config, load_config
+from bridge.errors import ConfigError
 from bridge.logs import get_logger, log_event, setup_logging
 from bridge.red.evidence import Evidence
 from bridge.red.intake import Intake, Taken
@@ -68,6 +69,7 @@ from bridge.red.verify import (
     verify_file,
 )
 from bridge.red.watch import InboxWatcher
+from bridge.spark import FOREIGN_CHECKPOINT
 
 __all__ = ["InboxDataSource", "InboxStreamReader", "SOURCE_SCHEMA", "FileBatch", "make_intake"]
 
@@ -84,6 +86,24 @@ TAKEN_BACK_SETTLE_MIN = 1.0
 
 PlannedFile = tuple[int, str, int, int]
 """``(ordinal, name, size, mtime_ns)``: an intake file and what it was when planned."""
+
+
+def _offset_next(offset: object, cfg: Config) -> int:
+    """The ``next`` ordinal of an offset of this source (``{"next": int}``, from Spark's
+    checkpoint); a ConfigError when the checkpoint was written by another query (a rate
+    source's ``0``, black's ``{"channel": seq}``), which Spark hands over as it found it."""
+    if isinstance(offset, dict) and set(offset) == {"next"}:
+        value = offset["next"]
+        if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+            return value
+    shown = json.dumps(offset, default=str)
+    if len(shown) > 200:
+        shown = shown[:200] + "..."
+    raise ConfigError(
+        f"red.checkpoint_dir {cfg.red.checkpoint_dir} {FOREIGN_CHECKPOINT} (offset {shown}, "
+        'not {"next": N}): point red.checkpoint_dir at an empty directory, the red job\'s '
+        "alone (a new checkpoint starts at the files still waiting in intake)"
+    )
 
 
 @dataclass(frozen=True)
@@ -183,7 +203,7 @@ class InboxStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         self.target = self._get_intake().next_ordinal()
 
     def latestOffset(self, start: dict[str, int], limit: ReadLimit) -> dict[str, int]:
-        s = int(start.get("next", 0))
+        s = _offset_next(start, self.cfg)
         self._catch_up_next(s)
         if self.target is None:
             self._scan()
@@ -359,7 +379,7 @@ class InboxStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
             return None
 
     def partitions(self, start: dict[str, int], end: dict[str, int]) -> Sequence[InputPartition]:
-        s, e = int(start.get("next", 0)), int(end.get("next", 0))
+        s, e = _offset_next(start, self.cfg), _offset_next(end, self.cfg)
         self._planned = (s, e)
         files = [t for t in self._get_intake().pending() if s <= t.ordinal < e]
         rooms = self._rooms()

@@ -54,6 +54,7 @@ from bridge.red.schema import (
     RedTableError,
     schema_for,
 )
+from bridge.spark import spark_path
 
 __all__ = [
     "Engine",
@@ -62,6 +63,8 @@ __all__ = [
     "resolve_engine",
     "sync_commits",
     "DELTA_SPARK_CLASS",
+    "DELTA_SQL_CONF",
+    "delta_on_spark_missing",
 ]
 
 log = get_logger("bridge.red.tables")
@@ -86,10 +89,24 @@ _DESCRIPTIONS = {
 # -- engine choice ---------------------------------------------------------------------------
 
 
-def _spark_has_delta(spark: Any) -> bool:
-    """True if the session's JVM can load the Delta Lake classes (or runs on Databricks)."""
-    if os.environ.get("DATABRICKS_RUNTIME_VERSION"):
-        return True
+DELTA_SQL_CONF: dict[str, str] = {
+    "spark.sql.extensions": "io.delta.sql.DeltaSparkSessionExtension",
+    "spark.sql.catalog.spark_catalog": "org.apache.spark.sql.delta.catalog.DeltaCatalog",
+}
+"""What Delta on Spark needs besides its jars: ``UPDATE`` (chain status), ``OPTIMIZE`` and
+``VACUUM`` on ``delta.`path``` fail without the SQL extension and the catalog."""
+DELTA_SPARK_FLAGS = "--packages io.delta:delta-spark_2.13:<version> " + " ".join(
+    f"--conf {k}={v}" for k, v in DELTA_SQL_CONF.items()
+)
+
+
+def _on_databricks() -> bool:
+    """Databricks runtimes have Delta built in, its extension and catalog included."""
+    return bool(os.environ.get("DATABRICKS_RUNTIME_VERSION"))
+
+
+def _spark_loads_delta(spark: Any) -> bool:
+    """True if the session's JVM can load the Delta Lake classes."""
     try:
         jvm = spark._jvm
         loader = jvm.java.lang.Thread.currentThread().getContextClassLoader()
@@ -99,22 +116,51 @@ def _spark_has_delta(spark: Any) -> bool:
         return False
 
 
+def _spark_conf(spark: Any, key: str) -> str:
+    try:
+        return str(spark.conf.get(key, "") or "")
+    except Exception:  # noqa: BLE001 - a conf that cannot be read counts as not set
+        return ""
+
+
+def delta_on_spark_missing(has_classes: bool, conf: dict[str, str]) -> list[str]:
+    """What keeps Delta on Spark from working, given whether the JVM loads the Delta classes
+    and the session's values of ``DELTA_SQL_CONF``'s keys: empty when nothing is missing."""
+    missing = [] if has_classes else [f"class {DELTA_SPARK_CLASS} (the delta-spark jars)"]
+    for key, value in DELTA_SQL_CONF.items():
+        if key == "spark.sql.extensions":
+            ok = value in [e.strip() for e in conf.get(key, "").split(",")]
+        else:
+            ok = conf.get(key, "").strip() == value
+        if not ok:
+            missing.append(f"{key}={value}")
+    return missing
+
+
+def _spark_delta_missing(spark: Any) -> list[str]:
+    if _on_databricks():
+        return []
+    conf = {key: _spark_conf(spark, key) for key in DELTA_SQL_CONF}
+    return delta_on_spark_missing(_spark_loads_delta(spark), conf)
+
+
 def resolve_engine(setting: str, spark: Any | None) -> Engine:
     """The engine for ``red.delta_engine`` = ``setting`` ("auto" | "spark" | "delta-rs").
 
-    "auto" picks Spark when a session is given and it can load Delta Lake, else delta-rs.
+    "auto" picks Spark when a session is given that loads Delta Lake AND has its SQL extension
+    and catalog configured (or runs on Databricks), else delta-rs.
     """
     if setting == "delta-rs":
         return "delta-rs"
     if setting == "auto":
-        return "spark" if spark is not None and _spark_has_delta(spark) else "delta-rs"
+        return "spark" if spark is not None and not _spark_delta_missing(spark) else "delta-rs"
     if setting == "spark":
-        if spark is None or not _spark_has_delta(spark):
-            why = "no Spark session" if spark is None else f"class {DELTA_SPARK_CLASS} not found"
+        missing = ["a Spark session"] if spark is None else _spark_delta_missing(spark)
+        if missing:
             raise ConfigError(
-                f'red.delta_engine = "spark" but Delta Lake is not on Spark ({why}): set '
-                'red.delta_engine = "delta-rs" or put delta-spark jars on the classpath '
-                "(spark.jars.packages io.delta:delta-spark_2.13:4.x)"
+                f'red.delta_engine = "spark" but Delta Lake is not set up on Spark (missing: '
+                f'{"; ".join(missing)}): set red.delta_engine = "delta-rs", or submit the job '
+                f"with {DELTA_SPARK_FLAGS}"
             )
         return "spark"
     raise ConfigError(f'red.delta_engine = {setting!r} is not one of "auto", "spark", "delta-rs"')
@@ -433,6 +479,15 @@ class RedTables:
         schema_for(name)  # names the known tables when ``name`` is not one
         return self.root / name
 
+    def spark_path(self, name: str) -> str:
+        """Table ``name`` as handed to Spark: a fully qualified ``file://`` URI (a bare path
+        would be resolved against ``fs.defaultFS``, a different table from delta-rs's)."""
+        return spark_path(self.path(name))
+
+    def _spark_table(self, name: str) -> str:
+        """``delta.`file:///…``` for Spark SQL (backticks in the path doubled)."""
+        return "delta.`" + self.spark_path(name).replace("`", "``") + "`"
+
     # -- creation and look-ups (delta-rs for both engines) -------------------------------------
     def ensure(self) -> None:
         """Create the missing tables empty; check that existing ones have the expected columns."""
@@ -637,7 +692,7 @@ class RedTables:
         )
         if _PARTITIONS[name]:
             writer = writer.partitionBy(*_PARTITIONS[name])
-        writer.save(str(self.path(name)))
+        writer.save(self.spark_path(name))
 
     def set_chain_status(self, channel: str, bundle_seq: int, status: str) -> None:
         """Set ``chain_status`` of the landed ledger row of ``channel``/``bundle_seq``.
@@ -669,7 +724,7 @@ class RedTables:
                 f"AND status = 'landed' AND chain_status <> {_sql_str(status)}"
             )
             self.spark.sql(
-                f"UPDATE delta.`{self.path('bundles')}` SET chain_status = {_sql_str(status)} "
+                f"UPDATE {self._spark_table('bundles')} SET chain_status = {_sql_str(status)} "
                 f"WHERE {where}"
             )
         else:
@@ -772,7 +827,7 @@ class RedTables:
         self, name: str, optimize: bool, hours: int | None, enforce: bool, stats: dict[str, Any]
     ) -> None:
         assert self.spark is not None
-        target = f"delta.`{self.path(name)}`"
+        target = self._spark_table(name)
         if optimize:
             stats["optimize"] = [r.asDict() for r in self.spark.sql(f"OPTIMIZE {target}").collect()]
         if hours is not None:

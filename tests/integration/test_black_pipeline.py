@@ -9,6 +9,7 @@ import decimal
 import hashlib
 import io
 import json
+import shutil
 import time
 from pathlib import Path
 from typing import Any
@@ -304,6 +305,38 @@ def test_a_sealing_failure_on_the_last_batch_ends_a_scheduled_run_at_once(
         run.run(spark, "available-now", timeout=150)
     assert time.monotonic() - t0 < 60, "the failure was seen only at the run's timeout"
     assert StateStore(cfg.black.state_dir).load("main").last_seq == -1  # nothing shipped
+
+
+def test_a_checkpoint_of_another_query_is_a_configuration_error(
+    black_vhost: Any, short_tmp: Path, spark: Any
+) -> None:
+    """black.checkpoint_dir shared with another query (here a rate source's, offset ``0``):
+    the source raised ``TypeError: argument of type 'int' is not iterable`` inside the
+    query. (Red's ``{"next": N}`` reads as a channel "next" not configured: the run starts
+    from the journal, as it should.)"""
+    from bridge.black.source import SpoolStreamReader
+    from bridge.errors import ConfigError
+
+    cfg, run = black_run(black_vhost, short_tmp)
+    reader = SpoolStreamReader({"config": str(cfg.source), "channels": "main"})
+    for foreign in (0, {"main": "5"}, {"main": True}, {"main": -1}, [1]):
+        with pytest.raises(ConfigError, match="holds another query's checkpoint"):
+            reader.latestOffset(foreign, None)  # type: ignore[arg-type]
+        with pytest.raises(ConfigError, match="point black.checkpoint_dir at an empty"):
+            reader.partitions(foreign, {"main": 1})  # type: ignore[arg-type]
+    ckpt = f"file://{Path(cfg.black.checkpoint_dir).resolve()}"
+    q = (
+        spark.readStream.format("rate").load().writeStream.format("noop")
+        .option("checkpointLocation", ckpt).trigger(availableNow=True).start()
+    )  # fmt: skip
+    q.awaitTermination()
+    with pytest.raises(ConfigError, match=r"holds another query's checkpoint \(offset 0"):
+        run.run(spark, "available-now", timeout=120)  # seen by the recovery, before the query
+    shutil.rmtree(Path(cfg.black.checkpoint_dir) / "commits")  # nothing committed: the query
+    run.mirror.sync()
+    publish(black_vhost.amqp_url, 5)  # (with nothing to drain, the run ends before it plans)
+    with pytest.raises(ConfigError, match=r"holds another query's checkpoint \(offset 0"):
+        BlackRun(cfg).run(spark, "available-now", timeout=120)  # ... sees it, in the source
 
 
 def test_a_tap_stopped_by_a_configuration_error_ends_a_continuous_run(

@@ -17,6 +17,9 @@ from typing import Any
 import pytest
 from pyspark.sql.streaming.datasource import ReadAllAvailable
 
+from bridge.config import load_config
+from bridge.errors import ConfigError
+from bridge.red.job import RedRun
 from bridge.red.source import FileBatch, InboxStreamReader
 from tests.integration.test_gpg import busy_message
 from tests.red_factory import (
@@ -233,3 +236,35 @@ def test_a_bundle_that_can_never_fit_beside_itself_is_planned_and_rejected(
         assert [(x["name"], x["status"], x["reason"]) for x in judged] == [
             (big, "reject", "too_large")
         ]
+
+
+def test_an_offset_of_another_query_is_a_configuration_error(
+    tmp_path: Path, keys: RedKeys, reader_at: Callable[[Path, RedKeys], InboxStreamReader]
+) -> None:
+    """A checkpoint written by another query hands the source offsets of another shape (a rate
+    source's ``0``, black's ``{"channel": seq}``): a ConfigError naming the key and the fix,
+    not ``AttributeError: 'int' object has no attribute 'get'``."""
+    r = reader_at(tmp_path, keys)
+    ckpt = tmp_path / "red" / "checkpoint"
+    for foreign in (0, {"orders": 5}, {"next": "5"}, [1]):
+        with pytest.raises(ConfigError, match="holds another query's checkpoint") as e:
+            r.latestOffset(foreign, ALL)  # type: ignore[arg-type]
+        assert str(ckpt) in str(e.value) and "point red.checkpoint_dir at an empty" in str(e.value)
+        with pytest.raises(ConfigError, match="holds another query's checkpoint"):
+            r.partitions(foreign, {"next": 1})  # type: ignore[arg-type]
+    assert r.latestOffset({"next": 0}, ALL) == {"next": 0}
+
+
+@pytest.mark.spark
+def test_the_red_job_on_another_querys_checkpoint_stops_with_a_config_error(
+    spark: Any, tmp_path: Path, keys: RedKeys
+) -> None:
+    cfg = load_config(write_red_toml(tmp_path, keys))
+    ckpt = f"file://{Path(cfg.red.checkpoint_dir).resolve()}"
+    q = (
+        spark.readStream.format("rate").load().writeStream.format("noop")
+        .option("checkpointLocation", ckpt).trigger(availableNow=True).start()
+    )  # fmt: skip
+    q.awaitTermination()
+    with pytest.raises(ConfigError, match=r"holds another query's checkpoint \(offset 0"):
+        RedRun(cfg).run(spark, "available-now")

@@ -417,8 +417,113 @@ def test_resolve_engine_without_spark() -> None:
 @pytest.mark.spark
 def test_resolve_engine_spark_without_delta_jars(spark: Any) -> None:
     assert resolve_engine("auto", spark) == "delta-rs"
-    with pytest.raises(ConfigError, match=r"io.delta.tables.DeltaTable not found.*delta-spark"):
+    with pytest.raises(ConfigError, match=r"io.delta.tables.DeltaTable \(the delta-spark jars"):
         resolve_engine("spark", spark)
+
+
+def delta_sql_conf() -> tuple[tuple[str, str], tuple[str, str]]:
+    """``(extension key, value), (catalog key, value)``."""
+    ext, cat = red_tables.DELTA_SQL_CONF.items()
+    return ext, cat
+
+
+def test_delta_on_spark_needs_the_jars_and_the_sql_extension_and_catalog() -> None:
+    EXT, CAT = delta_sql_conf()
+    both = dict([EXT, CAT])
+    assert red_tables.delta_on_spark_missing(True, both) == []
+    more = {EXT[0]: f"com.example.Ext, {EXT[1]}", CAT[0]: CAT[1]}  # one extension of several
+    assert red_tables.delta_on_spark_missing(True, more) == []
+    assert red_tables.delta_on_spark_missing(True, {}) == [
+        f"{EXT[0]}={EXT[1]}",
+        f"{CAT[0]}={CAT[1]}",
+    ]
+    assert red_tables.delta_on_spark_missing(True, {EXT[0]: EXT[1]}) == [f"{CAT[0]}={CAT[1]}"]
+    assert len(red_tables.delta_on_spark_missing(False, both)) == 1
+
+
+@pytest.mark.spark
+def test_auto_picks_spark_only_with_the_jars_and_the_delta_sql_conf(
+    spark: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Jars without the extension and catalog (``UPDATE``/``OPTIMIZE`` would fail mid-run):
+    ``auto`` keeps delta-rs, ``spark`` is refused at start with the whole flag set."""
+    EXT, CAT = delta_sql_conf()
+    monkeypatch.setattr(red_tables, "_spark_loads_delta", lambda s: True)
+    monkeypatch.delenv("DATABRICKS_RUNTIME_VERSION", raising=False)
+    assert resolve_engine("auto", spark) == "delta-rs"
+    with pytest.raises(ConfigError) as e:
+        resolve_engine("spark", spark)
+    for flag in ("--packages io.delta:delta-spark_2.13:", f"--conf {EXT[0]}={EXT[1]}",
+                 f"--conf {CAT[0]}={CAT[1]}"):  # fmt: skip
+        assert flag in str(e.value)
+    assert "DeltaTable" not in str(e.value).split("(missing: ")[1].split(")")[0]
+    monkeypatch.setattr(red_tables, "_spark_conf", lambda s, key: dict([EXT, CAT])[key])
+    assert resolve_engine("auto", spark) == "spark" == resolve_engine("spark", spark)
+    monkeypatch.setattr(red_tables, "_spark_loads_delta", lambda s: False)
+    monkeypatch.setenv("DATABRICKS_RUNTIME_VERSION", "15.4")  # built in there
+    assert resolve_engine("auto", spark) == "spark"
+
+
+class _Recorder:
+    """A stand-in Spark session that records what the spark engine hands it."""
+
+    def __init__(self) -> None:
+        self.saved: list[str] = []
+        self.sql_text: list[str] = []
+        self.conf = self
+
+    def set(self, key: str, value: str) -> None:  # spark.conf.set
+        pass
+
+    def createDataFrame(self, data: Any) -> Any:  # noqa: N802 - Spark's name
+        return self
+
+    @property
+    def write(self) -> Any:
+        return self
+
+    def format(self, name: str) -> Any:
+        return self
+
+    def option(self, key: str, value: Any) -> Any:
+        return self
+
+    def mode(self, mode: str) -> Any:
+        return self
+
+    def partitionBy(self, *cols: str) -> Any:  # noqa: N802 - Spark's name
+        return self
+
+    def save(self, path: str) -> None:
+        self.saved.append(path)
+
+    def sql(self, text: str) -> Any:
+        self.sql_text.append(text)
+        return self
+
+    def collect(self) -> list[Any]:
+        return []
+
+
+def test_the_spark_engine_hands_spark_file_uris_not_bare_paths(tmp_path: Path) -> None:
+    """A bare path is resolved against fs.defaultFS (hdfs:, dbfs: on clusters) while delta-rs
+    reads the local one: Spark gets file:///… for appends, UPDATE, OPTIMIZE and VACUUM."""
+    root = tmp_path / "odd `dir"
+    local = RedTables(root, "delta-rs")
+    local.ensure()
+    local.append("bundles", rs.bundles_rows([ledger(1)]), app_id="t", version=1)
+    rec = _Recorder()
+    t = RedTables(root, "spark", rec)
+    t.append("audit", rs.audit_rows([{"event": "landed"}], "diode-red", 1, NOW), app_id="a",
+             version=1)  # fmt: skip
+    t.set_chain_status("orders", 1, "verified")
+    t.maintain("audit", vacuum_hours=200)
+    uri = f"file://{root.resolve()}"
+    assert rec.saved == [f"{uri}/audit"]
+    ident = "delta.`" + uri.replace("`", "``")
+    assert rec.sql_text[0].startswith(f"UPDATE {ident}/bundles` SET"), rec.sql_text
+    assert rec.sql_text[1] == f"OPTIMIZE {ident}/audit`"
+    assert rec.sql_text[2] == f"VACUUM {ident}/audit` RETAIN 200 HOURS"
 
 
 @pytest.mark.spark
