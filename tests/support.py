@@ -415,3 +415,14 @@ def publish_confirmed(
             acked = _confirmed(conn, acked, 1.0)
     finally:
         conn.close()
+
+
+def foreign_checkpoint(spark: Any, checkpoint_dir: Path) -> None:
+    """Fill ``checkpoint_dir`` with the checkpoint of another query (a rate source, whose
+    offset is ``0``), as a checkpoint dir shared by mistake would hold."""
+    q = (
+        spark.readStream.format("rate").load().writeStream.format("noop")
+        .option("checkpointLocation", f"file://{Path(checkpoint_dir).resolve()}")
+        .trigger(availableNow=True).start()
+    )  # fmt: skip
+    q.awaitTermination()

@@ -43,7 +43,7 @@ from bridge.protocol.properties import (
     field_table,
 )
 from tests.mover import greedy_mover  # noqa: F401 - the fixture
-from tests.support import AMQP_PROPERTIES, gpg_open_cli, publish_confirmed
+from tests.support import AMQP_PROPERTIES, foreign_checkpoint, gpg_open_cli, publish_confirmed
 
 pytestmark = [pytest.mark.broker, pytest.mark.gpg, pytest.mark.spark]
 
@@ -324,12 +324,7 @@ def test_a_checkpoint_of_another_query_is_a_configuration_error(
             reader.latestOffset(foreign, None)  # type: ignore[arg-type]
         with pytest.raises(ConfigError, match="point black.checkpoint_dir at an empty"):
             reader.partitions(foreign, {"main": 1})  # type: ignore[arg-type]
-    ckpt = f"file://{Path(cfg.black.checkpoint_dir).resolve()}"
-    q = (
-        spark.readStream.format("rate").load().writeStream.format("noop")
-        .option("checkpointLocation", ckpt).trigger(availableNow=True).start()
-    )  # fmt: skip
-    q.awaitTermination()
+    foreign_checkpoint(spark, cfg.black.checkpoint_dir)
     with pytest.raises(ConfigError, match=r"holds another query's checkpoint \(offset 0"):
         run.run(spark, "available-now", timeout=120)  # seen by the recovery, before the query
     shutil.rmtree(Path(cfg.black.checkpoint_dir) / "commits")  # nothing committed: the query

@@ -30,7 +30,7 @@ from tests.red_factory import (
     temp_red_keys,
     write_red_toml,
 )
-from tests.support import small_tmpfs
+from tests.support import foreign_checkpoint, small_tmpfs
 
 MiB = 2**20
 ALL = ReadAllAvailable()
@@ -260,11 +260,6 @@ def test_the_red_job_on_another_querys_checkpoint_stops_with_a_config_error(
     spark: Any, tmp_path: Path, keys: RedKeys
 ) -> None:
     cfg = load_config(write_red_toml(tmp_path, keys))
-    ckpt = f"file://{Path(cfg.red.checkpoint_dir).resolve()}"
-    q = (
-        spark.readStream.format("rate").load().writeStream.format("noop")
-        .option("checkpointLocation", ckpt).trigger(availableNow=True).start()
-    )  # fmt: skip
-    q.awaitTermination()
+    foreign_checkpoint(spark, cfg.red.checkpoint_dir)
     with pytest.raises(ConfigError, match=r"holds another query's checkpoint \(offset 0"):
         RedRun(cfg).run(spark, "available-now")
