@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import shutil
@@ -81,6 +82,28 @@ def short_tmp() -> Iterator[Path]:
 
 
 # ---------------------------------------------------------------------- broker resource alarm
+BROKER_SETTINGS_LOCK = Path(tempfile.gettempdir()) / "diode-test-broker-settings.lock"
+"""Held (flock) by the one test session changing the shared broker's settings: another session
+on this machine (CI beside a developer's run) waits, and never saves or restores the changed
+values as the broker's own."""
+
+
+@contextmanager
+def _broker_settings_lock(*, wait: bool = True) -> Iterator[bool]:
+    """Hold BROKER_SETTINGS_LOCK for the block; yields False (not held) if ``wait`` is False
+    and another session holds it."""
+    fd = os.open(BROKER_SETTINGS_LOCK, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
+        except BlockingIOError:
+            yield False
+            return
+        yield True
+    finally:
+        os.close(fd)
+
+
 WATERMARK_SAVED = Path(tempfile.gettempdir()) / "diode-test-memory-watermark"
 """The broker's own memory watermark while a test raises an alarm: restored by that test, or
 by the next session's start if the test process was killed (a broker left alarmed blocks every
@@ -128,26 +151,30 @@ def rabbit_env(**terms: str) -> Iterator[None]:
     "1000") for the block, and put the broker's own back after it, even if the run is killed
     (the next session's start does). Skips where rabbitmqctl cannot run here."""
     saved: dict[str, str | None] = {}
-    try:
-        for key in terms:
-            now = _ctl("eval", f"application:get_env(rabbit, {key}).")
-            saved[key] = now[len("{ok,") : -1] if now.startswith("{ok,") else None
-    except (OSError, RuntimeError, subprocess.TimeoutExpired) as e:
-        pytest.skip(f"changing broker settings needs rabbitmqctl on the broker's host: {e}")
-    RABBIT_ENV_SAVED.write_text(json.dumps(saved))
-    try:
-        for key, term in terms.items():
-            _ctl("eval", f"application:set_env(rabbit, {key}, {term}).")
-        yield
-    finally:
-        _restore_rabbit_env()
+    with _broker_settings_lock():
+        try:
+            for key in terms:
+                now = _ctl("eval", f"application:get_env(rabbit, {key}).")
+                saved[key] = now[len("{ok,") : -1] if now.startswith("{ok,") else None
+        except (OSError, RuntimeError, subprocess.TimeoutExpired) as e:
+            pytest.skip(f"changing broker settings needs rabbitmqctl on the broker's host: {e}")
+        RABBIT_ENV_SAVED.write_text(json.dumps(saved))
+        try:
+            for key, term in terms.items():
+                _ctl("eval", f"application:set_env(rabbit, {key}, {term}).")
+            yield
+        finally:
+            _restore_rabbit_env()
 
 
 def pytest_sessionstart(session: pytest.Session) -> None:
-    if WATERMARK_SAVED.exists():
-        _restore_watermark()
-    if RABBIT_ENV_SAVED.exists():
-        _restore_rabbit_env()
+    with _broker_settings_lock(wait=False) as held:
+        if not held:  # another session is changing them now: they are not left over
+            return
+        if WATERMARK_SAVED.exists():
+            _restore_watermark()
+        if RABBIT_ENV_SAVED.exists():
+            _restore_rabbit_env()
 
 
 @pytest.fixture
@@ -162,24 +189,25 @@ def raised_memory_alarm() -> Iterator[None]:
     """A real memory alarm on the test broker (its high watermark set far below what it uses):
     it blocks every publishing connection until the block ends. Skips where rabbitmqctl cannot
     run here (not root, or the broker on another host)."""
-    try:
-        now = _ctl("eval", "vm_memory_monitor:get_vm_memory_high_watermark().")
-    except (OSError, RuntimeError, subprocess.TimeoutExpired) as e:
-        pytest.skip(f"a memory alarm needs rabbitmqctl on the broker's host: {e}")
-    if now.startswith("{absolute,"):
-        saved = f"absolute {now.strip('{}').split(',')[1].strip()}"
-    else:
-        saved = str(float(now))
-    WATERMARK_SAVED.write_text(saved)
-    try:
-        _ctl("set_vm_memory_high_watermark", "0.0001")
-        deadline = time.monotonic() + 30
-        while not _memory_alarmed():
-            assert time.monotonic() < deadline, "the broker raised no memory alarm"
-            time.sleep(0.1)
-        yield
-    finally:
-        _restore_watermark()
+    with _broker_settings_lock():
+        try:
+            now = _ctl("eval", "vm_memory_monitor:get_vm_memory_high_watermark().")
+        except (OSError, RuntimeError, subprocess.TimeoutExpired) as e:
+            pytest.skip(f"a memory alarm needs rabbitmqctl on the broker's host: {e}")
+        if now.startswith("{absolute,"):
+            saved = f"absolute {now.strip('{}').split(',')[1].strip()}"
+        else:
+            saved = str(float(now))
+        WATERMARK_SAVED.write_text(saved)
+        try:
+            _ctl("set_vm_memory_high_watermark", "0.0001")
+            deadline = time.monotonic() + 30
+            while not _memory_alarmed():
+                assert time.monotonic() < deadline, "the broker raised no memory alarm"
+                time.sleep(0.1)
+            yield
+        finally:
+            _restore_watermark()
 
 
 @pytest.fixture(scope="session")

@@ -490,6 +490,7 @@ class Connection:
         self._ch0 = Channel(self, 0)
         self._channels: dict[int, Channel] = {0: self._ch0}
         self._last_number = 0  # channel numbers go round: a closed one's late events stay its own
+        self._peeked = 0  # bytes of the read buffer _peek_flow has looked at since the last parse
         self._tokens = 0
         self._ev = Events()
         self._rsize = max(READ_BUFFER, 4 * frame_max)
@@ -878,7 +879,8 @@ class Connection:
                             "while sending: the broker or the network is gone"
                         )
                     )
-                self._stalled(now - moved)
+                if now - moved >= SEND_WAKE or self.blocked is not None:
+                    self._stalled(now - moved)
                 for _fd, event in self._poller.poll(min(wait, SEND_WAKE) * 1000.0):
                     if event & select.POLLIN:
                         if self._fill(0.0):
@@ -899,9 +901,10 @@ class Connection:
                 self._poller.modify(fd, select.POLLIN)
 
     def _stalled(self, for_s: float) -> None:
-        """A send has moved nothing for ``for_s`` seconds: give up if the hook or a limit
-        says so (a frame is half sent, so the connection cannot be kept)."""
-        if self.interrupt is not None and self.interrupt():
+        """A send has moved nothing for ``for_s`` seconds (at least SEND_WAKE, or the broker
+        blocked the connection): give up if the hook or a limit says so (a frame is half
+        sent, so the connection cannot be kept). A send that moves is never cut short."""
+        if self.interrupt is not None and self._ask_interrupt():
             why = f" (blocked by the broker: {self.blocked})" if self.blocked is not None else ""
             self._die(
                 AmqpInterrupted(
@@ -924,15 +927,29 @@ class Connection:
             )
         )
 
+    def _ask_interrupt(self) -> bool:
+        """The interrupt hook's answer; if the hook raises, the half-sent frame makes the
+        connection unusable: it is abandoned, then the hook's exception goes on."""
+        assert self.interrupt is not None
+        try:
+            return self.interrupt()
+        except BaseException:
+            self._fatal = self._fatal or AmqpInterrupted(
+                f"sending to {self.where} was interrupted (the interrupt hook raised) with a "
+                "frame half sent: the connection is abandoned"
+            )
+            self._drop()
+            raise
+
     def _peek_flow(self) -> None:
         """Track connection.blocked / unblocked among the complete frames read so far without
         dispatching anything (a send is half done: no other frame may be written now); the
         frames are dispatched as usual by the next parse."""
-        buf, end, pos = self._rbuf, self._rlen, 0
+        buf, end, pos = self._rbuf, self._rlen, self._peeked
         while pos + 7 <= end:
             ftype, channel, size = _HEAD.unpack_from(buf, pos)
             if pos + 8 + size > end:
-                return
+                break
             if ftype == 1 and channel == 0 and size >= 4:
                 index = _U32.unpack_from(buf, pos + 7)[0]
                 payload = bytes(buf[pos + 7 : pos + 7 + size])
@@ -941,6 +958,7 @@ class Connection:
                 elif index == f.CONNECTION_UNBLOCKED:
                     self.blocked = None
             pos += 8 + size
+        self._peeked = pos  # complete frames looked at already (reset by each parse)
 
     # -- parsing ---------------------------------------------------------------------------
     def _parse(self) -> None:
@@ -973,6 +991,7 @@ class Connection:
             if end > pos:
                 buf[: end - pos] = data[pos:] if end == n else buf[pos:end]
             self._rlen = end - pos
+        self._peeked = 0  # the buffer moved: _peek_flow starts over (from a frame's start)
         if len(buf) > self._rsize and self._rlen < self._rsize // 2:
             del buf[self._rsize :]
 

@@ -501,9 +501,10 @@ class Replayer:
                     self._drain(deadline, stop, DRAIN_SECONDS)
             except _Stop:
                 pass
-            except AmqpInterrupted as e:  # stopping while the broker blocked a send
-                log_event(log, 20, "stopped while the red broker read nothing (blocked); the "
-                          "unconfirmed publishes are sent again at the next start",
+            except AmqpInterrupted as e:  # stopping while a send waited for the broker
+                log_event(log, 20, "stopped while the red broker read nothing of a publish "
+                          f"({'blocked: ' + self._blocked if self._blocked else 'not reading'})"
+                          "; the unconfirmed publishes are sent again at the next start",
                           target=self.where, error=str(e))  # fmt: skip
                 self._drop_connection()
             except _TableError as e:

@@ -93,6 +93,8 @@ def _submit(
     lock = Path(cfg.red.state_dir) / LOCK_FILE
     stack = contextlib.ExitStack()
     what_lock = f"red {doc['kind'].replace('_', '-')}"
+    if lock_held(lock):  # a red job runs (the usual case): it applies the request, no wait
+        wait = 0.0
     try:
         stack.enter_context(exclusive_lock(lock, what=what_lock, timeout=wait))
     except StateError:

@@ -671,6 +671,7 @@ def test_broker_closing_the_connection_raises_amqp_closed_320(url: str, vhost: s
 
 # ---------------------------------------------------------------------------- sends that wait
 MB = b"y" * 1_000_000
+HEARTBEAT_FRAME = b"\x08\x00\x00\x00\x00\x00\x00\xce"
 
 
 @broker
@@ -718,25 +719,41 @@ def test_a_send_blocked_by_a_broker_alarm_waits_until_interrupted_and_close_is_b
     assert "low on memory" in seen and len(seen) >= 5, seen  # the hook ran while blocked
     assert isinstance(e.value, AmqpConnectionError) and not conn.is_open
 
-    class Full(Exception):
+    class HookFailed(Exception):
         pass
 
-    def full() -> bool:  # leaves the connection open with its socket full (a test's trick)
-        if other.blocked is not None and not other._closing:
-            raise Full
-        return False
+    def failing() -> bool:
+        raise HookFailed
 
-    monkeypatch.setattr(client, "CLOSE_SEND_LIMIT", 1.0)
     other = Connection.open(url_of(vhost), heartbeat=2)
     och = other.channel()
-    other.interrupt = full
-    with pytest.raises(Full):
+    other.interrupt = failing
+    with pytest.raises(HookFailed):  # a hook that raises mid-frame: the connection is gone
         for _ in range(200):
             och.publish("amq.direct", "nobody", b"\x00\x00", MB)
-    assert other.is_open
+    assert not other.is_open and other.blocked == "low on memory"
+    with pytest.raises(AmqpInterrupted, match="the interrupt hook raised"):
+        other.channel()  # nothing is ever written after half a frame
+    other.close()
+
+    monkeypatch.setattr(client, "CLOSE_SEND_LIMIT", 1.0)
+    third = Connection.open(url_of(vhost), heartbeat=0)
+    tch = third.channel()
+    tch.publish("amq.direct", "nobody", b"\x00\x00", b"x")  # blocked from its first publish
+    deadline = time.monotonic() + 30
+    while third.blocked is None:
+        assert time.monotonic() < deadline, "the broker never blocked the connection"
+        third.poll(0.2)
+    filled = 0
+    try:  # whole heartbeat frames into the socket the broker no longer reads, until it is full
+        while True:
+            filled += third._sock.send(HEARTBEAT_FRAME * 4096)
+    except BlockingIOError:
+        pass
+    assert filled > 0
     t1 = time.monotonic()
-    other.close()  # the close frame cannot be written while the alarm lasts: given up, not hung
-    assert time.monotonic() - t1 >= 1.0 and not other.is_open
+    third.close()  # the close frame cannot be written while the alarm lasts: given up, not hung
+    assert time.monotonic() - t1 >= 1.0 and not third.is_open
 
 
 # ---------------------------------------------------------------------------- channel numbers

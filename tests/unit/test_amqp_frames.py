@@ -391,3 +391,28 @@ def test_a_caller_away_longer_than_two_heartbeats_reads_before_declaring_the_pee
     with pytest.raises(AmqpConnectionError, match="two heartbeat intervals"):
         conn.poll(0.0)
     assert not conn.is_open
+
+
+def test_a_send_the_peer_keeps_reading_is_never_cut_by_the_interrupt_hook(
+    reader: tuple[Connection, socket.socket],
+) -> None:
+    """The hook is asked only once a send has stalled (or the broker blocked it): a stop during
+    a send that moves lets it finish, so the caller stops gracefully between frames."""
+    import threading
+
+    conn, theirs = reader
+    asked: list[float] = []
+    conn.interrupt = lambda: asked.append(1.0) or True
+    data = b"\x08\x00\x00\x00\x00\x00\x00\xce" * (1 << 20)  # 8 MB of heartbeat frames
+    got = 0
+
+    def drain() -> None:
+        nonlocal got
+        while got < len(data):
+            got += len(theirs.recv(1 << 20))
+
+    t = threading.Thread(target=drain, daemon=True)
+    t.start()
+    conn._send(data)
+    t.join(30)
+    assert got == len(data) and conn.is_open and not asked
