@@ -92,7 +92,8 @@ def test_red_maintain_with_the_spark_engine_needs_delta_on_spark(tmp_path: Path)
     )  # fmt: skip
     err = r.stderr.decode(errors="replace")
     assert r.returncode == 2, err[-2000:]
-    assert "Delta Lake is not on Spark (class" in err and "not found" in err, err[-2000:]
+    assert "Delta Lake is not set up on Spark (missing: class io.delta.tables.DeltaTable" in err
+    assert "--conf spark.sql.extensions=io.delta.sql.DeltaSparkSessionExtension" in err
     assert 'red.delta_engine = "delta-rs"' in err
 
 
