@@ -6,7 +6,6 @@ A damaged file of one channel (its journal, heartbeat seq file or tap status) sh
 
 from __future__ import annotations
 
-import json
 import time
 from pathlib import Path
 from typing import Any
@@ -87,11 +86,14 @@ def _journal_status(store: StateStore, channel: str) -> dict[str, Any]:
 
 def _spool_status(cfg: Config, channel: str) -> dict[str, Any]:
     """The channel's spool and tap, as the tap last reported them."""
-    from bridge.black.tap import tap_status
+    from bridge.black.tap import read_tap_status
 
-    st = tap_status(cfg, channel)
+    try:
+        st = read_tap_status(cfg, channel)
+    except StateError as e:
+        return {"tap": f"unreadable: {e}"}
     if st is None:
-        return {"tap": _tap_status_problem(cfg, channel) or "never ran"}
+        return {"tap": "never ran"}
     return {
         "durable_end": st.durable_end,
         "acked_through": st.acked_through,
@@ -100,21 +102,6 @@ def _spool_status(cfg: Config, channel: str) -> dict[str, Any]:
         "status_age_s": round(max(0.0, time.time() - st.updated), 1),
         "counters": st.counters,
     }
-
-
-def _tap_status_problem(cfg: Config, channel: str) -> str | None:
-    """``unreadable: <reason>`` when the tap's status file exists but ``tap_status`` could not
-    read it (it says None for both); None when there is no such file."""
-    from bridge.black.tap import TapStatus, status_path
-
-    p = status_path(cfg, channel)
-    try:
-        TapStatus(**json.loads(p.read_bytes()))
-    except FileNotFoundError:
-        return None
-    except (OSError, ValueError, TypeError) as e:
-        return f"unreadable: tap status file {p}: {e}"
-    return None  # readable now: the tap rewrote it meanwhile
 
 
 def _heartbeat_seq(cfg: Config, channel: str) -> int | str | None:

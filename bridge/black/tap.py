@@ -100,7 +100,7 @@ from bridge.faults import crash_point
 from bridge.fsutil import atomic_write_bytes
 from bridge.logs import get_logger, log_event
 
-__all__ = ["Tap", "TapStatus", "tap_status", "DELIVERY_COUNT_HEADER"]
+__all__ = ["Tap", "TapStatus", "tap_status", "read_tap_status", "DELIVERY_COUNT_HEADER"]
 
 log = get_logger("bridge.black.tap")
 
@@ -168,12 +168,24 @@ def status_path(cfg: Config, channel: str) -> Path:
     return Path(cfg.black.state_dir) / f"tap-{channel}.json"
 
 
-def tap_status(cfg: Config, channel: str) -> TapStatus | None:
-    """The last status the channel's tap wrote, None if it never ran."""
+def read_tap_status(cfg: Config, channel: str) -> TapStatus | None:
+    """The last status the channel's tap wrote, None if it never ran; StateError naming the
+    file when it is there but damaged."""
+    p = status_path(cfg, channel)
     try:
-        d = json.loads(status_path(cfg, channel).read_text())
-        return TapStatus(**d)
-    except (FileNotFoundError, ValueError, TypeError):
+        return TapStatus(**json.loads(p.read_text()))
+    except FileNotFoundError:
+        return None
+    except (ValueError, TypeError) as e:
+        raise StateError(f"tap status file {p}: {e}") from None
+
+
+def tap_status(cfg: Config, channel: str) -> TapStatus | None:
+    """The last status the channel's tap wrote, None if it never ran (or its file is
+    damaged: the tap rewrites it)."""
+    try:
+        return read_tap_status(cfg, channel)
+    except StateError:
         return None
 
 
