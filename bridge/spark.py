@@ -21,7 +21,7 @@ from bridge.logs import get_logger, log_event
 
 __all__ = [
     "get_spark", "spark_path", "under_spark_submit", "failure_line", "worker_python", "DEFAULTS",
-    "FOREIGN_CHECKPOINT", "config_error_in",
+    "FOREIGN_CHECKPOINT", "config_error_in", "job_failed",
 ]  # fmt: skip
 
 log = get_logger("bridge.spark")
@@ -179,3 +179,14 @@ def failure_line(exc: BaseException, python: str) -> str:
     kind = "" if isinstance(exc, DiodeError) else f"{type(exc).__name__}: "  # ours: said already
     line = f"{kind}{head}" + (f" ({cause})" if cause and cause != head else "")
     return line[:1000]
+
+
+def job_failed(exc: BaseException, job: str, side: str) -> int:
+    """A Spark job script (``spark_jobs/<job>.py``) that failed with ``exc``: a critical log
+    record, one ``error:`` line on stderr (:func:`failure_line`, never a traceback), and the
+    exit status: 2 for a configuration error, 1 for anything else."""
+    line = failure_line(exc, worker_python())
+    said = str(exc) if isinstance(exc, DiodeError) else line  # ours: logged whole
+    log_event(get_logger(f"spark_jobs.{job}"), 50, f"{side} job failed: {said}")
+    print(f"error: {line}", file=sys.stderr)
+    return 2 if isinstance(exc, ConfigError) else 1

@@ -10,17 +10,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import threading
 
 
 def main(argv: list[str] | None = None) -> int:
     from bridge.black.job import run_black
     from bridge.config import load_config
-    from bridge.errors import ConfigError, DiodeError
-    from bridge.logs import get_logger, log_event, setup_logging
+    from bridge.logs import setup_logging
     from bridge.signals import stop_on_signals
-    from bridge.spark import failure_line, get_spark, worker_python
+    from bridge.spark import get_spark, job_failed
 
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -44,15 +42,8 @@ def main(argv: list[str] | None = None) -> int:
         spark = get_spark("diode-black")
         with stop_on_signals(threading.Event()) as stop:  # SIGTERM/SIGINT: a graceful stop
             summary = run_black(cfg, spark, a.trigger, timeout=a.timeout, stop=stop)
-    except DiodeError as e:  # a clear line and an exit status, not a traceback
-        log_event(get_logger("spark_jobs.black_drain"), 50, f"black job failed: {e}")
-        print(f"error: {failure_line(e, worker_python())}", file=sys.stderr)
-        return 2 if isinstance(e, ConfigError) else 1
-    except Exception as e:  # Py4J, AnalysisException, a query's failure: one line too
-        line = failure_line(e, worker_python())
-        log_event(get_logger("spark_jobs.black_drain"), 50, f"black job failed: {line}")
-        print(f"error: {line}", file=sys.stderr)
-        return 1
+    except Exception as e:  # ours, Py4J, AnalysisException: one line and a status, no traceback
+        return job_failed(e, "black_drain", "black")
     print(json.dumps(summary.to_json()))
     return 0
 
