@@ -3,9 +3,11 @@
 Under ``spark-submit`` the operator's settings win: ``--master``, ``--driver-memory`` and
 every ``--conf`` (or ``spark-defaults.conf``) are kept, and the bridge's defaults fill in
 only what is absent. Started from Python (``diode ... run``), the bridge launches the JVM
-itself: ``master`` or ``$SPARK_MASTER`` (default ``local[2]``) and
-``$DIODE_SPARK_DRIVER_MEMORY`` (default 2g) apply. ``spark.sql.session.timeZone`` is always
-UTC (the tables' timestamps are UTC).
+itself: ``master`` or ``$SPARK_MASTER``, then ``spark-defaults.conf`` (``$SPARK_CONF_DIR``,
+else ``$SPARK_HOME/conf``: the file that launch reads), then ``local[2]``; the driver heap is
+``$DIODE_SPARK_DRIVER_MEMORY``, then the file's ``spark.driver.memory``, then 2g; every other
+key the file sets is kept. ``spark.sql.session.timeZone`` is always UTC (the tables'
+timestamps are UTC).
 """
 
 from __future__ import annotations
@@ -21,7 +23,8 @@ from bridge.logs import get_logger, log_event
 
 __all__ = [
     "get_spark", "spark_path", "under_spark_submit", "failure_line", "worker_python", "DEFAULTS",
-    "FOREIGN_CHECKPOINT", "config_error_in", "job_failed",
+    "FOREIGN_CHECKPOINT", "config_error_in", "job_failed", "spark_defaults_file",
+    "read_spark_defaults",
 ]  # fmt: skip
 
 log = get_logger("bridge.spark")
@@ -72,21 +75,73 @@ def _jvm_bytes(size: str) -> int | None:
     return int(m.group(1)) * _UNITS.get(m.group(2) or "m", 2**20)
 
 
-def _settings(conf: Any, master: str | None) -> dict[str, str]:
-    """What to set on the builder, given what ``conf`` (spark-submit's SparkConf) holds."""
+def spark_defaults_file() -> Path:
+    """The ``spark-defaults.conf`` that launching Spark from Python reads (pyspark starts
+    ``spark-submit``): ``$SPARK_CONF_DIR``, else ``$SPARK_HOME/conf``, else pyspark's own."""
+    conf_dir = os.environ.get("SPARK_CONF_DIR")
+    if conf_dir:
+        return Path(conf_dir) / "spark-defaults.conf"
+    home = os.environ.get("SPARK_HOME")
+    if not home:
+        from pyspark.find_spark_home import _find_spark_home
+
+        home = _find_spark_home()
+    return Path(home) / "conf" / "spark-defaults.conf"
+
+
+_PROPERTY = re.compile(r"^\s*([^\s=:]+)\s*[=:\s]\s*(.*?)\s*$")
+
+
+def read_spark_defaults(path: Path) -> dict[str, str]:
+    """The ``spark.*`` keys of a ``spark-defaults.conf`` (Java properties: ``key value``,
+    ``key=value`` or ``key:value``; ``#`` and ``!`` start comments). None when absent."""
+    try:
+        text = path.read_text(encoding="utf-8", errors="replace")
+    except OSError:
+        return {}
+    found: dict[str, str] = {}
+    for line in text.splitlines():
+        if not line.strip() or line.lstrip()[:1] in ("#", "!"):
+            continue
+        m = _PROPERTY.match(line)
+        if m is not None and m.group(1).startswith("spark."):
+            found[m.group(1)] = m.group(2)
+    return found
+
+
+def _settings(
+    conf: Any, master: str | None, file_values: dict[str, str] | None = None
+) -> dict[str, str]:
+    """What to set on the builder, given what ``conf`` (spark-submit's SparkConf) holds and,
+    started from Python, what ``spark-defaults.conf`` sets (``file_values``): a key either
+    gives is the operator's, and kept."""
+    file_values = file_values or {}
+
+    def given(key: str) -> bool:
+        return bool(conf.contains(key)) or key in file_values
+
     want: dict[str, str] = {}
+    # ``conf`` holds a key only under spark-submit or once this process runs a JVM: the
+    # environment then no longer applies; the file's keys still lose to it at launch
+    launching = not under_spark_submit()
     if master is not None:  # the caller's explicit choice
         want["spark.master"] = master
-    elif not conf.contains("spark.master"):
-        want["spark.master"] = os.environ.get("SPARK_MASTER", "local[2]")
+    elif launching and os.environ.get("SPARK_MASTER") and not conf.contains("spark.master"):
+        want["spark.master"] = os.environ["SPARK_MASTER"]
+    elif not given("spark.master"):
+        want["spark.master"] = "local[2]"
     for key, value in DEFAULTS.items():
-        if not conf.contains(key):
+        if not given(key):
             want[key] = value
-    if not under_spark_submit() and not conf.contains("spark.driver.memory"):
+    if launching and not conf.contains("spark.driver.memory"):
         # only the launcher sets the heap: under spark-submit the JVM runs already
-        want["spark.driver.memory"] = os.environ.get(DRIVER_MEMORY_ENV, "2g")
-    if want.get("spark.master", conf.get("spark.master", "")).startswith("local"):
-        want.update({k: v for k, v in LOCAL_DEFAULTS.items() if not conf.contains(k)})
+        if os.environ.get(DRIVER_MEMORY_ENV):
+            want["spark.driver.memory"] = os.environ[DRIVER_MEMORY_ENV]
+        elif "spark.driver.memory" not in file_values:
+            want["spark.driver.memory"] = "2g"
+    chosen = want.get("spark.master") or conf.get("spark.master") or file_values.get("spark.master")
+    if str(chosen or "").startswith("local"):
+        want.update({k: v for k, v in LOCAL_DEFAULTS.items() if not given(k)})
     want.update(FORCED)
     return want
 
@@ -119,7 +174,8 @@ def get_spark(app_name: str, *, master: str | None = None):  # type: ignore[no-u
     os.environ.setdefault("PYSPARK_DRIVER_PYTHON", sys.executable)
     if under_spark_submit():
         SparkContext._ensure_initialized()  # joins spark-submit's JVM: SparkConf sees its settings
-    want = _settings(SparkConf(), master)
+    from_file = {} if under_spark_submit() else read_spark_defaults(spark_defaults_file())
+    want = _settings(SparkConf(), master, from_file)
     if want.get("spark.master", "").startswith("local"):
         os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
     builder = SparkSession.builder.appName(app_name)

@@ -99,6 +99,73 @@ def test_started_from_python_the_bridge_launches_with_its_defaults(
     assert bridge_spark._settings(Conf({}), "local[3]")["spark.master"] == "local[3]"
 
 
+def test_started_from_python_spark_defaults_conf_is_the_operators(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """``diode ... run`` launches the JVM itself: what ``spark-defaults.conf`` sets is kept
+    (the bridge's defaults fill in only what is absent), $SPARK_MASTER and
+    $DIODE_SPARK_DRIVER_MEMORY still win over the file."""
+    monkeypatch.delenv("PYSPARK_GATEWAY_PORT", raising=False)
+    monkeypatch.delenv("SPARK_MASTER", raising=False)
+    monkeypatch.delenv("DIODE_SPARK_DRIVER_MEMORY", raising=False)
+    monkeypatch.setenv("SPARK_CONF_DIR", str(tmp_path))
+    (tmp_path / "spark-defaults.conf").write_text(
+        "# site settings\n! old-style comment\n\n"
+        "spark.sql.shuffle.partitions   16\n"
+        "spark.master=spark://head:7077\n"
+        "spark.driver.memory: 6g\n"
+        "spark.ui.enabled true\n"
+        "not.spark.key 1\n"
+    )
+    assert bridge_spark.spark_defaults_file() == tmp_path / "spark-defaults.conf"
+    found = bridge_spark.read_spark_defaults(bridge_spark.spark_defaults_file())
+    assert found == {
+        "spark.sql.shuffle.partitions": "16",
+        "spark.master": "spark://head:7077",
+        "spark.driver.memory": "6g",
+        "spark.ui.enabled": "true",
+    }
+    want = bridge_spark._settings(Conf({}), None, found)
+    for key in found:
+        assert key not in want, (key, want)  # kept: the launch reads the file itself
+    assert want["spark.sql.execution.arrow.pyspark.enabled"] == "true"  # absent: filled in
+    assert "spark.driver.bindAddress" not in want  # the file's master is not local
+    monkeypatch.setenv("SPARK_MASTER", "local[1]")
+    monkeypatch.setenv("DIODE_SPARK_DRIVER_MEMORY", "3g")
+    want = bridge_spark._settings(Conf({}), None, found)
+    assert want["spark.master"] == "local[1]" and want["spark.driver.memory"] == "3g"
+    assert want["spark.driver.bindAddress"] == "127.0.0.1"
+    monkeypatch.setenv("SPARK_CONF_DIR", str(tmp_path / "none"))
+    assert bridge_spark.read_spark_defaults(bridge_spark.spark_defaults_file()) == {}
+
+
+@pytest.mark.spark
+def test_diode_run_launch_keeps_spark_defaults_conf(tmp_path: Path) -> None:
+    """A real launch from Python (as ``diode black run`` does) with a spark-defaults.conf:
+    the running session has the file's values, not the bridge's defaults."""
+    (tmp_path / "spark-defaults.conf").write_text(
+        "spark.sql.shuffle.partitions 7\nspark.driver.memory 700m\n"
+    )
+    probe = (
+        "from bridge.spark import get_spark\n"
+        "s = get_spark('defaults-probe')\n"
+        "heap = s._jvm.java.lang.Runtime.getRuntime().maxMemory() // 2**20\n"
+        "print(s.conf.get('spark.sql.shuffle.partitions'), s.sparkContext.master, heap)\n"
+        "s.stop()\n"
+    )
+    env = dict(os.environ, SPARK_CONF_DIR=str(tmp_path), DIODE_SPARK_LOG_LEVEL="ERROR")
+    for key in ("PYSPARK_GATEWAY_PORT", "SPARK_MASTER", "DIODE_SPARK_DRIVER_MEMORY"):
+        env.pop(key, None)
+    got = subprocess.run(
+        [str(VENV_PY), "-c", probe], cwd=REPO, env=env, capture_output=True, text=True,
+        timeout=180,
+    )  # fmt: skip
+    assert got.returncode == 0, (got.stdout + got.stderr)[-4000:]
+    partitions, master, heap = got.stdout.strip().splitlines()[-1].split()
+    assert partitions == "7" and master == "local[2]", got.stdout
+    assert 500 <= int(heap) <= 700, heap  # the file's 700m, not the bridge's 2g
+
+
 def test_spark_paths_are_fully_qualified_and_not_percent_encoded(tmp_path: Path) -> None:
     odd = tmp_path / "a b%c"
     assert bridge_spark.spark_path(odd) == f"file://{odd.resolve()}"
