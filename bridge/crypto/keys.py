@@ -212,6 +212,30 @@ def _secret_kind(caps: str) -> str:
     return f"not black.signing_key; capabilities {caps!r}"
 
 
+def _extra_secrets_message(home: Path, fpr: str, others: dict[str, str]) -> str:
+    """Why black refuses a home holding secret keys besides ``fpr`` (fingerprint ->
+    capabilities), with the fix for each kind: red's go back to red, a second black signing
+    key (an old one kept after a rotation) to offline storage."""
+    shown = ", ".join(f"{f} ({_secret_kind(caps)})" for f, caps in others.items())
+    fixes = []
+    if any(_is_red(caps) for caps in others.values()):
+        fixes.append(
+            "black must hold no red secret key (revoked or expired ones included): keep "
+            "them on red only"
+        )
+    if not all(_is_red(caps) for caps in others.values()):
+        fixes.append(
+            "a second black signing key (an old one after a rotation?) must not stay where "
+            "the job signs: red trusts only the fingerprints link.black_signers pins, so keep "
+            f"it offline (`gpg --homedir {home} --export-secret-keys FPR` to removable media)"
+        )
+    return (
+        f"black GnuPG home {home} holds secret key(s) besides black.signing_key {fpr}: "
+        f"{shown}. {'; '.join(fixes)}; then delete them here "
+        f"(`gpg --homedir {home} --delete-secret-keys FPR`)"
+    )
+
+
 def _delete_secret_key(gpg: Gpg, fpr: str) -> None:
     res = gpg._run(["--yes", "--delete-secret-and-public-keys", "--", fpr])
     if res.rc != 0:
@@ -487,13 +511,7 @@ def _signing_gpg(cfg: Config, environ: Mapping[str, str] | None) -> Gpg:
     gpg.require_keys([fpr], secret=True, purpose="black.signing_key", capability="sign")
     others = {f: caps for f, (caps, _) in _secret_roles(gpg).items() if f != fpr}
     if others:
-        shown = ", ".join(f"{f} ({_secret_kind(caps)})" for f, caps in others.items())
-        raise CryptoError(
-            f"black GnuPG home {gpg.home} holds secret key(s) besides black.signing_key {fpr}: "
-            f"{shown}. Black must hold no red secret key (revoked or expired ones included): "
-            f"keep them on red only, and delete them here "
-            f"(`gpg --homedir {gpg.home} --delete-secret-keys FPR`)"
-        )
+        raise CryptoError(_extra_secrets_message(gpg.home, fpr, others))
     gpg.check_unlock(
         fpr, capability="sign", purpose="black.signing_key", fix=_passphrase_fix(cfg, "black")
     )

@@ -126,6 +126,24 @@ def test_a_home_never_mixes_sides(short_tmp: Path) -> None:
         signing_gpg(_cfg(black, red, short_tmp))
 
 
+def test_a_second_black_signing_key_is_refused_with_the_black_fix(short_tmp: Path) -> None:
+    """An old black signing key left in the home after a rotation: refused, and the message
+    says to keep it offline, not that it is red's."""
+    black, red = _pair(short_tmp)
+    old = init_side("black", short_tmp / "old" / "keys", bridge_id="t")
+    exported = subprocess.run(
+        ["gpg", "--homedir", str(old.home), "--batch", "--export-secret-keys", old.fpr],
+        capture_output=True,
+        check=True,
+    ).stdout
+    Gpg(black.home).import_keys(exported)
+    with pytest.raises(CryptoError) as err:
+        signing_gpg(_cfg(black, red, short_tmp))
+    text = str(err.value)
+    assert f"{old.fpr} (not black.signing_key" in text and "second black signing key" in text
+    assert "keep it offline" in text and "red secret" not in text, text
+
+
 def test_init_refuses_to_overwrite_and_force_replaces_only_that_key(short_tmp: Path) -> None:
     black, red = _pair(short_tmp)
     audit = init_side("red", red.home, name="audit", bridge_id="t")
