@@ -231,6 +231,8 @@ class Landing:
         """Set when a landing failed: every later call raises it."""
         self._closed = False
         """``drain(close=True)`` was called: ``submit`` refuses."""
+        self._margin_warned: dict[str, float] = {}
+        """Per channel, the heartbeat period last warned about (``silence_margin``)."""
 
     # -- state ---------------------------------------------------------------------------------
     def _load_state(self) -> tuple[int, sq.SequenceState]:
@@ -445,6 +447,7 @@ class Landing:
                 for ev in sq.heartbeat(state, hb, now):
                     audit.append(_event_row(ev, now))
                     res.events[ev.kind] = res.events.get(ev.kind, 0) + 1
+                self._check_silence_margin(hb)
                 moves.append(self._move(src, v.name, "processed", None, None, ordinal))
                 continue
             manifest = Manifest.from_json(v.manifest_json or "{}")
@@ -521,6 +524,17 @@ class Landing:
         res.land_seq = n
         self.land_seq, self.state = n, state
         return intent, res
+
+    def _check_silence_margin(self, hb: sq.HeartbeatFacts) -> None:
+        """Warn (once per channel and period) when red.link_silent_seconds is too short for
+        the heartbeat period black declares: false link_silent alarms otherwise."""
+        if self._margin_warned.get(hb.channel) == hb.interval_seconds:
+            return
+        why = sq.silence_margin(hb.channel, hb.interval_seconds, self.cfg.red.link_silent_seconds)
+        if why is not None:
+            self._margin_warned[hb.channel] = hb.interval_seconds
+            log_event(log, 30, why, channel=hb.channel, interval_seconds=hb.interval_seconds,
+                      link_silent_seconds=self.cfg.red.link_silent_seconds)  # fmt: skip
 
     def tick(self, now: datetime | None = None) -> LandingResult:
         """Timer events (a silent link), the intake's own quarantines and the UDP receiver's

@@ -77,6 +77,8 @@ __all__ = [
     "seqs_within",
     "accounted",
     "summary",
+    "silence_margin",
+    "SILENCE_PERIODS",
 ]
 
 UNSAVED_CAP = 65_536
@@ -447,9 +449,34 @@ def tick(
             continue
         cs.silent = True
         seq = None if cs.heartbeat is None else cs.heartbeat.heartbeat_seq
-        detail = {"last_heard_at": ref, "quiet_seconds": quiet, "last_heartbeat_seq": seq}
+        detail: dict[str, Any] = {
+            "last_heard_at": ref, "quiet_seconds": quiet, "last_heartbeat_seq": seq
+        }  # fmt: skip
+        if cs.heartbeat is not None and cs.heartbeat.interval_seconds > 0:
+            period = cs.heartbeat.interval_seconds  # black's own word on its period
+            detail["heartbeat_interval_seconds"] = period
+            detail["missed_heartbeats"] = int(quiet // period)
         events.append(Event("link_silent", name, reason="no_heartbeat", detail=detail))
     return events
+
+
+SILENCE_PERIODS = 2.0
+"""``red.link_silent_seconds`` below this many of black's heartbeat periods calls a link
+silent after one late or lost heartbeat: :func:`silence_margin` says so."""
+
+
+def silence_margin(channel: str, interval_seconds: float, silent_seconds: float) -> str | None:
+    """Why ``red.link_silent_seconds`` is too short for the heartbeat period a channel's
+    heartbeats declare (``interval_seconds``), with the fix; None when it leaves room."""
+    if interval_seconds <= 0 or silent_seconds >= SILENCE_PERIODS * interval_seconds:
+        return None
+    advice = max(3 * interval_seconds, silent_seconds)
+    return (
+        f"channel {channel}: black sends a heartbeat every {interval_seconds:g} s "
+        f"(black.heartbeat_seconds) but red.link_silent_seconds is {silent_seconds:g} s, "
+        f"under {SILENCE_PERIODS:g} periods: one late or lost heartbeat raises link_silent; "
+        f"set red.link_silent_seconds to {advice:g} or more (a few periods)"
+    )
 
 
 # ------------------------------------------------------------------------- write-off

@@ -160,6 +160,30 @@ def test_out_of_order_holes_duplicates_land_exactly_once(
         landing.recover()
 
 
+def test_a_heartbeat_period_too_long_for_red_link_silent_seconds_is_warned_once(
+    spark: Any, keys: RedKeys, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Black declares a 45 s heartbeat period, red calls a link silent after 60 s: red
+    warns, naming both keys and the fix, once however many such heartbeats land; a period
+    that leaves room is not warned about."""
+    cfg = write_config(tmp_path, keys, {"orders": True})
+    made = tmp_path / "made"
+    made.mkdir()
+    two = [make_heartbeat(made, keys, "orders", n, interval_seconds=45.0) for n in (1, 2)]
+    drop(cfg, *(h.path for h in two))
+    with caplog.at_level("WARNING", logger="bridge.red.landing"):
+        assert run(cfg, spark)["heartbeats"] == 2
+    said = [r.getMessage() for r in caplog.records if "link_silent_seconds" in r.getMessage()]
+    assert len(said) == 1, said  # once, not per heartbeat
+    assert "every 45 s" in said[0] and "is 60 s" in said[0] and "to 135 or more" in said[0]
+    quiet = make_heartbeat(made, keys, "orders", 3, interval_seconds=10.0)
+    drop(cfg, quiet.path)
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="bridge.red.landing"):
+        assert run(cfg, spark)["heartbeats"] == 1
+    assert not [r for r in caplog.records if "link_silent_seconds" in r.getMessage()]
+
+
 def test_a_failed_background_landing_stops_the_job_and_its_restart_finishes_it(
     spark: Any, keys: RedKeys, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -24,6 +24,7 @@ from bridge.red.sequence import (
     heartbeat,
     judge,
     open_gaps,
+    silence_margin,
     summary,
     tick,
 )
@@ -460,6 +461,23 @@ def test_silence_is_reported_once_and_resumes() -> None:
     assert [e.kind for e in evs] == ["link_resumed"]
     assert tick(state, T0 + timedelta(seconds=701), 60) == []
     assert [e.kind for e in tick(state, T0 + timedelta(seconds=800), 60)] == ["link_silent"]
+
+
+def test_silence_names_blacks_heartbeat_period_and_the_missed_count() -> None:
+    state = SequenceState()
+    heartbeat(state, hb(1, None), T0)  # black declares a 10 s period
+    evs = tick(state, T0 + timedelta(seconds=65), 60)
+    assert evs[0].detail["heartbeat_interval_seconds"] == 10.0
+    assert evs[0].detail["missed_heartbeats"] == 6
+
+
+def test_silence_margin_shorter_than_two_periods_is_named_with_the_fix() -> None:
+    assert silence_margin(CH, 10.0, 60.0) is None
+    assert silence_margin(CH, 30.0, 60.0) is None  # exactly two periods: one loss tolerated
+    why = silence_margin(CH, 45.0, 60.0)
+    assert why is not None and f"channel {CH}" in why and "every 45 s" in why
+    assert "red.link_silent_seconds to 135 or more" in why, why
+    assert silence_margin(CH, 0.0, 60.0) is None  # no period declared: nothing to judge
 
 
 def test_configured_channel_never_heard_from_goes_silent() -> None:
