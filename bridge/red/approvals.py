@@ -194,15 +194,13 @@ class Approvals:
         revision when it was not approved)."""
         return self.change("revoke", name, by, note)[0]
 
-    def change(
-        self, action: Action, name: str, by: str, note: str = "", *, tables_dir: Path | None = None
-    ) -> tuple[int, bool]:
-        """Apply ``action`` to ``name``: (revision, whether this call changed anything). With
-        ``tables_dir``, a new revision is also above the audit's ``diode-approve`` version."""
+    def change(self, action: Action, name: str, by: str, note: str = "") -> tuple[int, bool]:
+        """Apply ``action`` to ``name``: (revision, whether this call changed anything).
+        Not audited: :func:`approve_exchanges` (``diode approve``) also numbers above the
+        audit's ``diode-approve`` version and writes the audit rows."""
         check_exchange_name(name)
         with self.locked():
-            floor = _audit_floor(tables_dir)[0] if tables_dir is not None else 0
-            return self._apply(action, name, by, note, floor)
+            return self._apply(action, name, by, note, 0)
 
     @contextmanager
     def locked(self) -> Iterator[None]:

@@ -256,20 +256,18 @@ def test_an_older_backup_is_warned_about_and_new_changes_are_audited(tmp_path: P
     assert approve_exchanges(cfg, ["e"], by="ops")["warnings"] == []  # caught up: no warning
 
 
-def test_change_with_tables_dir_numbers_above_the_audit_and_keeps_counting_without_it(
+def test_a_lost_approvals_file_numbers_above_the_audit_and_keeps_counting(
     tmp_path: Path,
 ) -> None:
     state, tables = tmp_path / "state", tmp_path / "tables"
-    assert Approvals.load(state).change("approve", "x", "ops", tables_dir=tables) == (1, True)
-    (state / ap.APPROVALS_FILE).unlink()  # no audit table yet: the file's numbering stands
-    assert Approvals.load(state).change("approve", "y", "ops", tables_dir=tables) == (1, True)
-    assert ap.audited_revision(tables) is None
     cfg = _cfg(tmp_path)
-    _audit(tmp_path)
-    approve_exchanges(cfg, ["z"], by="ops")  # revision 2, audited with y
-    assert ap.audited_revision(tables) == 2
-    (state / ap.APPROVALS_FILE).unlink()
-    assert Approvals.load(state).change("approve", "w", "ops", tables_dir=tables) == (3, True)
+    assert approve_exchanges(cfg, ["x"], by="ops")["changed"] == [{"exchange": "x", "revision": 1}]
+    assert ap.audited_revision(tables) is None  # no audit table yet: the file's numbering stands
+    dt = _audit(tmp_path)
+    approve_exchanges(cfg, ["z"], by="ops")  # revision 2, audited with x
+    assert ap.audited_revision(tables) == 2 and _audited(dt)[-1] == ("approved", "z", 2)
+    (state / ap.APPROVALS_FILE).unlink()  # lost: numbering continues above the audit
+    assert approve_exchanges(cfg, ["w"], by="ops")["changed"] == [{"exchange": "w", "revision": 3}]
     assert Approvals.load(state).change("approve", "v", "ops") == (4, True)
 
 
