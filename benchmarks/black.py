@@ -447,7 +447,7 @@ def continuous(spark: Any, cfg: Config, n: int, *, timeout: float) -> dict[str, 
     st0 = tap_status(cfg, ch)
     durable0 = st0.durable_end if st0 else 0
     marks: dict[str, float] = {}
-    done = threading.Event()
+    done, stop = threading.Event(), threading.Event()
 
     def watch() -> None:
         while not done.is_set():
@@ -457,9 +457,7 @@ def continuous(spark: Any, cfg: Config, n: int, *, timeout: float) -> dict[str, 
                 marks["tap"] = now
             if store.load(ch).last_seq >= shipped0 + n:
                 marks["sealed"] = now
-                for q in spark.streams.active:
-                    if q.name == "diode_black":
-                        q.stop()
+                stop.set()  # as SIGTERM does: a query stopped under the job is a failure
                 return
             done.wait(0.1)
 
@@ -471,7 +469,7 @@ def continuous(spark: Any, cfg: Config, n: int, *, timeout: float) -> dict[str, 
         t0 = time.perf_counter()
         watcher.start()
         try:
-            summary = run.run(spark, "continuous", timeout=timeout)
+            summary = run.run(spark, "continuous", timeout=timeout, stop=stop)
         finally:
             done.set()
             watcher.join()

@@ -108,6 +108,8 @@ class SpoolStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         self._empty_at: dict[str, float] = {}
         """channel -> when a plan last found nothing pending: every message pending now arrived
         after that, so ``now - _empty_at`` bounds the age of the oldest one."""
+        self._shipped: dict[str, int] = {}
+        """channel -> the journal's next seq when this run first planned it (``_floor``)."""
 
     # -- driver -------------------------------------------------------------------------------
     def _spool(self, channel: str) -> SpoolReader:
@@ -115,6 +117,15 @@ class SpoolStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
 
     def _tail(self, channel: str) -> int:
         return self._spool(channel).durable_end()
+
+    def _floor(self, channel: str) -> int:
+        """The first position not yet shipped when this run first planned ``channel`` (the
+        journal's ``last_seq + 1``): a batch is sized from there, so a checkpoint far behind
+        the journal (restored from a backup) is one batch, not many the sink finds empty."""
+        if channel not in self._shipped:
+            store = StateStore(self.cfg.black.state_dir)
+            self._shipped[channel] = store.load(channel).last_seq + 1
+        return self._shipped[channel]
 
     def initialOffset(self) -> dict[str, int]:
         store = StateStore(self.cfg.black.state_dir)
@@ -188,18 +199,19 @@ class SpoolStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
                 out[ch] = s
                 continue
             self._lagging.discard(ch)
+            base = max(s, self._floor(ch))  # below it: shipped, the sink skips it unread
             end = tail
             capped = False
-            if not isinstance(limit, ReadAllAvailable):
-                cap = self._cap(ch, hint, s, end)
-                capped = end > s + cap
-                end = min(end, s + cap)
+            if not isinstance(limit, ReadAllAvailable) and end > base:
+                cap = self._cap(ch, hint, base, end)
+                capped = end > base + cap
+                end = min(end, base + cap)
             if (
                 self.target is None
                 and self.hold
-                and end > s
+                and end > base
                 and not capped
-                and self._hold(ch, s, end, hint)
+                and self._hold(ch, base, end, hint)
             ):
                 end = s
             elif end == tail:

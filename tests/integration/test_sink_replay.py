@@ -49,7 +49,7 @@ def keys() -> Iterator[KeyInventory]:
         yield inv
 
 
-def make_cfg(keys: KeyInventory, base: Path) -> Config:
+def make_cfg(keys: KeyInventory, base: Path, **black: Any) -> Config:
     cfg = config_from_dict(
         {
             "link": {"bridge_id": "replay-test", "black_signers": [keys.black_fpr]},
@@ -63,6 +63,7 @@ def make_cfg(keys: KeyInventory, base: Path) -> Config:
                 "checkpoint_dir": "checkpoint",
                 "spool_dir": "spool",
                 "bundle": {"max_rows": 50},
+                **black,
             },
             "red": {"gnupg_home": str(keys.red_home), "inbox": "inbox"},
         },
@@ -186,6 +187,7 @@ def test_source_size_probe_starts_after_the_journal(keys: KeyInventory, short_tm
     reader: Any = object.__new__(SpoolStreamReader)  # as Spark's runner builds it, minus Spark
     reader.cfg, reader.channels, reader.target, reader.hold = cfg, [CHANNEL], None, True
     reader._planned, reader._lagging, reader._empty_at = False, set(), {}
+    reader._shipped = {}
     hint: dict[str, float] = {}
     reader._cap(CHANNEL, hint, 0, 15)  # checkpoint at 0, journal at 9, spool tail at 15
     assert hint[CHANNEL] == 1.5 * (1000 + ROW_OVERHEAD_BYTES)  # sized from positions 10..14
@@ -199,3 +201,36 @@ def test_source_size_probe_starts_after_the_journal(keys: KeyInventory, short_tm
     sink.drain()
     assert journal_last_seq(cfg) == 14
     assert outbox_seqs(cfg, keys) == [(1, list(range(10))), (2, list(range(10, 15)))]
+
+
+def test_a_checkpoint_far_behind_the_journal_is_one_batch_not_many_empty_ones(
+    keys: KeyInventory, short_tmp: Path
+) -> None:
+    """A checkpoint restored from an old backup, 40 positions behind the journal, with batches
+    of at most 5 messages: the first plan reaches past the journal at once (the sink skips the
+    shipped part unread) instead of 8 batches the sink finds empty."""
+    cfg = make_cfg(keys, short_tmp, max_messages_per_batch=5)
+    tap_spools(cfg, 40)
+    table = pa.Table.from_batches(
+        list(read_rows(Path(cfg.black.spool_dir), CHANNEL, 0, 40, CATALOG)),
+        schema=source_schema(),
+    )
+    sealer(cfg, keys).seal_rows(cfg.channel(CHANNEL), table)
+    assert journal_last_seq(cfg) == 39
+    tap_restarts(cfg)
+    tap_spools(cfg, 3)  # 40..42 new
+
+    reader: Any = object.__new__(SpoolStreamReader)
+    reader.cfg, reader.channels, reader.target, reader.hold = cfg, [CHANNEL], None, False
+    reader._planned, reader._lagging, reader._empty_at = False, set(), {}
+    reader._shipped = {}
+    end = reader.latestOffset({CHANNEL: 0}, ReadMaxRows(5))
+    assert end == {CHANNEL: 43}, end  # 40 + at most 5, capped by the tail
+    (part,) = reader.partitions({CHANNEL: 0}, end)
+    sink = BatchSink(cfg, sealer(cfg, keys))
+    sink(Batch(part.start, part.end), 1)
+    sink.drain()
+    assert journal_last_seq(cfg) == 42 and sink.totals.messages == 3
+    # later plans start from Spark's offset (past the floor): capped as before
+    tap_spools(cfg, 12)  # 43..54
+    assert reader.latestOffset({CHANNEL: 43}, ReadMaxRows(5)) == {CHANNEL: 48}

@@ -21,7 +21,7 @@ def _reader(tmp_path: Path, tails: dict[str, int], **black: Any) -> SpoolStreamR
     )  # fmt: skip
     r = object.__new__(SpoolStreamReader)
     r.cfg, r.channels, r.target, r._planned, r._lagging = cfg, ["a", "b"], None, False, set()
-    r._empty_at = {}
+    r._empty_at, r._shipped = {}, {}
     r._tail = tails.__getitem__  # type: ignore[method-assign]
     (tmp_path / "black" / "state").mkdir(parents=True)
     (tmp_path / "black" / "state" / "read-hint.json").write_text(
