@@ -42,7 +42,20 @@ rename; a kill between leaves the folder, which the restart removes, reading the
 ``gaps.jsonl``. A record the disk refuses (full, I/O error) keeps its folder in ``objects/``,
 emptied in place to give back its room, until the record is written: a kill or a stop
 meanwhile leaves the folder for the restart, which records the object again (as ``timeout``,
-once nothing more of it arrives) — never a gap without a record.
+once nothing more of it arrives) — never a gap without a record. While the disk refuses them,
+a new record waits for the receive loop's next try (once a second) instead of trying every
+record waiting in memory again. ``gaps.jsonl`` and ``done.jsonl`` are appended whole or not at
+all (a full disk that takes part of a line has it cut back off), their names fsynced in
+``<spool>/`` when they are created.
+
+A folder a kill cut short at its creation (no ``meta.json`` yet: nothing of the object was
+written) is removed at the restart, not recorded: the object's next symbol opens it again.
+Anything in ``objects/`` or ``trash/`` that is not a real folder (a link put there by hand) is
+unlinked itself, never followed. An object's clock (``last_seen``, for expiry and eviction) runs
+on new symbols only: copies (duplicates, surplus repairs, a replay on the wire) are no news.
+``held`` counts what the decoders take in memory, not only the payload bytes: each symbol's and
+decoder's overhead, and each rebuilt block's index, so that tiny symbols cannot hold many times
+the cap.
 """
 
 from __future__ import annotations
@@ -112,6 +125,15 @@ many bytes and outweigh the unfinished blocks' (each compaction fsyncs about thi
 background thread)."""
 _LOG = "symbols.log"
 _LOG_TMP = "symbols.log.tmp"
+_SYMBOL_OVERHEAD = 128
+"""Memory a held symbol takes beyond its ``T`` payload bytes (measured, CPython 3.11: the bytes
+object's header, its id's int, its decoder's dict entry ~ 100): counted in ``held``, so that
+small symbols (T = 16 is valid on the wire) cannot hold ~30 times the cap."""
+_DECODER_OVERHEAD = 512
+"""Memory of a block's decoder before its symbols (measured ~450: the decoder, its plan, its
+dict, its entry in the object's): counted in ``held`` while the block is not rebuilt."""
+_BLOCK_OVERHEAD = 80
+"""Memory of a rebuilt block's index in its open object's ``done`` set (measured ~70)."""
 
 
 def _header_record(epoch: int, h: ObjectHeader) -> dict[str, Any]:
@@ -154,13 +176,63 @@ def _gap_tail(path: Path, limit: int) -> list[bytes]:
     return lines[-limit:]
 
 
-def _empty_in_place(path: Path) -> None:
+def _empty_in_place(path: Path) -> int:
     """Give back an ended object's room without removing its folder: ``blocks.done`` first
     (no rebuilt block is claimed over data that is gone), then ``symbols.log`` and ``data``;
-    ``meta.json`` stays, so a restart still finds the object."""
+    ``meta.json`` stays, so a restart still finds the object. Anything but a real folder (a
+    link put in ``objects/`` by hand) is left alone: what it points to is not the spool's.
+    Returns the bytes given back."""
+    freed = 0
+    if not path.is_dir() or path.is_symlink():
+        return freed
     for name in ("blocks.done", _LOG_TMP, _LOG, "data"):
         with contextlib.suppress(OSError):
+            size = os.stat(path / name).st_blocks * 512
             os.truncate(path / name, 0)
+            freed += size
+    return freed
+
+
+def _append_whole(path: Path, text: str) -> int:
+    """Append lines to a journal (``gaps.jsonl``, ``done.jsonl``), fsynced, all or nothing: a
+    write or fsync that fails part way (a full disk) is cut back off, so no torn line is left
+    for the next append to be glued to; a torn last line a crash left ends its own line. A new
+    journal's name is fsynced in its folder too. Returns the journal's size."""
+    created = not os.path.lexists(path)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o600)
+    try:
+        end = os.lseek(fd, 0, os.SEEK_END)
+        if end > 0 and os.pread(fd, 1, end - 1) != b"\n":
+            text = "\n" + text  # a torn last record (a crash mid-write) ends its own line
+        data = text.encode()
+        try:
+            write_all(fd, data)
+            os.fsync(fd)
+            if created:  # the file's name too, or a power loss could lose every record
+                fsync_dir(path.parent)
+        except OSError:
+            with contextlib.suppress(OSError):
+                os.ftruncate(fd, end)
+            raise
+        return end + len(data)
+    finally:
+        os.close(fd)
+
+
+def _never_spooled(path: Path) -> bool:
+    """Whether an object's folder is one a kill cut short while it was being created: no
+    ``meta.json`` yet (at most its temp file), hence no symbol written (its files are opened
+    only after ``meta.json`` is in place). Such a folder holds nothing of the object: it is not
+    a gap, and the object's next symbol opens it again."""
+    if os.path.lexists(path / "meta.json"):
+        return False
+    for name in ("data", "blocks.done", _LOG, _LOG_TMP):
+        try:
+            if os.lstat(path / name).st_size:
+                return False
+        except FileNotFoundError:
+            continue
+    return True
 
 
 def _os_error(e: OSError) -> str:
@@ -260,6 +332,11 @@ _TRASH_SEQ = itertools.count()
 _NO_ROOM = (errno.ENOSPC, errno.EDQUOT)
 _ROOM_WAIT = 60.0
 """Longest a gap record the full disk refused waits for the trash to be emptied."""
+_GAPS_RETRY = 1.0
+"""After the disk refused the gap records, a new one waits this long before they are all tried
+again (each try writes every record in memory: one a new object on a full disk would cost the
+receive loop time in proportion to the records waiting, ~0.1 s each at 6000). The receive loop
+tries once a second anyway; a folder that gives back room is tried in at once."""
 _SLICE = 4 << 20
 """A large file in the trash is cut down this much at a time before it is unlinked: each cut
 is a short journal transaction, so an fsync of the receive loop's (a gap record) waits for one
@@ -269,12 +346,17 @@ cut, not for all the blocks of a data file of 100s of MB (ext4: at most ~4 ms, n
 def _remove_folder(path: Path) -> None:
     """Remove an object's folder: ``meta.json`` first (what is left of a removal a crash cut
     short could not pass for an object, even outside the trash), ``data`` next (most of its
-    room), each large file a slice at a time (``_SLICE``)."""
+    room), each large file a slice at a time (``_SLICE``). Anything but a real folder (a
+    symbolic link put there by hand, a file) is unlinked itself: what a link points to is never
+    touched."""
     try:
+        if not stat.S_ISDIR(os.lstat(path).st_mode):
+            os.unlink(path)
+            return
         names = sorted(os.listdir(path), key=lambda n: (n != "meta.json", n != "data", n))
     except FileNotFoundError:
         return
-    except NotADirectoryError:
+    except NotADirectoryError:  # replaced by a file since the lstat
         os.unlink(path)
         return
     for name in names:
@@ -434,6 +516,14 @@ class _Open:
         }
 
 
+def _memory_of(obj: _Open) -> int:
+    """What an open object holds in memory, as ``held`` counts it: its decoders with their
+    symbols, and its rebuilt blocks' indices."""
+    t = obj.h.symbol_size + _SYMBOL_OVERHEAD
+    held = sum(d.received * t + _DECODER_OVERHEAD for d in obj.decoders.values())
+    return held + len(obj.done) * _BLOCK_OVERHEAD
+
+
 @dataclass(frozen=True)
 class Delivery:
     """An object whose blocks are all rebuilt, ready for the digest check and the inbox."""
@@ -495,6 +585,8 @@ class Reassembler:
         as ``expired`` instead of opening them again (one gap record each, not one a retry)."""
         self._unwritten_gaps: list[dict[str, Any]] = []
         """Gap records the disk refused (full, I/O error): written first at the next chance."""
+        self._gaps_refused: tuple[float, int | None] | None = None
+        """When (monotonic) and why (errno) the disk last refused them; None since written."""
         self._awaiting: list[Path] = []
         """Folders of objects whose gap record the disk refused: emptied in place, moved to the
         trash once their records are written (kept for the restart if they never are)."""
@@ -579,11 +671,7 @@ class Reassembler:
             "name": name,
             "time": round(time.time(), 3),
         }
-        with open(self.root / DONE, "a", encoding="utf-8") as f:
-            f.write(json.dumps(rec, sort_keys=True) + "\n")
-            f.flush()
-            os.fsync(f.fileno())
-            size = f.tell()
+        size = _append_whole(self.root / DONE, json.dumps(rec, sort_keys=True) + "\n")
         if size > _DONE_COMPACT_BYTES:
             self._compact_done()
 
@@ -621,9 +709,19 @@ class Reassembler:
         UDP.objects_expired.labels(str(rec.get("channel", "?")), reason).inc(count)
         log_event(log, 30, msg, **rec)
         self._unwritten_gaps.append(rec)
-        if write:
+        if write and not self._refused_lately():
             self.write_gaps()
         return rec
+
+    def _refused_lately(self, *, room_freed: bool = False) -> bool:
+        """Whether the disk refused the gap records less than ``_GAPS_RETRY`` ago (a new record
+        then waits for the next try), unless ``room_freed`` for a refusal for lack of room."""
+        if self._gaps_refused is None:
+            return False
+        when, why = self._gaps_refused
+        if room_freed and why in _NO_ROOM:
+            return False
+        return time.monotonic() - when < _GAPS_RETRY
 
     def _kept_until_recorded(self, path: Path, rec: dict[str, Any]) -> bool:
         """True if the gap record ``rec`` is not written yet (the disk refused it): the
@@ -633,12 +731,13 @@ class Reassembler:
         folder."""
         if not any(r is rec for r in self._unwritten_gaps):
             return False
-        _empty_in_place(path)
+        freed = _empty_in_place(path)
         self._awaiting.append(path)
         log_event(log, 30, "gap record not written yet: the object's folder is kept, emptied, "
                   "until it is (a restart meanwhile records the object again)", path=str(path),
                   epoch=rec.get("epoch"), object_id=rec.get("object_id"))  # fmt: skip
-        self.write_gaps()
+        if not self._refused_lately(room_freed=freed > 0):
+            self.write_gaps()
         return True
 
     def write_gaps(self) -> int:
@@ -656,10 +755,12 @@ class Reassembler:
                 self._trash.wait(_ROOM_WAIT)
                 self._append_gaps()
         except OSError as e:
+            self._gaps_refused = (time.monotonic(), e.errno)
             log_event(log, 40, "gap records not written yet: kept in memory, retried",
                       pending=len(self._unwritten_gaps), error=_os_error(e),
                       path=str(self.root / GAPS))  # fmt: skip
             return len(self._unwritten_gaps)
+        self._gaps_refused = None
         self._unwritten_gaps.clear()
         awaiting, self._awaiting = self._awaiting, []
         for path in awaiting:  # their records are durable now: the folders may go
@@ -671,20 +772,7 @@ class Reassembler:
         part way is cut back off (else the records, still in memory, would be written twice
         at the next try)."""
         text = "".join(json.dumps(r, sort_keys=True) + "\n" for r in self._unwritten_gaps)
-        fd = os.open(self.root / GAPS, os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o600)
-        try:
-            end = os.lseek(fd, 0, os.SEEK_END)
-            if end > 0 and os.pread(fd, 1, end - 1) != b"\n":
-                text = "\n" + text  # a torn last record (a crash mid-write) ends its own line
-            try:
-                write_all(fd, text.encode())
-                os.fsync(fd)
-            except OSError:
-                with contextlib.suppress(OSError):
-                    os.ftruncate(fd, end)
-                raise
-        finally:
-            os.close(fd)
+        _append_whole(self.root / GAPS, text)
 
     def give_up(self, epoch: int, h: ObjectHeader, err: OSError) -> None:
         """A spool write for this object failed (disk full, quota, I/O error): the object
@@ -703,9 +791,7 @@ class Reassembler:
         else:
             rec, path = _header_record(epoch, h), self.objects_dir / _obj_dir_name(epoch, key[1])
         _remember_bounded(self._failed, key, self.remembered)
-        self.held = sum(
-            d.received * o.h.symbol_size for o in self.open.values() for d in o.decoders.values()
-        )
+        self.held = sum(_memory_of(o) for o in self.open.values())
         self.expired += 1
         self._spool_error(rec, _os_error(err), path)
 
@@ -748,7 +834,6 @@ class Reassembler:
         elif obj.h is not h and obj.h != h:
             self._drop("malformed")  # same object id, another header: not ours to guess
             return
-        obj.last_seen = now
         b = sym.block
         if b in obj.done:
             self._drop("surplus")  # a repair symbol the rebuilt block no longer needs
@@ -758,19 +843,23 @@ class Reassembler:
             dec = obj.decoders[b] = BlockDecoder(
                 block_plan(h.length, h.symbol_size, h.block_symbols, b), h.symbol_size
             )
+            self.held += _DECODER_OVERHEAD
         before = dec.received
         completed = dec.add(sym.esi, sym.payload, decode=self.decoder is None)
         if dec.received == before and not completed:
-            self._drop("duplicate")
-            return
+            self._drop("duplicate")  # a copy (or a replay) is no news: the object's clock
+            return  # runs on, else a replayed datagram would keep it from ever expiring
+        obj.last_seen = now  # a new symbol of a block not yet rebuilt
         obj.symbols += 1
         self.symbols_total += 1
         if completed:
-            self.held -= before * h.symbol_size  # what this decoder held, now released
+            self._release_block(before, h.symbol_size)  # what this decoder held
             self._block_done(obj, b, dec)
             self._compact_if_due(obj)
+            if self.held > self.max_held:  # rebuilt blocks' indices take room too
+                self._evict_oldest("evicted")
         else:
-            self.held += h.symbol_size
+            self.held += h.symbol_size + _SYMBOL_OVERHEAD
             obj.pending += _REC.pack(b, sym.esi)
             obj.pending += sym.payload
             obj.logged += _REC.size + h.symbol_size
@@ -782,6 +871,11 @@ class Reassembler:
                 self._decode_elsewhere(obj, b, dec)
             if self.held > self.max_held:
                 self._evict_oldest("evicted")
+
+    def _release_block(self, received: int, t: int) -> None:
+        """A block rebuilt: its decoder's ``received`` symbols of ``t`` bytes are released, its
+        index in the object's ``done`` set is held instead."""
+        self.held -= received * (t + _SYMBOL_OVERHEAD) + _DECODER_OVERHEAD - _BLOCK_OVERHEAD
 
     def _first_seen(self, epoch: int, h: ObjectHeader) -> None:
         """The first datagram of an object (since this receiver started): its id is seen."""
@@ -864,7 +958,7 @@ class Reassembler:
             self._finish_block(obj, b, dec, data)
 
     def _finish_block(self, obj: _Open, b: int, dec: BlockDecoder, data: bytes) -> None:
-        self.held -= dec.received * dec.t  # what this decoder held, now released
+        self._release_block(dec.received, dec.t)
         dec.finish(data)
         self._block_done(obj, b, dec)
         self._compact_if_due(obj)
@@ -1082,9 +1176,7 @@ class Reassembler:
                 os.close(fd)
             except OSError:
                 pass
-        for dec in obj.decoders.values():
-            self.held -= dec.received * obj.h.symbol_size
-        self.held = max(self.held, 0)
+        self.held = max(self.held - _memory_of(obj), 0)
         if self.decoder is not None and any(d.busy for d in obj.decoders.values()):
             key = (obj.epoch, obj.h.object_id)  # its queued blocks hold symbols: drop them
             self.decoder.discard(lambda tag: tag[0] == key)
@@ -1165,6 +1257,15 @@ class Reassembler:
                       folders=left, path=str(self._trash.dir))  # fmt: skip
         n = 0
         for path in sorted(self.objects_dir.iterdir()):
+            if path.is_symlink() or not path.is_dir():  # put there by hand: never followed
+                self._unreadable(path, NotADirectoryError(errno.ENOTDIR, "not a folder"))
+                continue
+            if _never_spooled(path):
+                log_event(log, 20, "spooled object cut short at its creation (nothing of it "
+                          "spooled): removed, its next symbol opens it again",
+                          path=str(path))  # fmt: skip
+                self._trash.put(path)
+                continue
             try:
                 meta = json.loads((path / "meta.json").read_text())
                 h = ObjectHeader(
@@ -1247,6 +1348,7 @@ class Reassembler:
         raw = (path / "blocks.done").read_bytes()
         done = (_U32.unpack_from(raw, i)[0] for i in range(0, len(raw), _U32.size))
         obj.done = {b for b in done if b < obj.n_blocks}
+        self.held += len(obj.done) * _BLOCK_OVERHEAD
         skipped = 0
         obj.logged = (path / _LOG).stat().st_size
         with open(path / _LOG, "rb") as f:
@@ -1271,12 +1373,13 @@ class Reassembler:
             dec = obj.decoders[sym.block] = BlockDecoder(
                 block_plan(h.length, h.symbol_size, h.block_symbols, sym.block), h.symbol_size
             )
+            self.held += _DECODER_OVERHEAD
         before = dec.received
         if dec.add(sym.esi, sym.payload):
-            self.held -= before * h.symbol_size
+            self._release_block(before, h.symbol_size)
             self._block_done(obj, sym.block, dec)
-        else:
-            self.held += h.symbol_size
+        elif dec.received > before:
+            self.held += h.symbol_size + _SYMBOL_OVERHEAD
         obj.symbols += 1
 
 
@@ -1334,12 +1437,18 @@ def deliver(d: Delivery, name: str, offset: int, tmp_dir: Path, inbox: Path) -> 
     length = d.header.length - offset
     final = inbox / name
     outcome = "delivered"
-    if final.exists():
+    if os.path.lexists(final):  # a link that leads nowhere is taken too (link() would refuse)
         try:
-            same = final.stat().st_size == length and _same_bytes(src, offset, final)
+            st = os.lstat(final)
+            same = (
+                stat.S_ISREG(st.st_mode)
+                and st.st_size == length
+                and _same_bytes(src, offset, final)
+            )
         except OSError:
             same = False
         if same:
+            fsync_dir(inbox)  # linked by a run a crash cut short before its fsync, perhaps
             return name, "duplicate"
         name = f"{name}~{d.epoch}.{d.header.object_id}"
         final = inbox / name
