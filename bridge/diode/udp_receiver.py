@@ -172,17 +172,22 @@ class _Receiver:
                 try:
                     self._deliver_one(ra, d, tmp)
                     break
-                except OSError as e:  # the disk (full, I/O error): the object stays spooled
+                except Exception as e:  # noqa: BLE001 - the thread must outlive any failure
                     if isinstance(e, FileNotFoundError) and not (d.path / "data").exists():
                         self._spooled_data_gone(ra, d)  # removed by hand: retrying cannot help
                         break
+                    # the disk (full, I/O error), or anything else: the object stays spooled;
+                    # a thread that died here would leave every later object undelivered
                     with self.lock:
                         self.summary.delivery_errors += 1
                     stopping = self.stop.is_set()
+                    error = str(e) if isinstance(e, OSError) else f"{type(e).__name__}: {e}"
                     log_event(log, 40, "delivery into the inbox failed: kept in the spool, "
                               + ("delivered at the next start" if stopping else "retried"),
-                              object_id=d.header.object_id, epoch=d.epoch, error=str(e),
+                              object_id=d.header.object_id, epoch=d.epoch, error=error,
                               retry_seconds=None if stopping else delay)  # fmt: skip
+                    if not isinstance(e, OSError):
+                        log.debug("delivery failure trace", exc_info=True)
                     if stopping or self.stop.wait(delay):
                         break
                     delay = min(delay * 2, 30.0)

@@ -867,3 +867,35 @@ def test_a_rebuilt_object_whose_spooled_data_vanished_becomes_a_gap_not_an_endle
     assert s.delivery_errors == 0 and s.objects_completed == 1
     assert not (rx.inbox / "u1.000000000001.gone.dbundle").exists()
     assert not list((rx.spool / "objects").iterdir())
+
+
+def test_an_unexpected_delivery_failure_is_logged_counted_and_retried_not_a_dead_thread(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A delivery that fails with something other than an OSError (a bug, a RecursionError)
+    once: the delivery thread logs and counts it, retries, delivers the object, and delivers the
+    next (before, the thread died and nothing was delivered again while datagrams kept
+    arriving)."""
+    import bridge.diode.udp_receiver as receiver_module
+
+    failed: list[str] = []
+    real = receiver_module.verify_and_read_name
+
+    def fails_once(d: Any) -> Any:
+        if not failed:
+            failed.append("fired")
+            raise ValueError("unexpected")
+        return real(d)
+
+    monkeypatch.setattr(receiver_module, "verify_and_read_name", fails_once)
+    with receiving(tmp_path, max_object_bytes=1 << 20, expire_seconds=60) as rx:
+        first, second = "u1.000000000001.a.dbundle", "u1.000000000002.b.dbundle"
+        rx.send(datagrams(rx.codec, 41, 1, first, os.urandom(20_000)))
+        rx.wait(lambda: failed, "the failing delivery")
+        rx.send(datagrams(rx.codec, 41, 2, second, os.urandom(20_000)))
+        rx.wait(lambda: (rx.inbox / first).exists(), "the retried delivery", timeout=10)
+        rx.wait(lambda: (rx.inbox / second).exists(), "the next object's delivery", timeout=10)
+        s = rx.finish()
+    assert failed == ["fired"]
+    assert s.delivery_errors == 1 and s.objects_completed == 2
+    assert read_gap_records(rx.spool) == []
