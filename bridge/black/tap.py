@@ -96,7 +96,7 @@ from bridge.errors import (
     SpoolFull,
     StateError,
 )
-from bridge.faults import crash_point
+from bridge.faults import crash_point, slow_point
 from bridge.fsutil import atomic_write_bytes
 from bridge.logs import get_logger, log_event
 
@@ -808,6 +808,7 @@ class Tap:
                     self.status.paused = None
                     self._write_status(spool, force=True)
                 crash_point("tap.after_sync")
+                slow_point("tap.after_sync")  # tests: a drain slow enough to be interrupted
                 if last_main > acked_main:
                     main.ack(last_main, multiple=True)
                     acked_main = last_main
