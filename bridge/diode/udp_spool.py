@@ -52,7 +52,8 @@ A folder a kill cut short at its creation (no ``meta.json`` yet: nothing of the 
 written) is removed at the restart, not recorded: the object's next symbol opens it again.
 Anything in ``objects/`` or ``trash/`` that is not a real folder (a link put there by hand) is
 unlinked itself, never followed. An object's clock (``last_seen``, for expiry and eviction) runs
-on new symbols only: copies (duplicates, surplus repairs, a replay on the wire) are no news.
+on new symbols only: copies (duplicates, surplus repairs, a replay on the wire) are no news;
+at a restart it goes on from when the object's files last changed (wall clock).
 ``held`` counts what the decoders take in memory, not only the payload bytes: each symbol's and
 decoder's overhead, and each rebuilt block's index, so that tiny symbols cannot hold many times
 the cap.
@@ -233,6 +234,18 @@ def _never_spooled(path: Path) -> bool:
         except FileNotFoundError:
             continue
     return True
+
+
+def _idle_on_disk(path: Path) -> float:
+    """Seconds since a spooled object last took a new symbol, by the wall clock: since its
+    newest file last changed (symbols are flushed every 0.2 s). 0 when unknown or in the future
+    (a clock stepped back); wall time, as nothing else survives a restart."""
+    newest = None
+    for name in (_LOG, "data", "blocks.done", "meta.json"):
+        with contextlib.suppress(OSError):
+            mtime = os.lstat(path / name).st_mtime
+            newest = mtime if newest is None else max(newest, mtime)
+    return 0.0 if newest is None else max(0.0, time.time() - newest)
 
 
 def _os_error(e: OSError) -> str:
@@ -1334,7 +1347,10 @@ class Reassembler:
     def _reopen(self, epoch: int, h: ObjectHeader, path: Path, now: float) -> _Open:
         """One spooled object, its decoders rebuilt. A record torn by a crash (or a full disk)
         at the end of ``symbols.log`` or ``blocks.done`` is cut off, so what is appended next
-        stays aligned; a record that cannot belong to the object is skipped."""
+        stays aligned; a record that cannot belong to the object is skipped. Its clock goes on
+        from when its files last changed (``_idle_on_disk``): a receiver restarted more often
+        than ``expire_seconds`` still expires what stopped arriving."""
+        idle = _idle_on_disk(path)  # before a torn record's cut changes the files' times
         rec_len = _REC.size + h.symbol_size
         (path / _LOG_TMP).unlink(missing_ok=True)  # a compaction the crash cut short
         for name, size in (("blocks.done", _U32.size), (_LOG, rec_len)):
@@ -1344,6 +1360,7 @@ class Reassembler:
                           bytes=torn)  # fmt: skip
                 os.truncate(p, p.stat().st_size - torn)
         obj = self._open_files(epoch, h, path, now)
+        obj.last_seen = now - idle
         self.open[(epoch, h.object_id)] = obj
         raw = (path / "blocks.done").read_bytes()
         done = (_U32.unpack_from(raw, i)[0] for i in range(0, len(raw), _U32.size))
