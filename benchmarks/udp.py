@@ -325,6 +325,15 @@ def proc(argv: list[str], log: Path) -> Iterator[subprocess.Popen[bytes]]:
         stop_process(p, timeout=60)
 
 
+def wait_relay_listening(log: Path, timeout: float = 60.0) -> None:
+    """Until the relay says it listens (its ``relay listening`` line in ``log``)."""
+    deadline = time.monotonic() + timeout
+    while '"relay listening"' not in (log.read_text() if log.exists() else ""):
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"the relay did not listen within {timeout} s: {log}")
+        time.sleep(0.05)
+
+
 def run_transport(
     work: Path,
     sc: Scenario,
@@ -383,7 +392,10 @@ def run_transport(
         if relay_ctx:
             relay_ctx.__enter__()
         try:
-            time.sleep(0.3)
+            if relay_ctx:  # sending before it binds would lose the first datagrams
+                wait_relay_listening(root / "relay.log")
+            else:
+                time.sleep(0.3)
             t0 = time.monotonic()
             send = subprocess.run(
                 [*pre_s, *CLI, "udp", "send", "--until-idle", "--timeout", "900", "--config",

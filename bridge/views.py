@@ -111,11 +111,18 @@ def _link_view(link: Mapping[str, Any]) -> RenderableType:
     """The UDP link as this host's sender and/or receiver last wrote it (status files)."""
     gaps = link.get("gaps_total", 0)
     title = f"UDP link ({gaps} gap record(s): diode red gaps)" if gaps else "UDP link (no gap)"
-    t = _table(title, "end", "epoch", "status age s", "heartbeat age s", "counters")
+    t = _table(title, "end", "running", "epoch", "status age s", "heartbeat age s", "counters")
     for end in ("sender", "receiver"):
         doc = link.get(end)
         if not isinstance(doc, Mapping):
-            t.add_row(end, "no status file", _NONE, _NONE, _NONE)
+            t.add_row(end, _NONE, "no status file", _NONE, _NONE, _NONE)
+            continue
+        running: Text | str = "yes" if doc.get("running") else _warn("stopped")
+        if "running" not in doc:  # a report from before the lock was looked at
+            running = _NONE
+        if doc.get("damaged"):
+            why = _warn(f"status file damaged: {doc['damaged']}")
+            t.add_row(end, running, why, _NONE, _NONE, _v(doc.get("path")))
             continue
         counters = {k: v for k, v in doc.items() if isinstance(v, int) and not isinstance(v, bool)}
         counters.pop("epoch", None)
@@ -124,7 +131,7 @@ def _link_view(link: Mapping[str, Any]) -> RenderableType:
         if end == "receiver":
             age = doc.get("heartbeat_age_seconds")
             heard = _warn("never heard") if age is None else _v(age)
-        t.add_row(end, _v(doc.get("epoch")), _v(doc.get("age_seconds")), heard,
+        t.add_row(end, running, _v(doc.get("epoch")), _v(doc.get("age_seconds")), heard,
                   _counts(counters))  # fmt: skip
     return t
 

@@ -4,7 +4,10 @@
 
 The receiver and the relay run as their own processes (`diode udp receive`, `diode udp
 relay`), as they would in the field; the sender runs until the outbox is empty, then the link
-waits until every file it sent is in red's inbox or recorded as a gap.
+waits until every file it sent is in red's inbox or recorded as a gap. Each is started once
+the one before it listens (a relay that cannot bind is an error at once, naming the port);
+on Linux each gets SIGTERM when the thread that started it dies, so a demo killed outright
+leaves neither running on its ports.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -57,8 +61,25 @@ expire_seconds = 30.0
 """
 
 
+START_SECONDS = 60.0
+"""How long the receiver and the relay may take to listen (a loaded machine is slow)."""
+
+_LAUNCH = """import os, sys
+if sys.platform.startswith("linux"):
+    import ctypes, signal
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM, 0, 0, 0)  # PR_SET_PDEATHSIG
+    if os.getppid() != {parent}:
+        sys.exit("the demo that started this process is gone")
+from bridge.cli import main
+main()
+"""
+
+
 def _cli(*args: str) -> list[str]:
-    return [sys.executable, "-c", "from bridge.cli import main; main()", *args]
+    """`diode ARGS` as a child that is sent SIGTERM when the thread that starts it dies (Linux
+    ``PR_SET_PDEATHSIG``, kept across exec): a demo killed -9 leaves no process behind. Start
+    it from a thread that outlives it (the demo's main thread)."""
+    return [sys.executable, "-c", _LAUNCH.format(parent=os.getpid()), *args]
 
 
 @dataclass
@@ -87,11 +108,7 @@ class UdpLink:
         logdir = Path(recv.spool_dir).parent
         logdir.mkdir(parents=True, exist_ok=True)
         self._spawn("receiver", _cli("--log-format", "json", "udp", "receive", "--config", conf))
-        deadline = time.monotonic() + 60
-        while not (Path(recv.spool_dir) / "status.json").exists():
-            if self.procs["receiver"].poll() is not None or time.monotonic() > deadline:
-                raise TransportError(f"the UDP receiver did not start: {self._tail('receiver')}")
-            time.sleep(0.1)
+        self._wait_started("receiver", lambda: (Path(recv.spool_dir) / "status.json").exists())
         relay = [
             "udp",
             "relay",
@@ -103,9 +120,18 @@ class UdpLink:
             str(self.loss_percent),
         ]
         self._spawn("relay", _cli(*relay))
-        time.sleep(0.5)
-        if self.procs["relay"].poll() is not None:
-            raise TransportError(f"the UDP relay did not start: {self._tail('relay')}")
+        self._wait_started("relay", lambda: '"msg": "relay listening"' in self._tail("relay"))
+
+    def _wait_started(self, name: str, listening: Callable[[], bool]) -> None:
+        """Until ``listening()``; TransportError with the process's last output if it exits
+        first or takes longer than START_SECONDS."""
+        deadline = time.monotonic() + START_SECONDS
+        while not listening():
+            exited = self.procs[name].poll()
+            if exited is not None or time.monotonic() > deadline:
+                how = f"exited {exited}" if exited is not None else f"not within {START_SECONDS}s"
+                raise TransportError(f"the UDP {name} did not start ({how}): {self._tail(name)}")
+            time.sleep(0.05)
 
     def _spawn(self, name: str, argv: list[str]) -> None:
         assert self.cfg.udp is not None

@@ -9,8 +9,21 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from bridge.config import Config
+from bridge.fsutil import lock_held
 
-__all__ = ["gap_objects", "link_status", "read_json", "read_gap_records", "read_new_gap_records"]
+__all__ = [
+    "gap_objects",
+    "link_status",
+    "read_json",
+    "read_gap_records",
+    "read_new_gap_records",
+    "read_status",
+]
+
+SENDER_LOCK = "send.lock"
+RECEIVER_LOCK = "receive.lock"
+"""Held (flock) by a running `diode udp send` in its state_dir / `diode udp receive` in its
+spool_dir: released by the kernel when the process ends, however it ends."""
 
 
 def read_json(path: Path) -> dict[str, Any] | None:
@@ -20,6 +33,40 @@ def read_json(path: Path) -> dict[str, Any] | None:
     except (OSError, ValueError):
         return None
     return doc if isinstance(doc, dict) else None
+
+
+def read_status(path: Path) -> tuple[dict[str, Any] | None, str | None]:
+    """``(doc, None)``, ``(None, None)`` when there is no file, or ``(None, why)`` when the
+    file is there but unreadable or not a JSON object (a damaged file is not a missing one)."""
+    try:
+        raw = Path(path).read_bytes()
+    except FileNotFoundError:
+        return None, None
+    except OSError as e:
+        return None, f"unreadable: {e}"
+    try:
+        doc = json.loads(raw)
+    except ValueError as e:
+        return None, f"not JSON: {e}"
+    if not isinstance(doc, dict):
+        return None, f"not a JSON object: {type(doc).__name__}"
+    return doc, None
+
+
+def _end(status: Path, lock: Path, now: float) -> dict[str, Any] | None:
+    """One end of the link as of ``now``: its status file, whether it runs (its lock is held),
+    how old the file is (wall clock: ``written_at`` is the writer's ``time.time()``)."""
+    doc, damaged = read_status(status)
+    running = lock_held(lock)
+    if doc is None:
+        if damaged is None and not running:
+            return None  # never ran here
+        return {"running": running, "damaged": damaged, "path": str(status)}
+    doc["running"] = running  # a stopped or killed end leaves a status file that looks fresh
+    written = doc.get("written_at")
+    if isinstance(written, int | float) and not isinstance(written, bool):
+        doc["age_seconds"] = round(max(now - written, 0.0), 1)  # a clock set back: not < 0
+    return doc
 
 
 def read_gap_records(spool_dir: Path) -> list[dict[str, Any]]:
@@ -109,19 +156,19 @@ def read_new_gap_records(
 
 
 def link_status(cfg: Config) -> dict[str, Any]:
-    """What this host knows of the link: the sender's (black) and/or receiver's (red) view."""
+    """What this host knows of the link: the sender's (black) and/or receiver's (red) view.
+    Each end is None where it never ran, else its last status with ``running`` (its lock is
+    held now) and ``age_seconds``; a damaged status file is ``damaged``, not absent."""
     if cfg.udp is None:
         return {"transport": "file", "udp": None}
     now = time.time()
-    send = read_json(Path(cfg.udp.send.state_dir) / "status.json")
-    recv = read_json(Path(cfg.udp.receive.spool_dir) / "status.json")
-    for doc in (send, recv):
-        if doc is not None and isinstance(doc.get("written_at"), int | float):
-            doc["age_seconds"] = round(now - doc["written_at"], 1)
+    state, spool = Path(cfg.udp.send.state_dir), Path(cfg.udp.receive.spool_dir)
+    send = _end(state / "status.json", state / SENDER_LOCK, now)
+    recv = _end(spool / "status.json", spool / RECEIVER_LOCK, now)
     heard = recv.get("heartbeat_age_seconds") if recv is not None else None
     if recv is not None and isinstance(heard, int | float) and "age_seconds" in recv:
         # as of now, not of the receiver's last status write (a dead receiver writes none)
-        recv["heartbeat_age_seconds"] = round(heard + max(recv["age_seconds"], 0.0), 1)
+        recv["heartbeat_age_seconds"] = round(heard + recv["age_seconds"], 1)
     gaps = read_gap_records(Path(cfg.udp.receive.spool_dir))
     return {
         "transport": "udp",

@@ -17,12 +17,19 @@ Reordering: a datagram held back is sent once ``reorder_depth`` more datagrams h
 (at most that many overtake it, fewer when some of them are lost or held back too), when the
 relay is idle, or when it stops: a delay bounded by the depth at any reorder fraction, and
 never a loss (``released_at_stop`` counts those the stop sent).
+
+Bad input never stops it: an empty datagram is forwarded as is (there is no bit to flip), and a
+send the kernel refuses is counted (``send_errors``), not raised. A bad address or impairment
+is refused at start, naming it; once bound it prints one ``{"msg": "relay listening", ...}``
+line (with the seed, drawn when none is given, so a run can be repeated).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
+import os
 import random
 import signal
 import socket
@@ -35,7 +42,10 @@ from typing import Any
 
 from bridge.diode.udp_socket import set_rcvbuf
 
-__all__ = ["Impairment", "LossModel", "Relay", "burst_length", "main"]
+__all__ = ["MAX_REORDER_DEPTH", "Impairment", "LossModel", "Relay", "burst_length", "main"]
+
+MAX_REORDER_DEPTH = 10_000
+"""At most this many + 1 datagrams are held back at once: the relay's memory stays bounded."""
 
 
 @dataclass(frozen=True)
@@ -55,10 +65,17 @@ class Impairment:
     def __post_init__(self) -> None:
         for name in ("loss", "burst_loss", "reorder", "duplicate", "corrupt"):
             v = getattr(self, name)
-            if not 0 <= v < 1:
+            if not 0 <= v < 1:  # NaN fails this too
                 raise ValueError(f"relay {name} must be a fraction in [0, 1), got {v}")
-        if self.burst_mean < 1 or self.reorder_depth < 1:
-            raise ValueError("relay burst_mean and reorder_depth must be >= 1")
+        if not (math.isfinite(self.burst_mean) and self.burst_mean >= 1):
+            raise ValueError(f"relay burst_mean must be a number >= 1, got {self.burst_mean}")
+        if self.burst_max is not None and self.burst_max < 1:
+            raise ValueError(f"relay burst_max must be >= 1 (or unset), got {self.burst_max}")
+        if not 1 <= self.reorder_depth <= MAX_REORDER_DEPTH:
+            raise ValueError(
+                f"relay reorder_depth must be from 1 to {MAX_REORDER_DEPTH}, got "
+                f"{self.reorder_depth}"
+            )
 
 
 def burst_length(mean: float, most: int | None) -> float:
@@ -100,9 +117,9 @@ class LossModel:
                 self._bad = False
             return "burst"
         if self._p_enter and rnd() < self._p_enter:
-            self._bad = self._max != 0
+            self._bad = True
             self._run = 1
-            if self._bad and (rnd() < self._p_leave or self._max == 1):
+            if rnd() < self._p_leave or self._max == 1:
                 self._bad = False
             return "burst"
         if self._loss and rnd() < self._loss:
@@ -121,6 +138,7 @@ class Relay:
     counters: dict[str, int] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        """Resolve both addresses and bind; ValueError naming the address when one is bad."""
         if self.rcvbuf < 65_536:
             raise ValueError(f"relay socket buffers must be >= 65536 bytes, got {self.rcvbuf}")
         self.counters = dict.fromkeys(
@@ -133,15 +151,29 @@ class Relay:
                 "duplicated",
                 "corrupted",
                 "released_at_stop",
+                "send_errors",
             ),
             0,
         )
-        family = socket.AF_INET6 if ":" in self.listen[0] else socket.AF_INET
-        self.sock = socket.socket(family, socket.SOCK_DGRAM)
-        set_rcvbuf(self.sock, self.rcvbuf)
-        self.sock.bind(self.listen)
-        self.sock.settimeout(0.2)
-        self.out = socket.socket(family, socket.SOCK_DGRAM)
+        in_family, listen = _resolve(self.listen, "listen")
+        out_family, self._dest = _resolve(self.forward, "forward")
+        if self._dest[1] == 0:
+            raise ValueError(f"relay cannot forward to port 0 ({_show(self.forward)})")
+        self.sock = socket.socket(in_family, socket.SOCK_DGRAM)
+        try:
+            set_rcvbuf(self.sock, self.rcvbuf)
+            self.sock.bind(listen)
+            if self.sock.getsockname()[:2] == self._dest[:2]:
+                raise ValueError(f"relay would forward to itself ({_show(self.forward)})")
+            self.sock.settimeout(0.2)
+            self.out = socket.socket(out_family, socket.SOCK_DGRAM)
+        except OSError as e:
+            self.sock.close()
+            why = f"relay cannot listen on {_show(self.listen)}: {e.strerror or e}"
+            raise OSError(e.errno, why) from e
+        except BaseException:
+            self.sock.close()
+            raise
         self.out.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, self.rcvbuf)
 
     @property
@@ -157,25 +189,23 @@ class Relay:
         held: deque[tuple[int, bytes]] = deque()  # (sent when this many have arrived, data)
         buf = bytearray(65536)
         view = memoryview(buf)
-        recv_into, send, dest = self.sock.recv_into, self.out.sendto, self.forward
+        recv_into, send = self.sock.recv_into, self._send
         while not stop.is_set():
             try:
                 n = recv_into(buf)
             except TimeoutError:
                 while held:  # idle: let held-back datagrams go
-                    send(held.popleft()[1], dest)
-                    c["forwarded"] += 1
+                    send(held.popleft()[1])
                 continue
             c["received"] += 1
             while held and held[0][0] <= c["received"]:  # due: `depth` more have arrived
-                send(held.popleft()[1], dest)
-                c["forwarded"] += 1
+                send(held.popleft()[1])
             why = model.decide()
             if why is not None:
                 c["dropped_" + why] += 1
                 continue
             data = bytes(view[:n])
-            if imp.corrupt and rnd() < imp.corrupt:
+            if imp.corrupt and n and rnd() < imp.corrupt:  # an empty datagram has no bit
                 bit = rng.randrange(n * 8)
                 flipped = bytearray(data)
                 flipped[bit // 8] ^= 1 << (bit % 8)
@@ -185,32 +215,61 @@ class Relay:
                 held.append((c["received"] + imp.reorder_depth + 1, data))
                 c["reordered"] += 1
                 continue
-            send(data, dest)
-            c["forwarded"] += 1
+            send(data)
             if imp.duplicate and rnd() < imp.duplicate:
-                send(data, dest)
-                c["duplicated"] += 1
-                c["forwarded"] += 1
+                if send(data):
+                    c["duplicated"] += 1
         self._release_at_stop(held)
         return dict(c)
+
+    def _send(self, data: bytes) -> bool:
+        """Forward one datagram; a send the kernel refuses (no route, no buffer, a firewall)
+        is counted in ``send_errors`` and lost, as on a wire: the relay goes on."""
+        try:
+            self.out.sendto(data, self._dest)
+        except OSError:
+            self.counters["send_errors"] += 1
+            return False
+        self.counters["forwarded"] += 1
+        return True
 
     def _release_at_stop(self, held: deque[tuple[int, bytes]]) -> None:
         """Send what is still held back: a stop must not turn reordering into loss."""
         c = self.counters
         while held:
-            self.out.sendto(held.popleft()[1], self.forward)
-            c["forwarded"] += 1
-            c["released_at_stop"] += 1
+            if self._send(held.popleft()[1]):
+                c["released_at_stop"] += 1
 
     def close(self) -> None:
         self.sock.close()
         self.out.close()
 
 
+def _show(addr: tuple[str, int]) -> str:
+    host, port = addr[0], addr[1]
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def _resolve(addr: tuple[str, int], what: str) -> tuple[socket.AddressFamily, Any]:
+    """The address family and socket address of ``addr``, resolved once (never per datagram);
+    ValueError naming it when it cannot be."""
+    host, port = addr
+    if not 0 <= port <= 65535:
+        raise ValueError(f"relay {what} port must be 0-65535, got {_show(addr)}")
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_DGRAM)
+    except (OSError, UnicodeError) as e:
+        raise ValueError(f"relay {what} address {_show(addr)} does not resolve: {e}") from e
+    for family, _, _, _, sockaddr in infos:
+        if family in (socket.AF_INET, socket.AF_INET6):
+            return family, sockaddr
+    raise ValueError(f"relay {what} address {_show(addr)} is neither IPv4 nor IPv6")
+
+
 def _addr(value: str) -> tuple[str, int]:
     host, _, port = value.rpartition(":")
-    if not host or not port.isdigit():
-        raise argparse.ArgumentTypeError(f"expected HOST:PORT, got {value!r}")
+    if not host or not port.isdigit() or int(port) > 65535:
+        raise argparse.ArgumentTypeError(f"expected HOST:PORT (port 0-65535), got {value!r}")
     return host.strip("[]"), int(port)
 
 
@@ -245,7 +304,7 @@ def main(argv: list[str] | None = None) -> int:
             reorder_depth=a.reorder_depth,
             duplicate=a.duplicate / 100,
             corrupt=a.corrupt / 100,
-            seed=a.seed,
+            seed=random.SystemRandom().randrange(1 << 63) if a.seed is None else a.seed,
         )
         relay = Relay(a.listen, a.forward, imp, rcvbuf=a.rcvbuf_bytes)
     except (ValueError, OSError) as e:
@@ -254,16 +313,22 @@ def main(argv: list[str] | None = None) -> int:
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
+    listening = {"msg": "relay listening", "listen": _show(relay.address), "pid": os.getpid()}
+    _print({**listening, "forward": _show(a.forward), "seed": imp.seed})
+    reporter = None
     if a.report_seconds > 0:
 
         def report() -> None:
             while not stop.wait(a.report_seconds):
                 _print(relay.counters)
 
-        threading.Thread(target=report, daemon=True).start()
+        reporter = threading.Thread(target=report, daemon=True)
+        reporter.start()
     started = time.monotonic()
     counters = relay.run(stop)
     relay.close()
+    if reporter is not None:
+        reporter.join(5)  # its last line is out before the summary: never two on one line
     _print({**counters, "seconds": round(time.monotonic() - started, 3)})
     return 0
 

@@ -112,6 +112,7 @@ def test_status_shows_both_ends_of_a_live_link_then_a_dead_sender(
     assert doc["gaps_total"] == 0 and doc["gaps"] == []
     assert recv["epoch"] == send["epoch"] and recv["heartbeat_age_seconds"] < 5
     assert send["age_seconds"] < 5 and recv["age_seconds"] < 5
+    assert send["running"] is True and recv["running"] is True
     assert send["datagrams"] >= 300_000 // 1500 and recv["datagrams"] >= 300_000 // 1500
     assert send["channels"]["u1"] == {"last_seq": 1, "objects": 1}
 
@@ -128,11 +129,63 @@ def test_status_shows_both_ends_of_a_live_link_then_a_dead_sender(
     time.sleep(4.0)
     doc = _link(cfg)  # the receiver rewrites its status every second, the dead sender never
     assert doc["sender"]["age_seconds"] >= 4 > doc["receiver"]["age_seconds"]
+    assert doc["sender"]["running"] is False and doc["receiver"]["running"] is True
     assert doc["receiver"]["heartbeat_age_seconds"] >= 2  # none since the kill
 
     rx.send_signal(signal.SIGKILL)  # the receiver dies too: ages count on, as of now
     rx.wait(30)
     time.sleep(3.0)
     later = _link(cfg)["receiver"]
-    assert later["age_seconds"] >= 3
+    assert later["age_seconds"] >= 3 and later["running"] is False
     assert later["heartbeat_age_seconds"] >= doc["receiver"]["heartbeat_age_seconds"] + 3
+
+
+def test_a_receiver_stopped_a_moment_ago_is_not_shown_running(
+    tmp_path: Path, link: tuple[Path, list[subprocess.Popen[bytes]]]
+) -> None:
+    """A receiver stopped with SIGTERM writes its status as it goes: a second later the file
+    is as fresh as a live one's. Its age alone made it look alive; ``running`` tells."""
+    cfg, (rx, tx) = link
+
+    def both_running() -> bool:
+        doc = _link(cfg)
+        return all((doc[end] or {}).get("running") for end in ("sender", "receiver"))
+
+    _wait("both ends' status", both_running, [rx, tx])
+    stop_process(tx, timeout=30)
+    assert stop_process(rx, timeout=30) == 0
+    doc = _link(cfg)
+    recv, send = doc["receiver"], doc["sender"]
+    assert recv["age_seconds"] < 2, recv  # the file is fresh: the stop just wrote it
+    assert recv["running"] is False and send["running"] is False, doc
+
+
+def test_a_damaged_status_file_is_reported_as_damaged_not_as_absent(tmp_path: Path) -> None:
+    """A status file that is not JSON (a disk fault, a hand edit) was shown as "no status file",
+    as if that end had never run on this host."""
+    cfg = _config(tmp_path, free_udp_port())
+    spool, state = tmp_path / "red" / "udp-spool", tmp_path / "black" / "udp-send"
+    for d in (spool, state):
+        d.mkdir(parents=True)
+    (spool / "status.json").write_bytes(b'{"written_at": 17')  # cut short
+    (state / "status.json").write_bytes(b"[1, 2]")
+    doc = _link(cfg)
+    recv, send = doc["receiver"], doc["sender"]
+    assert recv is not None and recv["running"] is False and "not JSON" in recv["damaged"]
+    assert send is not None and "not a JSON object" in send["damaged"]
+    (spool / "status.json").unlink()
+    (state / "status.json").unlink()
+    doc = _link(cfg)
+    assert doc["receiver"] is None and doc["sender"] is None  # never ran here: absent
+
+
+def test_a_status_written_in_the_future_is_not_given_a_negative_age(tmp_path: Path) -> None:
+    """A clock set back after the write: the age is 0, never negative, and the heartbeat's
+    age is not made younger than the receiver said."""
+    cfg = _config(tmp_path, free_udp_port())
+    spool = tmp_path / "red" / "udp-spool"
+    spool.mkdir(parents=True)
+    doc = {"written_at": time.time() + 3600, "heartbeat_age_seconds": 7.0}
+    (spool / "status.json").write_text(json.dumps(doc))
+    recv = _link(cfg)["receiver"]
+    assert recv["age_seconds"] == 0 and recv["heartbeat_age_seconds"] == 7.0, recv

@@ -58,3 +58,29 @@ def test_burst_loss_rate_holds_when_burst_max_caps_the_mean(mean: int, most: int
     assert 0.045 < lost < 0.055, lost
     capped = most if mean >= most else (1 - (1 - 1 / mean) ** most) * mean  # E[min(G, most)]
     assert length <= most * 1.1 and abs(length - capped) < 0.15 * most
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"burst_mean": float("nan")},
+        {"burst_mean": float("inf")},
+        {"burst_max": 0},
+        {"burst_max": -3},
+        {"reorder_depth": 0},
+        {"reorder_depth": 10**8},
+        {"loss": float("nan")},
+    ],
+)
+def test_impairments_that_would_misbehave_are_refused(bad: dict[str, float]) -> None:
+    """A NaN or infinite burst_mean gave no bursts at all (the entry rate came out 0 or NaN)
+    whatever burst_loss said; a burst_max below 1 made bursts the entry rate did not expect;
+    a reorder_depth without bound let the relay hold back without bound."""
+    with pytest.raises(ValueError, match=next(iter(bad))):
+        Impairment(**bad)  # type: ignore[arg-type]
+
+
+def test_burst_max_one_gives_single_losses_at_the_configured_rate() -> None:
+    lost, mean, counts = _run(Impairment(burst_loss=0.05, burst_mean=4, burst_max=1, seed=6))
+    assert 0.045 < lost < 0.055 and set(counts) == {"burst"}
+    assert mean < 1.1  # single losses, two touching now and then

@@ -57,6 +57,20 @@ def test_black_status_and_gaps_show_losses_pending_and_the_udp_link() -> None:
     assert "seq ranges" not in _text(views.black_gaps_view({"idle": gaps["idle"]}))
 
 
+def test_the_udp_link_shows_a_stopped_end_and_a_damaged_status_file() -> None:
+    link = {
+        "transport": "udp",
+        "gaps_total": 0,
+        "sender": {"running": False, "epoch": 9, "age_seconds": 0.3, "datagrams_sent": 100},
+        "receiver": {"running": True, "damaged": "not JSON: Expecting value", "path": "/s/x"},
+    }
+    out = _text(views._link_view(link))
+    assert "stopped" in out and "datagrams_sent 100" in out, out
+    assert "status file damaged: not JSON" in out and "/s/x" in out, out
+    link["sender"] = {**link["sender"], "running": True}
+    assert "stopped" not in _text(views._link_view(link))
+
+
 def test_red_status_shows_silence_held_replay_and_channels_not_heard_yet() -> None:
     st: dict[str, Any] = {
         "land_seq": 7,
