@@ -702,6 +702,39 @@ def red_replay(
 red.add_command(red_replay, "publish")  # the replay publisher's other name (DESIGN §3.8)
 
 
+@red.command("declare")
+@config_option
+@click.argument("exchanges", nargs=-1)
+@click.option("--json", "as_json", is_flag=True, help="print the report as JSON")
+def red_declare(config_path: Path | None, exchanges: tuple[str, ...], as_json: bool) -> None:
+    """Declare exchanges on the red broker as black had them, publishing nothing.
+
+    EXCHANGES default to every exchange with landed rows. The replay declares an exchange only
+    at its first publish: declare it first, bind the red queues to it, then approve it, and no
+    message is returned unroutable. Exit 1 when one is refused or has not landed, 2 when the
+    red broker refuses the login or the vhost."""
+    from bridge.errors import BrokerError
+    from bridge.red.replay_declare import declare_exchanges
+
+    cfg = _load(config_path)
+    url = cfg.red.replay.amqp_url.get_secret_value()
+    _replay_preflight(url)
+    messages = Path(cfg.red.tables_dir) / "messages"
+    try:
+        done = declare_exchanges(messages, url, exchanges)
+    except BrokerError as e:
+        raise click.ClickException(f"red broker (red.replay.amqp_url): {e}") from None
+    if as_json:
+        click.echo(json.dumps([d.to_json() for d in done]))
+    elif not done:
+        click.echo("nothing to declare: no row has landed yet")
+    for d in done if not as_json else ():
+        detail = f" (type {d.decl[0]})" if d.decl is not None and d.outcome == "declared" else ""
+        click.echo(f"{d.outcome}: {d.exchange!r}{detail}{': ' + d.why if d.why else ''}")
+    if any(d.outcome in ("refused", "not_landed") for d in done):
+        sys.exit(1)
+
+
 @red.command("status")
 @config_option
 @json_option
