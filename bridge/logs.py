@@ -12,6 +12,7 @@ from typing import Any
 from bridge.errors import ConfigError
 
 __all__ = [
+    "ensure_logging",
     "LOG_FORMATS",
     "LOG_LEVELS",
     "check_log_level",
@@ -60,6 +61,13 @@ def check_log_level(value: str, where: str) -> str:
             f"{where} = {value!r} is not a log level: use one of {', '.join(LOG_LEVELS)}"
         )
     return lvl
+
+
+def ensure_logging() -> None:
+    """Set up logging unless this process already did: a Spark Python worker (a source's
+    reader, an executor) starts with none, and its records would print bare, without ids."""
+    if not logging.getLogger("bridge").handlers:
+        setup_logging()
 
 
 def setup_logging(level: str | None = None, *, json_logs: bool | None = None) -> None:

@@ -24,7 +24,6 @@ scheduled runs drain that way).
 from __future__ import annotations
 
 import json
-import logging
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -45,7 +44,7 @@ from bridge.black.spool import SpoolReader
 from bridge.black.state import StateStore
 from bridge.config import Config, load_config
 from bridge.errors import ConfigError
-from bridge.logs import get_logger, log_event, setup_logging
+from bridge.logs import ensure_logging, get_logger, log_event
 from bridge.spark import FOREIGN_CHECKPOINT
 
 __all__ = ["SpoolDataSource", "SpoolStreamReader", "READ_HINT_FILE", "RANGE_SCHEMA", "SpoolRange"]
@@ -93,8 +92,7 @@ class SpoolStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
     """Processing-time queries collect until a bundle is worth cutting (option ``hold``)."""
 
     def __init__(self, options: dict[str, str]) -> None:
-        if not logging.getLogger("bridge").handlers:  # Spark's source runner process
-            setup_logging()
+        ensure_logging()  # Spark's source runner process
         self.config_path = options.get("config", "")
         self.cfg: Config = load_config(self.config_path or None)
         names = [c.strip() for c in options.get("channels", "").split(",") if c.strip()]

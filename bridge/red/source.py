@@ -35,7 +35,6 @@ Options: ``config`` (path of the diode TOML), ``parallelism`` (partitions per ba
 from __future__ import annotations
 
 import json
-import logging
 import os
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -54,7 +53,7 @@ from pyspark.sql.types import StructType
 
 from bridge.config import Config, load_config
 from bridge.errors import ConfigError
-from bridge.logs import get_logger, log_event, setup_logging
+from bridge.logs import ensure_logging, get_logger, log_event
 from bridge.red.evidence import Evidence
 from bridge.red.intake import Intake, Taken
 from bridge.red.layout import intent_path
@@ -132,8 +131,7 @@ class InboxStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
     """Plans intake ordinal ranges; executors verify the files."""
 
     def __init__(self, options: dict[str, str]) -> None:
-        if not logging.getLogger("bridge").handlers:  # Spark's source runner process
-            setup_logging()
+        ensure_logging()  # Spark's source runner process
         self.config_path = options.get("config", "")
         self.cfg: Config = load_config(self.config_path or None)
         self.parallelism = max(1, int(options.get("parallelism", "2")))
@@ -414,6 +412,7 @@ class InboxStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
     # -- executors ----------------------------------------------------------------------------
     def read(self, partition: InputPartition) -> Iterator[pa.RecordBatch]:
         assert isinstance(partition, FileBatch)
+        ensure_logging()  # an executor's Python worker: its records with their ids
         base = intake_dir(self.cfg)
         for ordinal, name, size, mtime_ns in partition.files:
             path = base / f"{ordinal:012d}.{name}"

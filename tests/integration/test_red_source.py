@@ -7,7 +7,11 @@ judged from intake, as the landing moves them.
 from __future__ import annotations
 
 import dataclasses
+import os
+import pickle
 import random
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -236,6 +240,31 @@ def test_a_bundle_that_can_never_fit_beside_itself_is_planned_and_rejected(
         assert [(x["name"], x["status"], x["reason"]) for x in judged] == [
             (big, "reject", "too_large")
         ]
+
+
+def test_a_reader_in_a_fresh_worker_process_logs_its_rejections_with_their_ids(
+    keys: RedKeys, short_tmp: Path, reader_at: Callable[[Path, RedKeys], InboxStreamReader]
+) -> None:
+    """An executor gets the reader pickled into a Python worker that set up no logging: its
+    ``wire file rejected`` printed bare (no file, reason, channel). ``read`` sets it up."""
+    r = reader_at(short_tmp, keys)
+    junk = "orders.000000000001." + "a" * 32 + ".dbundle"
+    (short_tmp / "red" / "inbox" / junk).write_bytes(b"\x00not a gpg message" * 40)
+    start = {"next": 1}
+    parts = planned(r, start, poll(r, start, lambda: len(r._pending()) == 1))
+    fresh = InboxStreamReader({"config": r.config_path})  # as Spark pickles it, unstarted
+    blob = pickle.dumps((fresh, parts))
+    worker = "import pickle, sys\nr, parts = pickle.load(sys.stdin.buffer)\n" + (
+        "print(sum(b.num_rows for p in parts for b in r.read(p)))\n"
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DIODE_LOG")}
+    got = subprocess.run(
+        [sys.executable, "-c", worker], input=blob, capture_output=True, env=env, timeout=120
+    )
+    err = got.stderr.decode()
+    assert got.returncode == 0 and got.stdout.strip() == b"1", err[-2000:]
+    lines = [ln for ln in err.splitlines() if "wire file rejected" in ln]
+    assert lines and all(junk in ln and '"reason"' in ln for ln in lines), err[-2000:]
 
 
 def test_an_offset_of_another_query_is_a_configuration_error(
