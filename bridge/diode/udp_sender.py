@@ -46,7 +46,7 @@ from bridge.diode.udp_interleave import Interleaver
 from bridge.diode.udp_key import load_key
 from bridge.diode.udp_pacing import TokenBucket
 from bridge.errors import ConfigError, TransportError
-from bridge.faults import crash_point
+from bridge.faults import crash_point, slow_point
 from bridge.fsutil import atomic_write_bytes, durable_mkdir, exclusive_lock, fsync_dir
 from bridge.logs import get_logger, log_event
 from bridge.metrics import UDP
@@ -488,6 +488,7 @@ class _Sender:
             if op.off and not short and time.monotonic() >= self.digest_until:
                 return False
             chunk = os.pread(op.fd, _CHUNK, op.off)
+            slow_point("udp.digest")  # tests: a digest slow enough to be cut short
             if not chunk:
                 return True
             op.digest.update(chunk)
