@@ -116,6 +116,17 @@ def test_loose_setup_names_every_problem_and_fix(tmp_path: Path) -> None:
     assert "S3cret" not in text  # names the key, never the value
 
 
+def test_a_passphrase_file_that_is_a_device_is_never_told_to_be_chmodded(tmp_path: Path) -> None:
+    """passphrase_file = "/dev/null" (mode 0666): the fix once said `chmod 600 /dev/null`,
+    which an operator following it would apply to the host's /dev/null (every service that
+    writes there then fails). A device is named as the wrong kind of file instead."""
+    cfg = _setup(tmp_path, 'passphrase_file = "/dev/null"\n', cfg_mode=0o600, home_mode=0o700)
+    problems = permission_problems(load_config(cfg, environ={}), side="black")
+    text = "\n".join(problems)
+    assert "/dev/null (black.passphrase_file) is not a regular file" in text, problems
+    assert "chmod 600 /dev/null" not in text and "install -m 600 /dev/null FILE" in text
+
+
 def _black_dirs(tmp_path: Path) -> dict[str, Path]:
     """The black directories permission_problems checks, at their default places."""
     black = tmp_path / "black"
