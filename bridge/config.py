@@ -258,6 +258,11 @@ class BlackConfig(_Strict):
     signing_key: str = ""
     """Fingerprint of the black signing key (must be listed in link.black_signers)."""
 
+    @field_validator("signing_key")
+    @classmethod
+    def _signing_fpr(cls, v: str) -> str:
+        return _fingerprint(v, "black.signing_key") if v else v  # empty: `diode check` says so
+
     passphrase_file: Path | None = None
     """File (mode 0600, one line) holding the signing key's passphrase. Unset: the key has
     none, or the passphrase comes from the variable named by passphrase_env."""
@@ -931,6 +936,33 @@ def _resolve_udp_paths(udp: dict[str, Any], base: Path, red_inbox: Any) -> None:
         recv["inbox"] = _path(inbox, base) if inbox not in (None, "") else red_inbox
 
 
+def _key_places(model: type[BaseModel], prefix: str = "") -> list[tuple[str, str]]:
+    """(key name, where to write it) for every key of ``model`` and its sub-tables:
+    ``("max_rows", "black.bundle.max_rows")``, ``("recipients", "recipients in a
+    [[channels]] table")``."""
+    out = []
+    for name, info in model.model_fields.items():
+        if not prefix and name == "source":  # set by the loader, never written
+            continue
+        out.append((name, f"{prefix}{name}"))
+        ann = info.annotation
+        sub = _model_in(ann)
+        if sub is not None:
+            out += _key_places(sub, f"{prefix}{name}.")
+        elif typing.get_origin(ann) is list and (item := _model_in(typing.get_args(ann)[0])):
+            table = f"{prefix}{name}"
+            out += [(k, f"{where} in a [[{table}]] table") for k, where in _key_places(item)]
+    return out
+
+
+def _elsewhere(loc: tuple[Any, ...]) -> list[str]:
+    """Where else the unknown key at ``loc`` is a known key (at most 3 places): a key put in
+    the wrong section (``max_rows`` under ``[black]``, not ``[black.bundle]``)."""
+    if not loc or not isinstance(loc[-1], str):
+        return []
+    return [where for k, where in _key_places(Config) if k == loc[-1]][:3]
+
+
 def _explain(e: Any) -> str:
     """A validation error in the operator's words (the TOML type that is wrong, the one
     expected); never the value, which may be a secret."""
@@ -945,6 +977,9 @@ def _explain(e: Any) -> str:
         "model_type": "a table (a [section] header, or { ... })",
     }
     if kind == "extra_forbidden":
+        places = _elsewhere(tuple(e["loc"]))
+        if places:
+            return f"unknown key here: did you mean {' or '.join(places)}?"
         return "unknown key (typo? see conf/diode.example.toml for every key)"
     if kind == "is_instance_of" and e.get("ctx", {}).get("class") == "Path":
         return f"must be a path (a string in double quotes), got {got}"
@@ -996,13 +1031,14 @@ def config_from_dict(
         cfg = Config.model_validate(data, strict=True)
     except ValidationError as e:
         raise ConfigError(_format_validation(e, origins)) from None
-    if cfg.black.signing_key:
-        fpr = cfg.black.signing_key.replace(" ", "").upper()
-        if cfg.link.black_signers and fpr not in cfg.link.black_signers:
-            raise ConfigError(
-                f"{source}: black.signing_key {fpr} is not listed in link.black_signers; "
-                "red would reject every bundle: add it there"
-            )
+    fpr = cfg.black.signing_key  # a full fingerprint (validated) or empty
+    if fpr and cfg.link.black_signers and fpr not in cfg.link.black_signers:
+        raise ConfigError(
+            f"{source}: black.signing_key {fpr} is not listed in link.black_signers "
+            f"({', '.join(cfg.link.black_signers)}); red would reject every bundle. Check "
+            "black.signing_key (a typo?), or if it is right add it to link.black_signers on "
+            "both sides"
+        )
     return cfg
 
 

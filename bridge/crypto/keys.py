@@ -491,7 +491,8 @@ def signing_gpg(
 
     Checks: the signing key is configured, present and can sign; the home holds no other
     secret key (a red key, revoked or expired ones too); a protected key has a passphrase
-    that works (a test signature). Loose permissions are logged as warnings (``diode keys
+    that works (a test signature); every encrypted channel's recipients are present and can
+    encrypt (``_require_recipients``). Loose permissions are logged as warnings (``diode keys
     check`` fails on them). ``one_shot`` (a check, not the black job): a gpg-agent this
     call started is stopped when it returns.
     """
@@ -504,17 +505,56 @@ def signing_gpg(
         return _signing_gpg(cfg, environ)
 
 
+def _signing_key_missing_message(home: Path, fpr: str, held: dict[str, tuple[str, str]]) -> str:
+    """Why black.signing_key ``fpr`` is not usable when the home holds other secret keys
+    (fingerprint -> (capabilities, uid)): listed, so a wrong fingerprint is fixed in the
+    config (``diode keys init`` would refuse a home that already holds a key)."""
+    shown = "\n".join(
+        f"  - {f}  {uid or '(no user id)'}  ({'a red key' if _is_red(caps) else 'a signing key'})"
+        for f, (caps, uid) in held.items()
+    )
+    if all(_is_red(caps) for caps, _ in held.values()):
+        fix = (
+            "it holds only red keys: point black.gnupg_home at black's home (the one "
+            "`diode keys init --side black` made)"
+        )
+    else:
+        fix = (
+            "if the signing key listed is black's, set black.signing_key to it (and list it in "
+            "link.black_signers on both sides), or point black.gnupg_home at the home that "
+            f"holds {fpr}"
+        )
+    return (
+        f"black.signing_key: secret key {fpr} missing from GnuPG home {home}, which holds "
+        f"these secret key(s):\n{shown}\nFix: {fix}"
+    )
+
+
+def _require_recipients(gpg: Gpg, cfg: Config) -> None:
+    """Every encrypted channel's recipients are in black's home and can encrypt: the check
+    ``diode check``, ``diode keys check --side black`` and the black job's start share."""
+    for ch in cfg.channels:
+        if ch.encrypt:
+            gpg.require_keys(
+                ch.recipients, purpose=f"recipients of channel {ch.name!r}", capability="encrypt"
+            )
+
+
 def _signing_gpg(cfg: Config, environ: Mapping[str, str] | None) -> Gpg:
     _warn_permissions(cfg, "black")
     fpr = normalize_fingerprint(cfg.black.signing_key, what="black.signing_key")
     gpg = Gpg(Path(cfg.black.gnupg_home), passphrase=_passphrase(cfg, "black", environ))
+    held = _secret_roles(gpg)
+    if held and fpr not in held:
+        raise KeyMissingError(_signing_key_missing_message(gpg.home, fpr, held))
     gpg.require_keys([fpr], secret=True, purpose="black.signing_key", capability="sign")
-    others = {f: caps for f, (caps, _) in _secret_roles(gpg).items() if f != fpr}
+    others = {f: caps for f, (caps, _) in held.items() if f != fpr}
     if others:
         raise CryptoError(_extra_secrets_message(gpg.home, fpr, others))
     gpg.check_unlock(
         fpr, capability="sign", purpose="black.signing_key", fix=_passphrase_fix(cfg, "black")
     )
+    _require_recipients(gpg, cfg)
     return gpg
 
 

@@ -507,6 +507,7 @@ def test_a_key_check_leaves_no_passphrase_in_the_agent(
     sealed = signing_gpg(cfg).seal_bytes(b"z", signer=black.fpr, recipients=[red.fpr])
     assert gpg.open_bytes(sealed, pinned_signers=[black.fpr])[0] == b"z"  # still opens
     locked_black = init_side("black", short_tmp / "b2" / "keys", passphrase=Passphrase(path=pw))
+    import_public_keys(locked_black.home, [red.public_file])  # the channel's recipient
     cfg2 = _cfg(locked_black, red, short_tmp)
     signing_gpg(cfg2)
     assert _cached(locked_black.home) == []
