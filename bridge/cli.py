@@ -335,9 +335,10 @@ def keys_check(config_path: Path | None, side: str) -> None:
 def check(config_path: Path | None) -> None:
     """Validate the config and the black keys; exit non-zero with the fix if anything is wrong.
 
-    Exit 2: a configuration error (the config, a key missing or unusable, the broker refusing
-    the login); 1: anything else (permissions too loose, the broker unreachable). Changes
-    nothing on the host: a missing GnuPG home is reported, not created."""
+    Exit 2: a configuration error (the config, a key missing or unusable, a directory black
+    cannot write, the broker or its management API refusing the login); 1: anything else
+    (permissions too loose, the broker unreachable). Changes nothing on the host: a missing
+    GnuPG home is reported, not created, and a gpg-agent the check started is stopped."""
     from bridge.black.broker import check_amqp_url, connect
     from bridge.black.job import check_black_config
     from bridge.crypto.perms import permission_problems
@@ -347,7 +348,7 @@ def check(config_path: Path | None) -> None:
     _check_black_places(cfg)
     _require_gnupg_home(cfg, "black")
     try:
-        check_black_config(cfg)
+        check_black_config(cfg, one_shot=True)
     except CryptoError as e:
         raise _key_problem(e) from None
     problems = permission_problems(cfg, side="black")

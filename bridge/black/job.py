@@ -16,6 +16,7 @@ query idles, a last availableNow query seals what is left (the earlier behaviour
 
 from __future__ import annotations
 
+import errno
 import os
 import threading
 import time
@@ -35,13 +36,21 @@ from bridge.black.taps import TapSupervisor, UntilEmptyTaps
 from bridge.config import Config
 from bridge.crypto.gpg import Gpg
 from bridge.crypto.keys import signing_gpg
-from bridge.diode.file_drop import Outbox
+from bridge.diode.file_drop import Outbox, default_staging, not_writable, write_refusal
 from bridge.errors import ConfigError, DiodeError
 from bridge.fsutil import DIR_MODE, durable_mkdir, exclusive_lock
 from bridge.logs import get_logger, log_event
 from bridge.spark import config_error_in, spark_path
 
-__all__ = ["BlackRun", "BlackSummary", "run_black", "check_black_config", "Trigger"]
+__all__ = [
+    "BlackRun",
+    "BlackSummary",
+    "run_black",
+    "check_black_config",
+    "check_black_writable",
+    "make_black_dirs",
+    "Trigger",
+]
 
 log = get_logger("bridge.black.job")
 Trigger = Literal["available-now", "continuous"]
@@ -82,8 +91,10 @@ class BlackSummary:
         }
 
 
-def check_black_config(cfg: Config) -> Gpg:
-    """Fail fast, before Spark starts, on anything the operator must fix."""
+def check_black_config(cfg: Config, *, one_shot: bool = False) -> Gpg:
+    """Fail fast, before Spark starts, on anything the operator must fix. ``one_shot`` (a
+    check, not the job): a gpg-agent this call started is stopped, its cached passphrase
+    with it."""
     if cfg.source is None:
         raise ConfigError(
             "the black job needs a config file (the Spark source reads it): pass --config"
@@ -93,11 +104,11 @@ def check_black_config(cfg: Config) -> Gpg:
             "black.signing_key is empty: run `diode keys init --side black` and paste the "
             "fingerprint it prints"
         )
-    gpg = signing_gpg(cfg)  # the key is there, usable, unlocked; no red secret key beside it
+    check_black_writable(cfg)  # `diode check` too: creates nothing
+    # the key is there, usable, unlocked; no red secret key beside it; recipients can encrypt
+    gpg = signing_gpg(cfg, one_shot=one_shot)
     for ch in cfg.channels:
-        if ch.encrypt:
-            gpg.require_keys(ch.recipients, purpose=f"recipients of channel {ch.name!r}")
-        else:
+        if not ch.encrypt:
             log_event(
                 log,
                 30,
@@ -107,10 +118,67 @@ def check_black_config(cfg: Config) -> Gpg:
     return gpg
 
 
+def _black_places(cfg: Config) -> list[tuple[str, Path, bool]]:
+    """``(config key, directory, is a drop dir)`` of every directory black writes files in
+    (the checkpoint dir aside: Spark makes it)."""
+    b = cfg.black
+    outbox = Path(b.outbox)
+    places = [("outbox", outbox, True)]
+    if b.udp_outbox is not None:
+        places.append(("udp_outbox", Path(b.udp_outbox), True))
+    places += [
+        ("staging_dir", Path(b.staging_dir) if b.staging_dir else default_staging(outbox), False),
+        ("archive", Path(b.archive), False),
+        ("state_dir", Path(b.state_dir), False),
+        ("spool_dir", Path(b.spool_dir), False),
+    ]
+    return places
+
+
+def check_black_writable(cfg: Config, *, probe_files: bool = False) -> None:
+    """ConfigError (key, path, uid, fix) unless the user running black can create and remove
+    files in the outbox, udp_outbox, staging, archive, state and spool dirs, found before the
+    taps drain the broker and Spark starts, not when the first bundle fails to seal.
+
+    A directory not made yet counts as its nearest existing parent (where it would be made).
+    Nothing visible is created in a drop dir, nor in a parent; ``probe_files``: the other
+    directories that exist get a create-and-unlink probe (:func:`write_refusal`), else the
+    same invisible probe as a drop dir (``diode check`` changes nothing on the host).
+    """
+    for key, path, drop in _black_places(cfg):
+        d = path
+        while not d.exists() and d != d.parent:
+            d = d.parent
+        if not d.is_dir():
+            continue  # creating it fails, with its own message (a file in the way)
+        refused = write_refusal(d, visible=probe_files and not drop and d == path)
+        if refused is None:
+            continue
+        if d == path:
+            raise ConfigError(not_writable(key, path, refused))
+        raise ConfigError(_cannot_make(key, path, d, refused))
+
+
+def _cannot_make(key: str, path: Path, parent: Path, e: OSError) -> str:
+    """``black.<key>`` does not exist yet and its nearest existing ``parent`` refused (``e``)."""
+    if e.errno == errno.EROFS:
+        why = f"{parent} is on a read-only file system"
+    else:
+        why = (
+            f"{parent} is not writable by the user running black (uid {os.getuid()}; {e.strerror})"
+        )
+    return (
+        f"cannot create black.{key} {path}: {why}; create it for that user (or mount it "
+        f"read-write), or point black.{key} elsewhere"
+    )
+
+
 def make_black_dirs(cfg: Config) -> None:
-    """Create black's state and spool dirs, and check that Spark can create the checkpoint dir,
-    before Spark and the taps start: one that cannot be made is a ConfigError naming its key,
-    not a traceback in a tap process or a Java stack trace from Spark."""
+    """Create black's state and spool dirs, check that Spark can create the checkpoint dir and
+    that black can write in every directory it writes files in (:func:`check_black_writable`,
+    probing with real files where no mover looks), before Spark and the taps start: one that
+    cannot be made or written is a ConfigError naming its key, not a traceback in a tap
+    process, a Java stack trace from Spark, or a sealing failure once the broker is drained."""
     black = cfg.black
     for key, path, mode in (
         ("state_dir", black.state_dir, DIR_MODE),
@@ -130,6 +198,7 @@ def make_black_dirs(cfg: Config) -> None:
     if not os.access(top, os.W_OK | os.X_OK):
         why = f"{top} is not writable (read-only file system or permissions)"
         raise ConfigError(_cannot_create("checkpoint_dir", ckpt, why, DIR_MODE))
+    check_black_writable(cfg, probe_files=True)
 
 
 def _cannot_create(key: str, path: Path | str, why: str, mode: int) -> str:

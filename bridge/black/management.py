@@ -1,6 +1,9 @@
 """Black, mirror: a small client of the RabbitMQ management HTTP API (exchange discovery).
 
-A 404 is told apart: ``black.management_url`` is not the management API (its
+A 401 or 403 is :class:`ManagementRefused`, a ConfigError (exit 2: retrying with the same
+user and password cannot help) that is also a :class:`ManagementApiError`, so callers that
+fall back without the API (``discover = false``) or retry a running loop still do. A 404 is
+told apart: ``black.management_url`` is not the management API (its
 ``/api/overview`` is not found either), the vhost does not exist, or only the object asked
 for (a queue) does not. An ``https://`` API whose certificate a private CA signed is
 verified against ``black.management_ca_file``.
@@ -20,7 +23,7 @@ from bridge.config import BlackConfig
 from bridge.errors import ConfigError, ManagementApiError
 from bridge.protocol.exchange import ExchangeDecl
 
-__all__ = ["ManagementClient", "QueueBinding", "ENABLE_HINT"]
+__all__ = ["ManagementClient", "ManagementRefused", "QueueBinding", "ENABLE_HINT"]
 
 ENABLE_HINT = (
     "is the management plugin enabled and reachable? enable it: "
@@ -54,6 +57,19 @@ def _vh(vhost: str) -> str:
 
 Missing = Literal["api", "vhost", "object"]
 
+CREDENTIALS_HINT = (
+    "check black.management_user / black.management_password (config file or "
+    "DIODE__BLACK__MANAGEMENT_PASSWORD)"
+)
+"""Where the management login comes from: the environment overrides the file."""
+
+
+class ManagementRefused(ManagementApiError, ConfigError):
+    """The management API refused the user (401: login, 403: not allowed): the operator must
+    fix the user, its password or its tags."""
+
+    retryable = False
+
 
 class _NotFound(ManagementApiError):
     """A 404; ``missing``: the management API itself (a wrong management_url), the vhost, or
@@ -62,6 +78,16 @@ class _NotFound(ManagementApiError):
     def __init__(self, message: str, missing: Missing) -> None:
         super().__init__(message)
         self.missing = missing
+
+
+def _reason(r: requests.Response) -> str:
+    """The management API's own reason for an error answer (``{"reason": ...}``), or ""."""
+    try:
+        doc = r.json()
+    except ValueError:
+        return ""
+    reason = doc.get("reason") if isinstance(doc, dict) else None
+    return str(reason)[:200] if reason else ""
 
 
 def _ssl_reason(e: BaseException) -> str:
@@ -159,12 +185,8 @@ class ManagementClient:
                 f"management API unreachable at {url} ({type(e).__name__}) while {what}: "
                 f"{ENABLE_HINT}"
             ) from None
-        if r.status_code == 401:
-            raise ManagementApiError(
-                f"management API {url} refused user {self._user!r} (401) while {what}: check "
-                "black.management_user / black.management_password; the user needs the "
-                "'monitoring' or 'management' tag"
-            )
+        if r.status_code in (401, 403):
+            raise self._refused(url, what, r)
         if r.status_code == 404:
             raise self._not_found(url, what, vhost, thing)
         if r.status_code >= 400:
@@ -181,6 +203,29 @@ class ManagementClient:
                 f"management API {url} did not answer JSON while {what}: is black.management_url "
                 f"the management plugin (usually http://host:15672)? {ENABLE_HINT}"
             ) from None
+
+    def _refused(self, url: str, what: str, r: requests.Response) -> ManagementRefused:
+        """401 or 403 (RabbitMQ answers 401 for a wrong login, a user without a management
+        tag and a vhost the user may not access alike; its reason tells them apart): a
+        ConfigError naming the keys, the environment override and the broker's reason."""
+        reason = _reason(r)
+        said = f": {reason!r}" if reason else ""
+        head = (
+            f"management API {url} refused user {self._user!r} ({r.status_code}{said}) while {what}"
+        )
+        if "virtual host" in reason:
+            fix = (
+                "grant that user permissions on the vhost (rabbitmqctl set_permissions), or "
+                f"{CREDENTIALS_HINT}"
+            )
+        elif "administrator" in reason:
+            fix = f"this needs a user with the 'administrator' tag: {CREDENTIALS_HINT}"
+        else:
+            fix = (
+                f"{CREDENTIALS_HINT}; the user needs the 'monitoring' or 'management' tag "
+                "(rabbitmqctl set_user_tags)"
+            )
+        return ManagementRefused(f"{head}: {fix}; retrying cannot help")
 
     def _tls_hint(self) -> str:
         if self.ca_file is None:

@@ -12,7 +12,9 @@ The staging dir (``black.staging_dir``, default ``.<outbox name>.staging`` besid
 must be on the outbox's file system and mount, for the rename to be atomic (rename(2) refuses
 to cross a bind mount, which keeps the device number); that is checked here by probing a rename
 that creates nothing (also for ``black.udp_outbox``, where the UDP channels' files go when it
-is set). Black's own
+is set). A
+directory black cannot write (permissions, an immutable attribute, a read-only mount) is found
+at start by :func:`write_refusal`, which creates nothing visible in a drop dir. Black's own
 directories (archive, staging, state, spool, checkpoint, GnuPG home) must not be inside the
 outbox or the UDP outbox, nor the outbox inside the archive: refused here, before anything is
 created. A mover may take
@@ -60,13 +62,18 @@ __all__ = [
     "Outbox",
     "ResendReport",
     "default_staging",
+    "not_writable",
     "rename_refusal",
+    "write_refusal",
 ]
 
 log = get_logger("bridge.diode.file_drop")
 _TEMP_RE = re.compile(r"^\.[A-Za-z0-9._-]+\.[0-9a-f]{12}\.tmp$")
 _CREATE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
 _NO_RANGE_COPY = frozenset({errno.EXDEV, errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP})
+_NO_TMPFILE = frozenset({errno.EOPNOTSUPP, errno.EISDIR, errno.EINVAL})
+"""O_TMPFILE unsupported (a file system without it; EISDIR: a kernel without it)."""
+_DENIED = frozenset({errno.EACCES, errno.EPERM, errno.EROFS})
 
 DROP_LOCK = ".drop.lock"
 """The lock file in the staging dir (see the module docstring)."""
@@ -78,7 +85,11 @@ _PROBE_NAME = "archive-link-probe"
 """Base name of the ``archive_mode = "link"`` check's files (temp names: ``.<it>.<hex>.tmp``)."""
 _RENAME_PROBE = "rename-probe"
 """Base name of the absent file the staging check renames (:func:`rename_refusal`)."""
+_WRITE_PROBE = "write-probe"
+"""Base name of the file a create-and-unlink write check makes (:func:`write_refusal`)."""
 _PROBE_ATTEMPTS = 3
+_ROOT_PROBES = (f".{_PROBE_NAME}.", f".{_WRITE_PROBE}.")
+"""The temp files a crash may leave in the archive root (the sweep removes them)."""
 """Probes whose file vanished before the link (removed under us) before giving up."""
 
 _SWEEP_HINT = (
@@ -116,6 +127,69 @@ def rename_refusal(src_dir: Path, dst_dir: Path) -> OSError | None:
     raise StateError(  # a random name: only something writing black's own dir could do this
         f"the rename probe {src_dir / name} existed and is now {dst_dir / name}: something "
         f"else writes files in {src_dir}; stop it, remove that file and start again"
+    )
+
+
+def write_refusal(d: Path, *, visible: bool = False) -> OSError | None:
+    """Why the user running black cannot create (and remove) files in directory ``d``, or None.
+
+    ``visible=False`` (drop dirs: a mover may take any file there, dot-files included):
+    nothing appears in ``d``: an unnamed ``O_TMPFILE`` file, freed on close, which the kernel
+    refuses as it would a new file (EACCES, EPERM for an immutable directory even for root,
+    EROFS); where the file system has no ``O_TMPFILE``, access(2) answers. ``visible=True``
+    (staging, archive, state, spool: no mover looks there): a temp name ``.write-probe.<12
+    hex>.tmp`` is created and unlinked, which also sees what access(2) cannot (an
+    append-only directory, a server squashing root). Unlike :func:`rename_refusal`, which the
+    kernel answers before it checks permissions.
+    """
+    if visible:
+        probe = tmp_path_for(Path(d) / _WRITE_PROBE)
+        try:
+            os.close(os.open(probe, _CREATE, FILE_MODE))
+            os.unlink(probe)
+        except OSError as e:
+            return e
+        return None
+    try:
+        fd = os.open(d, os.O_TMPFILE | os.O_WRONLY | os.O_CLOEXEC, FILE_MODE)
+    except OSError as e:
+        if e.errno not in _NO_TMPFILE:
+            return e
+    else:
+        os.close(fd)
+        return None
+    if os.access(d, os.W_OK | os.X_OK):
+        return None
+    code = errno.EROFS if _read_only(d) else errno.EACCES
+    return OSError(code, os.strerror(code), os.fspath(d))
+
+
+def _read_only(d: Path) -> bool:
+    try:
+        return bool(os.statvfs(d).f_flag & os.ST_RDONLY)
+    except OSError:
+        return False
+
+
+def not_writable(key: str, d: Path, e: OSError) -> str:
+    """What to tell when ``black.<key>`` ``d`` refused black's files (``e``, from
+    :func:`write_refusal` or a delivery): the key, the path, the uid, the reason and the fix."""
+    if e.errno == errno.EROFS:
+        return (
+            f"black.{key} {d} is on a read-only file system: black writes there. Mount it "
+            f"read-write, or point black.{key} to a writable directory"
+        )
+    why = e.strerror or str(e)
+    if e.errno == errno.EPERM:
+        why += ": an immutable or append-only attribute (lsattr -d) refuses even root"
+    who = (
+        "e.g. the mover's group, mode 0770"
+        if key in ("outbox", "udp_outbox")
+        else "e.g. its owner, mode 0750"
+    )
+    return (
+        f"black.{key} {d} is not writable by the user running black (uid {os.getuid()}; {why}): "
+        f"give that user write access ({who}), or point black.{key} elsewhere"
     )
 
 
@@ -339,6 +413,31 @@ class Outbox:
             f"delivered until that is fixed: {self._staging_fix()}; then start black again"
         )
 
+    def _denied_hint(self, e: BaseException, channel: str | None) -> str:
+        """The fix, when a delivery of ``channel`` (None: a staging write) was refused (EACCES,
+        EPERM, EROFS): which of its drop dir, the staging dir and its archive folder black
+        cannot write, found by :func:`write_refusal` (nothing visible in the drop dir); "" for
+        any other error."""
+        if not isinstance(e, OSError) or e.errno not in _DENIED:
+            return ""
+        places = [("staging_dir", self.staging)]
+        if channel is not None:
+            drop, adir = self.dir_for(channel), self.archive / channel
+            places = [
+                ("outbox" if drop == self.outbox else "udp_outbox", drop),
+                *places,
+                ("archive", adir if adir.is_dir() else self.archive),
+            ]
+        for key, d in places:
+            refused = write_refusal(d) if d.is_dir() else None
+            if refused is not None and refused.errno in _DENIED:
+                return f"; {not_writable(key, d, refused)}; then start black again"
+        keys = " and ".join(f"black.{key} {d}" for key, d in places)
+        return (
+            f"; the user running black (uid {os.getuid()}) may not write there: give it write "
+            f"access to {keys}, or point them elsewhere; then start black again"
+        )
+
     def _check_archive_link(self) -> None:
         """Link a probe file from the staging dir into the archive: a device check alone
         misses bind mounts (EXDEV) and shares without hard links (EPERM, EOPNOTSUPP).
@@ -416,8 +515,8 @@ class Outbox:
                 for entry in os.scandir(d):
                     if not _TEMP_RE.match(entry.name) or not entry.is_file(follow_symlinks=False):
                         continue
-                    if d == self.archive and not entry.name.startswith(f".{_PROBE_NAME}."):
-                        continue  # the archive root holds channel folders and link probes only
+                    if d == self.archive and not entry.name.startswith(_ROOT_PROBES):
+                        continue  # the archive root: channel folders, link and write probes
                     try:
                         os.unlink(entry.path)
                     except FileNotFoundError:  # a mover took it
@@ -481,7 +580,7 @@ class Outbox:
         except OSError as e:
             raise TransportError(
                 f"cannot deliver {name} (channel {channel!r}) into {outbox}: {e}"
-                f"{self._exdev_hint(e, final)}"
+                f"{self._exdev_hint(e, final) or self._denied_hint(e, channel)}"
             ) from e
         return final
 
@@ -493,7 +592,9 @@ class Outbox:
         except BaseException as e:
             tmp.unlink(missing_ok=True)
             if isinstance(e, OSError):
-                raise TransportError(f"cannot stage {name} in {self.staging}: {e}") from e
+                raise TransportError(
+                    f"cannot stage {name} in {self.staging}: {e}{self._denied_hint(e, None)}"
+                ) from e
             raise
         return tmp
 
@@ -511,7 +612,8 @@ class Outbox:
         except OSError as e:
             staged.unlink(missing_ok=True)
             raise TransportError(
-                f"cannot move {name} into {outbox}: {e}{self._exdev_hint(e, final)}"
+                f"cannot move {name} into {outbox}: {e}"
+                f"{self._exdev_hint(e, final) or self._denied_hint(e, channel)}"
             ) from e
         try:
             fsync_dir(outbox)
@@ -560,9 +662,10 @@ class Outbox:
         try:
             size = self._redrop(self.archive / channel / name, name, channel)
         except OSError as e:
+            hint = self._exdev_hint(e, self.dir_for(channel) / name)
             raise TransportError(
                 f"cannot re-drop {name} of channel {channel!r}: {e}"
-                f"{self._exdev_hint(e, self.dir_for(channel) / name)}"
+                f"{hint or self._denied_hint(e, channel)}"
             ) from e
         if size is None:
             raise TransportError(
@@ -619,6 +722,7 @@ class Outbox:
             size = self._redrop(src, src.name, channel)
         except (OSError, StateError) as e:
             hint = self._exdev_hint(e, self.dir_for(channel) / src.name)
+            hint = hint or self._denied_hint(e, channel)
             stop = (
                 f"resend of channel {channel!r} stopped at bundle seq {seq} ({src.name}): "
                 f"{e}{hint}; {done} bundle(s) of {first}..{seq - 1} were re-dropped before"

@@ -1,7 +1,8 @@
 """Integration: misconfiguration fails fast through the real `diode` CLI with a message that
 says how to fix it (unknown key, missing recipient key, unreachable broker, a config holding
 secrets that others can read, an AMQP URL the tap would refuse, a refused red broker, a metrics
-port in use, a missing GnuPG home, bad log settings), exit 2 for configuration errors.
+port in use, a missing GnuPG home, bad log settings, an outbox black cannot write, a refused
+management login), exit 2 for configuration errors.
 
 "Fast" is proven by order, not by a stopwatch: every run has a poisoned ``JAVA_HOME``, so a
 command that started Spark before checking its config would die of the Java gateway instead of
@@ -18,16 +19,19 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from datetime import UTC, datetime
 from pathlib import Path
 
 import pyarrow as pa
 import pytest
+import requests
 
 from bridge.black.management import ManagementClient
 from bridge.crypto.keys import init_keys
 from bridge.errors import ManagementApiError
-from tests.conftest import Vhost
+from tests.conftest import AUTH, MGMT, Vhost
+from tests.unit.test_black_dirs import refused_dir
 
 pytestmark = [pytest.mark.gpg]
 
@@ -44,13 +48,14 @@ def _cfg(
     amqp: str,
     extra: str = "",
     home: str = "keys/black",
+    mgmt: str = "http://127.0.0.1:9",
 ) -> Path:
     p = work / "d.toml"
     p.write_text(
         f'[link]\nblack_signers = ["{black}"]\n'
         f'[[channels]]\nname = "c1"\nrecipients = {json.dumps(recipients)}\n'
         f'[black]\namqp_url = "{amqp}"\ngnupg_home = "{home}"\nsigning_key = "{black}"\n'
-        f'management_url = "http://127.0.0.1:9"\n{extra}'
+        f'management_url = "{mgmt}"\n{extra}'
     )
     p.chmod(0o600)  # it holds secrets (the AMQP password): only its owner may read it
     return p
@@ -416,3 +421,60 @@ def test_red_replay_service_stops_gracefully_on_sigterm(short_tmp: Path) -> None
         out, _ = proc.communicate(timeout=60)
     assert proc.returncode == 0, log.read_text()[-2000:]
     assert json.loads(out.strip().splitlines()[-1])["caught_up"] is False, out
+
+
+# ---------------------------------------------------------------------------- K: writable, login
+def test_check_and_black_run_refuse_an_outbox_black_cannot_write_before_any_drain(
+    short_tmp: Path, black_vhost: Vhost
+) -> None:
+    """It was found only when the first bundle failed to seal, after the taps had drained the
+    broker into the spool and Spark had started (exit 1, no fix)."""
+    inv = init_keys(short_tmp / "keys")
+    outbox = short_tmp / "outbox"
+    outbox.mkdir()
+    p = _cfg(short_tmp, inv.black_fpr, list(inv.red_fprs.values()), black_vhost.amqp_url,
+             f'discover = false\noutbox = "{outbox}"\n')  # fmt: skip
+    with refused_dir(outbox) as why:
+        for cmd in (["check"], ["black", "run", "--trigger", "available-now"]):
+            code, out = _run(*cmd, "--config", str(p))
+            assert code == 2, (cmd, out)
+            assert f"black.outbox {outbox} is not writable by the user running black" in out, out
+            assert f"(uid {os.getuid()}; {why}" in out, out
+            assert "give that user write access (e.g. the mover's group, mode 0770)" in out, out
+    assert not (short_tmp / "black").exists(), "no tap ran, nothing was spooled"
+
+
+@pytest.fixture
+def mgmt_user(black_vhost: Vhost) -> Iterator[tuple[str, str]]:
+    """A management user of this test's own ('monitoring' tag, no permissions), deleted
+    afterwards."""
+    user, password = f"diode-test-mgmt-{black_vhost.name[-10:]}", "right-pw"
+    url = f"{MGMT}/api/users/{user}"
+    requests.put(
+        url, auth=AUTH, json={"password": password, "tags": "monitoring"}, timeout=10
+    ).raise_for_status()
+    try:
+        yield user, password
+    finally:
+        requests.delete(url, auth=AUTH, timeout=10)
+
+
+def test_a_refused_management_login_exits_2_naming_the_environment_override(
+    short_tmp: Path, black_vhost: Vhost, mgmt_user: tuple[str, str]
+) -> None:
+    user, password = mgmt_user
+    inv = init_keys(short_tmp / "keys")
+    p = _cfg(short_tmp, inv.black_fpr, list(inv.red_fprs.values()), black_vhost.amqp_url,
+             f'management_user = "{user}"\n', mgmt=MGMT)  # fmt: skip
+    wrong = {"DIODE__BLACK__MANAGEMENT_PASSWORD": "n0t-the-pw"}
+    for cmd in (["check"], ["black", "run", "--trigger", "available-now"]):
+        code, out = _run(*cmd, "--config", str(p), env_extra=wrong)
+        assert code == 2, (cmd, out)
+        assert f"refused user {user!r} (401: 'Login failed')" in out, out
+        assert "black.management_password (config file or DIODE__BLACK__MANAGEMENT_PASSWORD)" in out
+        assert "n0t-the-pw" not in out, "credentials must never be printed"
+    # the right password, but no permissions on the vhost: the run's exchange listing is refused
+    code, out = _run("black", "run", "--trigger", "available-now", "--config", str(p),
+                     env_extra={"DIODE__BLACK__MANAGEMENT_PASSWORD": password})  # fmt: skip
+    assert code == 2, out
+    assert "not authorised to access virtual host" in out and "set_permissions" in out, out

@@ -491,6 +491,32 @@ def test_one_shot_key_commands_stop_the_agents_they_started(
     assert _agent_pid(black.home) == running
 
 
+def test_diode_check_stops_the_agent_it_started(short_tmp: Path) -> None:
+    """`diode check` (check_black_config with one_shot) leaves no gpg-agent behind, with the
+    passphrase it cached; the black job's start (one_shot off) keeps its agent."""
+    from bridge.black.job import check_black_config
+
+    pw = _pw_file(short_tmp)
+    black, red = _pair(short_tmp, black_pp=Passphrase(path=pw))
+    assert _agent_gone(black.home)
+    toml = short_tmp / "diode.toml"
+    paths = "".join(
+        f'{k} = "{short_tmp / k}"\n' for k in ("outbox", "archive", "state_dir", "spool_dir")
+    )
+    text = (black.to_toml_snippet() + red.to_toml_snippet()).replace(
+        "[black]\n", "[black]\n" + paths, 1
+    )
+    toml.write_text(text)
+    toml.chmod(0o600)
+    assert tomllib.loads(text)["black"]["outbox"] == str(short_tmp / "outbox")
+    cfg = load_config(toml, environ={})
+    check_black_config(cfg, one_shot=True)
+    assert _agent_gone(black.home)
+    check_black_config(cfg)  # the job's start
+    assert _agent_pid(black.home) is not None
+    subprocess.run(["gpgconf", "--homedir", str(black.home), "--kill", "all"], check=False)
+
+
 def _cached(home: Path) -> list[str]:
     """Keygrips whose passphrase gpg-agent of ``home`` caches now."""
     return [ln.split()[2] for ln in Gpg(home)._agent("KEYINFO --list") if ln.split()[6:7] == ["1"]]
