@@ -44,6 +44,7 @@ from bridge.logs import get_logger, log_event
 from bridge.protocol.exchange import check_exchange_name
 
 __all__ = [
+    "landed_exchanges",
     "APP_ID",
     "APPROVALS_FILE",
     "Approvals",
@@ -363,6 +364,8 @@ def approve_exchanges(
         audited = _sync_or_defer(tables_dir, approvals)
     warnings += [w for w in (unreadable, behind) if w is not None]
     configured = set(cfg.red.replay.approved)
+    if not revoke:
+        warnings += _not_landed(tables_dir, [c["exchange"] for c in changed])
     if revoke:
         for name in sorted(configured & set(names)):
             warnings.append(
@@ -379,6 +382,38 @@ def approve_exchanges(
         "warnings": warnings,
         "audit_rows_written": audited,
     }
+
+
+def landed_exchanges(tables_dir: Path) -> set[str] | None:
+    """The exchanges with rows in ``messages`` (its partition values, from the Delta log: no
+    data file is read); None when the table does not exist yet."""
+    from deltalake import DeltaTable
+
+    path = Path(tables_dir) / "messages"
+    if not DeltaTable.is_deltatable(str(path)):
+        return None
+    return {str(p.get("exchange") or "") for p in DeltaTable(str(path)).partitions()}
+
+
+def _not_landed(tables_dir: Path, names: list[str]) -> list[str]:
+    """A warning per newly approved name no landed row has (a typo goes unnoticed otherwise:
+    the approval waits, silently, for rows that never come)."""
+    if not names:
+        return []
+    try:
+        landed = landed_exchanges(tables_dir)
+    except Exception as e:  # noqa: BLE001 - a warning only; the approval stands
+        return [f"landed exchanges not read ({type(e).__name__}: {e}): names not checked"]
+    if landed is None:
+        return [f"nothing has landed yet in {tables_dir}: approved names not checked"]
+    shown = ", ".join(repr(x) for x in sorted(landed)[:20]) or "none"
+    more = f" and {len(landed) - 20} more" if len(landed) > 20 else ""
+    return [
+        f"exchange {n!r} has no landed row (landed: {shown}{more}): a typo? It stays approved; "
+        f"revoke it with `diode approve --revoke {n}` if so"
+        for n in names
+        if n not in landed
+    ]
 
 
 def _sync_or_defer(tables_dir: Path, approvals: Approvals) -> int | str:

@@ -7,6 +7,7 @@ import os
 import stat
 import threading
 from collections.abc import Callable
+from datetime import UTC, datetime
 from pathlib import Path
 
 import pytest
@@ -41,6 +42,12 @@ def _audit(tmp: Path) -> DeltaTable:
     t = RedTables(tmp / "tables", "delta-rs")
     t.ensure()
     return DeltaTable(str(t.path("audit")))
+
+
+def _warned(out: dict) -> list[str]:  # type: ignore[type-arg]
+    """The report's warnings but those about names with no landed row (these tests land
+    nothing: that check has a test of its own)."""
+    return [w for w in out["warnings"] if "has no landed row" not in w]
 
 
 def test_empty_state_dir_has_nothing_approved(tmp_path: Path) -> None:
@@ -226,10 +233,10 @@ def test_a_lost_approvals_file_continues_above_the_audit(tmp_path: Path) -> None
     out = approve_exchanges(cfg, ["orders"], by="ops")
     assert out["changed"] == [{"exchange": "orders", "revision": 4}], out
     assert out["audit_rows_written"] == 1
-    (warning,) = out["warnings"]  # the operator learns changes 1..3 are not in the file
+    (warning,) = _warned(out)  # the operator learns changes 1..3 are not in the file
     assert "revision 0" in warning and "revision 3" in warning and "1..3" in warning, warning
     out = approve_exchanges(cfg, ["orders"], revoke=True, by="ops")
-    assert out["changed"] == [{"exchange": "orders", "revision": 5}] and out["warnings"] == []
+    assert out["changed"] == [{"exchange": "orders", "revision": 5}] and _warned(out) == []
     assert _audited(dt)[3:] == [("approved", "orders", 4), ("revoked", "orders", 5)]
     dt.update_incremental()
     assert dt.transaction_version(ap.APP_ID) == 5
@@ -246,14 +253,14 @@ def test_an_older_backup_is_warned_about_and_new_changes_are_audited(tmp_path: P
     path.write_bytes(backup)  # restored from the older backup
     out = approve_exchanges(cfg, ["a"], by="ops")  # approved already: no new revision
     assert out["unchanged"] == ["a"] and out["audit_rows_written"] == 0
-    (warning,) = out["warnings"]
+    (warning,) = _warned(out)
     assert str(path) in warning and "revision 2" in warning and "revision 3" in warning, warning
     assert "3..3" in warning and ap.APP_ID in warning
     out = approve_exchanges(cfg, ["d"], by="ops")  # still behind: warned again, numbered above
-    assert out["changed"] == [{"exchange": "d", "revision": 4}] and out["warnings"] == [warning]
+    assert out["changed"] == [{"exchange": "d", "revision": 4}] and _warned(out) == [warning]
     assert out["audit_rows_written"] == 1
     assert _audited(dt)[-1] == ("approved", "d", 4)
-    assert approve_exchanges(cfg, ["e"], by="ops")["warnings"] == []  # caught up: no warning
+    assert _warned(approve_exchanges(cfg, ["e"], by="ops")) == []  # caught up: no warning
 
 
 def test_a_lost_approvals_file_numbers_above_the_audit_and_keeps_counting(
@@ -301,3 +308,35 @@ def test_concurrent_approve_runs_audit_each_revision_once(tmp_path: Path) -> Non
     got = _audited(dt)
     assert [g[2] for g in got] == list(range(1, 13)), got
     assert sorted(g[1] for g in got) == sorted(names)
+
+
+def test_approving_a_name_no_row_has_landed_under_is_warned_about(tmp_path: Path) -> None:
+    """A typo (`ordres`) was approved silently: the replay then waits for rows that never
+    come. The report names it and the exchanges that did land."""
+    import pyarrow as pa
+
+    from bridge.protocol.exchange import ExchangeDecl
+    from bridge.protocol.rows import build_rows
+    from bridge.red.tables import RedTables
+
+    cfg = _cfg(tmp_path)
+    out = approve_exchanges(cfg, ["early"], by="ops")
+    assert any("nothing has landed yet" in w for w in out["warnings"]), out
+    tables = RedTables(tmp_path / "tables", "delta-rs")
+    tables.ensure()
+    decl = ExchangeDecl("orders", "topic", True)
+    batch = build_rows("c1", [0, 1], ["orders"] * 2, ["rk"] * 2, [False] * 2,
+                       [b"\x00\x00"] * 2, [b"a", b"b"], {"orders": decl})  # fmt: skip
+    t = pa.Table.from_batches([batch])
+    now = datetime.now(UTC)
+    for name, value in (("bundle_seq", 1), ("bundle_id", "b1"), ("land_seq", 1)):
+        t = t.append_column(name, pa.array([value] * 2))
+    t = t.append_column("landed_at", pa.array([now] * 2, pa.timestamp("us", tz="UTC")))
+    t = t.append_column("landed_date", pa.array([now.date()] * 2, pa.date32()))
+    assert tables.append("messages", t, app_id="diode-red", version=1)
+    assert ap.landed_exchanges(tmp_path / "tables") == {"orders"}
+    out = approve_exchanges(cfg, ["orders", "ordres"], by="ops")
+    (warning,) = out["warnings"]
+    assert "'ordres' has no landed row (landed: 'orders')" in warning, warning
+    assert "diode approve --revoke ordres" in warning
+    assert approve_exchanges(cfg, ["orders"], revoke=True, by="ops")["warnings"] == []
