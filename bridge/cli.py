@@ -362,12 +362,27 @@ def check(config_path: Path | None) -> None:
         load_key(cfg.udp.key_file)  # fails fast with the fix (missing, readable by others, short)
     connect(cfg.black, purpose="diode check").close()
     if cfg.black.discover:
+        from bridge.black.broker import tap_vhost
         from bridge.black.management import ManagementClient
+        from bridge.black.plan import plan_channel
 
         mc = ManagementClient.from_config(cfg.black)
-        version = mc.overview().get("rabbitmq_version")
-        mc.close()
+        try:
+            version = mc.overview().get("rabbitmq_version")
+            listing = mc.list_exchanges(tap_vhost(cfg.black.amqp_url.get_secret_value()))
+        finally:
+            mc.close()
         click.echo(f"broker: RabbitMQ {version}")
+        for ch in cfg.channels:  # what `diode mirror` would leave out: said now, not at start
+            plan = plan_channel(ch, listing)
+            for why in plan.skipped:
+                click.echo(f"warning: channel {ch.name!r}: not mirrored: {why}", err=True)
+            for name in plan.unbound_direct:
+                click.echo(
+                    f"warning: channel {ch.name!r}: direct exchange {name!r} is not mirrored: "
+                    f"list its routing keys in channels[{ch.name}].direct_routing_keys",
+                    err=True,
+                )
     click.echo(
         f"ok: {len(cfg.channels)} channel(s), keys present, broker reachable; config {cfg.source}"
     )
