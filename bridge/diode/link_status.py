@@ -158,7 +158,8 @@ def read_new_gap_records(
 def link_status(cfg: Config) -> dict[str, Any]:
     """What this host knows of the link: the sender's (black) and/or receiver's (red) view.
     Each end is None where it never ran, else its last status with ``running`` (its lock is
-    held now) and ``age_seconds``; a damaged status file is ``damaged``, not absent."""
+    held now) and ``age_seconds``; a damaged status file is ``damaged``, not absent. A file
+    link when no channel uses UDP and neither end ever ran here (an example's [udp] kept)."""
     if cfg.udp is None:
         return {"transport": "file", "udp": None}
     now = time.time()
@@ -169,6 +170,8 @@ def link_status(cfg: Config) -> dict[str, Any]:
     if recv is not None and isinstance(heard, int | float) and "age_seconds" in recv:
         # as of now, not of the receiver's last status write (a dead receiver writes none)
         recv["heartbeat_age_seconds"] = round(heard + recv["age_seconds"], 1)
+    if not cfg.udp_channels() and send is None and recv is None:
+        return {"transport": "file", "udp": None}  # [udp] configured, never used here
     gaps = read_gap_records(Path(cfg.udp.receive.spool_dir))
     return {
         "transport": "udp",

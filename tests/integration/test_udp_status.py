@@ -189,3 +189,16 @@ def test_a_status_written_in_the_future_is_not_given_a_negative_age(tmp_path: Pa
     (spool / "status.json").write_text(json.dumps(doc))
     recv = _link(cfg)["receiver"]
     assert recv["age_seconds"] == 0 and recv["heartbeat_age_seconds"] == 7.0, recv
+
+
+def test_a_udp_section_no_channel_uses_is_shown_as_a_file_link(tmp_path: Path) -> None:
+    """[udp] kept from the example, every channel on file transport, nothing ever ran: status
+    said "transport": "udp" with two "no status file" ends, as if a UDP link were down."""
+    path = _config(tmp_path, free_udp_port())
+    path.write_text(path.read_text().replace('transport = "udp"\n', ""))
+    doc = _link(path)
+    assert doc == {"transport": "file", "udp": None}, doc
+    spool = tmp_path / "red" / "udp-spool"
+    spool.mkdir(parents=True)
+    (spool / "status.json").write_text(json.dumps({"written_at": time.time()}))
+    assert _link(path)["transport"] == "udp"  # it ran here: still shown
