@@ -101,7 +101,8 @@ def connect_url(url: str, *, purpose: str) -> BlockingConnection:
     ) as e:
         raise ConfigError(
             f"RabbitMQ at {where} refused the login or the vhost {params.virtual_host!r} "
-            f"({type(e).__name__}): check user and password in black.amqp_url, that the vhost "
+            f"({type(e).__name__}): check user and password in black.amqp_url (config file or "
+            "DIODE__BLACK__AMQP_URL), that the vhost "
             "exists and that the user has permissions on it (rabbitmqctl set_permissions)"
         ) from None
     except (pika.exceptions.AMQPError, OSError) as e:

@@ -505,3 +505,16 @@ def test_check_warns_of_a_named_exchange_that_does_not_exist_and_an_unbound_dire
     assert "'op.orderz': named in channels[c1] but not found in the vhost" in out, out
     assert "direct exchange 'op.direct' is not mirrored" in out, out
     assert "op.orders" not in out.replace("op.orderz", ""), out  # mirrored: nothing to say
+
+
+def test_a_refused_amqp_login_names_the_environment_override(short_tmp: Path) -> None:
+    """The AMQP URL may come from DIODE__BLACK__AMQP_URL: the refusal says so (the file may be
+    right while the environment overrides it)."""
+    inv = init_keys(short_tmp / "keys")
+    p = _cfg(short_tmp, inv.black_fpr, list(inv.red_fprs.values()),
+             "amqp://guest:guest@127.0.0.1:5672/%2F", "discover = false\n")  # fmt: skip
+    wrong = {"DIODE__BLACK__AMQP_URL": '"amqp://guest:n0t-it@127.0.0.1:5672/%2F"'}
+    code, out = _run("check", "--config", str(p), env_extra=wrong)
+    assert code == 2, out
+    assert "refused the login" in out and "(config file or DIODE__BLACK__AMQP_URL)" in out, out
+    assert "n0t-it" not in out, "credentials must never be printed"
