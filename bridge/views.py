@@ -77,6 +77,8 @@ def black_status_view(st: Mapping[str, Any]) -> RenderableType:
         sp = c.get("spool") or {}
         if "tap" in sp:
             tap = sp["tap"]
+        elif sp.get("tap_running") is False:  # its status is what it last wrote
+            tap = _warn(f"stopped (pid {sp.get('tap_pid')}, {sp.get('status_age_s')} s ago)")
         else:
             tap = "paused" if sp.get("paused") else f"pid {sp.get('tap_pid')}"
             tap += f", {sp.get('status_age_s')} s ago"

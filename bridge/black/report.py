@@ -94,11 +94,16 @@ def _spool_status(cfg: Config, channel: str) -> dict[str, Any]:
         return {"tap": f"unreadable: {e}"}
     if st is None:
         return {"tap": "never ran"}
+    from bridge.black.spool import LOCK_FILE
+    from bridge.fsutil import lock_held
+
     return {
         "durable_end": st.durable_end,
         "acked_through": st.acked_through,
         "paused": st.paused,
         "tap_pid": st.pid,
+        # the tap holds its spool's LOCK while it runs: the kernel drops it however it ends
+        "tap_running": lock_held(Path(cfg.black.spool_dir) / channel / LOCK_FILE),
         "status_age_s": round(max(0.0, time.time() - st.updated), 1),
         "counters": st.counters,
     }

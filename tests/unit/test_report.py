@@ -135,3 +135,34 @@ def test_a_damaged_file_of_one_channel_is_shown_and_the_others_still_reported(
     got = json.loads(gaps.output)
     assert [(r["first_seq"], r["reason"]) for r in got["b"]["ranges"]] == [(1, "oversize")]
     assert got["b"]["lost"] is None and got["a"]["lost"] == {"maxlen": 2}
+
+
+def test_a_tap_that_stopped_is_shown_stopped_not_by_its_last_pid(tmp_path: Path) -> None:
+    """The tap status file keeps the pid and age of a tap that exited: `diode status` showed
+    `pid 1425, 35.4 s ago` as if it ran. Whether it runs is its spool LOCK (held while it
+    runs, released by the kernel however it ends)."""
+    from dataclasses import asdict
+
+    from bridge.black.spool import SpoolWriter
+    from bridge.black.tap import TapStatus, status_path
+    from bridge.views import black_status_view, make_console, print_views
+
+    toml = tmp_path / "diode.toml"
+    toml.write_text('[[channels]]\nname = "a"\nencrypt = false\n[black]\nstate_dir = "state"\n'
+                    'spool_dir = "spool"\noutbox = "outbox"\narchive = "archive"\n')  # fmt: skip
+    cfg = load_config(toml, environ={})
+    durable_mkdir(Path(cfg.black.state_dir))
+    st = TapStatus(channel="a", pid=1425, durable_end=7, updated=datetime.now(UTC).timestamp())
+    atomic_write_bytes(status_path(cfg, "a"), json.dumps(asdict(st)).encode())
+
+    def shown() -> tuple[bool, str]:
+        doc = channel_status(cfg)
+        c = make_console(record=True, width=220)
+        print_views([black_status_view(doc)], console=c)
+        return doc["channels"]["a"]["spool"]["tap_running"], c.export_text()
+
+    with SpoolWriter.open(Path(cfg.black.spool_dir), "a", min_free_bytes=0):  # a running tap
+        running, text = shown()
+        assert running is True and "pid 1425" in text and "stopped" not in text, text
+    running, text = shown()
+    assert running is False and "stopped (pid 1425" in text, text
