@@ -29,6 +29,7 @@ import json
 import os
 import re
 import stat
+import unicodedata
 from collections.abc import Callable
 from datetime import UTC, datetime
 from pathlib import Path
@@ -48,6 +49,7 @@ from bridge.logs import get_logger, log_event
 __all__ = [
     "Evidence",
     "safe_name",
+    "shown_name",
     "SAFE_NAME_RE",
     "REASON_SUFFIX",
     "PENDING_KEY",
@@ -80,6 +82,41 @@ def safe_name(raw: bytes) -> str:
     readable = _UNSAFE_BYTES.sub(b"_", raw).decode("ascii").lstrip(".-")
     readable = readable[: _MAX_SAFE - _HASH_HEX - 1] or "file"
     return f"{readable}-{digest}"
+
+
+_HIDDEN_CATEGORIES = frozenset({"Cc", "Cf", "Cs", "Co", "Cn", "Zl", "Zp"})
+"""Unicode categories :func:`shown_name` escapes: controls, format (bidi overrides, zero
+width), surrogates, private use, unassigned, line and paragraph separators."""
+
+
+def _shown_char(ch: str) -> str:
+    """``ch`` itself if printable, else its escape (``\\xNN`` only below 0x80, so that it
+    never reads as a byte that is not UTF-8, which is always 0x80 or above)."""
+    code = ord(ch)
+    if ch == "\\":
+        return "\\\\"
+    if ch == " " or (unicodedata.category(ch) not in _HIDDEN_CATEGORIES and not ch.isspace()):
+        return ch
+    if code < 0x80:
+        return f"\\x{code:02x}"
+    return f"\\u{code:04x}" if code < 0x10000 else f"\\U{code:08x}"
+
+
+def shown_name(raw: bytes) -> str:
+    """``raw`` (a file name as it arrived, any bytes) as printable text for records and
+    listings: decoded as UTF-8; each byte that is not UTF-8 as ``\\xNN`` (80-ff); controls,
+    format characters (bidi overrides, zero width), separators and whitespace other than a
+    space as ``\\xNN`` (below 80), ``\\uNNNN`` or ``\\UNNNNNNNN``; a backslash as ``\\\\``.
+    It reads back to the very bytes, which are also ``raw.hex()``."""
+    text = raw.decode("utf-8", "surrogateescape")
+    out: list[str] = []
+    for ch in text:
+        code = ord(ch)
+        if 0xDC80 <= code <= 0xDCFF:  # a byte that is not UTF-8
+            out.append(f"\\x{code - 0xDC00:02x}")
+        else:
+            out.append(_shown_char(ch))
+    return "".join(out)
 
 
 def _stored_name(name: str) -> str:
@@ -353,10 +390,18 @@ class Evidence:
         at: datetime,
         *,
         placed: Callable[[Path], None] | None = None,
+        original_name: str | None = None,
     ) -> Path | None:
-        """Move ``src`` to ``quarantine_dir/<day of at>/<name>`` (``<name>.<n>`` if taken) and
-        write ``<that name>.reason.json`` beside it (reason, detail, original name, at, file
-        type, size, sha256 of a regular file). None when ``src`` is gone already.
+        """Move ``src`` to ``quarantine_dir/<day of at>/<name>`` (``<name>.<n>`` if taken; a
+        name that is not a plain file name is stored under its :func:`safe_name`) and write
+        ``<that name>.reason.json`` beside it (reason, detail, ``original_name``, at, file
+        type, size, sha256 of a regular file; ``stored_as`` is the name it got). None when
+        ``src`` is gone already.
+
+        ``original_name`` is the name the file arrived under, as printable text
+        (:func:`shown_name` of its bytes): ``name`` unless given (the intake stores a name
+        that is not a wire name under a safe name of its own, and gives the one it arrived
+        under here).
 
         A name whose reason file exists without its entry is not free: a file re-injected
         from the quarantine (its reason file kept) and refused again gets a name of its own,
@@ -379,7 +424,7 @@ class Evidence:
         record = {
             "reason": reason,
             "detail": detail,
-            "original_name": name,
+            "original_name": name if original_name is None else original_name,
             "at": _utc(at).isoformat(),
             "file_type": file_kind(st.st_mode),
             "size": st.st_size,

@@ -15,8 +15,13 @@ bytes paths (a name need not be UTF-8) and ``lstat`` only, so a symlink is never
   still the file that was closed (same inode, size, mtime: ``closed``), or ``settle_seconds``
   is 0. Settled files with a valid bundle or heartbeat name are renamed into
   ``work_dir/intake``; any other settled file is quarantined under a safe name (reason
-  ``bad_name``, the raw name in the reason file). Either way the watcher forgets the name at
-  once (its own events for the rename come late).
+  ``bad_name``). Either way the watcher forgets the name at once (its own events for the
+  rename come late).
+
+The reason file of an intake quarantine says where the file is (``stored_as``: a safe name,
+or the wire name of a link or folder) and the name it arrived under: ``original_name`` and
+``detail.raw_name`` as printable text (``evidence.shown_name``: bytes that are not UTF-8,
+controls and bidi marks escaped), ``detail.raw_hex`` as its exact bytes.
 
 Every quarantine of the intake leaves an audit record in ``work_dir/audit-pending/`` (named by
 where the file was stored, so a retried quarantine writes the same record) before the inbox
@@ -51,7 +56,7 @@ from bridge.protocol.naming import (
     parse_bundle_name,
     parse_heartbeat_name,
 )
-from bridge.red.evidence import Evidence, file_kind, rename_noreplace, safe_name
+from bridge.red.evidence import Evidence, file_kind, rename_noreplace, safe_name, shown_name
 from bridge.red.layout import AUDIT_PENDING_DIR
 from bridge.red.watch import ClosedFiles, CloseSig, close_sig
 
@@ -134,7 +139,9 @@ def intake_name(ordinal: int, name: str) -> str:
 
 
 def _raw_detail(raw: bytes) -> dict[str, str]:
-    return {"raw_name": ascii(raw), "raw_hex": raw.hex()}
+    """What a reason file's ``detail`` says of a name the intake refused: ``raw_name`` (the
+    name as it arrived, printable: :func:`shown_name`) and ``raw_hex`` (its exact bytes)."""
+    return {"raw_name": shown_name(raw), "raw_hex": raw.hex()}
 
 
 HIDDEN_STALE_SECONDS = 3600.0
@@ -382,21 +389,33 @@ class Intake:
 
     # -- quarantine -----------------------------------------------------------------------
     def _quarantine(
-        self, src: Path, raw: bytes, stored: str, reason: str, detail: dict[str, str]
+        self,
+        src: Path,
+        raw: bytes,
+        stored: str,
+        reason: str,
+        detail: dict[str, str],
+        *,
+        arrived_as: str | None = None,
     ) -> Quarantined | None:
-        """Quarantine ``src`` with an audit record written before the inbox entry goes."""
+        """Quarantine ``src`` under ``stored`` with an audit record written before the inbox
+        entry goes; the reason file's ``original_name`` is ``arrived_as`` (the wire name of a
+        file met in the intake folder), else the raw name as it arrived, printable."""
         at = datetime.now(UTC)
 
         def record(dst: Path) -> None:
             self._record_for_audit(Quarantined(raw, dst, reason), at)
 
-        dst = self.evidence.quarantine(src, stored, reason, detail, at, placed=record)
+        original = shown_name(raw) if arrived_as is None else arrived_as
+        dst = self.evidence.quarantine(
+            src, stored, reason, detail, at, placed=record, original_name=original
+        )
         return None if dst is None else Quarantined(raw, dst, reason)
 
     def _record_for_audit(self, q: Quarantined, at: datetime) -> None:
         doc = {
             "raw_name_hex": q.raw_name.hex(),
-            "raw_name": q.raw_name.decode("utf-8", "backslashreplace")[:300],
+            "raw_name": shown_name(q.raw_name),
             "stored_as": str(q.stored_as),
             "reason": q.reason,
             "at": at.isoformat(),
@@ -427,7 +446,7 @@ class Intake:
         src = folder / os.fsdecode(raw)
         detail = {**_raw_detail(raw), "file_type": file_kind(st.st_mode)}
         stored = wire if wire is not None else safe_name(raw)
-        q = self._quarantine(src, raw, stored, REASON_NOT_REGULAR, detail)
+        q = self._quarantine(src, raw, stored, REASON_NOT_REGULAR, detail, arrived_as=wire)
         if q is not None:
             res.quarantined.append(q)
 

@@ -40,8 +40,18 @@ POLL_SECONDS = 0.5
 """Continuous runs ask the source this often; an idle inbox costs one inotify check."""
 
 
+INTAKE_QUARANTINE_EVENT = "quarantined"
+"""The audit event of a file the intake refused itself (bad name, link, folder, device)."""
+
+
 @dataclass
 class RedSummary:
+    """What one red run did. ``rejected`` is every file refused this run, whoever refused it
+    (the intake, before Spark: ``quarantined_at_intake``; or verification), the increase of
+    ``bridge_red_files_rejected_total``; conflicts are counted apart (``conflicts``). Every
+    refused file and every conflict is in the quarantine (``diode red status``:
+    ``quarantine.by_reason``)."""
+
     batches: int = 0
     seconds: float = 0.0
     recovered: int = 0
@@ -49,6 +59,7 @@ class RedSummary:
 
     def to_json(self) -> dict[str, Any]:
         t = self.totals
+        at_intake = t.events.get(INTAKE_QUARANTINE_EVENT, 0)
         return {
             "batches": self.batches,
             "files": t.files,
@@ -56,7 +67,8 @@ class RedSummary:
             "messages_landed": t.messages_landed,
             "duplicates": t.duplicates,
             "conflicts": t.conflicts,
-            "rejected": t.rejected,
+            "rejected": t.rejected + at_intake,
+            "quarantined_at_intake": at_intake,
             "heartbeats": t.heartbeats,
             "events": dict(sorted(t.events.items())),
             "land_seq": t.land_seq,

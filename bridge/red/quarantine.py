@@ -9,6 +9,11 @@ write, or a damaged reason file) is listed with the reason ``no_reason_file`` or
 ``unreadable_reason_file``: never left out. A reason file whose file is gone (re-injected into
 the inbox, runbook §12.2, or a move a crash interrupted before its rename) is listed too, with
 ``file_gone`` (and ``pending_move`` for the latter); the summary counts it apart.
+
+``stored_as`` is the name in the quarantine folder (what ``show`` takes); ``original_name`` the
+name the file arrived under, printable (``evidence.shown_name``: the intake stores a name that
+is not a wire name under a safe one). A reason file written before the intake recorded it
+(``original_name`` was the safe name) is shown with the name its ``detail.raw_hex`` gives.
 """
 
 from __future__ import annotations
@@ -25,7 +30,7 @@ import pyarrow.dataset as pads
 
 from bridge.config import Config
 from bridge.errors import DiodeError
-from bridge.red.evidence import PENDING_KEY, REASON_SUFFIX, sha256_regular
+from bridge.red.evidence import PENDING_KEY, REASON_SUFFIX, safe_name, sha256_regular, shown_name
 
 __all__ = ["QuarantineError", "list_quarantined", "quarantine_summary", "show_quarantined"]
 
@@ -57,13 +62,29 @@ def _read_entry(day: Path, stored: Path) -> tuple[dict[str, Any], dict[str, Any]
     return {
         **entry,
         "reason": str(rec.get("reason", "")),
-        "original_name": rec.get("original_name"),
+        "original_name": _original_name(rec),
         "at": rec.get("at"),
         "file_type": rec.get("file_type"),
         "size": rec.get("size"),
         "sha256": rec.get("sha256"),
         "why": why,
     }, rec
+
+
+def _original_name(rec: dict[str, Any]) -> Any:
+    """The name a file arrived under: the record's ``original_name``, unless that is only the
+    safe name of ``detail.raw_hex`` (an intake record written before the raw name was kept
+    there); then the raw name, printable."""
+    name = rec.get("original_name")
+    detail = rec.get("detail")
+    raw_hex = detail.get("raw_hex") if isinstance(detail, dict) else None
+    if not isinstance(raw_hex, str):
+        return name
+    try:
+        raw = bytes.fromhex(raw_hex)
+    except ValueError:
+        return name
+    return shown_name(raw) if name == safe_name(raw) else name
 
 
 def _gone_entry(day: Path, stored: Path) -> dict[str, Any]:

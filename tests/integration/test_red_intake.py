@@ -16,7 +16,7 @@ import pytest
 
 from bridge.errors import ConfigError
 from bridge.red import intake as intake_mod
-from bridge.red.evidence import REASON_SUFFIX, SAFE_NAME_RE, Evidence
+from bridge.red.evidence import REASON_SUFFIX, SAFE_NAME_RE, Evidence, safe_name, shown_name
 from bridge.red.intake import REASON_BAD_NAME, REASON_NOT_REGULAR, Intake, ScanResult
 from bridge.red.watch import InboxWatcher
 from tests.support import REPO, crash_env, crash_marks
@@ -200,10 +200,59 @@ def test_bad_names_are_quarantined_under_safe_names(dirs: Dirs) -> None:
         detail = reason["detail"]
         assert isinstance(detail, dict)
         assert bytes.fromhex(detail["raw_hex"]) == q.raw_name
-        assert detail["raw_name"] == ascii(q.raw_name)
+        assert detail["raw_name"] == shown_name(q.raw_name)
+        assert reason["original_name"] == shown_name(q.raw_name)  # as it arrived, printable
+        assert reason["stored_as"] == q.stored_as.name
         i = BAD_NAMES.index(q.raw_name)
         assert q.stored_as.read_bytes() == b"data %d" % i
     assert len({q.stored_as for q in res.quarantined}) == len(BAD_NAMES)
+
+
+ODD_NAMES: list[tuple[bytes, str]] = [
+    (b"notes.txt", "notes.txt"),
+    (b"caf\xe9 \xff.dbundle", "caf\\xe9 \\xff.dbundle"),  # not UTF-8
+    (b"a\x1b[2J\x1b]0;owned\x07\r\n.dbundle", "a\\x1b[2J\\x1b]0;owned\\x07\\x0d\\x0a.dbundle"),
+    ("\u202etxt.exe\u200b.dbundle".encode(), "\\u202etxt.exe\\u200b.dbundle"),  # bidi, zero width
+    (b"<script>alert(1)<\\script>", "<script>alert(1)<\\\\script>"),  # plain text, never markup
+    (b"\xf0" * 255, "\\xf0" * 255),  # 255 bytes, none of them UTF-8
+]
+
+
+def test_a_refused_name_is_recorded_as_it_arrived(dirs: Dirs) -> None:
+    """A file whose name is no wire name is stored under a safe name (``stored_as``), and its
+    reason file, its audit record and `diode quarantine list` give the name it arrived under
+    (``original_name``, printable: odd bytes escaped), never the safe name."""
+    from bridge.config import config_from_dict
+    from bridge.red.quarantine import list_quarantined, show_quarantined
+
+    intake = dirs.intake()
+    for raw, _ in ODD_NAMES:
+        dirs.put(raw)
+    res = intake.scan(0.0)
+    assert len(res.quarantined) == len(ODD_NAMES) and list(dirs.inbox.iterdir()) == []
+    records = {bytes.fromhex(d["raw_name_hex"]): d for d in _records(dirs)}
+    for q in res.quarantined:
+        shown = dict(ODD_NAMES)[q.raw_name]
+        text = q.stored_as.with_name(q.stored_as.name + REASON_SUFFIX).read_bytes()
+        assert text.isascii() and all(b >= 0x20 or b == 0x0A for b in text), text
+        reason = json.loads(text)
+        assert q.stored_as.name == safe_name(q.raw_name) != shown
+        assert reason["original_name"] == shown, reason
+        assert reason["stored_as"] == q.stored_as.name
+        assert reason["detail"]["raw_name"] == shown
+        assert bytes.fromhex(reason["detail"]["raw_hex"]) == q.raw_name
+        assert records[q.raw_name]["raw_name"] == shown  # what the audit row will say
+    cfg = config_from_dict(
+        {"channels": [{"name": "c", "encrypt": False}],
+         "red": {"quarantine_dir": str(dirs.quarantine)}},
+        base=dirs.root, environ={},
+    )  # fmt: skip
+    listed = {e["stored_as"]: e["original_name"] for e in list_quarantined(cfg)}
+    assert listed == {safe_name(raw): shown for raw, shown in ODD_NAMES}
+    shown_one = show_quarantined(cfg, safe_name(b"notes.txt"), audit=False)
+    assert (shown_one["original_name"], shown_one["record"]["original_name"]) == (
+        "notes.txt", "notes.txt",
+    )  # fmt: skip
 
 
 def test_same_bad_name_twice_never_overwrites(dirs: Dirs) -> None:
@@ -233,6 +282,9 @@ def test_symlink_to_secret_is_quarantined_as_a_link(dirs: Dirs, tmp_path: Path) 
     link = by_raw[bundle(1).encode()]
     assert link.name == bundle(1) and link.is_symlink() and os.readlink(link) == str(secret)
     assert _reason(link)["file_type"] == "symlink"
+    assert _reason(link)["original_name"] == bundle(1) == _reason(link)["stored_as"]
+    dangling = _reason(by_raw[b"dangling.dbundle"])
+    assert dangling["original_name"] == "dangling.dbundle" != dangling["stored_as"]
     assert _reason(link)["sha256"] is None
     after = os.stat(secret)
     assert secret.read_bytes() == b"private"
@@ -615,3 +667,5 @@ def test_a_non_regular_entry_left_in_intake_is_audited(dirs: Dirs) -> None:
     (doc,) = _records(dirs)
     assert doc["reason"] == REASON_NOT_REGULAR and doc["stored_as"] == str(q)
     assert bytes.fromhex(doc["raw_name_hex"]).decode() == f"000000000007.{bundle(7)}"
+    reason = json.loads(q.with_name(q.name + REASON_SUFFIX).read_bytes())
+    assert (reason["original_name"], reason["stored_as"]) == (bundle(7), q.name)

@@ -347,7 +347,7 @@ def test_hostile_files_are_quarantined_and_good_ones_land(
         done.touch()
         writer.wait(timeout=60)
     assert s1["bundles_landed"] == 2 and s1["messages_landed"] == 50, s1
-    assert s1["rejected"] == len(bad), s1
+    assert s1["rejected"] == len(bad) + 2 and s1["quarantined_at_intake"] == 2, s1  # 2 bad names
     drop(cfg, conflict.path)
     s2 = run(cfg, spark)  # the job goes on: the finished transfer lands, the conflict does not
     assert s2["conflicts"] == 1 and s2["bundles_landed"] == 1, s2

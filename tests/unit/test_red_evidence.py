@@ -23,6 +23,7 @@ from bridge.red.evidence import (
     Evidence,
     safe_name,
     sha256_regular,
+    shown_name,
 )
 
 AT = datetime(2024, 5, 6, 23, 59, 59, tzinfo=UTC)
@@ -373,3 +374,68 @@ def test_a_reason_file_is_never_replaced(ev: Evidence, tmp_path: Path) -> None:
     dst = ev.quarantine(src, BUNDLE, "malformed", {}, AT)
     assert dst == day / f"{BUNDLE}.1"
     assert json.loads((day / (BUNDLE + REASON_SUFFIX)).read_text()) == other
+
+
+# -- shown_name: a name as it arrived, printable ----------------------------------------------
+@pytest.mark.parametrize(
+    ("raw", "shown"),
+    [
+        (b"notes.txt", "notes.txt"),
+        (BUNDLE.encode(), BUNDLE),
+        ("café x.dbundle".encode(), "café x.dbundle"),  # printable UTF-8 and a space: kept
+        (b"caf\xe9", "caf\\xe9"),  # not UTF-8: the byte, escaped
+        (b"a\x1b[31mred\x07\n\t\x7f", "a\\x1b[31mred\\x07\\x0a\\x09\\x7f"),  # controls
+        ("\u202eevil\u200b".encode(), "\\u202eevil\\u200b"),  # bidi override, zero width
+        ("x\u0085\u2028\U000e0001".encode(), "x\\u0085\\u2028\\U000e0001"),
+        (b"<b>x<\\b>&amp;", "<b>x<\\\\b>&amp;"),  # a backslash doubled; markup is plain text
+        (b"\xc2\x85", "\\u0085"),  # U+0085 (a C1 control) is not the byte 0x85 ...
+        (b"\x85", "\\x85"),  # ... which is shown as \x85
+    ],
+)
+def test_shown_name_escapes_what_is_not_printable(raw: bytes, shown: str) -> None:
+    assert shown_name(raw) == shown
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.binary(min_size=1, max_size=255))
+def test_shown_name_is_printable_and_one_to_one(raw: bytes) -> None:
+    shown = shown_name(raw)
+    assert shown.isprintable(), shown
+    back = json.loads(json.dumps({"n": shown}))["n"]
+    assert back == shown
+    # unambiguous: the escapes read back to the very bytes
+    assert _unshow(shown) == raw
+
+
+def _unshow(shown: str) -> bytes:
+    """Inverse of shown_name (test only)."""
+    out = bytearray()
+    i = 0
+    while i < len(shown):
+        ch = shown[i]
+        if ch != "\\":
+            out += ch.encode()
+            i += 1
+            continue
+        kind = shown[i + 1]
+        if kind == "\\":
+            out += b"\\"
+            i += 2
+        elif kind == "x":
+            out.append(int(shown[i + 2 : i + 4], 16))
+            i += 4
+        else:
+            n = 4 if kind == "u" else 8
+            out += chr(int(shown[i + 2 : i + 2 + n], 16)).encode("utf-8", "surrogatepass")
+            i += 2 + n
+    return bytes(out)
+
+
+def test_quarantine_records_the_name_it_arrived_under(ev: Evidence, tmp_path: Path) -> None:
+    stored = safe_name(b"notes.txt")
+    dst = ev.quarantine(
+        _file(tmp_path / "in", b"x"), stored, "bad_name", {}, AT, original_name="notes.txt"
+    )
+    assert dst is not None and dst.name == stored
+    reason = json.loads(dst.with_name(stored + REASON_SUFFIX).read_text())
+    assert (reason["original_name"], reason["stored_as"]) == ("notes.txt", stored)

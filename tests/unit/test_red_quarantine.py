@@ -105,3 +105,28 @@ def test_a_reason_file_whose_file_was_re_injected_is_still_listed_and_shown(
     assert shown["sha256_now"] is None and shown["unchanged"] is None
     # without a day, the file present wins over a reason file kept from an earlier verdict
     assert show_quarantined(cfg, "a.dbundle", audit=False)["reason"] == "conflict"
+
+
+def test_original_name_is_the_name_it_arrived_under(tmp_path: Path) -> None:
+    """``stored_as`` is the name in the quarantine, ``original_name`` the one the file arrived
+    under; an intake record written before that was kept (its ``original_name`` the safe
+    name) is shown with the name its ``detail.raw_hex`` gives, printable."""
+    from bridge.red.evidence import safe_name
+
+    cfg = _cfg(tmp_path)
+    for raw in (b"notes.txt", b"caf\xe9\x1b[2J.dbundle"):
+        stored = safe_name(raw)
+        p = _put(tmp_path, "2026-11-23", stored, None)
+        detail = {"raw_name": ascii(raw), "raw_hex": raw.hex(), "why": "not ASCII"}
+        rec = {"reason": "bad_name", "original_name": stored, "at": "", "detail": detail}
+        (p.parent / f"{stored}.reason.json").write_text(json.dumps(rec))
+    _put(tmp_path, "2026-11-23", "ok.dbundle", "crypto")  # no raw_hex: the record's name
+    got = {e["stored_as"]: e["original_name"] for e in list_quarantined(cfg)}
+    assert got == {
+        safe_name(b"notes.txt"): "notes.txt",
+        safe_name(b"caf\xe9\x1b[2J.dbundle"): "caf\\xe9\\x1b[2J.dbundle",
+        "ok.dbundle": "ok.dbundle",
+    }
+    shown = show_quarantined(cfg, safe_name(b"notes.txt"), audit=False)
+    assert shown["original_name"] == "notes.txt"
+    assert shown["record"]["original_name"] == safe_name(b"notes.txt")  # the evidence as is
