@@ -9,7 +9,6 @@ from __future__ import annotations
 import os
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -18,23 +17,12 @@ import pytest
 from bridge import faults
 from bridge.config import config_from_dict
 from bridge.diode.link_status import read_json
-from bridge.diode.udp_key import generate_key_file, load_key
 from bridge.diode.udp_sender import EPOCH, run_sender
 from bridge.metrics import UDP
 from bridge.protocol.datagram import DatagramCodec, LinkHeartbeat
 from tests.integration.test_udp_receive import datagrams, receiving
-from tests.integration.test_udp_send import Env, Listener, bundle, send_in_background
-
-
-@pytest.fixture
-def tx(tmp_path: Path) -> Iterator[Env]:
-    """A sender's config and a raw listener that opens what it sends (as test_udp_send)."""
-    generate_key_file(tmp_path / "udp.key", force=True)
-    listener = Listener(DatagramCodec(load_key(tmp_path / "udp.key")))
-    try:
-        yield Env(tmp_path, listener)
-    finally:
-        listener.close()
+from tests.integration.test_udp_send import Env, bundle, send_in_background
+from tests.integration.test_udp_send import env as env  # noqa: F401 - the sender fixture
 
 
 def _datagrams_counted(status: Path, n: int) -> bool:
@@ -75,58 +63,58 @@ def test_a_forged_heartbeat_is_dropped_as_tag_and_changes_nothing(tmp_path: Path
     assert s.epoch is None and s.objects_unseen == 0
 
 
-def test_the_epoch_rises_above_the_saved_one_even_when_the_clock_stepped_back(tx: Env) -> None:
+def test_the_epoch_rises_above_the_saved_one_even_when_the_clock_stepped_back(env: Env) -> None:
     """Epochs are the nonce's first half and tell the receiver of a restart: a new one is
     always above the last one saved, whatever the clock says now."""
-    tx.state.mkdir(parents=True, exist_ok=True)
+    env.state.mkdir(parents=True, exist_ok=True)
     saved = time.time_ns() + 10**15  # a run under a clock ~11 days ahead saved this one
-    (tx.state / EPOCH).write_text(f"{saved}\n")
+    (env.state / EPOCH).write_text(f"{saved}\n")
     name = bundle("u1", 1)
-    (tx.outbox / name).write_bytes(os.urandom(3000))
-    s = run_sender(tx.cfg(), until_idle=True, timeout=30)
-    heard = tx.listener.quiet()
+    (env.outbox / name).write_bytes(os.urandom(3000))
+    s = run_sender(env.cfg(), until_idle=True, timeout=30)
+    heard = env.listener.quiet()
     assert s.epoch == saved + 1
-    assert int((tx.state / EPOCH).read_text()) == saved + 1
+    assert int((env.state / EPOCH).read_text()) == saved + 1
     assert list(heard.files()) == [name]
     assert {d.epoch for d in heard.symbols()} == {saved + 1}
 
 
-def test_no_packet_number_is_used_twice_across_rounds_of_split_heartbeats(tx: Env) -> None:
+def test_no_packet_number_is_used_twice_across_rounds_of_split_heartbeats(env: Env) -> None:
     """(epoch, packet) is the datagram's GCM nonce: an idle sender whose heartbeat rounds
     split over several datagrams (many channels) must still never repeat one."""
     chans = [f"channel-{i:02d}-" + "x" * 13 for i in range(64)]
-    data = tx.data(settle_seconds=0, encode_workers=0, heartbeat_seconds=0.1)
+    data = env.data(settle_seconds=0, encode_workers=0, heartbeat_seconds=0.1)
     data["channels"] = [{"name": c, "encrypt": False, "transport": "udp"} for c in chans]
-    (tx.outbox / bundle(chans[0], 1)).write_bytes(os.urandom(2000))
-    cfg = config_from_dict(data, base=tx.tmp, environ={})
+    (env.outbox / bundle(chans[0], 1)).write_bytes(os.urandom(2000))
+    cfg = config_from_dict(data, base=env.tmp, environ={})
     s = run_sender(cfg, until_idle=False, timeout=1.5)
-    tx.listener.quiet()
-    nonces = [bytes(b[4:20]) for _, b in tx.listener.raw]
-    heartbeats = [b for _, b in tx.listener.raw if b[3] == 2]
+    env.listener.quiet()
+    nonces = [bytes(b[4:20]) for _, b in env.listener.raw]
+    heartbeats = [b for _, b in env.listener.raw if b[3] == 2]
     assert s.heartbeats == len(heartbeats) >= 3 * 4  # several rounds, each split (the case)
     assert len(set(nonces)) == len(nonces)
 
 
-def test_a_copy_dropped_under_a_name_in_flight_is_sent_never_unlinked_unsent(tx: Env) -> None:
+def test_a_copy_dropped_under_a_name_in_flight_is_sent_never_unlinked_unsent(env: Env) -> None:
     """`diode resend` re-drops a bundle while the sender still sends the first copy: when the
     first is journaled sent, only that very file may be unlinked; the new copy is sent too."""
     name = bundle("u1", 1)
     body = os.urandom(400_000)
-    (tx.outbox / name).write_bytes(body)
-    cfg = tx.cfg(rate_bytes_per_second=400_000, interleave_datagrams=32, settle_seconds=0)
-    th, result = send_in_background(tx, cfg)
-    first_ino = (tx.outbox / name).stat().st_ino
-    copy = tx.outbox / ".resend.tmp"
+    (env.outbox / name).write_bytes(body)
+    cfg = env.cfg(rate_bytes_per_second=400_000, interleave_datagrams=32, settle_seconds=0)
+    th, result = send_in_background(env, cfg)
+    first_ino = (env.outbox / name).stat().st_ino
+    copy = env.outbox / ".resend.tmp"
     copy.write_bytes(body)  # the same bytes, a new file, renamed over the name (as resend does)
-    copy.rename(tx.outbox / name)
-    assert (tx.outbox / name).stat().st_ino != first_ino
+    copy.rename(env.outbox / name)
+    assert (env.outbox / name).stat().st_ino != first_ino
     th.join(timeout=30)
     assert result, "the sender did not finish"
-    sent = [r for r in tx.journal() if r["state"] == "sent" and r["name"] == name]
+    sent = [r for r in env.journal() if r["state"] == "sent" and r["name"] == name]
     assert [r["ino"] for r in sent][:1] == [first_ino]  # the first copy went out (the case)
     assert len(sent) == 2 and sent[1]["ino"] != first_ino  # and the new one after it
-    assert not (tx.outbox / name).exists()
-    assert tx.listener.quiet().files() == {name: body}
+    assert not (env.outbox / name).exists()
+    assert env.listener.quiet().files() == {name: body}
 
 
 def _digesting(path: Path) -> bool:
@@ -141,18 +129,18 @@ def _digesting(path: Path) -> bool:
 
 
 def test_a_file_abandoned_before_its_first_datagram_still_counts_as_started(
-    tx: Env, monkeypatch: pytest.MonkeyPatch
+    env: Env, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A file cut short while it is digested is given up before any datagram of it: its id
     must not hold ``objects_started`` back (the receiver's unseen-object claims would stop
     there for the rest of the epoch, and a later object lost whole would go unreported)."""
-    big = tx.outbox / bundle("u1", 1)
+    big = env.outbox / bundle("u1", 1)
     size = 32 << 20
     with open(big, "wb") as f:
         f.truncate(size)  # sparse
     # each chunk of the digest takes >= 20 ms: the cut lands mid-digest on any machine
     monkeypatch.setattr(faults, "_SLOW", ("udp.digest", 0.02))
-    cfg = tx.cfg(settle_seconds=0, heartbeat_seconds=0.1, encode_workers=0)
+    cfg = env.cfg(settle_seconds=0, heartbeat_seconds=0.1, encode_workers=0)
     result: list[Any] = []
     th = threading.Thread(
         target=lambda: result.append(run_sender(cfg, until_idle=True, timeout=30)), daemon=True
@@ -167,10 +155,10 @@ def test_a_file_abandoned_before_its_first_datagram_still_counts_as_started(
     assert result, "the sender did not finish"
     s = result[0]
     assert s.skipped >= 1  # given up (the case happened)
-    journal = tx.journal()
+    journal = env.journal()
     sending = [r for r in journal if r["state"] == "sending"]
     assert sending[0]["size"] < size  # digested short: cut mid-digest (the case happened)
     ids = [r["object_id"] for r in sending]
     assert len(ids) >= 2  # the cut file got an id, then (changed) another one: sent empty
-    last = max(hb.counters["objects_started"] for _, hb in tx.listener.quiet().heartbeats())
+    last = max(hb.counters["objects_started"] for _, hb in env.listener.quiet().heartbeats())
     assert last == max(ids) + 1
