@@ -88,9 +88,9 @@ _RENAME_PROBE = "rename-probe"
 _WRITE_PROBE = "write-probe"
 """Base name of the file a create-and-unlink write check makes (:func:`write_refusal`)."""
 _PROBE_ATTEMPTS = 3
+"""Probes whose file vanished before the link (removed under us) before giving up."""
 _ROOT_PROBES = (f".{_PROBE_NAME}.", f".{_WRITE_PROBE}.")
 """The temp files a crash may leave in the archive root (the sweep removes them)."""
-"""Probes whose file vanished before the link (removed under us) before giving up."""
 
 _SWEEP_HINT = (
     "a `diode resend` is re-dropping a bundle through the staging dir; let it finish (or stop "
