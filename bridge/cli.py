@@ -859,7 +859,9 @@ def quarantine_list(
         return
     for e in entries:
         why = e.get("why") or e.get("error") or ""
-        click.echo(f"{e['day']}/{e['stored_as']}  {e['reason']}  {why}"[:240])
+        arrived = e.get("original_name")  # printable (escaped) by the intake
+        came = f" (arrived as {arrived})" if arrived and arrived != e["stored_as"] else ""
+        click.echo(f"{e['day']}/{e['stored_as']}{came}  {e['reason']}  {why}"[:240])
     by = ", ".join(f"{k} {v}" for k, v in summary["by_reason"].items())
     click.echo(f"{summary['total']} quarantined" + (f": {by}" if by else ""))
     if summary.get("file_gone"):

@@ -253,6 +253,16 @@ def test_a_refused_name_is_recorded_as_it_arrived(dirs: Dirs) -> None:
     assert (shown_one["original_name"], shown_one["record"]["original_name"]) == (
         "notes.txt", "notes.txt",
     )  # fmt: skip
+    from click.testing import CliRunner
+
+    from bridge.cli import cli
+
+    toml = dirs.root / "q.toml"
+    toml.write_text(f'[[channels]]\nname = "c"\nencrypt = false\n[red]\n'
+                    f'quarantine_dir = "{dirs.quarantine}"\n')  # fmt: skip
+    toml.chmod(0o600)
+    out = CliRunner().invoke(cli, ["quarantine", "list", "--config", str(toml)]).output
+    assert f"{safe_name(b'notes.txt')} (arrived as notes.txt)  bad_name" in out, out
 
 
 def test_same_bad_name_twice_never_overwrites(dirs: Dirs) -> None:
