@@ -85,6 +85,7 @@ from bridge.errors import (
     ProtocolError,
     StateError,
 )
+from bridge.faults import crash_point
 from bridge.fsutil import atomic_write_bytes, durable_mkdir, exclusive_lock
 from bridge.logs import get_logger, log_event
 from bridge.metrics import REGISTRY
@@ -1465,6 +1466,7 @@ class Replayer:
             if p.updated_at is None:
                 p.updated_at = stamp
         save_progress(self.state_dir, self._with_unsunk())
+        crash_point("red.replay_after_save")  # tests: what the saved progress went past
         self._dirty = False
         self._saved_at = time.monotonic()
         self._update_lag(*self._last)

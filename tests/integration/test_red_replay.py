@@ -1244,6 +1244,57 @@ def test_unroutable_publishes_are_counted_and_audited_never_silent(
         c.close()
 
 
+CRASHED_AFTER_SAVE = KILLED_RUN.replace(
+    "Replayer(cfg, sink=sink if sink_path else None).run()",
+    "import bridge.red.replay as rp\n"
+    "rp.SAVE_EVERY = 0.0  # save at every chance: the first one is the crash\n"
+    "Replayer(cfg, sink=sink).run(until_caught_up=True, timeout=60)",
+)
+
+
+@pytestmark_broker
+def test_a_crash_just_after_a_progress_save_loses_no_unroutable_audit(
+    tmp_path: Path, tables: RedTables, red_vhost: Vhost
+) -> None:
+    """Progress is saved past returned (unroutable) rows only once their `replay_failed`
+    events reached the audit: killed right after a save, every unroutable row is still
+    audited by the killed run or the next one, never skipped unaudited."""
+    url = red_vhost.amqp_url
+    nobody = ExchangeDecl("unbound", "direct", True)
+    land(tables, 1, rows("c1", range(2000), nobody))
+    spec = {
+        "channels": [{"name": "c1", "encrypt": False}],
+        "red": {
+            "state_dir": str(tmp_path / "state"),
+            "tables_dir": str(tmp_path / "tables"),
+            "replay": {"amqp_url": url, "approved": ["unbound"], "in_flight": 64},
+        },
+    }
+    audit, mark = tmp_path / "audit.jsonl", tmp_path / "crash.mark"
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2]),
+           "DIODE_CRASH_AT": "red.replay_after_save", "DIODE_CRASH_MARK": str(mark)}  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, "-c", CRASHED_AFTER_SAVE, json.dumps(spec), str(audit)],
+        env=env, timeout=120, check=False, start_new_session=True,
+    )  # fmt: skip
+    assert proc.returncode == -signal.SIGKILL and mark.read_text().split() == [
+        "red.replay_after_save"
+    ]  # the crash hit the window it names
+    saved = rp.load_progress(tmp_path / "state")["unbound"].seq
+    assert saved >= 0  # the progress went past some unroutable rows before the crash
+    sunk: list[dict[str, Any]] = []
+    s = Replayer(make_cfg(tmp_path, url, ["unbound"]), sink=sunk.extend).run(
+        until_caught_up=True, timeout=60
+    )
+    assert s.caught_up, s
+    covered: set[int] = set()
+    for e in (json_lines(audit) if audit.exists() else []) + sunk:
+        if e["event"] == "replay_failed" and json.loads(e["detail"])["kind"] == "unroutable":
+            covered.update(range(e["seq_first"], e["seq_last"] + 1))
+    assert set(range(saved + 1)) <= covered, sorted(set(range(saved + 1)) - covered)[:10]
+    assert covered == set(range(2000))
+
+
 @pytestmark_broker
 def test_a_compacted_file_is_read_in_batches_of_batch_rows(
     tmp_path: Path, tables: RedTables, red_vhost: Vhost, monkeypatch: pytest.MonkeyPatch
