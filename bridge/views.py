@@ -129,6 +129,9 @@ def _link_view(link: Mapping[str, Any]) -> RenderableType:
         counters = {k: v for k, v in doc.items() if isinstance(v, int) and not isinstance(v, bool)}
         counters.pop("epoch", None)
         counters.pop("pid", None)
+        dropped = doc.get("dropped")
+        if isinstance(dropped, Mapping):  # by reason: `tag` is a wrong key or a foreign sender
+            counters |= {f"dropped {k}": v for k, v in dropped.items() if isinstance(v, int) and v}
         heard: Text | str = _NONE
         if end == "receiver":
             age = doc.get("heartbeat_age_seconds")

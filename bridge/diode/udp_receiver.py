@@ -46,6 +46,10 @@ __all__ = ["ReceiveSummary", "run_receiver"]
 log = get_logger("bridge.diode.udp_receiver")
 
 _STATUS_EVERY = 1.0
+AUTH_WARN_MIN = 10
+"""Tag failures since the last status write that, at half the datagrams or more, warn."""
+AUTH_WARN_EVERY = 60.0
+"""At most one authentication warning this often (seconds)."""
 _FLUSH_EVERY = 0.2
 _BUF = 1 << 18
 """Receive buffer: more than a coalesced (GRO) buffer can hold (64 KiB)."""
@@ -150,6 +154,8 @@ class _Receiver:
         self.work: queue.Queue[Delivery | None] = queue.Queue()
         self.lock = threading.Lock()
         self._pushed: dict[str, int] = {}
+        self._auth = (0, 0, 0.0)
+        """(datagrams, tag failures) at the last authentication check, and when it last warned."""
         self._overflows = SocketDrops(self.sock)
 
     def _rcvbuf(self) -> int:
@@ -286,6 +292,20 @@ class _Receiver:
             self.summary.epochs_seen += 1
             UDP.sender_epoch.set(epoch)
 
+    def _check_auth(self, datagrams: int, tags: int) -> None:
+        """Warn (at most every AUTH_WARN_EVERY s) while most datagrams fail their tag check: a
+        wrong udp.key_file on one side looks like silence otherwise (only a counter rises)."""
+        seen, failed, warned = self._auth
+        new, bad = datagrams - seen, tags - failed
+        now = time.monotonic()
+        if bad >= AUTH_WARN_MIN and 2 * bad >= new and now - warned >= AUTH_WARN_EVERY:
+            log_event(log, 30, "datagrams fail authentication: udp.key_file differs between "
+                      "the sides (compare sha256sum of both), another sender uses this address, "
+                      "or the line corrupts them", failed=bad, received=new, bind=self.u.bind,
+                      dropped_tag_total=tags)  # fmt: skip
+            warned = now
+        self._auth = (datagrams, tags, warned)
+
     def _count_decodes(self, ra: Reassembler) -> None:
         s = self.summary
         s.blocks_decoded_by_workers = ra.rebuilt_by_workers
@@ -321,6 +341,7 @@ class _Receiver:
             UDP.datagrams_dropped.labels(reason).inc(n - pushed.get(reason, 0))
             pushed[reason] = n
         UDP.heartbeat_age.set(time.time() - (self.heard or self.started))  # none yet: since start
+        self._check_auth(s.datagrams, dropped.get("tag", 0))
         UDP.open_objects.set(len(ra.open))
         try:
             atomic_write_bytes(self.root / "status.json", json.dumps(doc).encode(), mode=0o600)

@@ -27,7 +27,7 @@ from bridge.diode.link_status import read_gap_records, read_json
 from bridge.diode.udp_batch import DatagramBatcher
 from bridge.diode.udp_fec import block_count, block_plan, encode_block, repair_count
 from bridge.diode.udp_key import generate_key_file, load_key
-from bridge.diode.udp_receiver import ReceiveSummary, run_receiver
+from bridge.diode.udp_receiver import AUTH_WARN_MIN, ReceiveSummary, run_receiver
 from bridge.diode.udp_sender import envelope_prefix
 from bridge.diode.udp_spool import Reassembler
 from bridge.faults import SLOW_ENV
@@ -899,3 +899,30 @@ def test_an_unexpected_delivery_failure_is_logged_counted_and_retried_not_a_dead
     assert failed == ["fired"]
     assert s.delivery_errors == 1 and s.objects_completed == 2
     assert read_gap_records(rx.spool) == []
+
+
+def test_a_sender_with_another_key_is_warned_about_not_only_counted(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The two sides' key files differ: every datagram fails its tag. Only a counter rose,
+    and `diode status` showed a quiet link. The receiver now warns, naming the likely causes,
+    at most once a minute; a few corrupted datagrams among good ones do not warn."""
+    with caplog.at_level("WARNING", logger="bridge.diode.udp_receiver"):
+        with receiving(tmp_path, max_object_bytes=1 << 20) as rx:
+            good = datagrams(rx.codec, 5, 1, "u1.000000000001.ok.dbundle", os.urandom(50_000))
+            bad = bytearray(good[0])
+            bad[-1] ^= 1
+            rx.send([*good, bytes(bad)])
+            rx.wait(lambda: (rx.inbox / "u1.000000000001.ok.dbundle").exists(), "delivery")
+            time.sleep(1.5)  # a status write with one failure among many good: no warning
+            assert not [r for r in caplog.records if "fail authentication" in r.getMessage()]
+            other = DatagramCodec(os.urandom(32))
+            rx.send(datagrams(other, 6, 2, "u1.000000000002.x.dbundle", os.urandom(50_000)))
+            rx.wait(lambda: any("fail authentication" in r.getMessage()
+                                for r in caplog.records), "the warning", timeout=10)  # fmt: skip
+            rx.send(datagrams(other, 6, 3, "u1.000000000003.x.dbundle", os.urandom(50_000)))
+            time.sleep(1.5)
+            s = rx.finish()
+    warned = [r for r in caplog.records if "fail authentication" in r.getMessage()]
+    assert len(warned) == 1 and "udp.key_file differs" in warned[0].getMessage()
+    assert s.dropped["tag"] >= 2 * AUTH_WARN_MIN

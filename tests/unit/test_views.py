@@ -61,11 +61,18 @@ def test_the_udp_link_shows_a_stopped_end_and_a_damaged_status_file() -> None:
     link = {
         "transport": "udp",
         "gaps_total": 0,
-        "sender": {"running": False, "epoch": 9, "age_seconds": 0.3, "datagrams_sent": 100},
+        "sender": {
+            "running": False,
+            "epoch": 9,
+            "age_seconds": 0.3,
+            "datagrams_sent": 100,
+            "dropped": {"tag": 249, "late": 0},
+        },  # fmt: skip
         "receiver": {"running": True, "damaged": "not JSON: Expecting value", "path": "/s/x"},
     }
     out = _text(views._link_view(link))
     assert "stopped" in out and "datagrams_sent 100" in out, out
+    assert "dropped tag 249" in out and "dropped late" not in out, out
     assert "status file damaged: not JSON" in out and "/s/x" in out, out
     link["sender"] = {**link["sender"], "running": True}
     assert "stopped" not in _text(views._link_view(link))
