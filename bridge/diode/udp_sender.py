@@ -45,6 +45,7 @@ from bridge.diode.udp_fec import (
 from bridge.diode.udp_interleave import Interleaver
 from bridge.diode.udp_key import load_key
 from bridge.diode.udp_pacing import TokenBucket
+from bridge.diode.udp_socket import route_mtu
 from bridge.errors import ConfigError, TransportError
 from bridge.faults import crash_point, slow_point
 from bridge.fsutil import atomic_write_bytes, durable_mkdir, exclusive_lock, fsync_dir
@@ -283,6 +284,13 @@ class _Sender:
         host, _, port = self.u.destination.rpartition(":")
         self.dest = (host.strip("[]"), int(port))
         self.ipv6 = ":" in self.dest[0]
+        route = route_mtu(self.dest, ipv6=self.ipv6)
+        if route is not None and route < self.mtu:
+            raise ConfigError(
+                f"udp.mtu = {self.mtu} but the route to {self.u.destination} has MTU {route} "
+                f"(`ip route get {self.dest[0]}`): every full datagram would be split into IP "
+                f"fragments, which many diodes drop; set udp.mtu = {route} on both sides"
+            )
         self.sock = socket.socket(
             socket.AF_INET6 if self.ipv6 else socket.AF_INET, socket.SOCK_DGRAM
         )

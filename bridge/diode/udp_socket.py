@@ -1,5 +1,5 @@
 """Diode, UDP (both sides): a large receive buffer, forced past rmem_max when we may; what the
-kernel dropped for want of room in it."""
+kernel dropped for want of room in it; the MTU of the route to the diode."""
 
 from __future__ import annotations
 
@@ -7,12 +7,33 @@ import os
 import socket
 import sys
 
-__all__ = ["SO_RCVBUFFORCE", "SocketDrops", "set_rcvbuf"]
+__all__ = ["SO_RCVBUFFORCE", "SocketDrops", "route_mtu", "set_rcvbuf"]
 
 SO_RCVBUFFORCE: int | None = getattr(
     socket, "SO_RCVBUFFORCE", 33 if sys.platform.startswith("linux") else None
 )
 """Python 3.11's socket module lacks the constant; Linux's value is 33."""
+
+
+_LINUX = sys.platform.startswith("linux")
+_IP_MTU: int | None = getattr(socket, "IP_MTU", 14 if _LINUX else None)
+_IPV6_MTU: int | None = getattr(socket, "IPV6_MTU", 24 if _LINUX else None)
+"""Python's socket module lacks IP_MTU; Linux's values (getsockopt of a connected socket)."""
+
+
+def route_mtu(dest: tuple[str, int], *, ipv6: bool) -> int | None:
+    """The MTU of the kernel's route to ``dest`` (a connected probe socket's IP_MTU), or None
+    where it cannot be asked (no route yet, not Linux): what a datagram must fit in to leave
+    this host unfragmented."""
+    opt = _IPV6_MTU if ipv6 else _IP_MTU
+    if opt is None:
+        return None
+    with socket.socket(socket.AF_INET6 if ipv6 else socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            s.connect(dest)
+            return int(s.getsockopt(socket.IPPROTO_IPV6 if ipv6 else socket.IPPROTO_IP, opt))
+        except OSError:
+            return None
 
 
 def set_rcvbuf(sock: socket.socket, want: int) -> int:

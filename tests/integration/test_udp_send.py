@@ -911,3 +911,37 @@ def test_a_torn_last_journal_line_is_cut_so_the_next_record_is_kept(env: Env) ->
     j.close()
     assert sorted(j.last) == ["a", "c"]
     assert [json.loads(line)["name"] for line in path.read_text().splitlines()] == ["a", "c"]
+
+
+@pytest.fixture
+def small_mtu_route() -> Iterator[str]:
+    """127.0.0.77 reached through a route of MTU 1280 (a host route on lo, removed after)."""
+    if os.geteuid() != 0:
+        pytest.skip("adding a route needs root")
+    addr = "127.0.0.77"
+    route = ["local", f"{addr}/32", "dev", "lo", "table", "local"]
+    made = subprocess.run(["ip", "route", "replace", *route, "mtu", "lock", "1280"],
+                          capture_output=True, text=True, check=False)  # fmt: skip
+    if made.returncode != 0:
+        pytest.skip(f"cannot add a route here: {made.stderr.strip()}")
+    try:
+        yield addr
+    finally:
+        subprocess.run(["ip", "route", "del", *route], capture_output=True, check=False)
+
+
+def test_a_udp_mtu_above_the_routes_mtu_is_refused_at_start(env: Env, small_mtu_route: str) -> None:
+    """udp.mtu 1500 towards a route of MTU 1280: every full datagram would leave this host as
+    IP fragments, which many diodes drop. Refused at start, naming both and the fix."""
+    env.outbox  # noqa: B018 - made
+    cfg = env.cfg(destination=f"{small_mtu_route}:{env.listener.port}")
+    with pytest.raises(ConfigError) as err:
+        run_sender(cfg, until_idle=True, timeout=5)
+    text = str(err.value)
+    assert "udp.mtu = 1500 but the route to 127.0.0.77:" in text and "MTU 1280" in text, text
+    assert "set udp.mtu = 1280 on both sides" in text
+    data = env.data(destination=f"{small_mtu_route}:{env.listener.port}")
+    data["udp"]["mtu"] = 1280
+    small = config_from_dict(data, base=env.tmp, environ={})
+    summary = run_sender(small, until_idle=True, timeout=5)  # fits: it runs
+    assert summary is not None
