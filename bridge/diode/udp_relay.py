@@ -294,6 +294,12 @@ def main(argv: list[str] | None = None) -> int:
                     help="socket buffers: larger ones ride out longer stalls")  # fmt: skip
     ap.add_argument("--report-seconds", type=float, default=0.0, help="also print every N s")
     a = ap.parse_args(argv)
+    for opt in ("loss", "burst_loss", "reorder", "duplicate", "corrupt"):  # given in percent
+        v = getattr(a, opt)
+        if not 0 <= v < 100:  # NaN fails this too
+            flag = "--" + opt.replace("_", "-")
+            print(f"error: relay: {flag} {v:g}: give a percentage in [0, 100)", file=sys.stderr)
+            return 2
     try:
         imp = Impairment(
             loss=a.loss / 100,

@@ -438,6 +438,10 @@ def test_listen_on_ipv6_forward_to_ipv4_and_by_name() -> None:
          "burst_max"),
         (["--listen", "127.0.0.1:0", "--forward", "127.0.0.1:9", "--reorder-depth",
           "100000000"], "reorder_depth"),
+        (["--listen", "127.0.0.1:0", "--forward", "127.0.0.1:9", "--loss", "150"],
+         "--loss 150: give a percentage in [0, 100)"),
+        (["--listen", "127.0.0.1:0", "--forward", "127.0.0.1:9", "--burst-loss", "-1"],
+         "--burst-loss -1: give a percentage in [0, 100)"),
     ],
 )  # fmt: skip
 def test_a_bad_address_or_impairment_is_refused_at_start_naming_it(
