@@ -512,7 +512,8 @@ side_option = click.option(
     type=click.Choice(["auto", "black", "red"]),
     default="auto",
     show_default=True,
-    help="auto: the side(s) that ran on this host (whose state_dir exists; black if neither)",
+    help="auto: the side(s) that ran on this host (whose state_dir exists, else whose UDP end "
+    "ran; black if none)",
 )
 json_option = click.option(
     "--json",
@@ -526,6 +527,11 @@ def _sides(cfg: Any, side: str) -> list[str]:
     if side != "auto":
         return [side]
     ran = [s for s in ("black", "red") if Path(getattr(cfg, s).state_dir).is_dir()]
+    if not ran and cfg.udp is not None:  # only a UDP end ran here: its side
+        if Path(cfg.udp.receive.spool_dir).is_dir():
+            ran.append("red")
+        elif Path(cfg.udp.send.state_dir).is_dir():
+            ran.append("black")
     return ran or ["black"]
 
 

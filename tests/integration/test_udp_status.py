@@ -202,3 +202,17 @@ def test_a_udp_section_no_channel_uses_is_shown_as_a_file_link(tmp_path: Path) -
     spool.mkdir(parents=True)
     (spool / "status.json").write_text(json.dumps({"written_at": time.time()}))
     assert _link(path)["transport"] == "udp"  # it ran here: still shown
+
+
+def test_status_on_a_host_where_only_the_receiver_ran_shows_red(tmp_path: Path) -> None:
+    """Red's host runs `diode udp receive` before any red job: `diode status` (auto) showed a
+    black table ("never ran") with the receiver under it."""
+    from bridge.cli import _sides
+    from bridge.config import load_config
+
+    path = _config(tmp_path, free_udp_port())
+    cfg = load_config(path, environ={})
+    assert _sides(cfg, "auto") == ["black"]  # nothing ran here
+    (tmp_path / "red" / "udp-spool").mkdir(parents=True)
+    assert _sides(cfg, "auto") == ["red"]
+    assert _sides(cfg, "black") == ["black"]  # an explicit side is kept
