@@ -154,6 +154,8 @@ class _Receiver:
         self.work: queue.Queue[Delivery | None] = queue.Queue()
         self.lock = threading.Lock()
         self._pushed: dict[str, int] = {}
+        self._t0 = time.monotonic()
+        """When the receive loop began (monotonic): the status file's ``seconds`` count from it."""
         self._auth = (0, 0, 0.0)
         """(datagrams, tag failures) at the last authentication check, and when it last warned."""
         self._overflows = SocketDrops(self.sock)
@@ -321,6 +323,7 @@ class _Receiver:
             s.objects_expired = ra.expired  # every gap: timeout, eviction, spool or digest error
             s.objects_unseen, s.unseen_arrived_late = ra.unseen_recorded, ra.unseen_arrived
             s.socket_overflows = self._overflows.since_start()
+            s.seconds = round(time.monotonic() - self._t0, 3)  # so far: goodput is the run's
             doc = {
                 "written_at": time.time(),
                 "pid": os.getpid(),
@@ -402,7 +405,7 @@ class _Receiver:
             max_open_objects=self.u.max_open_objects,
             decoder=pool,
         )
-        t0 = time.monotonic()
+        t0 = self._t0 = time.monotonic()
         tmp = delivery_tmp_dir(self.root, self.inbox)
         rebuilt = ra.recover(t0, tmp)
         worker = threading.Thread(target=self._deliver_loop, args=(ra, tmp), daemon=True)

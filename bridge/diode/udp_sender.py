@@ -325,6 +325,8 @@ class _Sender:
             c: {"last_seq": None, "objects": 0} for c in sorted(self.channels)
         }
         self.last_heartbeat = 0.0
+        self.started = time.monotonic()
+        """When ``run`` began (monotonic): the status file's ``seconds`` count from it."""
         self.hb_room = heartbeat_room(self.mtu, ipv6=self.ipv6)
         self.last_status = 0.0
         self.repairs_sent = 0
@@ -769,6 +771,7 @@ class _Sender:
         UDP.bytes_sent.inc(s.bytes - b0)
         self._pushed = (s.datagrams, self.repairs_sent, s.bytes)
         self.journal.compact(set(self.queued))
+        s.seconds = round(now - self.started, 3)  # so far: its rates are the run's, not 0
         doc = {
             "written_at": time.time(),
             "pid": os.getpid(),
@@ -848,7 +851,7 @@ class _Sender:
 
         watcher = InboxWatcher(self.outbox)
         watcher.start()
-        t0 = time.monotonic()
+        t0 = self.started = time.monotonic()
         deadline = None if timeout is None else t0 + timeout
         hb_every, il, batch, s = self.u.heartbeat_seconds, self.il, self.batch, self.summary
         last_scan = 0.0

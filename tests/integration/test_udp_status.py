@@ -115,6 +115,9 @@ def test_status_shows_both_ends_of_a_live_link_then_a_dead_sender(
     assert send["running"] is True and recv["running"] is True
     assert send["datagrams"] >= 300_000 // 1500 and recv["datagrams"] >= 300_000 // 1500
     assert send["channels"]["u1"] == {"last_seq": 1, "objects": 1}
+    # running ends report their rates so far (seconds was 0 until the process stopped)
+    assert send["seconds"] > 0 and send["mb_per_s"] > 0, send
+    assert recv["seconds"] > 0 and recv["goodput_mb_per_s"] > 0, recv
 
     for side in ("black", "red"):  # the tables name both ends, with the epoch
         r = _diode("status", "--config", str(cfg), "--side", side)
