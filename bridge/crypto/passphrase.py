@@ -25,6 +25,7 @@ from pathlib import Path
 from bridge.errors import ConfigError
 
 __all__ = [
+    "file_problem",
     "Passphrase",
     "resolve_passphrase",
     "check_env_name",
@@ -92,6 +93,23 @@ def check_env_name(name: str, where: str) -> str:
     return name
 
 
+def file_problem(st: os.stat_result, path: Path | str, source: str) -> str | None:
+    """What is wrong with a passphrase file whose status is ``st`` (``source``: its words for
+    messages), with the fix; None if nothing. Only a regular file is told to be chmodded: a
+    device, FIFO or directory (``/dev/null``) is named as the wrong kind of file, never handed
+    to ``chmod``, which would change it for the whole host."""
+    if not stat.S_ISREG(st.st_mode):
+        return (
+            f"{source} is not a regular file (a device, FIFO or directory): write the "
+            "passphrase to a file of its own (`install -m 600 /dev/null FILE`, then the "
+            "passphrase in it) and point passphrase_file at it"
+        )
+    mode = stat.S_IMODE(st.st_mode)
+    if mode & 0o077:
+        return f"{source} is accessible by group/others (mode {mode:04o}): run `chmod 600 {path}`"
+    return None
+
+
 class Passphrase:
     """Where a key's passphrase comes from; ``secret()`` reads it (once per process)."""
 
@@ -143,18 +161,10 @@ class Passphrase:
             raise ConfigError(f"cannot open {self.source}: {e.strerror}; {fix}") from None
         try:
             st = os.fstat(fd)
-            if not stat.S_ISREG(st.st_mode):
-                raise ConfigError(
-                    f"{self.source} is not a regular file (a FIFO, device or directory): "
-                    f"write the passphrase to a regular file (`install -m 600 /dev/null "
-                    f"{self.path}`)"
-                )
+            problem = file_problem(st, self.path, self.source)
+            if problem is not None:
+                raise ConfigError(problem)
             os.set_blocking(fd, True)
-            if stat.S_IMODE(st.st_mode) & 0o077:
-                raise ConfigError(
-                    f"{self.source} is accessible by group/others (mode "
-                    f"{stat.S_IMODE(st.st_mode):04o}): run `chmod 600 {self.path}`"
-                )
             if st.st_size > MAX_PASSPHRASE_BYTES + 2:
                 raise ConfigError(
                     f"{self.source} holds {st.st_size} bytes: a passphrase is one line of at "

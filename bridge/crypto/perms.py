@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from bridge.config import Config
+from bridge.crypto.passphrase import file_problem
 from bridge.diode.file_drop import OUTBOX_DIR_MODE, default_staging
 from bridge.errors import ConfigError
 from bridge.fsutil import DIR_MODE, fsync_dir, tmp_path_for, write_all
@@ -128,30 +129,6 @@ def lock_down_home(home: Path) -> None:
                 os.chmod(p, PRIVATE_FILE_MODE)
 
 
-def _passphrase_file_problems(pfile: Path, side: str) -> list[str]:
-    """A passphrase file group/others can reach, with the fix. Only a regular file is told to
-    be chmodded: a device, FIFO or directory (``/dev/null``, ``/dev/stdin``) is named as the
-    wrong kind of file, never handed to ``chmod`` (which would change the device for the whole
-    host)."""
-    try:
-        st = pfile.stat()
-    except OSError:
-        return []  # missing: the passphrase check says so, with its fix
-    if not stat.S_ISREG(st.st_mode):
-        return [
-            f"passphrase file {pfile} ({side}.passphrase_file) is not a regular file (a device, "
-            f"FIFO or directory): write the passphrase to a file of its own (`install -m 600 "
-            f"/dev/null FILE`, then the passphrase in it) and point {side}.passphrase_file at it"
-        ]
-    mode = stat.S_IMODE(st.st_mode)
-    if not mode & 0o077:
-        return []
-    return [
-        f"passphrase file {pfile} ({side}.passphrase_file) is accessible by group/others "
-        f"(mode {mode:04o}): run `chmod 600 {pfile}`"
-    ]
-
-
 def _mode(path: Path) -> int | None:
     try:
         return stat.S_IMODE(path.stat().st_mode)
@@ -235,7 +212,13 @@ def permission_problems(cfg: Config, *, side: Literal["black", "red"]) -> list[s
             )
     pfile = getattr(sect, "passphrase_file", None)
     if pfile is not None:
-        problems += _passphrase_file_problems(Path(pfile), side)
+        source = f"passphrase file {pfile} ({side}.passphrase_file)"
+        try:
+            problem = file_problem(Path(pfile).stat(), pfile, source)
+        except OSError:  # missing: the passphrase check says so, with its fix
+            problem = None
+        if problem is not None:
+            problems.append(problem)
     dirs = _black_dirs(cfg) if side == "black" else _red_dirs(cfg)
     problems += _dir_problems(side, dirs)
     return problems
