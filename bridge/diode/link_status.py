@@ -27,12 +27,9 @@ spool_dir: released by the kernel when the process ends, however it ends."""
 
 
 def read_json(path: Path) -> dict[str, Any] | None:
-    """A status file written atomically by a sender or receiver; None when absent or torn."""
-    try:
-        doc = json.loads(Path(path).read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return None
-    return doc if isinstance(doc, dict) else None
+    """A status file written atomically by a sender or receiver; None when absent or torn
+    (:func:`read_status` without the reason)."""
+    return read_status(path)[0]
 
 
 def read_status(path: Path) -> tuple[dict[str, Any] | None, str | None]:

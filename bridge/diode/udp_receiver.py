@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from bridge.config import Config
+from bridge.diode.link_status import RECEIVER_LOCK
 from bridge.diode.udp_decode import DecoderPool
 from bridge.diode.udp_key import load_key
 from bridge.diode.udp_socket import SocketDrops, set_rcvbuf
@@ -358,7 +359,7 @@ class _Receiver:
         durable_mkdir(self.root)
         durable_mkdir(self.inbox)
         with exclusive_lock(
-            self.root / "receive.lock", what="udp receiver",
+            self.root / RECEIVER_LOCK, what="udp receiver",
             hint="another `diode udp receive` uses this udp.receive.spool_dir; stop it first",
         ):  # fmt: skip
             try:

@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from bridge.config import Config
+from bridge.diode.link_status import SENDER_LOCK
 from bridge.diode.udp_batch import DatagramBatcher
 from bridge.diode.udp_encode import EncoderPool, slot_bytes_for
 from bridge.diode.udp_fec import (
@@ -787,7 +788,7 @@ class _Sender:
     def run(self, until_idle: bool, timeout: float | None) -> SendSummary:
         durable_mkdir(self.state_dir)
         with exclusive_lock(
-            self.state_dir / "send.lock", what="udp sender",
+            self.state_dir / SENDER_LOCK, what="udp sender",
             hint="another `diode udp send` uses this udp.send.state_dir; stop it first",
         ):  # fmt: skip
             self.journal = Journal(self.state_dir)
