@@ -36,7 +36,13 @@ from bridge.black.taps import TapSupervisor, UntilEmptyTaps
 from bridge.config import Config
 from bridge.crypto.gpg import Gpg
 from bridge.crypto.keys import signing_gpg
-from bridge.diode.file_drop import Outbox, default_staging, not_writable, write_refusal
+from bridge.diode.file_drop import (
+    OUTBOX_DIR_MODE,
+    Outbox,
+    default_staging,
+    not_writable,
+    write_refusal,
+)
 from bridge.errors import ConfigError, DiodeError
 from bridge.fsutil import DIR_MODE, durable_mkdir, exclusive_lock
 from bridge.logs import get_logger, log_event
@@ -146,9 +152,7 @@ def check_black_writable(cfg: Config, *, probe_files: bool = False) -> None:
     same invisible probe as a drop dir (``diode check`` changes nothing on the host).
     """
     for key, path, drop in _black_places(cfg):
-        d = path
-        while not d.exists() and d != d.parent:
-            d = d.parent
+        d = _nearest_existing(path)
         if not d.is_dir():
             continue  # creating it fails, with its own message (a file in the way)
         refused = write_refusal(d, visible=probe_files and not drop and d == path)
@@ -159,6 +163,13 @@ def check_black_writable(cfg: Config, *, probe_files: bool = False) -> None:
         raise ConfigError(_cannot_make(key, path, d, refused))
 
 
+def _nearest_existing(path: Path) -> Path:
+    """``path``, or its nearest ancestor that exists (where it would be made)."""
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return path
+
+
 def _cannot_make(key: str, path: Path, parent: Path, e: OSError) -> str:
     """``black.<key>`` does not exist yet and its nearest existing ``parent`` refused (``e``)."""
     if e.errno == errno.EROFS:
@@ -167,10 +178,8 @@ def _cannot_make(key: str, path: Path, parent: Path, e: OSError) -> str:
         why = (
             f"{parent} is not writable by the user running black (uid {os.getuid()}; {e.strerror})"
         )
-    return (
-        f"cannot create black.{key} {path}: {why}; create it for that user (or mount it "
-        f"read-write), or point black.{key} elsewhere"
-    )
+    mode = {"outbox": OUTBOX_DIR_MODE, "spool_dir": SPOOL_DIR_MODE}.get(key, DIR_MODE)
+    return _cannot_create(key, path, why, mode)
 
 
 def make_black_dirs(cfg: Config) -> None:
@@ -189,9 +198,7 @@ def make_black_dirs(cfg: Config) -> None:
         except OSError as e:
             raise ConfigError(_cannot_create(key, path, e.strerror or str(e), mode)) from None
     ckpt = Path(black.checkpoint_dir)
-    top = ckpt
-    while not top.exists() and top != top.parent:  # the nearest existing ancestor
-        top = top.parent
+    top = _nearest_existing(ckpt)
     if not top.is_dir():
         why = "Not a directory" if top != ckpt or top.exists() else "No such directory"
         raise ConfigError(_cannot_create("checkpoint_dir", ckpt, f"{top}: {why}", DIR_MODE))
