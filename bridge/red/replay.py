@@ -90,15 +90,14 @@ from bridge.fsutil import atomic_write_bytes, durable_mkdir, exclusive_lock
 from bridge.logs import get_logger, log_event
 from bridge.metrics import REGISTRY
 from bridge.protocol.header_splice import with_id_header
-from bridge.protocol.headers import typed_json_to_headers
 from bridge.protocol.manifest import format_utc
-from bridge.protocol.properties import encode_table
 from bridge.protocol.rows import UNKNOWN_EXCHANGE_TYPE
 from bridge.red import replay_state
 from bridge.red.approvals import Approvals
 from bridge.red.holdback import GapView, HoldSince, out_of_order, plan_release, publish_order
 from bridge.red.landing import STATE_FILE, read_saved_state
 from bridge.red.replay_check import name_problem, row_problem
+from bridge.red.replay_declare import Decl, declare_as_landed
 from bridge.red.replay_plan import FileStat, plan_upper
 from bridge.red.replay_results import ReplaySummary, StepResult, bound_unsunk
 from bridge.red.replay_state import (
@@ -224,8 +223,6 @@ METRICS = _Metrics()
 
 
 # -- per exchange -----------------------------------------------------------------------------
-Decl = tuple[str, bool, bool, bool, str | None]
-"""``(type, durable, auto_delete, internal, arguments typed JSON)`` as a row carries it."""
 
 
 @dataclass
@@ -970,15 +967,10 @@ class Replayer:
         if lane.name.startswith("amq."):
             return self._check_builtin(lane, decl, at)
         try:
-            table = encode_table(typed_json_to_headers(arguments)) if arguments else None
+            declare_as_landed(ch, lane.name, decl)
         except ProtocolError as e:
             self._block(lane, "bad_arguments", at, f"{what}: arguments do not decode: {e}")
             return False
-        try:
-            ch.exchange_declare(
-                lane.name, xtype, durable=durable, auto_delete=auto_delete, internal=internal,
-                arguments=table,
-            )  # fmt: skip
         except AmqpClosed as e:
             self._block(
                 lane, "declare", at,

@@ -24,10 +24,10 @@ from bridge.protocol.headers import typed_json_to_headers
 from bridge.protocol.properties import encode_table
 from bridge.protocol.rows import UNKNOWN_EXCHANGE_TYPE
 
-__all__ = ["Declared", "declare_exchanges", "landed_declarations"]
+__all__ = ["Decl", "Declared", "declare_as_landed", "declare_exchanges", "landed_declarations"]
 
 Decl = tuple[str, bool, bool, bool, str | None]
-"""(type, durable, auto-delete, internal, arguments as typed JSON) as a landed row has them."""
+"""``(type, durable, auto_delete, internal, arguments typed JSON)`` as a landed row has them."""
 _COLUMNS = [
     "land_seq", "channel", "seq", "exchange", "exchange_type", "exchange_durable",
     "exchange_auto_delete", "exchange_internal", "exchange_arguments",
@@ -81,6 +81,16 @@ def landed_declarations(messages: Path, names: Sequence[str] = ()) -> dict[str, 
     return out
 
 
+def declare_as_landed(ch: Any, name: str, decl: Decl) -> None:
+    """Declare ``name`` on ``ch`` with the type, flags and arguments of ``decl`` (the replay
+    publisher's declaration too): ProtocolError when the arguments do not decode, AmqpClosed
+    when the broker refuses."""
+    xtype, durable, auto_delete, internal, arguments = decl
+    table = encode_table(typed_json_to_headers(arguments)) if arguments else None
+    ch.exchange_declare(name, xtype, durable=durable, auto_delete=auto_delete, internal=internal,
+                        arguments=table)  # fmt: skip
+
+
 def _declare_one(conn: Connection, name: str, decl: Decl) -> Declared:
     """Declare ``name`` as ``decl`` on a channel of its own (a refusal closes only that)."""
     if name == "":
@@ -93,7 +103,7 @@ def _declare_one(conn: Connection, name: str, decl: Decl) -> Declared:
 
 
 def _declare_on(ch: Any, name: str, decl: Decl) -> Declared:
-    xtype, durable, auto_delete, internal, arguments = decl
+    xtype, internal = decl[0], decl[3]
     builtin, unknown = name.startswith("amq."), xtype == UNKNOWN_EXCHANGE_TYPE
     try:
         if builtin or unknown:
@@ -104,9 +114,7 @@ def _declare_on(ch: Any, name: str, decl: Decl) -> Declared:
                 else "black did not know its type: it exists on red, used as it is"
             )
             return Declared(name, "exists", why, decl)
-        table = encode_table(typed_json_to_headers(arguments)) if arguments else None
-        ch.exchange_declare(name, xtype, durable=durable, auto_delete=auto_delete,
-                            internal=internal, arguments=table)  # fmt: skip
+        declare_as_landed(ch, name, decl)
     except AmqpClosed as e:
         if not e.channel:
             raise
