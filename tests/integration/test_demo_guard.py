@@ -27,7 +27,6 @@ import pytest
 import requests
 
 from bridge.black.management import ManagementClient
-from bridge.config import load_config
 from bridge.errors import ConfigError, TransportError
 from tests.conftest import AUTH, MGMT
 
@@ -251,25 +250,11 @@ def test_a_udp_link_that_fails_to_start_stops_what_it_started(
 ) -> None:
     """The relay refuses its loss (here 200 %, past the demo's own check): the receiver the link
     had already started must not be left running."""
-    from bridge.demo.run import write_demo_config
-    from bridge.demo.udp_link import UdpLink, free_udp_port, udp_config_toml
-    from bridge.diode.udp_key import generate_key_file
+    from bridge.demo.udp_link import UdpLink, free_udp_port
+    from tests.integration.test_udp_link_start import demo_config
 
-    work = tmp_path / "demo"
-    work.mkdir()
-    generate_key_file(work / "keys" / "udp.key")
     relay_port = free_udp_port()
-    cfg_path = write_demo_config(
-        work,
-        black_fpr="A" * 40,
-        red_fprs=["B" * 40],
-        amqp_url="amqp://guest:guest@127.0.0.1:5672/unused",
-        mgmt=DEAD_MGMT,
-        red_amqp_url="amqp://guest:guest@127.0.0.1:5672/unused-red",
-        transport="udp",
-        udp_section=udp_config_toml(relay_port, free_udp_port(), loss_percent=200),
-    )
-    cfg = load_config(cfg_path, environ={})
+    cfg = demo_config(tmp_path / "demo", relay_port, loss_percent=200)
     spawned: list[subprocess.Popen[bytes]] = []
     spawn = UdpLink._spawn
 

@@ -27,7 +27,7 @@ from tests.support import REPO
 DEAD_MGMT = "http://127.0.0.1:9"
 
 
-def _demo_config(work: Path, relay_port: int) -> Config:
+def demo_config(work: Path, relay_port: int, loss_percent: float = 2) -> Config:
     """The demo's own config, UDP section included (nothing in it reaches a broker here)."""
     work.mkdir(parents=True, exist_ok=True)
     generate_key_file(work / "keys" / "udp.key")
@@ -39,7 +39,7 @@ def _demo_config(work: Path, relay_port: int) -> Config:
         mgmt=DEAD_MGMT,
         red_amqp_url="amqp://guest:guest@127.0.0.1:5672/unused-red",
         transport="udp",
-        udp_section=udp_config_toml(relay_port, free_udp_port(), loss_percent=2),
+        udp_section=udp_config_toml(relay_port, free_udp_port(), loss_percent=loss_percent),
     )
     return load_config(path, environ={})
 
@@ -90,7 +90,7 @@ def test_a_relay_slow_to_fail_on_a_port_in_use_fails_the_start_naming_the_port(
     taken = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
     taken.bind(("127.0.0.1", 0))
     port = taken.getsockname()[1]
-    cfg = _demo_config(tmp_path / "demo", port)
+    cfg = demo_config(tmp_path / "demo", port)
     cli = udp_link._cli
 
     def slow(*args: str) -> list[str]:
@@ -129,7 +129,7 @@ def test_a_demo_killed_outright_leaves_no_link_process_running(tmp_path: Path) -
     """kill -9 of the demo runs no ``finally``: its receiver and relay ran on forever, bound
     to their ports. Now each is told (SIGTERM) when the demo dies, and stops as on a stop."""
     port = free_udp_port()
-    cfg = _demo_config(tmp_path / "demo", port)
+    cfg = demo_config(tmp_path / "demo", port)
     assert cfg.source is not None
     code = _DEMO.format(repo=str(REPO), cfg=str(cfg.source), port=port)
     demo = subprocess.Popen(
