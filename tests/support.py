@@ -342,6 +342,34 @@ def small_tmpfs(size: str, prefix: str) -> Iterator[Path]:
         shutil.rmtree(d, ignore_errors=True)
 
 
+class LoRoute:
+    """A host route on lo for ``addr`` whose MTU a test sets (``mtu(n)``), removed after."""
+
+    def __init__(self, addr: str) -> None:
+        self.addr = addr
+        self.spec = ["local", f"{addr}/32", "dev", "lo", "table", "local"]
+
+    def mtu(self, n: int) -> None:
+        made = subprocess.run(["ip", "route", "replace", *self.spec, "mtu", "lock", str(n)],
+                              capture_output=True, text=True, check=False)  # fmt: skip
+        if made.returncode != 0:
+            pytest.skip(f"cannot add a route here: {made.stderr.strip()}")
+
+
+@contextmanager
+def lo_route(addr: str, mtu: int) -> Iterator[LoRoute]:
+    """127.x ``addr`` reached through a route of ``mtu`` (lo's own is 65536); skips the test
+    without root."""
+    if os.geteuid() != 0:
+        pytest.skip("adding a route needs root")
+    route = LoRoute(addr)
+    route.mtu(mtu)
+    try:
+        yield route
+    finally:
+        subprocess.run(["ip", "route", "del", *route.spec], capture_output=True, check=False)
+
+
 # ---------------------------------------------------------------------- keys, logs
 @contextmanager
 def key_inventory(

@@ -5,6 +5,10 @@ datagrams of the same size as one buffer; it cuts them apart (in the NIC, or in 
 before the device), so the wire carries exactly the datagrams a ``sendto`` per datagram would,
 for a fraction of the system calls. Where the kernel or the device refuses it, the batcher says
 so once and sends datagram by datagram from then on.
+
+Datagrams leave with don't-fragment set: one that no longer fits the route (its MTU lowered
+while the sender runs) is refused by the kernel and stops the sender with the route's MTU and
+the fix, instead of crossing as IP fragments that many diodes drop.
 """
 
 from __future__ import annotations
@@ -16,9 +20,10 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from bridge.diode.udp_socket import route_mtu, set_dont_fragment
 from bridge.errors import TransportError
 from bridge.logs import get_logger, log_event
-from bridge.protocol.datagram import MAX_DATAGRAM, SymbolSealer
+from bridge.protocol.datagram import MAX_DATAGRAM, SymbolSealer, ip_udp_header_len
 
 __all__ = ["UDP_SEGMENT", "MAX_SEGMENTS", "DatagramBatcher"]
 
@@ -45,6 +50,7 @@ class DatagramBatcher:
     __slots__ = (
         "sock",
         "dest",
+        "ipv6",
         "gso",
         "max_bytes",
         "pace",
@@ -69,6 +75,8 @@ class DatagramBatcher:
         on_sent: Callable[[], None],
     ) -> None:
         self.sock, self.dest, self.gso = sock, dest, gso
+        self.ipv6 = sock.family == socket.AF_INET6
+        set_dont_fragment(sock, ipv6=self.ipv6)
         self.max_bytes = max(1, min(max_bytes, MAX_DATAGRAM))
         self.pace, self.on_sent = pace, on_sent
         self._buf = bytearray(MAX_DATAGRAM)
@@ -139,6 +147,7 @@ class DatagramBatcher:
         try:
             self._retrying(self.sock.sendmsg, [data], cmsg, 0, self.dest)
         except OSError as e:
+            self._refuse_if_too_big(seg, e)
             if e.errno in _NO_GSO:
                 log_event(log, 30, "UDP GSO refused by the kernel or device: sending "
                           "datagram by datagram from now on", destination=self._where(),
@@ -152,7 +161,24 @@ class DatagramBatcher:
         try:
             self._retrying(self.sock.sendto, data, self.dest)
         except OSError as e:
+            self._refuse_if_too_big(len(data), e)
             raise TransportError(f"sendto {self._where()} failed: {e}") from None
+
+    def _refuse_if_too_big(self, size: int, e: OSError) -> None:
+        """TransportError naming the route's MTU when a send of ``size``-byte datagrams failed
+        because they no longer fit the route (don't-fragment is set); nothing else."""
+        if e.errno not in (errno.EMSGSIZE, errno.EINVAL):
+            return
+        mtu = route_mtu(self.dest, ipv6=self.ipv6)
+        if mtu is None or size + ip_udp_header_len(ipv6=self.ipv6) <= mtu:
+            return
+        raise TransportError(
+            f"datagrams of {size} bytes no longer fit the route to {self._where()}: its MTU is "
+            f"now {mtu} (`ip route get {self.dest[0]}`), lower than udp.mtu; nothing left as "
+            f"IP fragments (don't-fragment is set). Set udp.mtu = {mtu} on both sides and "
+            f"restart (the file in flight was not journaled sent: it goes again), or restore "
+            f"the route's MTU"
+        ) from None
 
     def _retrying(self, send: Callable[..., int], *args: Any) -> None:
         """One send system call, repeated while the kernel's queue is full; other errors

@@ -1,5 +1,5 @@
 """Diode, UDP (both sides): a large receive buffer, forced past rmem_max when we may; what the
-kernel dropped for want of room in it; the MTU of the route to the diode."""
+kernel dropped for want of room in it; the MTU of the route to the diode; don't-fragment."""
 
 from __future__ import annotations
 
@@ -7,7 +7,13 @@ import os
 import socket
 import sys
 
-__all__ = ["SO_RCVBUFFORCE", "SocketDrops", "route_mtu", "set_rcvbuf"]
+__all__ = [
+    "SO_RCVBUFFORCE",
+    "SocketDrops",
+    "route_mtu",
+    "set_dont_fragment",
+    "set_rcvbuf",
+]
 
 SO_RCVBUFFORCE: int | None = getattr(
     socket, "SO_RCVBUFFORCE", 33 if sys.platform.startswith("linux") else None
@@ -19,6 +25,21 @@ _LINUX = sys.platform.startswith("linux")
 _IP_MTU: int | None = getattr(socket, "IP_MTU", 14 if _LINUX else None)
 _IPV6_MTU: int | None = getattr(socket, "IPV6_MTU", 24 if _LINUX else None)
 """Python's socket module lacks IP_MTU; Linux's values (getsockopt of a connected socket)."""
+_IP_MTU_DISCOVER: int | None = getattr(socket, "IP_MTU_DISCOVER", 10 if _LINUX else None)
+_IPV6_MTU_DISCOVER: int | None = getattr(socket, "IPV6_MTU_DISCOVER", 23 if _LINUX else None)
+_PMTUDISC_DO = 2
+"""Linux's ``IP_PMTUDISC_DO`` / ``IPV6_PMTUDISC_DO``: set DF, never fragment locally."""
+
+
+def set_dont_fragment(sock: socket.socket, *, ipv6: bool) -> bool:
+    """Send with don't-fragment: a datagram larger than the route's MTU is refused by
+    ``sendto`` (EMSGSIZE) instead of leaving as IP fragments, which many diodes drop whole.
+    False where the option does not exist (not Linux)."""
+    opt = _IPV6_MTU_DISCOVER if ipv6 else _IP_MTU_DISCOVER
+    if opt is None:
+        return False
+    sock.setsockopt(socket.IPPROTO_IPV6 if ipv6 else socket.IPPROTO_IP, opt, _PMTUDISC_DO)
+    return True
 
 
 def route_mtu(dest: tuple[str, int], *, ipv6: bool) -> int | None:

@@ -60,6 +60,7 @@ __all__ = [
     "LinkHeartbeat",
     "DatagramCodec",
     "symbol_size_for",
+    "ip_udp_header_len",
     "heartbeat_room",
     "split_heartbeat",
 ]
@@ -214,10 +215,16 @@ MAX_HEARTBEAT_PARTS = 65535
 """Parts of one heartbeat round at most (far above any channel count that fits a config)."""
 
 
+def ip_udp_header_len(*, ipv6: bool) -> int:
+    """IP and UDP header bytes around every datagram (no IP options): what an MTU holds more
+    than the datagram."""
+    return (40 if ipv6 else 20) + 8
+
+
 def heartbeat_room(mtu: int, *, ipv6: bool = False) -> int:
     """Sender: the bytes of JSON a link heartbeat may hold so that its datagram fits one IP
     packet of ``mtu`` (IP, UDP and our 20-byte header and tag subtracted; at most 4096)."""
-    room = mtu - (40 if ipv6 else 20) - 8 - HEARTBEAT_HEADER_LEN - TAG_LEN
+    room = mtu - ip_udp_header_len(ipv6=ipv6) - HEARTBEAT_HEADER_LEN - TAG_LEN
     return max(0, min(room, _MAX_HEARTBEAT_JSON))
 
 
@@ -260,7 +267,7 @@ def symbol_size_for(mtu: int, channel: str, *, ipv6: bool = False) -> int:
     IP (20 or 40) and UDP (8) headers, our header and tag are subtracted; T is rounded down to
     a multiple of 8. Raises ValueError when the MTU leaves less than 64 bytes of payload.
     """
-    overhead = (40 if ipv6 else 20) + 8 + SYMBOL_HEADER_LEN + len(channel) + TAG_LEN
+    overhead = ip_udp_header_len(ipv6=ipv6) + SYMBOL_HEADER_LEN + len(channel) + TAG_LEN
     room = min(mtu - overhead, MAX_DATAGRAM - SYMBOL_HEADER_LEN - len(channel) - TAG_LEN)
     t = room - room % 8
     if t < 64:

@@ -14,6 +14,7 @@ import pytest
 
 from bridge.diode.udp_batch import MAX_SEGMENTS, DatagramBatcher
 from bridge.diode.udp_receiver import UDP_GRO, _segment_size
+from bridge.errors import TransportError
 from bridge.protocol.datagram import (
     DatagramCodec,
     LinkHeartbeat,
@@ -22,6 +23,7 @@ from bridge.protocol.datagram import (
     Symbol,
     symbol_size_for,
 )
+from tests.support import lo_route
 
 SO_NO_CHECK = 11
 CODEC = DatagramCodec(bytes(range(32)))
@@ -163,3 +165,37 @@ def test_segment_size_reads_the_gro_control_message() -> None:
     assert _segment_size([(socket.SOL_UDP, UDP_GRO, struct.pack("=i", 1472))]) == 1472
     assert _segment_size([(socket.SOL_IP, 8, b"\0" * 4)]) == 0
     assert _segment_size([]) == 0
+
+
+@pytest.mark.parametrize("gso", [True, False])
+def test_a_route_mtu_lowered_mid_run_stops_the_sender_and_nothing_leaves_fragmented(
+    gso: bool,
+) -> None:
+    """Datagrams sized for MTU 1500; the route's MTU drops to 1280 while the sender runs.
+    Don't-fragment is set, so the kernel refuses them (without it they left as IP fragments,
+    which many diodes drop): the batcher stops with the route's MTU and the fix, and the
+    receiver never gets a fragment-reassembled datagram after the drop."""
+    addr = "127.0.0.78"
+    with lo_route(addr, 1500) as route:
+        r = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        r.bind((addr, 0))
+        r.settimeout(0.5)
+        s, calls = sender(), Calls()
+        with r, s:
+            b = batcher(s, r.getsockname(), calls, gso=gso)
+            t = symbol_size_for(1500, "alpha")
+            sealer = CODEC.symbol_sealer(5, header("alpha", t))
+            for i in range(4):
+                b.add_symbol(sealer, i, 0, i, os.urandom(t))
+            b.flush()
+            assert len(drain(r, 4)) == 4  # fits the route: sent whole
+            route.mtu(1280)
+            with pytest.raises(TransportError) as err:  # without GSO, at the second symbol
+                for i in range(4, 8):
+                    b.add_symbol(sealer, i, 0, i, os.urandom(t))
+                b.flush()
+            text = str(err.value)
+            assert f"datagrams of {sealer.size} bytes no longer fit the route" in text, text
+            assert "MTU is now 1280" in text and "Set udp.mtu = 1280 on both sides" in text
+            with pytest.raises(TimeoutError):
+                r.recv(65535)  # nothing of the refused batch arrived, fragmented or not

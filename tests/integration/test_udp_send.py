@@ -49,6 +49,7 @@ from bridge.protocol.datagram import (
     heartbeat_room,
     symbol_size_for,
 )
+from tests.support import lo_route
 
 ID = "0123456789abcdef0123456789abcdef"
 K = 16  # small blocks: many of them, block edges cheap to hit
@@ -916,18 +917,8 @@ def test_a_torn_last_journal_line_is_cut_so_the_next_record_is_kept(env: Env) ->
 @pytest.fixture
 def small_mtu_route() -> Iterator[str]:
     """127.0.0.77 reached through a route of MTU 1280 (a host route on lo, removed after)."""
-    if os.geteuid() != 0:
-        pytest.skip("adding a route needs root")
-    addr = "127.0.0.77"
-    route = ["local", f"{addr}/32", "dev", "lo", "table", "local"]
-    made = subprocess.run(["ip", "route", "replace", *route, "mtu", "lock", "1280"],
-                          capture_output=True, text=True, check=False)  # fmt: skip
-    if made.returncode != 0:
-        pytest.skip(f"cannot add a route here: {made.stderr.strip()}")
-    try:
-        yield addr
-    finally:
-        subprocess.run(["ip", "route", "del", *route], capture_output=True, check=False)
+    with lo_route("127.0.0.77", 1280) as route:
+        yield route.addr
 
 
 def test_a_udp_mtu_above_the_routes_mtu_is_refused_at_start(env: Env, small_mtu_route: str) -> None:
