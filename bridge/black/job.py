@@ -37,9 +37,10 @@ from bridge.config import Config
 from bridge.crypto.gpg import Gpg
 from bridge.crypto.keys import signing_gpg
 from bridge.diode.file_drop import (
-    OUTBOX_DIR_MODE,
     Outbox,
+    cannot_create,
     default_staging,
+    drop_dir_mode,
     not_writable,
     write_refusal,
 )
@@ -141,10 +142,24 @@ def _black_places(cfg: Config) -> list[tuple[str, Path, bool]]:
     return places
 
 
+def _channel_folders(cfg: Config) -> list[tuple[str, str, Path]]:
+    """``(config key, channel, folder)`` of each channel's own folder black writes files in:
+    ``<spool_dir>/<channel>`` (its tap) and ``<archive>/<channel>`` (the sealer)."""
+    b = cfg.black
+    roots = (("spool_dir", Path(b.spool_dir)), ("archive", Path(b.archive)))
+    return [(key, ch.name, root / ch.name) for key, root in roots for ch in cfg.channels]
+
+
+def _dir_mode(key: str) -> int:
+    """The mode black makes ``black.<key>`` (and its channels' folders there) with."""
+    return SPOOL_DIR_MODE if key == "spool_dir" else drop_dir_mode(key)
+
+
 def check_black_writable(cfg: Config, *, probe_files: bool = False) -> None:
     """ConfigError (key, path, uid, fix) unless the user running black can create and remove
-    files in the outbox, udp_outbox, staging, archive, state and spool dirs, found before the
-    taps drain the broker and Spark starts, not when the first bundle fails to seal.
+    files in the outbox, udp_outbox, staging, archive, state and spool dirs and in each
+    channel's folder of the spool and the archive, found before the taps drain the broker and
+    Spark starts, not when a tap or the first bundle fails.
 
     A directory not made yet counts as its nearest existing parent (where it would be made).
     Nothing visible is created in a drop dir, nor in a parent; ``probe_files``: the other
@@ -159,8 +174,27 @@ def check_black_writable(cfg: Config, *, probe_files: bool = False) -> None:
         if refused is None:
             continue
         if d == path:
-            raise ConfigError(not_writable(key, path, refused))
+            raise ConfigError(not_writable(key, path, refused, mode=_dir_mode(key)))
         raise ConfigError(_cannot_make(key, path, d, refused))
+    for key, channel, folder in _channel_folders(cfg):
+        _check_channel_folder(key, channel, folder, probe_files=probe_files)
+
+
+def _check_channel_folder(key: str, channel: str, folder: Path, *, probe_files: bool) -> None:
+    """Black, start: ConfigError unless black can write in ``channel``'s ``folder`` of
+    ``black.<key>``, if it exists (else it is made in ``black.<key>``, checked before)."""
+    if not os.path.lexists(folder):
+        return
+    if not folder.is_dir():
+        raise ConfigError(
+            f"black.{key} {folder} is not a directory: black keeps channel {channel!r}'s "
+            f"files in a folder of that name. Move {folder} out of black.{key} (black makes "
+            "the folder)"
+        )
+    refused = write_refusal(folder, visible=probe_files)
+    if refused is not None:
+        msg = not_writable(key, folder, refused, mode=_dir_mode(key), channel=channel)
+        raise ConfigError(msg)
 
 
 def _nearest_existing(path: Path) -> Path:
@@ -178,8 +212,7 @@ def _cannot_make(key: str, path: Path, parent: Path, e: OSError) -> str:
         why = (
             f"{parent} is not writable by the user running black (uid {os.getuid()}; {e.strerror})"
         )
-    mode = {"outbox": OUTBOX_DIR_MODE, "spool_dir": SPOOL_DIR_MODE}.get(key, DIR_MODE)
-    return _cannot_create(key, path, why, mode)
+    return cannot_create(key, path, why, _dir_mode(key))
 
 
 def make_black_dirs(cfg: Config) -> None:
@@ -189,30 +222,21 @@ def make_black_dirs(cfg: Config) -> None:
     cannot be made or written is a ConfigError naming its key, not a traceback in a tap
     process, a Java stack trace from Spark, or a sealing failure once the broker is drained."""
     black = cfg.black
-    for key, path, mode in (
-        ("state_dir", black.state_dir, DIR_MODE),
-        ("spool_dir", black.spool_dir, SPOOL_DIR_MODE),
-    ):
+    for key, path in (("state_dir", black.state_dir), ("spool_dir", black.spool_dir)):
+        mode = _dir_mode(key)
         try:
             durable_mkdir(Path(path), mode=mode)
         except OSError as e:
-            raise ConfigError(_cannot_create(key, path, e.strerror or str(e), mode)) from None
+            raise ConfigError(cannot_create(key, path, e.strerror or str(e), mode)) from None
     ckpt = Path(black.checkpoint_dir)
     top = _nearest_existing(ckpt)
     if not top.is_dir():
         why = "Not a directory" if top != ckpt or top.exists() else "No such directory"
-        raise ConfigError(_cannot_create("checkpoint_dir", ckpt, f"{top}: {why}", DIR_MODE))
+        raise ConfigError(cannot_create("checkpoint_dir", ckpt, f"{top}: {why}", DIR_MODE))
     if not os.access(top, os.W_OK | os.X_OK):
         why = f"{top} is not writable (read-only file system or permissions)"
-        raise ConfigError(_cannot_create("checkpoint_dir", ckpt, why, DIR_MODE))
+        raise ConfigError(cannot_create("checkpoint_dir", ckpt, why, DIR_MODE))
     check_black_writable(cfg, probe_files=True)
-
-
-def _cannot_create(key: str, path: Path | str, why: str, mode: int) -> str:
-    return (
-        f"cannot create black.{key} {path}: {why}; create it (mode {mode:o}) for the user "
-        f"running black, or point black.{key} elsewhere"
-    )
 
 
 class BlackRun:

@@ -16,7 +16,6 @@ sealing failure stops the query at the next batch and is raised by ``drain``.
 
 from __future__ import annotations
 
-import json
 import queue
 import threading
 import time
@@ -30,12 +29,11 @@ import pyarrow as pa
 from bridge.black.catalog import load_catalog
 from bridge.black.chunking import row_size_estimate
 from bridge.black.seal import BundleSealer, ShippedBundle
-from bridge.black.source import READ_HINT_FILE
+from bridge.black.source import save_read_hint
 from bridge.black.spool_rows import read_rows, source_schema
 from bridge.black.state import StateStore
 from bridge.config import Config
 from bridge.errors import DiodeError
-from bridge.fsutil import atomic_write_bytes
 from bridge.logs import get_logger, log_event
 
 __all__ = ["BatchSink", "BatchResult", "SealingFailed", "Totals"]
@@ -220,9 +218,9 @@ class BatchSink:
             self._avg[ch.name] = float(row_size_estimate(sub).mean())
             res.bundles.extend(self.sealer.seal_rows(ch, sub))
         self._sealing = None
-        if self._avg:
-            hint = Path(self.cfg.black.state_dir) / READ_HINT_FILE
-            atomic_write_bytes(hint, json.dumps({"avg_row_bytes": self._avg}).encode())
+        if self._avg:  # other channels keep the hints of earlier runs
+            names = [c.name for c in self.cfg.channels]
+            save_read_hint(Path(self.cfg.black.state_dir), self._avg, names)
         log_event(
             log,
             20,

@@ -13,7 +13,8 @@ own disk, where the driver runs (DESIGN §8: one black host per link).
 
 The per-batch read limit is the smaller of ``max_messages_per_batch`` and ``max_batch_bytes``
 divided by the average row size black measured on earlier batches (``read-hint.json`` in the
-state dir), so memory stays flat under any backlog.
+state dir, each channel's from its last sealed batch, whichever run that was), so memory stays
+flat under any backlog.
 
 Options: ``config`` (path of the diode TOML, read on the driver), ``channels``
 (comma-separated, default: all configured), ``hold`` (``false``: a processing-time query cuts
@@ -25,7 +26,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -44,10 +45,19 @@ from bridge.black.spool import SpoolReader
 from bridge.black.state import StateStore
 from bridge.config import Config, load_config
 from bridge.errors import ConfigError
+from bridge.fsutil import atomic_write_bytes
 from bridge.logs import ensure_logging, get_logger, log_event
 from bridge.spark import FOREIGN_CHECKPOINT
 
-__all__ = ["SpoolDataSource", "SpoolStreamReader", "READ_HINT_FILE", "RANGE_SCHEMA", "SpoolRange"]
+__all__ = [
+    "SpoolDataSource",
+    "SpoolStreamReader",
+    "READ_HINT_FILE",
+    "RANGE_SCHEMA",
+    "SpoolRange",
+    "read_hint",
+    "save_read_hint",
+]
 
 log = get_logger("bridge.black.source")
 
@@ -77,12 +87,29 @@ class SpoolRange(InputPartition):
 
 
 def read_hint(state_dir: Path) -> dict[str, float]:
+    """Black, drain: channel -> average row bytes measured on its last sealed batch; {} when
+    ``read-hint.json`` is missing or unreadable (the source then sizes a few real messages)."""
     p = Path(state_dir) / READ_HINT_FILE
     try:
         d = json.loads(p.read_text())
         return {str(k): float(v) for k, v in d.get("avg_row_bytes", {}).items()}
-    except (FileNotFoundError, ValueError, AttributeError):
+    except (OSError, ValueError, AttributeError, TypeError):
         return {}
+
+
+def save_read_hint(
+    state_dir: Path, measured: Mapping[str, float], channels: Collection[str]
+) -> None:
+    """Black, seal: write ``read-hint.json`` (temp, fsync, rename): ``measured`` (channel ->
+    average row bytes of its last sealed batch) over the hints of the other ``channels`` kept
+    from earlier runs, so a channel this run did not read keeps its own for its next first
+    batch (without it, that batch is sized from a few messages and can be many times
+    ``black.max_batch_bytes``); a hint of a channel no longer configured goes."""
+    hint = {ch: v for ch, v in read_hint(state_dir).items() if ch in channels}
+    hint.update(measured)
+    atomic_write_bytes(
+        Path(state_dir) / READ_HINT_FILE, json.dumps({"avg_row_bytes": hint}).encode()
+    )
 
 
 class SpoolStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):

@@ -61,7 +61,9 @@ __all__ = [
     "LOCK_WAIT_SECONDS",
     "Outbox",
     "ResendReport",
+    "cannot_create",
     "default_staging",
+    "drop_dir_mode",
     "not_writable",
     "rename_refusal",
     "write_refusal",
@@ -171,9 +173,40 @@ def _read_only(d: Path) -> bool:
         return False
 
 
-def not_writable(key: str, d: Path, e: OSError) -> str:
+_LEFT_BEHIND = {
+    "spool_dir": "the channel's messages not shipped yet stay there and are reported lost",
+    "archive": "the channel's archived bundles stay there, out of reach of resend and of "
+    "crash recovery",
+}
+"""What pointing ``black.<key>`` elsewhere leaves in a channel's folder (:func:`not_writable`)."""
+
+
+def drop_dir_mode(key: str) -> int:
+    """Black, file drop: the mode black makes ``black.<key>`` with (the outbox: group-writable
+    for the mover; the UDP outbox, staging and archive: black's own)."""
+    return OUTBOX_DIR_MODE if key == "outbox" else DIR_MODE
+
+
+def cannot_create(key: str, path: Path | str, why: str, mode: int) -> str:
+    """Black, start: what to tell when ``black.<key>`` ``path`` cannot be made (``why``): the
+    fix, with the ``mode`` black makes it with."""
+    return (
+        f"cannot create black.{key} {path}: {why}; create it (mode {mode:o}) for the user "
+        f"running black, or point black.{key} elsewhere"
+    )
+
+
+def not_writable(
+    key: str, d: Path, e: OSError, *, mode: int | None = None, channel: str | None = None
+) -> str:
     """What to tell when ``black.<key>`` ``d`` refused black's files (``e``, from
-    :func:`write_refusal` or a delivery): the key, the path, the uid, the reason and the fix."""
+    :func:`write_refusal` or a delivery): the key, the path, the uid, the reason and the fix.
+
+    ``mode``: the mode black makes ``d`` with (default :func:`drop_dir_mode`). ``channel``:
+    ``d`` is that channel's folder inside ``black.<key>`` (spool, archive), whose files stay
+    behind if ``black.<key>`` is pointed elsewhere: the message says which.
+    """
+    mode = drop_dir_mode(key) if mode is None else mode
     if e.errno == errno.EROFS:
         return (
             f"black.{key} {d} is on a read-only file system: black writes there. Mount it "
@@ -182,14 +215,19 @@ def not_writable(key: str, d: Path, e: OSError) -> str:
     why = e.strerror or str(e)
     if e.errno == errno.EPERM:
         why += ": an immutable or append-only attribute (lsattr -d) refuses even root"
-    who = (
-        "e.g. the mover's group, mode 0770"
-        if key in ("outbox", "udp_outbox")
-        else "e.g. its owner, mode 0750"
-    )
+    uid = os.getuid()
+    if channel is not None:
+        left = _LEFT_BEHIND.get(key, "the channel's files stay there")
+        return (
+            f"black.{key} {d} is not writable by the user running black (uid {uid}; {why}): it "
+            f"is the folder of channel {channel!r}; give that user write access to it and to "
+            f"the files in it (e.g. `chown -R {uid} {d}`, mode {mode:04o}), or point "
+            f"black.{key} elsewhere ({left})"
+        )
+    who = "e.g. the mover's group" if key == "outbox" else "e.g. its owner"
     return (
-        f"black.{key} {d} is not writable by the user running black (uid {os.getuid()}; {why}): "
-        f"give that user write access ({who}), or point black.{key} elsewhere"
+        f"black.{key} {d} is not writable by the user running black (uid {uid}; {why}): "
+        f"give that user write access ({who}, mode {mode:04o}), or point black.{key} elsewhere"
     )
 
 
@@ -310,15 +348,15 @@ class Outbox:
 
     @staticmethod
     def _mkdir(key: str, d: Path) -> None:
+        """Black, start: make drop dir, archive or staging ``d`` (``black.<key>``) with its
+        mode; ConfigError with the fix if it cannot be made."""
+        # the outbox is shared with the vendor's mover (same group): it must be able to take
+        # (delete) files there; archive, staging and the UDP outbox stay black's own
+        mode = drop_dir_mode(key)
         try:
-            # the outbox is shared with the vendor's mover (same group): it must be able to
-            # take (delete) files there; archive and staging stay black's own
-            durable_mkdir(d, mode=OUTBOX_DIR_MODE if key == "outbox" else DIR_MODE)
+            durable_mkdir(d, mode=mode)
         except OSError as e:
-            raise ConfigError(
-                f"cannot create black.{key} {d}: {e.strerror or e}; create it (mode 750) for "
-                f"the user running black, or point black.{key} elsewhere"
-            ) from None
+            raise ConfigError(cannot_create(key, d, e.strerror or str(e), mode)) from None
 
     def _check_own_dirs_place(self, own: Mapping[str, Path]) -> None:
         """ConfigError if one of black's own directories (``own``: config key -> directory) is
@@ -431,7 +469,8 @@ class Outbox:
         for key, d in places:
             refused = write_refusal(d) if d.is_dir() else None
             if refused is not None and refused.errno in _DENIED:
-                return f"; {not_writable(key, d, refused)}; then start black again"
+                ch = channel if key == "archive" and d != self.archive else None
+                return f"; {not_writable(key, d, refused, channel=ch)}; then start black again"
         keys = " and ".join(f"black.{key} {d}" for key, d in places)
         return (
             f"; the user running black (uid {os.getuid()}) may not write there: give it write "
