@@ -873,7 +873,7 @@ def quarantine_list(
     if summary.get("file_gone"):
         click.echo(
             f"{summary['file_gone']} reason file(s) kept without their file (re-injected, "
-            "runbook §12.2)"
+            "runbook §12.2; or a move a crash interrupted: pending or abandoned, as listed)"
         )
 
 

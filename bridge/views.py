@@ -216,14 +216,24 @@ def _link_cell(c: Mapping[str, Any], silent_after: Any) -> RenderableType:
     return "ok"
 
 
+SILENT_NAMES_SHOWN = 5
+"""At most this many silent channels are named in the no-job warning; the rest as ``+N more``
+(each is SILENT in the link column, and ``--json`` has ``channels.<name>.silent_now``)."""
+
+
 def _unwatched(channels: Mapping[str, Any]) -> RenderableType:
-    """Without a red job nobody checks for silence: say so, louder when a link is silent."""
+    """Red, status: without a red job nobody checks for silence: say so, louder when a link is
+    silent (a handful of names, then how many more: one short line however many channels)."""
     silent = sorted(n for n, c in channels.items() if c.get("silent_now") and not c.get("retired"))
     text = ("no red job is running: silence is not being watched (no link_silent event, no "
             "alarm); the link column is judged from the last heartbeat's age")  # fmt: skip
-    if silent:
-        return _warn(f"{text}; silent now: {', '.join(silent)}")
-    return Text(text)
+    if not silent:
+        return Text(text)
+    names = ", ".join(silent[:SILENT_NAMES_SHOWN])
+    more = len(silent) - SILENT_NAMES_SHOWN
+    if more > 0:
+        names += f" +{more} more ({len(silent)} in all: --json, channels.*.silent_now)"
+    return _warn(f"{text}; silent now: {names}")
 
 
 def _replay_view(rp: Any) -> RenderableType:

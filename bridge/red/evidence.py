@@ -30,7 +30,7 @@ import os
 import re
 import stat
 import unicodedata
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -56,6 +56,7 @@ __all__ = [
     "rename_noreplace",
     "file_kind",
     "sha256_regular",
+    "unmoved_entries",
 ]
 
 log = get_logger("bridge.red.evidence")
@@ -182,6 +183,27 @@ def _move_id(st: os.stat_result) -> str:
     """What a reservation is for: the entry (device, inode) as it was, unmoved (its ctime,
     which a rename changes: ours once done, or an operator's ``mv`` back into the inbox)."""
     return f"{st.st_dev}:{st.st_ino}:{st.st_ctime_ns}"
+
+
+def unmoved_entries(places: Iterable[Path]) -> dict[str, Path]:
+    """Red, evidence: every entry of ``places`` (the folders moves start from: the inbox, the
+    intake) by the ``pending_move`` a reservation for it would carry. A reservation whose mark
+    is not here can never be honoured: its entry was renamed (re-injected, moved back),
+    changed (a new ctime) or removed. OSError if a place exists but cannot be listed."""
+    out: dict[str, Path] = {}
+    for place in places:
+        try:
+            it = os.scandir(os.fsencode(place))
+        except FileNotFoundError:
+            continue
+        with it:
+            for entry in it:
+                try:
+                    st = entry.stat(follow_symlinks=False)
+                except FileNotFoundError:
+                    continue
+                out[_move_id(st)] = Path(place) / os.fsdecode(entry.name)
+    return out
 
 
 def _reserved_for(dst: Path, st: os.stat_result) -> bool | None:

@@ -9,7 +9,11 @@ verdict rows --Landing (driver)--> Delta messages / bundles / audit + processed/
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import os
+import struct
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -19,6 +23,7 @@ from typing import Any, Literal
 
 from bridge.config import Config
 from bridge.crypto.keys import decryption_gpg
+from bridge.diode.file_drop import write_refusal
 from bridge.errors import ConfigError, DiodeError
 from bridge.fsutil import durable_mkdir, exclusive_lock
 from bridge.logs import get_logger, log_event
@@ -40,10 +45,6 @@ POLL_SECONDS = 0.5
 """Continuous runs ask the source this often; an idle inbox costs one inotify check."""
 
 
-INTAKE_QUARANTINE_EVENT = "quarantined"
-"""The audit event of a file the intake refused itself (bad name, link, folder, device)."""
-
-
 @dataclass
 class RedSummary:
     """What one red run did. ``rejected`` is every file refused this run, whoever refused it
@@ -59,7 +60,6 @@ class RedSummary:
 
     def to_json(self) -> dict[str, Any]:
         t = self.totals
-        at_intake = t.events.get(INTAKE_QUARANTINE_EVENT, 0)
         return {
             "batches": self.batches,
             "files": t.files,
@@ -67,8 +67,7 @@ class RedSummary:
             "messages_landed": t.messages_landed,
             "duplicates": t.duplicates,
             "conflicts": t.conflicts,
-            "rejected": t.rejected + at_intake,
-            "quarantined_at_intake": at_intake,
+            **t.refusals(),  # rejected (all), quarantined_at_intake: as the "landed" log line
             "heartbeats": t.heartbeats,
             "events": dict(sorted(t.events.items())),
             "land_seq": t.land_seq,
@@ -171,9 +170,53 @@ def _beside(outer: Path, inner: Path, key: str, taken: list[Path]) -> Path:
     return outer.parent / f"red-{default}-2"
 
 
+_NO_PROBE_FILE = frozenset({"inbox", "processed_dir", "quarantine_dir"})
+"""Red dirs probed without a file appearing in them: the inbox (the mover or ``diode udp
+receive`` writes there, and the intake takes every entry) and the evidence dirs (every file in
+them is counted). They share work_dir's file system (checked), which gets a real file."""
+_FS_IOC_GETFLAGS = (2 << 30) | (struct.calcsize("l") << 16) | (ord("f") << 8) | 1
+"""``_IOR('f', 1, long)``: read an inode's attribute flags (lsattr). Where the number differs
+(ppc, mips, sparc) the kernel answers ENOTTY: the attribute is not known, not assumed."""
+_FS_APPEND_FL = 0x20
+
+
+def _append_only(d: Path) -> OSError | None:
+    """Red, start-up: EPERM if directory ``d`` has the append-only attribute (``chattr +a``):
+    files can be created there but never renamed away or replaced, which red does. Read from
+    the attribute, so no probe file is left behind; None if not, or where the file system
+    does not say."""
+    try:
+        fd = os.open(d, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except OSError:
+        return None  # the write probe answers for a directory red cannot even open
+    try:
+        buf = bytearray(8)
+        fcntl.ioctl(fd, _FS_IOC_GETFLAGS, buf, True)
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+    if int.from_bytes(buf[:4], sys.byteorder) & _FS_APPEND_FL:
+        why = "append-only attribute: files come in, none can leave"
+        return OSError(errno.EPERM, why, os.fspath(d))
+    return None
+
+
+def red_dir_refusal(key: str, d: Path) -> OSError | None:
+    """Red, start-up: why red cannot create, rename and remove files in ``red.<key>`` ``d``,
+    or None. The write probe of the file drop (``write_refusal``: permissions, an immutable
+    attribute, a read-only mount; a real file, created and removed, in red's own dirs), and
+    the append-only attribute, which lets a probe file in but never out."""
+    refused = write_refusal(d) or _append_only(d)
+    if refused is None and key not in _NO_PROBE_FILE:
+        refused = write_refusal(d, visible=True)  # a server squashing root, a full inode table
+    return refused
+
+
 def _make_red_dir(key: str, d: Path) -> None:
-    """Create red directory ``red.<key>`` (mode 750) and check red can write into it; a
-    ConfigError naming the key, the path, the OS's reason and the fix otherwise."""
+    """Red, start-up: create ``red.<key>`` (mode 750) and check that red can create, rename and
+    remove files in it (:func:`red_dir_refusal`); a ConfigError naming the key, the path, the
+    OS's reason and the fix otherwise, before Spark starts rather than mid-run."""
     try:
         durable_mkdir(d)
     except OSError as e:
@@ -181,20 +224,30 @@ def _make_red_dir(key: str, d: Path) -> None:
             f"cannot create red.{key} {d}: {e.strerror or e}; create it (mode 750) for the "
             f"user running red, or point red.{key} elsewhere"
         ) from None
-    if os.access(d, os.W_OK | os.X_OK):
-        return
-    try:
-        read_only = bool(os.statvfs(d).f_flag & os.ST_RDONLY)
-    except OSError:
-        read_only = False
-    if read_only:
-        raise ConfigError(
+    refused = red_dir_refusal(key, d)
+    if refused is not None:
+        raise ConfigError(_not_writable(key, d, refused))
+
+
+def _not_writable(key: str, d: Path, e: OSError) -> str:
+    """Red, start-up: what to tell when ``red.<key>`` ``d`` refused red's files (``e``, from
+    :func:`red_dir_refusal`): the key, the path, the uid, the reason and the fix."""
+    if e.errno == errno.EROFS:
+        return (
             f"red.{key} {d} is on a read-only file system: red writes there. Mount it "
             f"read-write, or point red.{key} to a writable directory"
         )
-    raise ConfigError(
-        f"red.{key} {d} is not writable by the user running red (uid {os.getuid()}): give "
-        f"that user write access (owner, mode 750), or point red.{key} elsewhere"
+    if e.errno == errno.EPERM:
+        return (
+            f"red.{key} {d} refuses red's files (uid {os.getuid()}; {e.strerror}): red "
+            "creates, renames and removes files there, which an immutable or append-only "
+            f"attribute refuses even to root (lsattr -d {d}). Clear it (chattr -i -a {d}), or "
+            f"point red.{key} elsewhere"
+        )
+    return (
+        f"red.{key} {d} is not writable by the user running red (uid {os.getuid()}; "
+        f"{e.strerror or e}): give that user write access (owner, mode 750), or point "
+        f"red.{key} elsewhere"
     )
 
 

@@ -104,8 +104,16 @@ class LandingResult:
     duplicates: int = 0
     conflicts: int = 0
     rejected: int = 0
+    """Files verification refused; :meth:`refusals` adds the intake's."""
     heartbeats: int = 0
     events: dict[str, int] = field(default_factory=dict)
+
+    def refusals(self) -> dict[str, int]:
+        """Red, landing: files refused, whoever refused them: ``rejected`` (verification's and
+        the intake's, as ``bridge_red_files_rejected_total`` counts them) and
+        ``quarantined_at_intake`` (the intake's own: the ``quarantined`` audit events)."""
+        at_intake = self.events.get("quarantined", 0)
+        return {"rejected": self.rejected + at_intake, "quarantined_at_intake": at_intake}
 
     def add(self, other: LandingResult) -> None:
         for k in (
@@ -902,9 +910,10 @@ class Landing:
                 with contextlib.suppress(ValueError):  # a hand-edited state: no gauge, no crash
                     at = parse_utc(cs.heartbeat.received_at).timestamp()
                     RED.heartbeat_received.labels(ch).set(at)
-        if res.files:
+        refused = res.refusals()  # as the run summary counts them
+        if res.files or refused["rejected"]:
             log_event(
                 log, 20, "landed", land_seq=res.land_seq, files=res.files,
                 bundles=res.bundles_landed, messages=res.messages_landed,
-                duplicates=res.duplicates, conflicts=res.conflicts, rejected=res.rejected,
+                duplicates=res.duplicates, conflicts=res.conflicts, **refused,
             )  # fmt: skip

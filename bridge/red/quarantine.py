@@ -8,7 +8,11 @@ A quarantined file without a readable reason file (a crash between the move and 
 write, or a damaged reason file) is listed with the reason ``no_reason_file`` or
 ``unreadable_reason_file``: never left out. A reason file whose file is gone (re-injected into
 the inbox, runbook §12.2, or a move a crash interrupted before its rename) is listed too, with
-``file_gone`` (and ``pending_move`` for the latter); the summary counts it apart.
+``file_gone``; the summary counts it apart. For the latter ``pending_move`` says whether the
+move is still pending: true (``pending_at``: the inbox or intake still holds that very entry,
+same device, inode and ctime, and the next red run finishes the move), false (no entry there
+is it any more: removed, moved or changed, so nothing will finish it), null (the inbox or
+intake could not be listed to tell).
 
 ``stored_as`` is the name in the quarantine folder (what ``show`` takes); ``original_name`` the
 name the file arrived under, printable (``evidence.shown_name``: the intake stores a name that
@@ -30,11 +34,20 @@ import pyarrow.dataset as pads
 
 from bridge.config import Config
 from bridge.errors import DiodeError
-from bridge.red.evidence import PENDING_KEY, REASON_SUFFIX, safe_name, sha256_regular, shown_name
+from bridge.red.evidence import (
+    PENDING_KEY,
+    REASON_SUFFIX,
+    safe_name,
+    sha256_regular,
+    shown_name,
+    unmoved_entries,
+)
 
 __all__ = ["QuarantineError", "list_quarantined", "quarantine_summary", "show_quarantined"]
 
 _DAY = re.compile(r"\d{4}-\d{2}-\d{2}")
+_INTAKE_DIR = "intake"
+"""``work_dir/intake``: where the intake puts the files it takes (bridge.red.intake)."""
 
 
 class QuarantineError(DiodeError):
@@ -87,31 +100,74 @@ def _original_name(rec: dict[str, Any]) -> Any:
     return shown_name(raw) if name == safe_name(raw) else name
 
 
-def _gone_entry(day: Path, stored: Path) -> dict[str, Any]:
+class _Unmoved:
+    """Red, operator: the inbox and intake entries a pending move could still take
+    (``evidence.unmoved_entries``), listed once, when the first pending reason file needs it."""
+
+    def __init__(self, cfg: Config) -> None:
+        self.places = (Path(cfg.red.inbox), Path(cfg.red.work_dir) / _INTAKE_DIR)
+        self._found: dict[str, Path] | None = None
+        self._error: str | None = None
+
+    def find(self, mark: str) -> Path | str | None:
+        """Where the entry reserved by ``mark`` still waits; None if nowhere (the move can no
+        longer happen); a string saying why that cannot be told (a place not readable)."""
+        if self._found is None and self._error is None:
+            try:
+                self._found = unmoved_entries(self.places)
+            except OSError as e:
+                where = os.fsdecode(e.filename) if e.filename is not None else "inbox or intake"
+                self._error = f"{where}: {e.strerror or e}"
+        if self._found is None:
+            return self._error
+        return self._found.get(mark)
+
+
+def _gone_text(rec: dict[str, Any] | None, unmoved: _Unmoved) -> tuple[str, dict[str, Any]]:
+    """Why a reason file is without its file, and the entry fields that say it: a move still
+    pending only while the inbox or intake holds that very entry unmoved (device, inode,
+    ctime: ``pending_move`` true, ``pending_at`` where); a mark no entry matches can never be
+    honoured (``pending_move`` false); null when the places cannot be read."""
+    mark = rec.get(PENDING_KEY) if rec is not None else None
+    if mark is None:
+        return "file gone (re-injected or removed; this reason file is kept as evidence)", {}
+    where = unmoved.find(str(mark))
+    if isinstance(where, Path):
+        return (
+            f"move pending: a crash came before the rename; the file waits at {where}, the "
+            "next red run moves it here",
+            {"pending_move": True, "pending_at": str(where)},
+        )
+    if where is None:
+        return (
+            "file gone, move abandoned: a crash came before the rename, and the inbox and "
+            "intake no longer hold the file as it was (removed, moved or changed)",
+            {"pending_move": False},
+        )
+    return (
+        f"move pending or abandoned: a crash came before the rename; cannot tell which: {where}",
+        {"pending_move": None},
+    )
+
+
+def _gone_entry(day: Path, stored: Path, unmoved: _Unmoved) -> dict[str, Any]:
     """The entry of a reason file whose file is no longer beside it: what it recorded, marked
     ``file_gone``; ``why`` says so first (the CLI prints it)."""
     entry, rec = _read_entry(day, stored)
-    pending = rec is not None and rec.get(PENDING_KEY) is not None
-    gone = (
-        "move pending (a crash before the rename: the file is still in the inbox or intake)"
-        if pending
-        else "file gone (re-injected or removed; this reason file is kept as evidence)"
-    )
+    gone, fields = _gone_text(rec, unmoved)
     why = entry.get("why") or entry.get("error")
-    entry.update(file_gone=True, why=f"[{gone}] {why}" if why else f"[{gone}]")
-    if pending:
-        entry["pending_move"] = True
+    entry.update(file_gone=True, why=f"[{gone}] {why}" if why else f"[{gone}]", **fields)
     return entry
 
 
-def _day_entries(day: Path) -> list[dict[str, Any]]:
+def _day_entries(day: Path, unmoved: _Unmoved) -> list[dict[str, Any]]:
     """Every quarantined file of ``day``, and every reason file whose file is gone."""
     names = {p.name for p in day.iterdir() if not p.name.startswith(".")}
     out = [_entry(day, day / n) for n in names if not n.endswith(REASON_SUFFIX)]
     for n in names:
         stored = n[: -len(REASON_SUFFIX)]
         if n.endswith(REASON_SUFFIX) and stored and stored not in names:
-            out.append(_gone_entry(day, day / stored))
+            out.append(_gone_entry(day, day / stored, unmoved))
     return out
 
 
@@ -131,8 +187,9 @@ def list_quarantined(
     from one day on; the reason files themselves are not entries, except one whose file is
     gone (an entry with ``file_gone``: a re-injected file's first verdict)."""
     out: list[dict[str, Any]] = []
+    unmoved = _Unmoved(cfg)
     for day in _days(Path(cfg.red.quarantine_dir), since):
-        entries = _day_entries(day)
+        entries = _day_entries(day, unmoved)
         entries.sort(key=lambda e: (str(e.get("at") or ""), e["stored_as"]))
         out.extend(e for e in entries if reason is None or e["reason"] == reason)
     return out
@@ -207,7 +264,7 @@ def show_quarantined(cfg: Config, name: str, *, audit: bool = True) -> dict[str,
 
 def _show_gone(cfg: Config, day: Path, stored: str, *, audit: bool) -> dict[str, Any]:
     """``show`` of a reason file whose file is gone: its record, nothing to hash."""
-    entry = _gone_entry(day, day / stored)
+    entry = _gone_entry(day, day / stored, _Unmoved(cfg))
     out: dict[str, Any] = {**entry, "record": _read_entry(day, day / stored)[1]}
     out.update(sha256_now=None, unchanged=None)
     return _with_audit(cfg, out, stored, audit=audit)

@@ -87,7 +87,7 @@ def test_a_reason_file_whose_file_was_re_injected_is_still_listed_and_shown(
     pending = _put(tmp_path, "2026-11-23", "d", "not_regular_file", at="2026-11-23T09:00")
     rec = json.loads(pending.with_name("d.reason.json").read_text())
     pending.with_name("d.reason.json").write_text(json.dumps({**rec, "pending_move": "1:2:3"}))
-    pending.unlink()  # a crash before the rename: the entry is still in the inbox
+    pending.unlink()  # a crash before the rename, and no inbox entry has that mark (any more)
     entries = list_quarantined(cfg)
     assert [
         (e["day"], e["stored_as"], e["reason"], e.get("file_gone", False)) for e in entries
@@ -97,7 +97,8 @@ def test_a_reason_file_whose_file_was_re_injected_is_still_listed_and_shown(
         ("2026-11-23", "d", "not_regular_file", True),
     ]
     assert entries[0]["why"].startswith("[file gone") and entries[0]["why"].endswith("because")
-    assert entries[2].get("pending_move") is True and entries[2]["why"].startswith("[move pending")
+    assert entries[2]["pending_move"] is False, entries[2]
+    assert entries[2]["why"].startswith("[file gone, move abandoned"), entries[2]
     assert quarantine_summary(entries) == {
         "total": 1, "by_reason": {"conflict": 1}, "file_gone": 2}  # fmt: skip
     shown = show_quarantined(cfg, "2026-11-22/a.dbundle", audit=False)
