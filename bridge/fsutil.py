@@ -6,6 +6,8 @@ import contextlib
 import errno
 import fcntl
 import os
+import struct
+import sys
 import time
 import uuid
 from collections.abc import Iterator
@@ -17,6 +19,8 @@ from bridge.errors import StateError
 __all__ = [
     "DIR_MODE",
     "FILE_MODE",
+    "WRITE_PROBE",
+    "append_only_refusal",
     "atomic_write_bytes",
     "durable_mkdir",
     "durable_rename",
@@ -28,6 +32,7 @@ __all__ = [
     "tmp_path_for",
     "write_all",
     "write_new_file",
+    "write_refusal",
 ]
 
 _IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024
@@ -37,6 +42,16 @@ DIR_MODE = 0o750
 """Directories the bridge creates: the owner writes, its group (e.g. the mover's) reads."""
 FILE_MODE = 0o640
 """Files the bridge writes: the owner writes, its group reads, others nothing."""
+
+WRITE_PROBE = "write-probe"
+"""Base name of the file a create-and-unlink write check makes (:func:`write_refusal`)."""
+_CREATE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
+_NO_TMPFILE = frozenset({errno.EOPNOTSUPP, errno.EISDIR, errno.EINVAL})
+"""O_TMPFILE unsupported (a file system without it; EISDIR: a kernel without it)."""
+_FS_IOC_GETFLAGS = (2 << 30) | (struct.calcsize("l") << 16) | (ord("f") << 8) | 1
+"""``_IOR('f', 1, long)``: read an inode's attribute flags (lsattr). Where the number differs
+(ppc, mips, sparc) the kernel answers ENOTTY: the attribute is not known, not assumed."""
+_FS_APPEND_FL = 0x20
 
 _RUN_HINT = (
     "two black jobs must never share a state_dir (they would fork the bundle chain). "
@@ -229,3 +244,71 @@ def lock_held(path: Path) -> bool:
     finally:
         os.close(fd)  # also drops the shared lock taken just now
     return False
+
+
+def write_refusal(d: Path, *, visible: bool = False) -> OSError | None:
+    """Why this process cannot create, rename away and remove files in directory ``d``, or None.
+
+    ``visible=False`` (drop dirs and inboxes, where a mover or the intake takes any file,
+    dot-files included): nothing appears in ``d``: an unnamed ``O_TMPFILE`` file, freed on
+    close, which the kernel refuses as it would a new file (EACCES, EPERM for an immutable
+    directory even for root, EROFS); where the file system has no ``O_TMPFILE``, access(2)
+    answers. Then the append-only attribute (:func:`append_only_refusal`), which lets files in
+    but never out. ``visible=True`` (the bridge's own dirs: no mover looks there): also a temp
+    name ``.write-probe.<12 hex>.tmp`` created and unlinked, which sees what the others cannot
+    (a server squashing root, a full inode table).
+    """
+    refused = _unnamed_refusal(d) or append_only_refusal(d)
+    if refused is not None or not visible:
+        return refused
+    probe = tmp_path_for(Path(d) / WRITE_PROBE)
+    try:
+        os.close(os.open(probe, _CREATE, FILE_MODE))
+        os.unlink(probe)
+    except OSError as e:
+        return e
+    return None
+
+
+def _unnamed_refusal(d: Path) -> OSError | None:
+    try:
+        fd = os.open(d, os.O_TMPFILE | os.O_WRONLY | os.O_CLOEXEC, FILE_MODE)
+    except OSError as e:
+        if e.errno not in _NO_TMPFILE:
+            return e
+    else:
+        os.close(fd)
+        return None
+    if os.access(d, os.W_OK | os.X_OK):
+        return None
+    code = errno.EROFS if _read_only(d) else errno.EACCES
+    return OSError(code, os.strerror(code), os.fspath(d))
+
+
+def _read_only(d: Path) -> bool:
+    try:
+        return bool(os.statvfs(d).f_flag & os.ST_RDONLY)
+    except OSError:
+        return False
+
+
+def append_only_refusal(d: Path) -> OSError | None:
+    """EPERM if directory ``d`` has the append-only attribute (``chattr +a``): files can be
+    created there but never renamed away or removed, which the bridge does in every dir it
+    writes. Read from the attribute, so no probe file is stranded there; None if not, or where
+    the file system does not say."""
+    try:
+        fd = os.open(d, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except OSError:
+        return None  # the write probe answers for a directory that cannot even be opened
+    try:
+        buf = bytearray(8)
+        fcntl.ioctl(fd, _FS_IOC_GETFLAGS, buf, True)
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+    if int.from_bytes(buf[:4], sys.byteorder) & _FS_APPEND_FL:
+        why = "append-only attribute: files come in, none can leave"
+        return OSError(errno.EPERM, why, os.fspath(d))
+    return None

@@ -42,10 +42,9 @@ from bridge.diode.file_drop import (
     default_staging,
     drop_dir_mode,
     not_writable,
-    write_refusal,
 )
 from bridge.errors import ConfigError, DiodeError
-from bridge.fsutil import DIR_MODE, durable_mkdir, exclusive_lock
+from bridge.fsutil import DIR_MODE, durable_mkdir, exclusive_lock, write_refusal
 from bridge.logs import get_logger, log_event
 from bridge.spark import config_error_in, spark_path
 

@@ -14,7 +14,7 @@ to cross a bind mount, which keeps the device number); that is checked here by p
 that creates nothing (also for ``black.udp_outbox``, where the UDP channels' files go when it
 is set). A
 directory black cannot write (permissions, an immutable attribute, a read-only mount) is found
-at start by :func:`write_refusal`, which creates nothing visible in a drop dir. Black's own
+at start by ``write_refusal``, which creates nothing visible in a drop dir. Black's own
 directories (archive, staging, state, spool, checkpoint, GnuPG home) must not be inside the
 outbox or the UDP outbox, nor the outbox inside the archive: refused here, before anything is
 created. A mover may take
@@ -46,12 +46,14 @@ from bridge.errors import BundleNameError, ConfigError, StateError, TransportErr
 from bridge.fsutil import (
     DIR_MODE,
     FILE_MODE,
+    WRITE_PROBE,
     durable_mkdir,
     exclusive_lock,
     fsync_dir,
     shared_lock,
     tmp_path_for,
     write_new_file,
+    write_refusal,
 )
 from bridge.logs import get_logger, log_event
 from bridge.protocol.naming import MAX_SEQ, parse_bundle_name
@@ -66,15 +68,12 @@ __all__ = [
     "drop_dir_mode",
     "not_writable",
     "rename_refusal",
-    "write_refusal",
 ]
 
 log = get_logger("bridge.diode.file_drop")
 _TEMP_RE = re.compile(r"^\.[A-Za-z0-9._-]+\.[0-9a-f]{12}\.tmp$")
 _CREATE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
 _NO_RANGE_COPY = frozenset({errno.EXDEV, errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP})
-_NO_TMPFILE = frozenset({errno.EOPNOTSUPP, errno.EISDIR, errno.EINVAL})
-"""O_TMPFILE unsupported (a file system without it; EISDIR: a kernel without it)."""
 _DENIED = frozenset({errno.EACCES, errno.EPERM, errno.EROFS})
 
 DROP_LOCK = ".drop.lock"
@@ -87,11 +86,9 @@ _PROBE_NAME = "archive-link-probe"
 """Base name of the ``archive_mode = "link"`` check's files (temp names: ``.<it>.<hex>.tmp``)."""
 _RENAME_PROBE = "rename-probe"
 """Base name of the absent file the staging check renames (:func:`rename_refusal`)."""
-_WRITE_PROBE = "write-probe"
-"""Base name of the file a create-and-unlink write check makes (:func:`write_refusal`)."""
 _PROBE_ATTEMPTS = 3
 """Probes whose file vanished before the link (removed under us) before giving up."""
-_ROOT_PROBES = (f".{_PROBE_NAME}.", f".{_WRITE_PROBE}.")
+_ROOT_PROBES = (f".{_PROBE_NAME}.", f".{WRITE_PROBE}.")
 """The temp files a crash may leave in the archive root (the sweep removes them)."""
 
 _SWEEP_HINT = (
@@ -132,47 +129,6 @@ def rename_refusal(src_dir: Path, dst_dir: Path) -> OSError | None:
     )
 
 
-def write_refusal(d: Path, *, visible: bool = False) -> OSError | None:
-    """Why the user running black cannot create (and remove) files in directory ``d``, or None.
-
-    ``visible=False`` (drop dirs: a mover may take any file there, dot-files included):
-    nothing appears in ``d``: an unnamed ``O_TMPFILE`` file, freed on close, which the kernel
-    refuses as it would a new file (EACCES, EPERM for an immutable directory even for root,
-    EROFS); where the file system has no ``O_TMPFILE``, access(2) answers. ``visible=True``
-    (staging, archive, state, spool: no mover looks there): a temp name ``.write-probe.<12
-    hex>.tmp`` is created and unlinked, which also sees what access(2) cannot (an
-    append-only directory, a server squashing root). Unlike :func:`rename_refusal`, which the
-    kernel answers before it checks permissions.
-    """
-    if visible:
-        probe = tmp_path_for(Path(d) / _WRITE_PROBE)
-        try:
-            os.close(os.open(probe, _CREATE, FILE_MODE))
-            os.unlink(probe)
-        except OSError as e:
-            return e
-        return None
-    try:
-        fd = os.open(d, os.O_TMPFILE | os.O_WRONLY | os.O_CLOEXEC, FILE_MODE)
-    except OSError as e:
-        if e.errno not in _NO_TMPFILE:
-            return e
-    else:
-        os.close(fd)
-        return None
-    if os.access(d, os.W_OK | os.X_OK):
-        return None
-    code = errno.EROFS if _read_only(d) else errno.EACCES
-    return OSError(code, os.strerror(code), os.fspath(d))
-
-
-def _read_only(d: Path) -> bool:
-    try:
-        return bool(os.statvfs(d).f_flag & os.ST_RDONLY)
-    except OSError:
-        return False
-
-
 _LEFT_BEHIND = {
     "spool_dir": "the channel's messages not shipped yet stay there and are reported lost",
     "archive": "the channel's archived bundles stay there, out of reach of resend and of "
@@ -200,7 +156,7 @@ def not_writable(
     key: str, d: Path, e: OSError, *, mode: int | None = None, channel: str | None = None
 ) -> str:
     """What to tell when ``black.<key>`` ``d`` refused black's files (``e``, from
-    :func:`write_refusal` or a delivery): the key, the path, the uid, the reason and the fix.
+    ``write_refusal`` or a delivery): the key, the path, the uid, the reason and the fix.
 
     ``mode``: the mode black makes ``d`` with (default :func:`drop_dir_mode`). ``channel``:
     ``d`` is that channel's folder inside ``black.<key>`` (spool, archive), whose files stay
@@ -454,7 +410,7 @@ class Outbox:
     def _denied_hint(self, e: BaseException, channel: str | None) -> str:
         """The fix, when a delivery of ``channel`` (None: a staging write) was refused (EACCES,
         EPERM, EROFS): which of its drop dir, the staging dir and its archive folder black
-        cannot write, found by :func:`write_refusal` (nothing visible in the drop dir); "" for
+        cannot write, found by ``write_refusal`` (nothing visible in the drop dir); "" for
         any other error."""
         if not isinstance(e, OSError) or e.errno not in _DENIED:
             return ""

@@ -10,10 +10,7 @@ verdict rows --Landing (driver)--> Delta messages / bundles / audit + processed/
 from __future__ import annotations
 
 import errno
-import fcntl
 import os
-import struct
-import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -23,9 +20,8 @@ from typing import Any, Literal
 
 from bridge.config import Config
 from bridge.crypto.keys import decryption_gpg
-from bridge.diode.file_drop import write_refusal
 from bridge.errors import ConfigError, DiodeError
-from bridge.fsutil import durable_mkdir, exclusive_lock
+from bridge.fsutil import durable_mkdir, exclusive_lock, write_refusal
 from bridge.logs import get_logger, log_event
 from bridge.red.evidence import Evidence
 from bridge.red.landing import LOCK_FILE, Landing, LandingResult
@@ -174,43 +170,13 @@ _NO_PROBE_FILE = frozenset({"inbox", "processed_dir", "quarantine_dir"})
 """Red dirs probed without a file appearing in them: the inbox (the mover or ``diode udp
 receive`` writes there, and the intake takes every entry) and the evidence dirs (every file in
 them is counted). They share work_dir's file system (checked), which gets a real file."""
-_FS_IOC_GETFLAGS = (2 << 30) | (struct.calcsize("l") << 16) | (ord("f") << 8) | 1
-"""``_IOR('f', 1, long)``: read an inode's attribute flags (lsattr). Where the number differs
-(ppc, mips, sparc) the kernel answers ENOTTY: the attribute is not known, not assumed."""
-_FS_APPEND_FL = 0x20
-
-
-def _append_only(d: Path) -> OSError | None:
-    """Red, start-up: EPERM if directory ``d`` has the append-only attribute (``chattr +a``):
-    files can be created there but never renamed away or replaced, which red does. Read from
-    the attribute, so no probe file is left behind; None if not, or where the file system
-    does not say."""
-    try:
-        fd = os.open(d, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    except OSError:
-        return None  # the write probe answers for a directory red cannot even open
-    try:
-        buf = bytearray(8)
-        fcntl.ioctl(fd, _FS_IOC_GETFLAGS, buf, True)
-    except OSError:
-        return None
-    finally:
-        os.close(fd)
-    if int.from_bytes(buf[:4], sys.byteorder) & _FS_APPEND_FL:
-        why = "append-only attribute: files come in, none can leave"
-        return OSError(errno.EPERM, why, os.fspath(d))
-    return None
 
 
 def red_dir_refusal(key: str, d: Path) -> OSError | None:
     """Red, start-up: why red cannot create, rename and remove files in ``red.<key>`` ``d``,
-    or None. The write probe of the file drop (``write_refusal``: permissions, an immutable
-    attribute, a read-only mount; a real file, created and removed, in red's own dirs), and
-    the append-only attribute, which lets a probe file in but never out."""
-    refused = write_refusal(d) or _append_only(d)
-    if refused is None and key not in _NO_PROBE_FILE:
-        refused = write_refusal(d, visible=True)  # a server squashing root, a full inode table
-    return refused
+    or None (``fsutil.write_refusal``: permissions, an immutable or append-only attribute, a
+    read-only mount; a real file, created and removed, in red's own dirs)."""
+    return write_refusal(d, visible=key not in _NO_PROBE_FILE)
 
 
 def _make_red_dir(key: str, d: Path) -> None:

@@ -130,17 +130,16 @@ def test_a_directory_not_made_yet_counts_as_its_parent(tmp_path: Path) -> None:
     assert not (parent / "outbox").exists()
 
 
-def test_an_append_only_staging_dir_is_found_by_the_job_s_create_and_unlink_probe(
-    tmp_path: Path,
-) -> None:
-    """Files can be made there but not renamed away: only a real file shows it (and the
-    check that creates nothing lets it pass)."""
+def test_an_append_only_staging_dir_is_found_by_both_checks(tmp_path: Path) -> None:
+    """Files can be made there but not renamed away: the attribute is read, so the check that
+    creates nothing (`diode check`) finds it too, and no probe file is stranded there."""
     base, cfg = _made(tmp_path)
     staging = base / ".outbox.staging"
     with refused_dir(staging, attr="a"):
-        check_black_writable(cfg)  # nothing created: the invisible probe cannot tell
-        with pytest.raises(ConfigError, match=f"black.staging_dir {staging} is not writable"):
-            make_black_dirs(cfg)
+        for check in (lambda: check_black_writable(cfg), lambda: make_black_dirs(cfg)):
+            with pytest.raises(ConfigError, match=f"black.staging_dir {staging} is not writable"):
+                check()
+        assert not [p.name for p in staging.iterdir() if "write-probe" in p.name]
 
 
 def test_the_probes_leave_nothing_behind(tmp_path: Path) -> None:

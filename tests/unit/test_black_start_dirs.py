@@ -58,14 +58,19 @@ def test_a_channel_folder_black_cannot_write_is_refused_at_start(tmp_path: Path,
     assert sorted(os.listdir(d)) == [], "the probes leave nothing behind"
 
 
-def test_an_append_only_channel_folder_is_found_by_the_job_s_probe(tmp_path: Path) -> None:
+def test_an_append_only_channel_folder_is_found_and_no_probe_file_is_stranded(
+    tmp_path: Path,
+) -> None:
     """Files can be made there but not removed (the tap releases segments, the pruner old
-    bundles): only the job's create-and-unlink probe sees it; `diode check` creates nothing."""
+    bundles): read from the attribute by `diode check` and the job alike, so the job's
+    create-and-unlink probe never leaves a file it cannot remove."""
     cfg, folders = _made(tmp_path)
-    with refused_dir(folders["spool_dir"], attr="a"):
-        check_black_writable(cfg)
-        with pytest.raises(ConfigError, match=f"black.spool_dir {folders['spool_dir']} is not"):
-            make_black_dirs(cfg)
+    d = folders["spool_dir"]
+    with refused_dir(d, attr="a"):
+        for check in (lambda: check_black_writable(cfg), lambda: make_black_dirs(cfg)):
+            with pytest.raises(ConfigError, match=f"black.spool_dir {d} is not"):
+                check()
+        assert not [p.name for p in d.iterdir() if "write-probe" in p.name]
 
 
 @pytest.mark.parametrize("key", list(FOLDERS))
