@@ -9,7 +9,8 @@
     <spool>/tmp/      a delivered file is written here, fsynced, renamed into the inbox (when the
                       inbox is on another filesystem: ``.<inbox name>.udp-tmp`` beside it)
     <spool>/trash/    folders of objects that ended, moved out of objects/ to be removed
-    <spool>/done.jsonl  objects delivered (epoch, object id, digest): later symbols are late
+    <spool>/done.jsonl  objects delivered (epoch, object id, digest): later symbols are late;
+                        cut back to its newer half past 16 MiB
     <spool>/gaps.jsonl  objects given up, with the reason (red's `diode red gaps` lists them),
                         and object ids no datagram ever came for (``unseen``, ``udp_unseen``)
     <spool>/unseen.json what the receiver knows of each tracked epoch's object ids
@@ -44,9 +45,25 @@ emptied in place to give back its room, until the record is written: a kill or a
 meanwhile leaves the folder for the restart, which records the object again (as ``timeout``,
 once nothing more of it arrives) — never a gap without a record. While the disk refuses them,
 a new record waits for the receive loop's next try (once a second) instead of trying every
-record waiting in memory again. ``gaps.jsonl`` and ``done.jsonl`` are appended whole or not at
-all (a full disk that takes part of a line has it cut back off), their names fsynced in
-``<spool>/`` when they are created.
+record waiting in memory again. Memory stays bounded however long the disk refuses them: the
+first ``_GAPS_HELD`` (1000) wait whole; each later one is counted in a summary record, one a
+reason, channel and epoch (``summary``: true, ``objects``: how many, ``object_id`` to
+``object_id_last``: the lowest and highest id), written after them, so that the journal still
+counts every object given up; the folders of the objects counted are kept too (emptied, in no
+list: once the records are written, every emptied folder of no open or delivered object goes),
+and a restart meanwhile records each by name. ``gaps.jsonl`` and ``done.jsonl`` are appended
+whole or not at all (a full disk that takes part of a line has it cut back off), their names
+fsynced in ``<spool>/`` when they are created.
+
+A restart reopens what ``objects/`` holds within the receive loop's caps: beyond
+``max_open_objects`` or the memory cap (lowered since, or a spool full of open objects), the
+objects idle longest are evicted as the loop evicts them at run time (an ``evicted`` gap record
+each, the folder removed, later symbols dropped). A copy of bytes delivered before that stalls
+(datagrams replayed, a resend under a new object id) is superseded, not a gap: known by memory
+for the last ``_DONE_REMEMBERED`` deliveries, by ``done.jsonl`` beyond (read only then, once
+for all that expire together; its newer half is kept, ~40k to 80k deliveries); older than
+that, it is recorded as a gap. A copy that completes is delivered again (red takes it as a
+duplicate).
 
 A folder a kill cut short at its creation (no ``meta.json`` yet: nothing of the object was
 written) is removed at the restart, not recorded: the object's next symbol opens it again.
@@ -67,6 +84,7 @@ import hashlib
 import itertools
 import json
 import os
+import re
 import shutil
 import stat
 import struct
@@ -115,7 +133,8 @@ _U32 = struct.Struct(">I")
 _FLUSH_BYTES = 256 * 1024
 _DONE_REMEMBERED = 20_000
 _DONE_COMPACT_BYTES = 16 << 20
-"""``done.jsonl`` beyond this size is cut back to its last ``_DONE_REMEMBERED`` records."""
+"""``done.jsonl`` beyond this size is cut back to its newer half (at least the last
+``_DONE_REMEMBERED`` records): what it keeps still reaches beyond what memory remembers."""
 _FAILED_REMEMBERED = 10_000
 """Objects given up, superseded or refused that are remembered (their later symbols dropped)."""
 _GAPS_TAIL_BYTES = 8 << 20
@@ -163,6 +182,47 @@ def _done_tail(path: Path) -> deque[bytes]:
     """The last ``_DONE_REMEMBERED`` lines of ``done.jsonl``, streamed (the file may be long)."""
     with open(path, "rb") as f:
         return deque(f, maxlen=_DONE_REMEMBERED)
+
+
+def _done_kept(path: Path) -> bytes:
+    """What a compaction keeps of ``done.jsonl``: the whole lines of its newer half, at least
+    its last ``_DONE_REMEMBERED`` lines (when the records are long)."""
+    with open(path, "rb") as f:
+        start = max(0, f.seek(0, os.SEEK_END) - _DONE_COMPACT_BYTES // 2)
+        f.seek(start)
+        kept = f.read()
+    if start > 0:  # the line cut by the window
+        kept = kept[kept.find(b"\n") + 1 :] if b"\n" in kept else b""
+    if kept.count(b"\n") < _DONE_REMEMBERED:
+        return b"".join(_done_tail(path))
+    return kept
+
+
+_DIGEST_FIELD = re.compile(rb'"digest": "([0-9a-f]{64})"')
+_DIGESTS_SEARCHED = 8
+"""Digests looked for one by one in ``done.jsonl`` (~10 ms each for 16 MiB); more are matched
+against every digest it names at once (~60 ms, however many)."""
+
+
+def _journaled(path: Path, digests: set[str]) -> set[str]:
+    """Which of ``digests`` (hex) a record of ``done.jsonl`` names, read a MiB at a time (it
+    is appended, or replaced whole by a compaction, meanwhile: either file will do)."""
+    want = {d: f'"digest": "{d}"'.encode() for d in digests}
+    overlap = len(b'"digest": "') + 64
+    found: set[str] = set()
+    with open(path, "rb") as f:
+        tail = b""
+        while want and (chunk := f.read(1 << 20)):
+            buf = tail + chunk
+            if len(want) <= _DIGESTS_SEARCHED:
+                hits = [d for d, needle in want.items() if needle in buf]
+            else:
+                hits = [h for m in _DIGEST_FIELD.findall(buf) if (h := m.decode()) in want]
+            for d in hits:
+                found.add(d)
+                want.pop(d, None)
+            tail = buf[-overlap:]
+    return found
 
 
 def _gap_tail(path: Path, limit: int) -> list[bytes]:
@@ -225,14 +285,20 @@ def _never_spooled(path: Path) -> bool:
     ``meta.json`` yet (at most its temp file), hence no symbol written (its files are opened
     only after ``meta.json`` is in place). Such a folder holds nothing of the object: it is not
     a gap, and the object's next symbol opens it again."""
-    if os.path.lexists(path / "meta.json"):
-        return False
+    return not os.path.lexists(path / "meta.json") and _emptied(path)
+
+
+def _emptied(path: Path) -> bool:
+    """Whether an object's folder holds no rebuilt block and no symbol: never written, or
+    emptied in place (``_empty_in_place``). One that cannot be told is not."""
     for name in ("data", "blocks.done", _LOG, _LOG_TMP):
         try:
             if os.lstat(path / name).st_size:
                 return False
         except FileNotFoundError:
             continue
+        except OSError:
+            return False
     return True
 
 
@@ -255,6 +321,15 @@ def _os_error(e: OSError) -> str:
 
 def _obj_dir_name(epoch: int, oid: int) -> str:
     return f"{epoch:020d}-{oid:020d}"
+
+
+def _folder_key(path: Path) -> tuple[int, int] | None:
+    """The ``(epoch, object id)`` an object's folder is named by (``_obj_dir_name``), if any."""
+    try:
+        epoch_s, oid_s = path.name.split("-")
+        return int(epoch_s), int(oid_s)
+    except ValueError:
+        return None
 
 
 def _remember_bounded(seen: dict[tuple[int, int], None], key: tuple[int, int], cap: int) -> None:
@@ -348,8 +423,14 @@ _ROOM_WAIT = 60.0
 _GAPS_RETRY = 1.0
 """After the disk refused the gap records, a new one waits this long before they are all tried
 again (each try writes every record in memory: one a new object on a full disk would cost the
-receive loop time in proportion to the records waiting, ~0.1 s each at 6000). The receive loop
-tries once a second anyway; a folder that gives back room is tried in at once."""
+receive loop time in proportion to the records waiting, ~17 ms at ``_GAPS_HELD``). The receive
+loop tries once a second anyway; a folder that gives back room is tried in at once."""
+_GAPS_HELD = 1000
+"""Gap records the disk refused that wait in memory whole (~3 KB each, with their log and
+metric); beyond, each is counted in a summary record (``_summarize``): memory stays bounded
+however long the disk refuses them."""
+_GAP_SUMMARIES = 64
+"""Summary records (one a reason, channel and epoch) beyond which they are one a reason."""
 _SLICE = 4 << 20
 """A large file in the trash is cut down this much at a time before it is unlinked: each cut
 is a short journal transaction, so an fsync of the receive loop's (a gap record) waits for one
@@ -597,12 +678,26 @@ class Reassembler:
         """Objects given up (timeout, eviction) or superseded: their later symbols are dropped
         as ``expired`` instead of opening them again (one gap record each, not one a retry)."""
         self._unwritten_gaps: list[dict[str, Any]] = []
-        """Gap records the disk refused (full, I/O error): written first at the next chance."""
+        """Gap records the disk refused (full, I/O error): written first at the next chance;
+        at most ``_GAPS_HELD``, the others counted in ``_gap_summaries``."""
+        self._gap_summaries: dict[tuple[str, Any, Any], dict[str, Any]] = {}
+        """Summary records of the gap records beyond ``_GAPS_HELD`` the disk refused, by
+        reason, channel and epoch: written after them."""
+        self._counted_kept = False
+        """A folder kept for an object only counted in a summary (not in ``_awaiting``): once
+        the records are written, the folders of objects given up are swept to the trash."""
+        self._recovering: list[Path] | None = None
+        """During ``recover``: folders of objects superseded meanwhile, removed once the
+        unseen-object state that tells they were seen is merged and saved."""
+        self._done_forgotten = False
+        """Whether memory forgot an object delivered (``_DONE_REMEMBERED``): ``done.jsonl``
+        is then read before a stalled object is recorded as a gap (``_delivered_before``)."""
         self._gaps_refused: tuple[float, int | None] | None = None
         """When (monotonic) and why (errno) the disk last refused them; None since written."""
         self._awaiting: list[Path] = []
-        """Folders of objects whose gap record the disk refused: emptied in place, moved to the
-        trash once their records are written (kept for the restart if they never are)."""
+        """Folders of objects whose gap record the disk refused (held whole): emptied in place,
+        moved to the trash once their records are written (kept for the restart if they never
+        are)."""
         self._load_done()
         self._load_given_up()
         self.unseen = UnseenTracker(self.root)
@@ -620,7 +715,9 @@ class Reassembler:
         path = self.root / DONE
         if not path.exists():
             return
-        for line in _done_tail(path):
+        tail = _done_tail(path)
+        self._done_forgotten = len(tail) >= _DONE_REMEMBERED  # older records left on disk
+        for line in tail:
             try:
                 rec = json.loads(line)
                 self._remember((int(rec["epoch"]), int(rec["object_id"])), str(rec["digest"]))
@@ -662,6 +759,24 @@ class Reassembler:
             self.done.pop(old, None)
         while len(self.done_digests) > _DONE_REMEMBERED:
             del self.done_digests[next(iter(self.done_digests))]
+            self._done_forgotten = True
+
+    def _delivered_before(self, digests: set[str]) -> set[str]:
+        """Red, UDP receive: which of ``digests`` (hex) were delivered, by memory, else (once it
+        forgot some) by ``done.jsonl``: a stalled copy of one (datagrams replayed, a resend) is
+        then superseded, not a gap. An unreadable journal finds none (a gap record, never a
+        loss unrecorded)."""
+        found = digests & self.done_digests.keys()
+        rest = digests - found
+        if not rest or not self._done_forgotten:
+            return found
+        path = self.root / DONE
+        try:
+            return found | _journaled(path, rest)
+        except OSError as e:
+            log_event(log, 30, "delivery journal unreadable: stalled objects recorded as gaps "
+                      "without checking it", path=str(path), error=_os_error(e))  # fmt: skip
+            return found
 
     def _forget_later(self, key: tuple[int, int]) -> None:
         """Drop the later symbols of an object given up or superseded (bounded memory)."""
@@ -689,11 +804,12 @@ class Reassembler:
             self._compact_done()
 
     def _compact_done(self) -> None:
-        """Keep only the records the receiver remembers (atomically): the journal must not grow
-        with every object ever delivered. Delivery thread only, like every write to it."""
+        """Cut the journal back to its newer half (atomically): it must not grow with every
+        object ever delivered, yet reach beyond what memory remembers (``_delivered_before``
+        reads it). Delivery thread only, like every write to it."""
         path = self.root / DONE
         try:
-            tail = b"".join(_done_tail(path))
+            tail = _done_kept(path)
             atomic_write_bytes(path, tail, mode=0o600)
         except OSError as e:  # a full disk: the journal stays whole, tried again next time
             log_event(log, 30, "delivery journal not compacted", path=str(path),
@@ -717,14 +833,48 @@ class Reassembler:
         """Append a gap record (fsynced) and log it; ``count`` objects go to the metric (a
         range of unseen ids is one record). A disk that refuses the write (full, I/O error)
         keeps the record in memory until a later write succeeds: never lost silently, never a
-        crash. ``write`` False: in memory only, the caller writes it. Returns the record."""
+        crash; beyond ``_GAPS_HELD`` records waiting, it is counted in a summary record instead
+        (bounded memory). ``write`` False: in memory only, the caller writes it. Returns the
+        record."""
         rec = {**rec, "reason": reason, "time": round(time.time(), 3)}
         UDP.objects_expired.labels(str(rec.get("channel", "?")), reason).inc(count)
         log_event(log, 30, msg, **rec)
-        self._unwritten_gaps.append(rec)
+        if len(self._unwritten_gaps) < _GAPS_HELD:
+            self._unwritten_gaps.append(rec)
+        else:
+            self._summarize(rec, count)
         if write and not self._refused_lately():
             self.write_gaps()
         return rec
+
+    def _summarize(self, rec: dict[str, Any], count: int) -> None:
+        """Red, UDP receive: count a gap record the disk refused beyond ``_GAPS_HELD`` in its
+        summary record (one a reason, channel and epoch; one a reason beyond
+        ``_GAP_SUMMARIES``): its ``count`` objects, the lowest and highest object id, the
+        first and last time. Written after the records held whole."""
+        reason = str(rec["reason"])
+        key = (reason, rec.get("channel"), rec.get("epoch"))
+        if key not in self._gap_summaries and len(self._gap_summaries) >= _GAP_SUMMARIES:
+            key = (reason, None, None)
+        s = self._gap_summaries.get(key)
+        if s is None:
+            s = self._gap_summaries[key] = {
+                "epoch": key[2], "channel": key[1], "reason": reason, "summary": True,
+                "objects": 0, "object_id": None, "object_id_last": None, "time": rec["time"],
+                "note": f"gap records the disk refused beyond the {_GAPS_HELD} held whole: "
+                "counted (objects), not each listed; their object ids lie between object_id "
+                "and object_id_last",
+            }  # fmt: skip
+            if "error" in rec:
+                s["error"] = rec["error"]
+        s["objects"] += count
+        s["time_last"] = rec["time"]
+        lo, hi = rec.get("object_id"), rec.get("object_id_last", rec.get("object_id"))
+        if key[2] is not None and type(lo) is int and type(hi) is int:
+            s["object_id"] = lo if s["object_id"] is None else min(s["object_id"], lo)
+            s["object_id_last"] = (
+                hi if s["object_id_last"] is None else max(s["object_id_last"], hi)
+            )
 
     def _refused_lately(self, *, room_freed: bool = False) -> bool:
         """Whether the disk refused the gap records less than ``_GAPS_RETRY`` ago (a new record
@@ -739,13 +889,17 @@ class Reassembler:
     def _kept_until_recorded(self, path: Path, rec: dict[str, Any]) -> bool:
         """True if the gap record ``rec`` is not written yet (the disk refused it): the
         object's folder is then emptied in place, its room given back at once, and kept in
-        ``objects/`` until the record is written (then moved to the trash); the record is
-        tried again in that room. False: the record is durable, the caller removes the
-        folder."""
-        if not any(r is rec for r in self._unwritten_gaps):
+        ``objects/`` until the record is written (then moved to the trash: named in
+        ``_awaiting`` if held whole, swept if counted in a summary); the record is tried again
+        in that room. False: the record is durable, the caller removes the folder."""
+        whole = any(r is rec for r in self._unwritten_gaps)
+        if not whole and not self._gap_summaries:  # written: all or nothing, with the others
             return False
         freed = _empty_in_place(path)
-        self._awaiting.append(path)
+        if whole:
+            self._awaiting.append(path)
+        else:
+            self._counted_kept = True
         log_event(log, 30, "gap record not written yet: the object's folder is kept, emptied, "
                   "until it is (a restart meanwhile records the object again)", path=str(path),
                   epoch=rec.get("epoch"), object_id=rec.get("object_id"))  # fmt: skip
@@ -754,8 +908,9 @@ class Reassembler:
         return True
 
     def write_gaps(self) -> int:
-        """Write the gap records still in memory; returns how many are left unwritten."""
-        if not self._unwritten_gaps:
+        """Write the gap records still in memory (the summaries after); returns how many are
+        left unwritten."""
+        if not self.pending_gaps():
             return 0
         try:
             try:
@@ -771,20 +926,41 @@ class Reassembler:
             self._gaps_refused = (time.monotonic(), e.errno)
             log_event(log, 40, "gap records not written yet: kept in memory, retried",
                       pending=len(self._unwritten_gaps), error=_os_error(e),
+                      summarized=sum(s["objects"] for s in self._gap_summaries.values()),
                       path=str(self.root / GAPS))  # fmt: skip
-            return len(self._unwritten_gaps)
+            return self.pending_gaps()
         self._gaps_refused = None
         self._unwritten_gaps.clear()
+        self._gap_summaries.clear()
         awaiting, self._awaiting = self._awaiting, []
         for path in awaiting:  # their records are durable now: the folders may go
             self._trash.put(path)
+        if self._counted_kept and self._recovering is None:  # else the folders not reopened
+            self._counted_kept = False  # yet are not told from those of objects given up
+            self._sweep_given_up()
         return 0
+
+    def _sweep_given_up(self) -> None:
+        """Red, UDP receive: once the summary records are written, move to the trash the
+        folders kept for the objects they count (named nowhere in memory): each folder in
+        ``objects/`` of no open or delivered object, emptied in place (a rebuilt object waiting
+        for its delivery holds its blocks). A link or file put there by hand is left to the
+        next start."""
+        live = {o.path for o in self.open.values()}
+        for path in sorted(self.objects_dir.iterdir()):
+            if path in live or path.is_symlink() or not path.is_dir():
+                continue
+            if _folder_key(path) in self.done or not _emptied(path):
+                continue
+            self._trash.put(path, hold=True)
+        self._trash.release()
 
     def _append_gaps(self) -> None:
         """Append the records in memory, fsynced, all or nothing: a write or fsync that fails
         part way is cut back off (else the records, still in memory, would be written twice
         at the next try)."""
-        text = "".join(json.dumps(r, sort_keys=True) + "\n" for r in self._unwritten_gaps)
+        recs = itertools.chain(self._unwritten_gaps, self._gap_summaries.values())
+        text = "".join(json.dumps(r, sort_keys=True) + "\n" for r in recs)
         _append_whole(self.root / GAPS, text)
 
     def give_up(self, epoch: int, h: ObjectHeader, err: OSError) -> None:
@@ -916,7 +1092,7 @@ class Reassembler:
     def save_unseen(self, now: float, *, force: bool = False) -> None:
         """Save the unseen-object state when due (at once after ``unseen`` records): with the
         size of ``gaps.jsonl`` it accounts for, so a restart reads only the records after."""
-        if self._unwritten_gaps or not self.unseen.save_due(now, force=force):
+        if self.pending_gaps() or not self.unseen.save_due(now, force=force):
             return  # a state that settles ids whose records the disk refused would lose them
         if self.unseen.urgent:
             crash_point("udp.before_unseen_saved")  # records written, the state not yet saved
@@ -933,12 +1109,14 @@ class Reassembler:
         self.unseen.urgent = True
         self.save_unseen(time.time())
 
-    def _recover_unseen(self) -> None:
+    def _recover_unseen(self, reopened: list[tuple[int, int]]) -> None:
         """Tell the unseen-object tracker what the journals and the spool hold: every object
-        delivered, open or given up since its state was saved was seen (superseded ones too,
-        if the state was saved since), and ``unseen`` records written after it was saved are
-        not written again."""
-        seen = [*self.done, *self.open, *((d.epoch, d.header.object_id) for d in self.ready)]
+        delivered, ``reopened`` from the spool (open, ready, or evicted since) or given up
+        since its state was saved was seen (superseded ones too, if the state was saved
+        since), and ``unseen`` records written after it was saved are not written again. A
+        summary record names its lowest and highest ids only (as seen, or as one range of
+        ``unseen`` ids: each id in it was settled when it was written)."""
+        seen = [*self.done, *reopened]
         reported: list[tuple[int, int, int]] = []
         offset = self.unseen.gaps_offset
         while True:
@@ -953,6 +1131,8 @@ class Reassembler:
                     reported.append((e, first, last))
                 else:
                     seen.append((e, first))
+                    if r.get("summary") is True and type(last) is int:
+                        seen.append((e, last))
         self.unseen.recovered(seen, reported, time.time())
 
     # -- decoding in workers ------------------------------------------------------------
@@ -1202,15 +1382,31 @@ class Reassembler:
         key = min(self.open, key=lambda k: self.open[k].last_seen)
         self._expire(key, reason)
 
-    def _expire(self, key: tuple[int, int], reason: str, *, hold: bool = False) -> None:
+    def _expire(
+        self,
+        key: tuple[int, int],
+        reason: str,
+        *,
+        hold: bool = False,
+        delivered: set[str] | None = None,
+    ) -> None:
+        """Give up an open object: a gap record, unless its bytes were delivered before
+        (``delivered``: the digests found so by the caller, else looked up here), its folder
+        into the trash (``hold``: not removed before ``release``)."""
         obj = self.open.pop(key)
         self._close(obj)
         self._forget_later(key)
         rec = obj.record()
-        if rec["digest"] in self.done_digests:
-            reason = "superseded"  # the same bytes were delivered under another object id
-            self._save_seen_before_files_go()
+        if delivered is None:
+            delivered = self._delivered_before({rec["digest"]})
+        if rec["digest"] in delivered:
+            # the same bytes were delivered: under another object id (a resend), or under this
+            # one before memory forgot it (datagrams replayed); no loss to report
             log_event(log, 20, "udp object superseded by an identical delivered one", **rec)
+            if self._recovering is not None:  # the unseen state is not merged yet: not saved
+                self._recovering.append(obj.path)  # before it is; the folder waits till then
+                return
+            self._save_seen_before_files_go()
         else:
             written = self.gap(rec, reason)
             self.expired += 1
@@ -1231,8 +1427,9 @@ class Reassembler:
         """Give up objects that got no new symbol for ``expire_seconds``."""
         stale = [k for k, o in self.open.items() if now - o.last_seen >= expire_seconds]
         gaps = self.expired
-        for key in stale:
-            self._expire(key, "timeout", hold=True)  # each gap record fsynced before removals
+        delivered = self._delivered_before({self.open[k].h.digest.hex() for k in stale})
+        for key in stale:  # each gap record fsynced before removals
+            self._expire(key, "timeout", hold=True, delivered=delivered)
         self._trash.release()
         return self.expired - gaps
 
@@ -1253,14 +1450,19 @@ class Reassembler:
         return not self._kept_until_recorded(d.path, rec)
 
     def pending_gaps(self) -> int:
-        """Gap records the disk refused, still in memory (a stop logs them: their objects'
-        folders are kept, and the next start records those objects again)."""
-        return len(self._unwritten_gaps)
+        """Gap records the disk refused, still in memory, summaries included (a stop logs
+        them: their objects' folders are kept, and the next start records those objects
+        again)."""
+        return len(self._unwritten_gaps) + len(self._gap_summaries)
 
     # -- restart ------------------------------------------------------------------------
     def recover(self, now: float, tmp_dir: Path | None = None) -> int:
         """Rebuild every open object from the spool (after a crash or a restart); what the
-        trash holds (folders a crash left half removed, or not yet) is removed meanwhile."""
+        trash holds (folders a crash left half removed, or not yet) is removed meanwhile.
+        Beyond ``max_open_objects`` or the held-bytes cap (lowered since, or a spool full of
+        open objects), the objects idle longest are evicted as the receive loop evicts them:
+        an ``evicted`` gap record each. Returns how many objects were rebuilt and kept (open,
+        or complete and ready for delivery)."""
         for d in {self.root / "tmp", tmp_dir or self.root / "tmp"}:
             for tmp in d.iterdir():
                 if tmp.name.endswith(".tmp"):
@@ -1268,7 +1470,33 @@ class Reassembler:
         if left := self._trash.sweep():
             log_event(log, 20, "spool trash left by the last run: removed in the background",
                       folders=left, path=str(self._trash.dir))  # fmt: skip
-        n = 0
+        reopened: list[tuple[int, int]] = []
+        superseded: list[Path] = []
+        self._recovering = superseded
+        try:
+            evicted = self._reopen_all(now, reopened)
+        finally:
+            self._recovering = None
+        self.wait_compactions()  # started while reopening: settled before the loop begins
+        if evicted:
+            log_event(log, 30, "spooled objects beyond udp.receive.max_open_objects or the "
+                      "memory cap at the restart: those idle longest evicted as gaps",
+                      evicted=evicted, kept_open=len(self.open),
+                      max_open_objects=self.max_open, max_held_bytes=self.max_held)  # fmt: skip
+        self._recover_unseen(reopened)
+        if superseded:  # seen, which only the unseen state can tell once their folders go
+            self._save_seen_before_files_go()
+            for path in superseded:
+                self._trash.put(path)
+        if self._counted_kept and not self.pending_gaps():
+            self._counted_kept = False
+            self._sweep_given_up()
+        return len(reopened) - evicted
+
+    def _reopen_all(self, now: float, reopened: list[tuple[int, int]]) -> int:
+        """Red, UDP receive (restart): reopen each object ``objects/`` holds (appended to
+        ``reopened``), within the caps; returns how many were evicted for them."""
+        evicted = 0
         for path in sorted(self.objects_dir.iterdir()):
             if path.is_symlink() or not path.is_dir():  # put there by hand: never followed
                 self._unreadable(path, NotADirectoryError(errno.ENOTDIR, "not a folder"))
@@ -1314,10 +1542,25 @@ class Reassembler:
                 del self.open[key]
                 self.done[key] = h.digest.hex()  # later symbols are late, as in _block_done
                 self.ready.append(Delivery(epoch, h, path, obj.repairs_used))
-            n += 1
-        self.wait_compactions()  # started while reopening: settled before the loop begins
-        self._recover_unseen()
-        return n
+            reopened.append(key)
+            evicted += self._evict_over_caps()  # as each is reopened: memory never far beyond
+        return evicted
+
+    def _evict_over_caps(self) -> int:
+        """Red, UDP receive (restart): evict the open objects idle longest while more are open
+        than ``max_open_objects`` or they hold more than ``max_held_bytes`` (as ``add`` and
+        ``_create`` do at run time); returns how many."""
+        victims: list[tuple[int, int]] = []
+        count, held = len(self.open), self.held
+        for key in sorted(self.open, key=lambda k: self.open[k].last_seen):  # as _evict_oldest
+            if count <= self.max_open and held <= self.max_held:
+                break
+            victims.append(key)
+            count, held = count - 1, held - _memory_of(self.open[key])
+        delivered = self._delivered_before({self.open[k].h.digest.hex() for k in victims})
+        for key in victims:  # the journal of deliveries read once for all of them
+            self._expire(key, "evicted", delivered=delivered)
+        return len(victims)
 
     def _unreadable(self, path: Path, e: Exception) -> None:
         """A spooled folder whose ``meta.json`` cannot be read (a power loss before its
@@ -1325,11 +1568,7 @@ class Reassembler:
         recorded as a ``spool_error`` gap (unless delivered or recorded already), then the
         folder is removed."""
         error = _os_error(e) if isinstance(e, OSError) else f"{type(e).__name__}: {e}"
-        try:
-            epoch_s, oid_s = path.name.split("-")
-            key = (int(epoch_s), int(oid_s))
-        except ValueError:
-            key = None
+        key = _folder_key(path)
         log_event(log, 30, "unreadable spooled object removed", path=str(path), error=error)
         if key is None or key in self.done or self._given_up(key):
             self._trash.put(path)
