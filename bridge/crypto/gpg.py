@@ -52,6 +52,15 @@ _OUTPUT_SLACK = 1024 * 1024
 # Long homes push gpg-agent's socket past the 108-byte AF_UNIX limit.
 _SOCKET_PATH_LIMIT = 100
 
+KEY_PREFERENCES = "AES256 AES192 AES SHA512 SHA384 SHA256 SHA224 ZLIB BZIP2 ZIP Uncompressed"
+"""Algorithm preferences of every key the bridge creates (``--default-preference-list``).
+
+No AEAD algorithm in it, so the key never advertises the AEAD feature: GnuPG 2.3+ encrypts
+with OCB (LibrePGP AEAD packets) when EVERY recipient key advertises it, which upstream 2.4
+builds do for new keys by default (Debian's only with ``compliance gnupg``). GnuPG 2.2 red
+decrypts OCB but cannot confirm its integrity in DECRYPTION_INFO, so it rejects such bundles.
+"""
+
 OPEN_BASE_SECONDS = 60.0
 """Seconds any one ``open``/``open_bytes`` may take, whatever the message's size."""
 OPEN_BYTES_PER_SECOND = 2 * 1024 * 1024
@@ -94,6 +103,30 @@ def _passphrase_pipe(secret: bytes) -> int:
     finally:
         os.close(wfd)
     return rfd
+
+
+def _aead_algo(res: Transcript) -> str | None:
+    """The AEAD algorithm gpg encrypted with (``BEGIN_ENCRYPTION <mdc> <cipher> [<aead>]``),
+    or None for MDC (GnuPG 2.2 never writes the third field)."""
+    begin = res.first("BEGIN_ENCRYPTION")
+    if begin is None or len(begin) < 3 or begin[2] in ("", "0"):
+        return None
+    return begin[2]
+
+
+def _aead_fix(recipients: Sequence[str]) -> str:
+    """What to do when gpg would encrypt to ``recipients`` with OCB (every key advertises AEAD)."""
+    shown = ", ".join(recipients)
+    return (
+        f"every recipient key ({shown}) advertises the AEAD feature, so this gpg (2.3+) "
+        "encrypts with OCB (LibrePGP AEAD), which red on GnuPG 2.2 rejects and other OpenPGP "
+        "tools cannot read. Fix on the red host of each key: "
+        f'`gpg --homedir RED_HOME --default-preference-list "{KEY_PREFERENCES}" '
+        "--quick-update-pref FPR` (GnuPG 2.3+; on 2.2: `gpg --homedir RED_HOME --edit-key FPR`, "
+        "`setpref` with that list, `save`), then export it again "
+        "(`gpg --homedir RED_HOME --armor --export FPR > NAME.asc`) and "
+        "`diode keys import --home BLACK_HOME NAME.asc` on black (runbook: GnuPG releases)"
+    )
 
 
 def _passphrase_hint(res: Transcript, passphrase: Passphrase | None) -> str:
@@ -435,10 +468,12 @@ class Gpg:
     def quick_gen_key(self, uid: str, *, algo: str, usage: str, expire: str = "never") -> str:
         """Create a primary key (``--quick-gen-key``); returns its fingerprint.
 
-        Protected by ``self.passphrase`` if set, else without a passphrase.
+        Protected by ``self.passphrase`` if set, else without a passphrase. Its preferences
+        are ``KEY_PREFERENCES`` whatever the gpg release or its defaults: no AEAD feature.
         """
         prot, secret = self._new_key_protection()
-        args = [*prot, "--yes", "--quick-gen-key", "--", uid, algo, usage, expire]
+        prefs = ["--default-preference-list", KEY_PREFERENCES]  # never advertises AEAD
+        args = [*prot, *prefs, "--yes", "--quick-gen-key", "--", uid, algo, usage, expire]
         res = self._run(args, secret=secret)  # --yes: a uid may repeat (keys.init_side guards)
         created = [a for a in res.all("KEY_CREATED") if a and a[0] in ("P", "B")]
         if res.rc != 0 or not created:
@@ -635,7 +670,9 @@ class Gpg:
             args += ["--sign"]
         return args
 
-    def _check_sealed(self, res: _Result, *, signer: str, encrypt: bool, what: str) -> None:
+    def _check_sealed(
+        self, res: _Result, *, signer: str, recipients: Sequence[str], encrypt: bool, what: str
+    ) -> None:
         ok = res.rc == 0 and res.has("SIG_CREATED") and (res.has("END_ENCRYPTION") or not encrypt)
         if not ok:
             hint = _passphrase_hint(res, self.passphrase)
@@ -644,6 +681,33 @@ class Gpg:
                 f"{res.reason()}{hint}{self._hint()}; check the keys with "
                 f"`gpg --homedir {self.home} --list-keys` (recipients need public keys, "
                 "the signer its secret key)"
+            )
+        aead = _aead_algo(res) if encrypt else None
+        if aead is not None:
+            raise CryptoError(
+                f"refusing the sealed {what} (GnuPG home {self.home}): gpg encrypted it with "
+                f"AEAD algorithm {aead}, not MDC: {_aead_fix(recipients)}"
+            )
+
+    def check_encryption_mode(self, recipients: Sequence[str], *, purpose: str) -> None:
+        """Black, at start: CryptoError when gpg would encrypt to ``recipients`` with OCB
+        (LibrePGP AEAD) instead of MDC; one test encryption, no secret key involved."""
+        rcpts = [normalize_fingerprint(r, what=purpose) for r in recipients]
+        if not rcpts:
+            return
+        args = ["--trust-model", "always", "--no-encrypt-to", "-z", "0", "--encrypt"]
+        for r in rcpts:
+            args += ["--recipient", r]
+        res = self._run([*args, "--output", "-"], data=b"diode-bridge encryption mode check")
+        if res.rc != 0 or not res.has("END_ENCRYPTION"):
+            raise CryptoError(
+                f"{purpose}: test encryption in GnuPG home {self.home} failed: {res.reason()}"
+            )
+        aead = _aead_algo(res)
+        if aead is not None:
+            raise CryptoError(
+                f"{purpose}: gpg in GnuPG home {self.home} would encrypt with AEAD algorithm "
+                f"{aead} (OCB), not MDC: {_aead_fix(rcpts)}"
             )
 
     def seal(
@@ -680,7 +744,9 @@ class Gpg:
                 res = self._seal_from_memory(out, memoryview(src), out_fd)
             else:
                 res = self._run([*out, "--", str(src)], stdout_fd=out_fd, secret=True)
-            self._check_sealed(res, signer=signer, encrypt=encrypt, what=what)
+            self._check_sealed(
+                res, signer=signer, recipients=recipients, encrypt=encrypt, what=what
+            )
             os.fsync(out_fd)
         except BaseException:
             dst.unlink(missing_ok=True)
@@ -715,7 +781,8 @@ class Gpg:
             signer=signer, recipients=recipients, encrypt=encrypt, hide_recipients=hide_recipients
         )
         res = self._run([*args, "--output", "-"], data=data, secret=True)
-        self._check_sealed(res, signer=signer, encrypt=encrypt, what=f"{len(data)} bytes")
+        what = f"{len(data)} bytes"
+        self._check_sealed(res, signer=signer, recipients=recipients, encrypt=encrypt, what=what)
         return res.stdout
 
     # ------------------------------------------------------------------ open (red)

@@ -531,13 +531,14 @@ def _signing_key_missing_message(home: Path, fpr: str, held: dict[str, tuple[str
 
 
 def _require_recipients(gpg: Gpg, cfg: Config) -> None:
-    """Every encrypted channel's recipients are in black's home and can encrypt: the check
-    ``diode check``, ``diode keys check --side black`` and the black job's start share."""
+    """Every encrypted channel's recipients are in black's home, can encrypt, and get MDC (not
+    OCB) from this gpg: the check ``diode check``, ``diode keys check --side black`` and the
+    black job's start share."""
     for ch in cfg.channels:
         if ch.encrypt:
-            gpg.require_keys(
-                ch.recipients, purpose=f"recipients of channel {ch.name!r}", capability="encrypt"
-            )
+            purpose = f"recipients of channel {ch.name!r}"
+            gpg.require_keys(ch.recipients, purpose=purpose, capability="encrypt")
+            gpg.check_encryption_mode(ch.recipients, purpose=purpose)
 
 
 def _signing_gpg(cfg: Config, environ: Mapping[str, str] | None) -> Gpg:
@@ -641,10 +642,11 @@ class KeyInventory:
 
 
 def _kill_agent(home: Path) -> None:
-    """Stop the gpg-agent of ``home`` (none running: nothing happens)."""
+    """Stop the daemons of ``home``: gpg-agent, and keyboxd where a ``use-keyboxd`` home
+    (GnuPG 2.4) started one (none running: nothing happens)."""
     try:
         subprocess.run(
-            ["gpgconf", "--homedir", str(home), "--kill", "gpg-agent"],
+            ["gpgconf", "--homedir", str(home), "--kill", "all"],
             stdin=subprocess.DEVNULL,
             capture_output=True,
             check=False,
@@ -677,7 +679,7 @@ def _agent_running(home: Path) -> bool:
 
 @contextmanager
 def _stopping_agent(home: Path) -> Iterator[None]:
-    """Run a one-shot key operation on ``home``; stop the gpg-agent it started, if any.
+    """Run a one-shot key operation on ``home``; stop the gpg-agent (and keyboxd) it started.
 
     An agent that was already running (a black or red job's, an operator's) is left alone.
     The agent would otherwise live on after the command, with any passphrase it cached.

@@ -145,6 +145,14 @@ def judge(res: Transcript, pinned: AbstractSet[str], what: str, *, home: Path | 
             "(MDC/AEAD) is not confirmed"
         )
     if encrypted and info is not None and info[0] == "0" and (len(info) < 3 or info[2] == "0"):
+        if res.has("GOODMDC"):  # GnuPG 2.2 reading OCB: "DECRYPTION_INFO 0 <cipher> 0"
+            raise CryptoError(
+                f"{what}: encrypted with OCB (LibrePGP AEAD), which this gpg (GnuPG 2.2) "
+                "decrypts without confirming the integrity protection in DECRYPTION_INFO: "
+                "rejected. Black's gpg (2.3+) chose OCB because the red key advertises the AEAD "
+                "feature: update that key's preferences and import it on black again (runbook: "
+                "GnuPG releases; black's `diode check` names the keys), or run red on GnuPG 2.4"
+            )
         raise CryptoError(f"{what}: encrypted without integrity protection (no MDC/AEAD)")
     if not sigs:
         if res.rc != 0 or not res.has("PLAINTEXT"):
