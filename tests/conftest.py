@@ -72,9 +72,10 @@ def short_tmp() -> Iterator[Path]:
     try:
         yield d
     finally:
-        for home in d.rglob("pubring.kbx"):
+        homes = {p.parent for n in ("pubring.kbx", "public-keys.d") for p in d.rglob(n)}
+        for home in homes:  # gpg-agent, and keyboxd where a GnuPG 2.4 home uses it
             subprocess.run(
-                ["gpgconf", "--homedir", str(home.parent), "--kill", "gpg-agent"],
+                ["gpgconf", "--homedir", str(home), "--kill", "all"],
                 capture_output=True,
                 check=False,
             )
