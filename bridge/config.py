@@ -562,6 +562,14 @@ class UdpSendConfig(_Strict):
         return self
 
 
+UDP_MIN_HELD_BYTES = 32 * 1024**2
+"""Red, UDP receive: the least ``udp.receive.max_held_bytes``: the largest FEC block the receiver
+rebuilds (8 MiB, RaptorQ's limit; ~8.5 MiB held with the bookkeeping of its up to 4096 symbols)
+nearly four times over, for the block being finished, the next ones the sender's interleaving
+has under way and the repair symbols a decode may take beyond K: below it, an object of such
+blocks could evict itself before its first block is rebuilt, and never complete."""
+
+
 class UdpReceiveConfig(_Strict):
     """Red: `diode udp receive` reassembles datagrams into files in red's inbox."""
 
@@ -592,6 +600,27 @@ class UdpReceiveConfig(_Strict):
 
     max_open_objects: int = Field(default=256, ge=1)
     """Objects reassembled at once; beyond it the oldest incomplete one is expired."""
+
+    max_held_bytes: int = 512 * 1024**2
+    """Memory the decoders may hold: the symbols of the blocks not yet rebuilt, each with
+    ~128 bytes of bookkeeping, across every open object. Beyond it the object idle longest is
+    evicted (an ``evicted`` gap), at run time and when a restart reopens the spool. At least
+    32 MiB (``UDP_MIN_HELD_BYTES``), and at least twice what the sender's interleaving keeps
+    in flight: 2 x (udp.send.interleave_datagrams + udp.send.block_symbols) x udp.mtu (the
+    receiver warns at start when it is not)."""
+
+    @field_validator("max_held_bytes")
+    @classmethod
+    def _held_floor(cls, v: int) -> int:
+        if v < UDP_MIN_HELD_BYTES:
+            raise ValueError(
+                f"{v} bytes is below {UDP_MIN_HELD_BYTES} ({UDP_MIN_HELD_BYTES >> 20} MiB): "
+                "an FEC block the receiver rebuilds may be 8 MiB (~8.5 MiB held with its "
+                "symbols' bookkeeping), and the sender has the next one under way before it "
+                "completes; under a smaller cap an object of such blocks evicts itself and never "
+                f"completes. Set udp.receive.max_held_bytes to at least {UDP_MIN_HELD_BYTES}"
+            )
+        return v
 
     decode_workers: int = Field(default=1, ge=0, le=16)
     """Processes that rebuild, with RaptorQ, the blocks that lost a source symbol while the

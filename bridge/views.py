@@ -111,8 +111,9 @@ def _pending(pending: Any, running: bool) -> RenderableType:
 
 def _link_view(link: Mapping[str, Any]) -> RenderableType:
     """The UDP link as this host's sender and/or receiver last wrote it (status files)."""
-    gaps = link.get("gaps_total", 0)
-    title = f"UDP link ({gaps} gap record(s): diode red gaps)" if gaps else "UDP link (no gap)"
+    gaps, lost = link.get("gaps_total", 0), link.get("gap_objects_total")
+    objects = f"{lost} object(s) lost in {gaps} gap record(s)" if lost else f"{gaps} gap record(s)"
+    title = f"UDP link ({objects}: diode red gaps)" if gaps else "UDP link (no gap)"
     t = _table(title, "end", "running", "epoch", "status age s", "heartbeat age s", "counters")
     for end in ("sender", "receiver"):
         doc = link.get(end)
@@ -294,15 +295,20 @@ def red_gaps_view(gaps: Mapping[str, Any]) -> RenderableType:
     parts.append(d)
     udp = gaps.get("udp_transport_gaps")
     if udp:
+        from bridge.diode.link_status import gap_objects  # the receiver's rule, as status counts
+
         u = _table(f"UDP receiver gap records (last 50 of {len(udp)})", "channel", "kind",
-                   "seq", "reason", "blocks done", "epoch", "object ids")  # fmt: skip
+                   "seq", "reason", "blocks done", "epoch", "object ids", "objects")  # fmt: skip
         for r in udp[-50:]:
             total = r.get("blocks_total")
             done = _NONE if total is None else f"{r.get('blocks_done')}/{total}"
-            last = r.get("object_id_last", r.get("object_id"))  # unseen: a range of ids
+            last = r.get("object_id_last", r.get("object_id"))  # unseen, summary: lowest-highest
             ids = _ranges([{"lo": r.get("object_id"), "hi": last}], "lo", "hi")
+            if r.get("summary") is True:
+                ids = f"{ids} (some)"  # a summary counts objects within that range, not all
             u.add_row(_v(r.get("channel")), _v(r.get("kind")), _v(r.get("seq")),
-                      _v(r.get("reason")), done, _v(r.get("epoch")), ids)  # fmt: skip
+                      _v(r.get("reason")), done, _v(r.get("epoch")), ids,
+                      str(gap_objects([r])))  # fmt: skip
         parts.append(u)
     return Group(*parts)
 

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from bridge.config import Config
+from bridge.config import Config, UdpConfig
 from bridge.diode.link_status import RECEIVER_LOCK
 from bridge.diode.udp_decode import DecoderPool
 from bridge.diode.udp_key import load_key
@@ -57,6 +57,30 @@ _BUF = 1 << 18
 _TRUNC = int(socket.MSG_TRUNC)  # a plain int: the IntFlag's & costs ~0.8 µs a datagram
 UDP_GRO = getattr(socket, "UDP_GRO", 104)
 """Linux's socket option (Python 3.11's socket module lacks the constant)."""
+
+
+def in_flight_bytes(udp: UdpConfig) -> int:
+    """Red, UDP receive (start): what the decoders may have to hold for the sender's interleaving
+    as ``udp`` sets it: twice its window plus one block, in datagrams of up to ``udp.mtu`` (in a
+    simulation at 0-1% loss they held up to ~1.3 x (window + block) symbols)."""
+    s = udp.send
+    return 2 * (s.interleave_datagrams + s.block_symbols) * udp.mtu
+
+
+def _check_memory_cap(udp: UdpConfig) -> None:
+    """Red, UDP receive (start): warn when ``max_held_bytes`` is below ``in_flight_bytes``: the
+    receiver would evict objects while their symbols still arrive (a warning, not an error:
+    this host's [udp.send] may not be the sender's)."""
+    need, cap = in_flight_bytes(udp), udp.receive.max_held_bytes
+    if cap < need:
+        log_event(log, 30, "udp.receive.max_held_bytes is below what the sender's interleaving "
+                  "keeps in flight: objects still arriving may be evicted as gaps",
+                  max_held_bytes=cap, in_flight_bytes=need,
+                  interleave_datagrams=udp.send.interleave_datagrams,
+                  block_symbols=udp.send.block_symbols, mtu=udp.mtu,
+                  fix=f"set udp.receive.max_held_bytes >= {need}, or lower the sender's "
+                  "udp.send.interleave_datagrams (judged from this host's [udp.send]: the "
+                  "sender's own config may differ)")  # fmt: skip
 
 
 def _enable_gro(sock: socket.socket) -> bool:
@@ -125,6 +149,7 @@ class _Receiver:
         if cfg.udp is None:
             raise ConfigError("no [udp] section: `diode udp receive` needs one")
         self.u = cfg.udp.receive
+        _check_memory_cap(cfg.udp)
         self.stop = stop
         self.codec = DatagramCodec(load_key(cfg.udp.key_file))
         self.inbox = Path(self.u.inbox or cfg.red.inbox)
@@ -331,6 +356,8 @@ class _Receiver:
                 "bind": self.u.bind,
                 "rcvbuf_bytes": self.rcvbuf,
                 "open_objects": len(ra.open),
+                "held_bytes": ra.held,
+                "max_held_bytes": ra.max_held,
                 "heartbeat": self.heartbeat,
                 "heartbeat_age_seconds": round(time.time() - self.heard, 1) if self.heard else None,
                 **s.to_json(),
@@ -404,6 +431,7 @@ class _Receiver:
             self.root,
             max_object_bytes=self.u.max_object_bytes,
             max_open_objects=self.u.max_open_objects,
+            max_held_bytes=self.u.max_held_bytes,
             decoder=pool,
         )
         t0 = self._t0 = time.monotonic()

@@ -65,6 +65,7 @@ class RedSummary:
             "conflicts": t.conflicts,
             **t.refusals(),  # rejected (all), quarantined_at_intake: as the "landed" log line
             "heartbeats": t.heartbeats,
+            "transport_gap_objects": t.transport_gap_objects,  # events count records (rows)
             "events": dict(sorted(t.events.items())),
             "land_seq": t.land_seq,
             "recovered_landings": self.recovered,

@@ -43,7 +43,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from bridge.config import Config
-from bridge.diode.link_status import read_new_gap_records
+from bridge.diode.link_status import gap_objects, read_new_gap_records
 from bridge.errors import DiodeError, StateError
 from bridge.faults import crash_point, slow_point
 from bridge.fsutil import atomic_write_bytes, durable_mkdir, fsync_dir
@@ -107,6 +107,10 @@ class LandingResult:
     """Files verification refused; :meth:`refusals` adds the intake's."""
     heartbeats: int = 0
     events: dict[str, int] = field(default_factory=dict)
+    transport_gap_objects: int = 0
+    """Objects the UDP receiver's gap records audited here stand for (``events`` counts the
+    ``transport_gap`` rows, one a record): an ``unseen`` range or a summary record names how
+    many (``objects``), any other record is one."""
 
     def refusals(self) -> dict[str, int]:
         """Red, landing: files refused, whoever refused them: ``rejected`` (verification's and
@@ -124,6 +128,7 @@ class LandingResult:
             "conflicts",
             "rejected",
             "heartbeats",
+            "transport_gap_objects",
         ):
             setattr(self, k, getattr(self, k) + getattr(other, k))
         for k, v in other.events.items():
@@ -559,7 +564,7 @@ class Landing:
             res = LandingResult()
             pending, consumed = self._intake_quarantines()
             consumed += asked
-            transport, udp_offset = self._transport_gaps(now)
+            transport, udp_offset, lost = self._transport_gaps(now)
             if (
                 not events
                 and not pending
@@ -573,7 +578,8 @@ class Landing:
             audit = [self._jsonable(_event_row(ev, now)) for ev in events]
             audit += transport
             if transport:
-                res.events["transport_gap"] = len(transport)
+                res.events["transport_gap"] = len(transport)  # audit rows: one a record
+                res.transport_gap_objects = sum(lost.values())
             for doc in pending:
                 RED.files_rejected.labels(doc["reason"]).inc()
                 res.events["quarantined"] = res.events.get("quarantined", 0) + 1
@@ -613,35 +619,45 @@ class Landing:
                 res.events[ev.kind] = res.events.get(ev.kind, 0) + 1
             res.land_seq = n
             self._count(res)
+            if transport:
+                log_event(log, 30, "UDP transport gaps audited: objects the link lost",
+                          land_seq=n, records=len(transport),
+                          objects=res.transport_gap_objects,
+                          objects_by_reason=dict(sorted(lost.items())))  # fmt: skip
             return res
 
     # -- pieces --------------------------------------------------------------------------------
-    def _transport_gaps(self, now: datetime) -> tuple[list[dict[str, Any]], int]:
-        """Audit rows for the objects the UDP receiver gave up since the last tick (its
-        ``gaps.jsonl``, read from the offset saved with the state: each record audited once)
-        and the offset after them. Every field is checked: the file is local, but what it
-        says about channels and seqs came off the wire."""
+    def _transport_gaps(self, now: datetime) -> tuple[list[dict[str, Any]], int, dict[str, int]]:
+        """Red, landing (tick): audit rows for the UDP receiver's gap records since the last
+        tick (its ``gaps.jsonl``, read from the offset saved with the state: each record audited
+        once, one row a record), the offset after them, and the objects they stand for by
+        reason (``gap_objects``: a range or summary record counts its ``objects``). Every field
+        is checked: the file is local, but what it says about channels and seqs came off the
+        wire."""
         if self.udp_spool is None:
-            return [], self.udp_gaps_offset
+            return [], self.udp_gaps_offset, {}
         try:
             records, offset, restarted = read_new_gap_records(self.udp_spool, self.udp_gaps_offset)
         except OSError as e:
             log_event(log, 40, "UDP gap records unreadable: retried at the next tick",
                       path=str(self.udp_spool / "gaps.jsonl"), error=str(e))  # fmt: skip
-            return [], self.udp_gaps_offset
+            return [], self.udp_gaps_offset, {}
         if restarted:
             log_event(log, 30, "UDP gap records file is not the one audited so far (shorter, "
                       "or no record ends where red stopped): the receiver's spool was "
                       "replaced; reading it from the start",
                       path=str(self.udp_spool / "gaps.jsonl"),
                       audited_bytes=self.udp_gaps_offset)  # fmt: skip
-        rows = []
+        rows: list[dict[str, Any]] = []
+        lost: dict[str, int] = {}
         for rec in records:
             ch = rec.get("channel")
             channel = ch if isinstance(ch, str) and ch in self.channels else None
             seq = rec.get("seq")
             is_bundle = rec.get("kind") == "bundle" and type(seq) is int and seq > 0
             reason = rec.get("reason")
+            why = reason[:64] if isinstance(reason, str) else "unknown"
+            lost[why] = lost.get(why, 0) + gap_objects([rec])
             t = rec.get("time")
             ok_time = isinstance(t, int | float) and 0 < t < 1e11
             at = datetime.fromtimestamp(float(t), UTC) if ok_time else now  # type: ignore[arg-type]
@@ -654,11 +670,11 @@ class Landing:
                     "file_name": None,
                     "seq_first": None,
                     "seq_last": None,
-                    "reason": reason[:64] if isinstance(reason, str) else "unknown",
+                    "reason": why,
                     "detail": json.dumps(rec, sort_keys=True, default=str),
                 }
             )
-        return rows, offset
+        return rows, offset, lost
 
     def _requests(self) -> tuple[list[dict[str, Any]], list[str]]:
         """Operator requests (``diode red write-off``, ``diode red retire``) queued in

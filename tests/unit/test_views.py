@@ -221,3 +221,29 @@ def test_red_status_without_a_job_judges_silence_by_the_heartbeats_age() -> None
     st = _silence_report(silent_now=False, quiet_s=5.0) | {"landing_running": True}
     out = _text(views.red_status_view(st))
     assert "not being watched" not in out and "is landing now" in out, out
+
+
+def test_udp_gap_records_show_how_many_objects_each_stands_for() -> None:
+    """An ``unseen`` range and a summary record (the disk refused records) each stand for many
+    objects: the table counts them per record, a summary's id range says it is not every id,
+    and the link title counts objects, not records."""
+    gaps = {
+        "open_transit_gaps": [], "declared_by_black": [],
+        "udp_transport_gaps": [
+            {"channel": "ops", "kind": "bundle", "seq": 4, "reason": "expired", "epoch": 9,
+             "object_id": 3, "blocks_total": 2, "blocks_done": 1},
+            {"reason": "unseen", "epoch": 9, "object_id": 10, "object_id_last": 14,
+             "objects": 5},
+            {"channel": "ops", "reason": "spool_error", "epoch": 9, "summary": True,
+             "objects": 7, "object_id": 20, "object_id_last": 90},
+        ],
+    }  # fmt: skip
+    rows = [line for line in _text(views.red_gaps_view(gaps)).splitlines() if "│" in line]
+    expired = next(r for r in rows if "expired" in r)
+    unseen = next(r for r in rows if "unseen" in r)
+    summary = next(r for r in rows if "spool_error" in r)
+    assert expired.rstrip(" │").endswith("1"), expired
+    assert "10-14" in unseen and unseen.rstrip(" │").endswith("5"), unseen
+    assert "20-90 (some)" in summary and summary.rstrip(" │").endswith("7"), summary
+    link = {"transport": "udp", "gaps_total": 3, "gap_objects_total": 13}
+    assert "UDP link (13 object(s) lost in 3 gap record(s)" in _text(views._link_view(link))
