@@ -26,6 +26,7 @@ import types
 import typing
 from pathlib import Path
 from typing import Any, Literal
+from urllib.parse import urlsplit
 
 from pydantic import (
     BaseModel,
@@ -203,7 +204,21 @@ class BlackConfig(_Strict):
     """AMQP URL of the black broker and vhost (credentials never logged)."""
 
     management_url: str = "http://127.0.0.1:15672"
-    """RabbitMQ management API, used to discover exchanges."""
+    """RabbitMQ management API, used to discover exchanges. No credentials in it: they go in
+    management_user and management_password (a URL is shown in messages and status)."""
+
+    @field_validator("management_url")
+    @classmethod
+    def _no_credentials_in_url(cls, v: str) -> str:
+        parts = urlsplit(v)
+        if parts.username is not None or parts.password is not None:
+            raise ValueError(
+                "carries credentials ('user:password@'): the URL is shown in messages and "
+                "logs, and the API is asked with black.management_user / "
+                "black.management_password anyway. Remove them from the URL and set those "
+                "keys (the password also as DIODE__BLACK__MANAGEMENT_PASSWORD)"
+            )
+        return v
 
     management_user: str = "guest"
     """Management API user."""

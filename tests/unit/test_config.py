@@ -127,6 +127,30 @@ def test_secrets_not_in_repr(tmp_path: Path) -> None:
     assert isinstance(cfg, Config)
 
 
+@pytest.mark.parametrize(
+    ("where", "url"),
+    [("file", "http://mgr:Pw_S3cret@127.0.0.1:15672"), ("env", "https://mgr:Pw_S3cret@h:15671")],
+)
+def test_credentials_in_the_management_url_are_refused_without_echoing_them(
+    tmp_path: Path, where: str, url: str
+) -> None:
+    """The management URL is shown in messages and status: a password in it would leak (an
+    unreachable API printed it whole). Refused at load, naming the keys to use instead."""
+    text = '[[channels]]\nname="a"\nencrypt=false\n'
+    environ = {}
+    if where == "file":
+        text += f'[black]\nmanagement_url="{url}"\n'
+    else:
+        environ["DIODE__BLACK__MANAGEMENT_URL"] = url
+    with pytest.raises(ConfigError) as err:
+        load_config(_write(tmp_path, text), environ=environ)
+    msg = str(err.value)
+    assert "black.management_url" in msg and "carries credentials" in msg, msg
+    assert "black.management_password" in msg and "Pw_S3cret" not in msg, msg
+    ok = text.replace(url, "http://127.0.0.1:15672")
+    assert load_config(_write(tmp_path, ok), environ={}).black.management_url
+
+
 def test_udp_transport_needs_the_udp_section(tmp_path: Path) -> None:
     base = '[[channels]]\nname = "a"\nencrypt = false\ntransport = "udp"\n'
     with pytest.raises(ConfigError, match=r"no \[udp\] section"):
