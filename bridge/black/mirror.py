@@ -208,7 +208,7 @@ class Mirror:
             return [d for d in listing if d.name in explicit], True
         found: list[ExchangeDecl] = []
         chan = conn.channel()
-        for name in sorted(n for n in explicit if not builtin_denied(n)):
+        for name in sorted(n for n in explicit if not builtin_denied(n, named=True)):
             try:
                 chan.exchange_declare(name, passive=True)
             except pika.exceptions.ChannelClosedByBroker as e:
@@ -383,8 +383,9 @@ class Mirror:
         # an exchange the channel still wants but cannot bind now (type unknown) keeps its
         # bindings: only what is denied or no longer selected is unbound
         names = (known | explicit_names(ch)) - planned_names
-        targets = [b for n in sorted(names) if not builtin_denied(n) and not wanted(ch, n)
-                   for b in catch_all_bindings(ch, n)]  # fmt: skip
+        # amq.* too (a channel may have named one): unbinding what does not exist is a no-op
+        bindable = [n for n in sorted(names) if not builtin_denied(n, named=True)]
+        targets = [b for n in bindable if not wanted(ch, n) for b in catch_all_bindings(ch, n)]
         targets += [Binding(e, rk, json.loads(a)) for e, rk, a in sorted(remembered)]
         done: set[str] = set()
         for b in targets:

@@ -35,7 +35,10 @@ __all__ = [
 ]
 
 BUILTIN_DENY = ("", "amq.*")
-"""Never mirrored: the default exchange and the broker's own amq.* exchanges."""
+"""Not mirrored unless named: the default exchange (never: it cannot be bound) and the broker's
+own amq.* exchanges (mirrored only when a channel names one exactly, e.g. amq.topic, where the
+MQTT and STOMP plugins publish; never amq.rabbitmq.*, the broker's internal ones)."""
+_NEVER = ("", "amq.rabbitmq.*")
 
 HEADERS_CATCH_ALL: dict[str, Any] = {"x-match": "all"}
 """Binding arguments that match every message of a headers exchange (no headers included)."""
@@ -72,9 +75,12 @@ class ChannelPlan:
         return sorted({b.exchange for b in self.bindings})
 
 
-def builtin_denied(name: str) -> bool:
-    """True for the default exchange and amq.*: never mirrored."""
-    return any(fnmatchcase(name, p) for p in BUILTIN_DENY)
+def builtin_denied(name: str, *, named: bool = False) -> bool:
+    """True for the default exchange and amq.*, which no pattern selects; ``named``: a channel
+    names ``name`` exactly, which lets an amq.* exchange through (not amq.rabbitmq.*)."""
+    if any(fnmatchcase(name, p) for p in _NEVER):
+        return True
+    return not named and any(fnmatchcase(name, p) for p in BUILTIN_DENY)
 
 
 def deny_pattern(channel: ChannelConfig, name: str) -> str | None:
@@ -85,7 +91,8 @@ def deny_pattern(channel: ChannelConfig, name: str) -> str | None:
 def denied(channel: ChannelConfig, name: str) -> bool:
     """True if ``channel`` never mirrors exchange ``name``: a built-in deny or a deny pattern.
     The tap drops deliveries from such an exchange (one bound into a mirrored exchange)."""
-    return builtin_denied(name) or deny_pattern(channel, name) is not None
+    named = name in explicit_names(channel)
+    return builtin_denied(name, named=named) or deny_pattern(channel, name) is not None
 
 
 def catch_all_bindings(channel: ChannelConfig, name: str) -> list[Binding]:
@@ -134,9 +141,9 @@ def plan_channel(channel: ChannelConfig, exchanges: Sequence[ExchangeDecl]) -> C
         named = name in explicit
         if not named and not any(fnmatchcase(name, p) for p in channel.exchanges):
             continue
-        if builtin_denied(name):
+        if builtin_denied(name, named=named):
             if named:
-                skipped.append(f"{name!r}: built-in deny (the default exchange and amq.*)")
+                skipped.append(f"{name!r}: built-in deny (the default exchange, amq.rabbitmq.*)")
             continue
         deny = deny_pattern(channel, name)
         if deny is not None:
@@ -166,8 +173,8 @@ def plan_channel(channel: ChannelConfig, exchanges: Sequence[ExchangeDecl]) -> C
                 f"its messages are not mirrored (add it to {where}.deny to silence this)"
             )
     for name in sorted(explicit - set(by_name)):
-        if builtin_denied(name):
-            skipped.append(f"{name!r}: built-in deny (the default exchange and amq.*)")
+        if builtin_denied(name, named=True):
+            skipped.append(f"{name!r}: built-in deny (the default exchange, amq.rabbitmq.*)")
         else:
             skipped.append(
                 f"{name!r}: named in {where} but not found in the vhost: declare it or fix the name"

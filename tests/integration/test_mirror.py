@@ -681,3 +681,23 @@ def test_unchecked_queue_policies_are_warned_once_per_failure(
                 assert quiet.sync().channels["c1"].bound == ["ev"]
             warned = _policy_warnings(logs)
             assert len(warned) == 2 and "HTTP 503" in warned[1], warned
+
+
+def test_amq_topic_named_exactly_is_mirrored_and_unbound_when_no_longer_named(
+    black_vhost: Vhost, amqp: BlockingChannel, tmp_path: Path
+) -> None:
+    """amq.topic is where RabbitMQ's MQTT and STOMP plugins publish: a channel that names it
+    gets its traffic (a pattern never does); named no more, the next sync unbinds it."""
+    cfg = make_cfg(black_vhost, tmp_path, exchanges=["amq.topic", "*"])
+    r = Mirror(cfg, catalog_path=tmp_path / "exchanges.json").sync().channels["c1"]
+    assert r.bound == ["amq.topic"] and r.skipped == [], r
+    amqp.basic_publish("amq.topic", "sensors.room1.temp", b"21.5")
+    amqp.basic_publish("amq.fanout", "", b"not named: not mirrored")
+    got = drain(black_vhost.amqp_url, QUEUE, 1)
+    assert [(g[0], g[1], g[3]) for g in got] == [("amq.topic", "sensors.room1.temp", b"21.5")]
+
+    cfg = make_cfg(black_vhost, tmp_path, exchanges=["*"])
+    r = Mirror(cfg, catalog_path=tmp_path / "exchanges.json").sync().channels["c1"]
+    assert r.bound == []
+    sources = {b["source"] for b in api(black_vhost, f"queues/{{v}}/{QUEUE}/bindings")}
+    assert sources == {""}, sources  # only the default exchange's implicit binding is left

@@ -12,6 +12,7 @@ from bridge.black.plan import (
     HEADERS_CATCH_ALL,
     Binding,
     dead_queue_name,
+    denied,
     mirror_queue_name,
     plan_channel,
 )
@@ -64,12 +65,21 @@ def test_builtin_exchanges_are_never_mirrored_and_not_noisy() -> None:
     assert plan.skipped == [] and plan.unbound_direct == []
 
 
-def test_builtin_named_explicitly_is_reported() -> None:
-    plan = plan_channel(
-        chan(exchanges=["amq.topic"], direct_routing_keys={"amq.direct": ["k"]}), BROKER_DEFAULTS
+def test_an_amq_exchange_named_exactly_is_mirrored_the_internal_ones_never() -> None:
+    """amq.topic carries what the MQTT and STOMP plugins publish: a channel that names it gets
+    it; a pattern never selects amq.*; amq.rabbitmq.* and the default exchange stay refused,
+    and saying so."""
+    named = chan(
+        exchanges=["amq.topic", "amq.rabbitmq.trace", "*"],
+        direct_routing_keys={"amq.direct": ["k"]},
     )
-    assert plan.bindings == []
-    assert len(plan.skipped) == 2 and all("built-in deny" in s for s in plan.skipped)
+    plan = plan_channel(named, BROKER_DEFAULTS)
+    assert plan.bindings == [Binding("amq.direct", "k"), Binding("amq.topic", "#")]
+    assert plan.skipped == [
+        "'amq.rabbitmq.trace': built-in deny (the default exchange, amq.rabbitmq.*)"
+    ]
+    assert not denied(named, "amq.topic") and denied(named, "amq.fanout") and denied(named, "")
+    assert denied(chan(exchanges=["amq.*"]), "amq.topic")  # a pattern is not a name
 
 
 def test_direct_without_keys_is_reported_not_ignored() -> None:
