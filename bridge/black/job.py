@@ -30,7 +30,7 @@ from bridge.black.recovery import recover_committed
 from bridge.black.seal import BundleSealer
 from bridge.black.sink import BatchSink, SealingFailed
 from bridge.black.source import SpoolDataSource
-from bridge.black.spool import SPOOL_DIR_MODE, SpoolReader
+from bridge.black.spool import SPOOL_DIR_MODE, SpoolReader, unwritable_spool_file
 from bridge.black.state import LOCK_FILE, StateStore
 from bridge.black.taps import TapSupervisor, UntilEmptyTaps
 from bridge.config import Config
@@ -194,6 +194,10 @@ def _check_channel_folder(key: str, channel: str, folder: Path, *, probe_files: 
     if refused is not None:
         msg = not_writable(key, folder, refused, mode=_dir_mode(key), channel=channel)
         raise ConfigError(msg)
+    if key == "spool_dir":  # the tap opens LOCK, TAIL and the last segment for writing
+        problem = unwritable_spool_file(folder.parent, channel)
+        if problem is not None:
+            raise ConfigError(problem)
 
 
 def _nearest_existing(path: Path) -> Path:

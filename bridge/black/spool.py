@@ -32,6 +32,11 @@ Positions are gapless and never reused: a record's position is its message ``seq
   ``make_releasable`` (also tried before each quota SpoolFull) records the newest
   ``acked_through`` and closes the current segment, so release can make room; a tap waiting
   for room calls it again until it succeeds (a full disk may refuse it the first time).
+* A file or folder the file system refuses (EACCES, EPERM, EROFS: another owner, an immutable
+  attribute, a read-only mount) is a ConfigError naming the file, the channel, the key and the
+  fix (``spool_file_refused``), at ``open`` or on a later write; black's start-up check finds
+  the files it would refuse first (``unwritable_spool_file``). Any other write error is a
+  StateError naming the file and errno. Nothing that is not durable has been acked then.
 * A lost record for a dead letter keeps the dead letter's ``fingerprint`` (16 bytes) in its
   ``properties_raw``, so that a redelivery of the dead letter after a crash is recognised like
   a redelivered message; a lost record's properties are never shipped (``spool_rows``).
@@ -42,6 +47,7 @@ Crash points (bridge.faults) inside ``sync``: ``spool.mid_write`` (half a batch 
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import os
@@ -86,6 +92,9 @@ if TYPE_CHECKING:
 __all__ = [
     "SPOOL_DIR_MODE",
     "SpoolLocked",
+    "spool_files",
+    "unwritable_spool_file",
+    "spool_file_refused",
     "writer_settings",
     "SPOOL_SCHEMA",
     "KIND_MESSAGE",
@@ -162,6 +171,81 @@ class _Collect:
 
 SPOOL_DIR_MODE = 0o700
 """Mode of the spool's directories: message bodies, black's user only."""
+SPOOL_FILE_MODE = 0o600
+"""Mode of the spool's files (LOCK, TAIL, segments)."""
+REFUSED = (errno.EACCES, errno.EPERM, errno.EROFS)
+"""errnos of a file system that refuses the tap's writes: only the operator can fix them."""
+_LEFT_BEHIND = "the channel's messages not shipped yet stay there and are reported lost"
+
+
+def spool_files(directory: Path) -> list[Path]:
+    """Black, spool: the files of a channel's spool folder that its tap opens for writing
+    (LOCK, TAIL, the last segment), those that exist."""
+    segs = list_segments(directory)
+    names = [LOCK_FILE, TAIL_FILE] + ([segment_name(segs[-1])] if segs else [])
+    return [directory / n for n in names if os.path.lexists(directory / n)]
+
+
+def unwritable_spool_file(root: Path, channel: str) -> str | None:
+    """Black, start: why the user running black cannot open one of ``channel``'s spool files
+    for writing (:func:`spool_files`), naming the file, the channel, the key and the fix; None
+    if it can. Each is opened read-write and closed: nothing is created or changed."""
+    for path in spool_files(Path(root) / channel):
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CLOEXEC | os.O_NONBLOCK)
+        except FileNotFoundError:
+            continue  # released meanwhile (a segment), or made by the tap (LOCK, TAIL)
+        except OSError as e:
+            return spool_file_refused(channel, path, e)
+        os.close(fd)
+    return None
+
+
+def _why(e: OSError) -> str:
+    """``e``'s reason with its errno's name, e.g. ``Permission denied (EACCES)``."""
+    code = e.errno if e.errno is not None else 0
+    return f"{e.strerror or e} ({errno.errorcode.get(code, code)})"
+
+
+def spool_file_refused(channel: str, path: Path, e: OSError) -> str:
+    """Black, spool: what to tell when ``path`` in ``channel``'s spool refused the tap's write
+    (``e``, at start or while it runs): the file, the channel, the key, the reason, the fix."""
+    is_folder = path.name == channel and os.path.isdir(path)  # creating or removing files
+    folder = path if is_folder else path.parent
+    where = (
+        f"{path}, the spool folder of channel {channel!r},"
+        if is_folder
+        else f"{path}, in the spool of channel {channel!r},"
+    )
+    if e.errno == errno.EROFS:
+        return (
+            f"black.spool_dir: {where} is on a read-only file system ({_why(e)}): the tap "
+            "writes there. Mount it read-write, or point black.spool_dir to a writable "
+            f"directory ({_LEFT_BEHIND})"
+        )
+    uid = os.getuid()
+    if e.errno == errno.EPERM:
+        target = path if os.path.lexists(path) else folder
+        fix = (
+            "an immutable or append-only attribute refuses even root: clear it "
+            f"(`lsattr -d {target}`, then `chattr -i -a {target}`)"
+        )
+    elif e.errno == errno.EACCES:
+        fix = (
+            "give that user its spool folder and the files in it (e.g. "
+            f"`chown -R {uid} {folder}`, mode {SPOOL_DIR_MODE:04o} for the folder, "
+            f"{SPOOL_FILE_MODE:04o} for its files)"
+        )
+    else:
+        return (
+            f"black.spool_dir: {where} cannot be opened for writing ({_why(e)}): the tap needs "
+            "it as a regular file it can read and write. Check that disk (dmesg), or move a "
+            "file that is not the spool's aside, and start black again"
+        )
+    return (
+        f"black.spool_dir: {where} is not writable by the user running black (uid {uid}; "
+        f"{_why(e)}): {fix}, or point black.spool_dir elsewhere ({_LEFT_BEHIND})"
+    )
 
 
 def _make_dir(path: Path) -> None:
@@ -258,6 +342,10 @@ class SpoolWriter:
         )
         try:
             w._open(first_pos)
+        except OSError as e:  # a file or the folder refused (raised from the OS, not wrapped)
+            w.close()
+            path = Path(e.filename) if e.filename else w.directory
+            raise w._write_error(e, path) from e
         except BaseException:
             w.close()
             raise
@@ -266,7 +354,10 @@ class SpoolWriter:
     def _open(self, first_pos: int) -> None:
         d = self.directory
         _make_dir(d)
-        self._lock_fd = os.open(d / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o600)
+        refused = unwritable_spool_file(self.root, self.channel)  # before anything changes
+        if refused is not None:
+            raise ConfigError(refused)
+        self._lock_fd = os.open(d / LOCK_FILE, os.O_RDWR | os.O_CREAT, SPOOL_FILE_MODE)
         try:
             fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -288,7 +379,7 @@ class SpoolWriter:
         else:
             self._repair_last(segs[-1])
         self._used = sum(size for _, size in self._closed_segs) + self._seg_size
-        self._tail_fd = os.open(d / TAIL_FILE, os.O_RDWR | os.O_CREAT, 0o600)
+        self._tail_fd = os.open(d / TAIL_FILE, os.O_RDWR | os.O_CREAT, SPOOL_FILE_MODE)
         if tail is not None and tail > self._durable_end:
             # TAIL moves (to ``tail``) only once the lost records are durable: should this
             # fail (a full disk), the next open still finds the damage
@@ -533,8 +624,24 @@ class SpoolWriter:
         return self._durable_end
 
     def room_for(self, nbytes: int) -> SpoolFull | None:
-        """Why ``nbytes`` more would not fit now (quota or free space), or None."""
-        return self._room_problem(nbytes + _BATCH_OVERHEAD)
+        """Why ``nbytes`` more would not fit now (quota or free space), or None. The file
+        system's free space counts even with no ``min_free_bytes`` reserve: a tap paused by
+        ENOSPC waits for room instead of resuming into the same ENOSPC every retry."""
+        need = nbytes + _BATCH_OVERHEAD
+        full = self._room_problem(need)
+        if full is not None or self.min_free_bytes:
+            return full
+        st = os.statvfs(self.directory)
+        free = st.f_bavail * st.f_frsize
+        if free >= need:
+            return None
+        return SpoolFull(
+            f"spool of channel {self.channel!r}: the file system of {self.directory} has "
+            f"{free} bytes free, {need} needed. The tap pauses (the backlog waits in the "
+            "broker): free space on that file system",
+            path=str(self.directory),
+            free_bytes=free,
+        )
 
     def _roll_due(self) -> bool:
         if self._durable_end == self._seg_first:  # the current segment holds no record yet
@@ -598,14 +705,18 @@ class SpoolWriter:
         header = SPOOL_SCHEMA.with_metadata(
             {FORMAT_KEY: FORMAT, ACKED_KEY: str(self._acked).encode()}
         ).serialize()
-        fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, SPOOL_FILE_MODE)
+        except OSError as e:  # the folder refuses new files (permissions, a full inode table)
+            raise self._write_error(e, final) from e
         try:
             try:
                 size = pwritev_all(fd, [memoryview(header)], 0)
                 os.fsync(fd)
                 os.replace(tmp, final)
             except BaseException:
-                tmp.unlink(missing_ok=True)
+                with contextlib.suppress(OSError):  # a folder that refuses it: open() cuts it
+                    tmp.unlink(missing_ok=True)
                 raise
             fsync_dir(d)
         except OSError as e:
@@ -649,12 +760,12 @@ class SpoolWriter:
         self._used += end - start
         self._durable_end += n
         self._acked = acked
-        self._write_tail()
-        if n:
+        if n:  # durable: never written again, even if TAIL refuses its update below
             self._ex, self._rk, self._rd, self._props, self._bodies = [], [], [], [], []
             self._lost = {}
             self._notes = {}
             self._pending_bytes = 0
+        self._write_tail()
 
     def _encode(self, acked: int, n: int) -> Iterator[list[Any]]:
         """The IPC bytes of the pending records' batches, one batch at a time (no copy)."""
@@ -730,13 +841,23 @@ class SpoolWriter:
                 path=str(path),
                 free_bytes=free,
             )
+        unacked = (
+            "Nothing that is not durable was acked: the broker redelivers it, and a restarted "
+            "tap recognises what the spool holds"
+        )
+        if e.errno in REFUSED:
+            return ConfigError(f"{spool_file_refused(self.channel, path, e)}. {unacked}")
         return StateError(
-            f"spool of channel {self.channel!r}: writing {path} failed: {e}; records "
-            f"{self._durable_end}..{self.next_pos - 1} stay buffered, nothing was acked"
+            f"spool of channel {self.channel!r}: writing {path} failed: {_why(e)}. {unacked}. "
+            f"Check the disk of {self.directory} (dmesg) and start black again"
         )
 
     def _write_tail(self) -> None:
-        os.pwrite(self._tail_fd, b"%020d\n" % self._durable_end, 0)
+        """Rewrite TAIL in place (the records it counts are durable already)."""
+        try:
+            os.pwrite(self._tail_fd, b"%020d\n" % self._durable_end, 0)
+        except OSError as e:
+            raise self._write_error(e, self.directory / TAIL_FILE) from e
 
     def _check_open(self) -> None:
         if self._fd < 0:
@@ -760,18 +881,21 @@ class SpoolWriter:
         still redeliver them: they must stay recognisable).
         """
         limit = min(pos, self._acked)
-        freed = 0
-        kept = 0
+        freed = released = 0
         segs = self._closed_segs
-        for k, (first, size) in enumerate(segs):
-            nxt = segs[k + 1][0] if k + 1 < len(segs) else self._seg_first
-            if nxt - 1 > limit:
-                break
-            (self.directory / segment_name(first)).unlink(missing_ok=True)
-            freed += size
-            kept = k + 1
-        if kept:
-            del segs[:kept]
-            fsync_dir(self.directory)
-            self._used -= freed
+        try:
+            while segs:
+                first, size = segs[0]
+                nxt = segs[1][0] if len(segs) > 1 else self._seg_first
+                if nxt - 1 > limit:
+                    break
+                (self.directory / segment_name(first)).unlink(missing_ok=True)
+                del segs[0]  # accounted one by one: a refusal midway leaves the rest listed
+                freed += size
+                released += 1
+                self._used -= size
+            if released:
+                fsync_dir(self.directory)
+        except OSError as e:  # the folder refuses: nothing more can be released (or rolled)
+            raise self._write_error(e, self.directory) from e
         return freed

@@ -127,6 +127,11 @@ RETRY_FULL_S = 1.0
 MAX_BACKOFF_S = 30.0
 PARENT_ENV = "DIODE_TAP_PARENT"
 """Set by the black job to its pid for the taps it starts: a tap stops once it is gone."""
+REASON_FD_ENV = "DIODE_TAP_REASON_FD"
+"""Set by the black job to a pipe's write end for the taps it starts: a tap that stops on an
+error writes why there, so that the job's own error carries it (``report_reason``)."""
+STATUS_LOG_S = 60.0
+"""How often at most the tap warns that its status file cannot be written."""
 PARENT_CHECK_S = 0.5
 PROOF_WAIT_S = 30.0
 """Pausing on a full spool: how long the tap waits for the proofs of the acks it sent."""
@@ -225,6 +230,8 @@ class Tap:
         self._drained: set[int] = set()  # AMQP channels whose queue was seen unable to redeliver
         self._empty_since: dict[int, float] = {}  # AMQP channel -> first of its empty readings
         self._unsettled = False  # a delivery while paused may be a redelivery: settle nothing
+        self._status_refused: str | None = None  # why the status file was last refused
+        self._status_warned_at = 0.0
 
     def stop(self) -> None:
         self._stop.set()
@@ -1086,9 +1093,31 @@ class Tap:
         self.status.acked_through = spool.acked_through
         self.status.updated = now
         self.status.spool_bytes = spool.used_bytes()
-        atomic_write_bytes(
-            status_path(self.cfg, self.channel), json.dumps(asdict(self.status)).encode()
-        )
+        path = status_path(self.cfg, self.channel)
+        try:
+            atomic_write_bytes(path, json.dumps(asdict(self.status)).encode())
+        except OSError as e:
+            self._status_not_written(path, e)
+            return
+        if self._status_refused is not None:
+            log_event(log, 30, "tap status file written again", channel=self.channel,
+                      path=str(path))  # fmt: skip
+            self._status_refused = None
+
+    def _status_not_written(self, path: Path, e: OSError) -> None:
+        """Black, tap: the status file was refused (a full disk, permissions). It only informs
+        (``diode status``, the job's metrics): the tap goes on, warning at most every
+        ``STATUS_LOG_S`` while it is refused, and the status ages (``tap_status_age``)."""
+        why = f"{e.strerror or e} (errno {e.errno})"
+        now = time.monotonic()
+        if why == self._status_refused and now - self._status_warned_at < STATUS_LOG_S:
+            return
+        self._status_refused, self._status_warned_at = why, now
+        log_event(
+            log, 30, f"tap status file not written: {why}; the tap goes on (its status in "
+            "`diode status` and the metrics grows old). Free space on, or give black write "
+            "access to, black.state_dir", channel=self.channel, path=str(path),
+        )  # fmt: skip
 
 
 class _Paused(Exception):
@@ -1112,8 +1141,22 @@ def _watch_parent(tap: Tap, parent: int) -> None:
     tap.stop()
 
 
+def report_reason(reason: str) -> None:
+    """Black, tap: hand why this tap stops to the job that started it (``REASON_FD_ENV``, a
+    pipe the job reads once the tap exited); nothing without that job."""
+    fd = os.environ.get(REASON_FD_ENV, "")
+    if not fd.isdigit():
+        return
+    with contextlib.suppress(OSError):  # the job is gone, or this is no pipe of its
+        try:
+            os.write(int(fd), reason.encode(errors="replace")[:8192])
+        finally:
+            os.close(int(fd))
+
+
 def run_tap(cfg: Config, channel: str, *, until_empty: bool = False) -> TapStatus:
-    """Run a tap in this process until SIGTERM / SIGINT (or an empty queue with until_empty)."""
+    """Run a tap in this process until SIGTERM / SIGINT (or an empty queue with until_empty).
+    An error that stops it is logged and handed to the job that started it (``report_reason``)."""
     tap = Tap(cfg, channel, until_empty=until_empty)
 
     def _stop(_sig: int, _frame: Any) -> None:
@@ -1128,4 +1171,8 @@ def run_tap(cfg: Config, channel: str, *, until_empty: bool = False) -> TapStatu
         return tap.run()
     except DiodeError as e:
         log_event(log, 50, f"tap stopped: {e}", channel=channel)
+        report_reason(str(e))
+        raise
+    except Exception as e:  # a bug or a library's own error: its traceback follows
+        report_reason(f"{type(e).__name__}: {e}")
         raise

@@ -5,6 +5,8 @@ competes with Spark's driver for the GIL, and a tap killed at any moment (kill -
 loses nothing — the broker redelivers what was not acked, the spool recognises what it
 already holds. The supervisor restarts a dead tap with a growing back-off; a tap that exits
 with a configuration error (exit status 2) is not restarted: the job stops and says why.
+A tap that stops on an error writes why into a pipe its job gave it (``REASON_FD_ENV``): the
+job's error and its log of the exit carry that reason, not only an exit status.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from bridge.black.tap import PARENT_ENV, tap_status
+from bridge.black.tap import PARENT_ENV, REASON_FD_ENV, tap_status
 from bridge.config import Config
 from bridge.errors import BrokerError, ConfigError, DiodeError
 from bridge.logs import get_logger, log_event
@@ -64,21 +66,56 @@ def tap_command(cfg: Config, channel: str, *, until_empty: bool = False) -> list
 class _Proc:
     channel: str
     proc: subprocess.Popen[bytes] | None = None
+    reason_fd: int = -1
     restarts: int = 0
     next_start: float = 0.0
     exits: list[int] = field(default_factory=list)
 
 
-def _spawn(cfg: Config, channel: str, *, until_empty: bool) -> subprocess.Popen[bytes]:
+def _start(cfg: Config, channel: str, *, until_empty: bool) -> tuple[subprocess.Popen[bytes], int]:
+    """Black, taps: start ``channel``'s tap process; returns it and the read end of the pipe
+    it writes why it stopped into (``read_reason`` once it exited)."""
     env = dict(os.environ)
     env.setdefault("PYTHONUNBUFFERED", "1")
     env[PARENT_ENV] = str(os.getpid())  # the tap stops when this process is gone
-    # our stdout is the caller's (`diode black run` and `diode demo` end it with their own
-    # JSON summary); the tap's closing status line is in its status file (`diode status`) too,
-    # and its logs go to stderr
-    return subprocess.Popen(
-        tap_command(cfg, channel, until_empty=until_empty), env=env, stdout=subprocess.DEVNULL
-    )
+    read, write = os.pipe()
+    env[REASON_FD_ENV] = str(write)
+    try:
+        # our stdout is the caller's (`diode black run` and `diode demo` end it with their own
+        # JSON summary); the tap's closing status line is in its status file (`diode status`)
+        # too, and its logs go to stderr
+        proc = subprocess.Popen(
+            tap_command(cfg, channel, until_empty=until_empty), env=env,
+            stdout=subprocess.DEVNULL, pass_fds=(write,),
+        )  # fmt: skip
+    except BaseException:
+        os.close(read)
+        raise
+    finally:
+        os.close(write)  # the tap holds the only write end: the pipe ends when it exits
+    os.set_blocking(read, False)
+    return proc, read
+
+
+def read_reason(fd: int) -> str | None:
+    """Black, taps: why an exited tap stopped, as it wrote it into its pipe (``_start``), or
+    None if it wrote nothing (killed, or it ended well); closes ``fd``."""
+    chunks: list[bytes] = []
+    try:
+        while chunk := os.read(fd, 65536):
+            chunks.append(chunk)
+    except BlockingIOError:
+        pass  # a process the tap started still holds the write end: take what is there
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+    return b"".join(chunks).decode(errors="replace").strip() or None
+
+
+def _why(channel: str, reason: str | None) -> str:
+    """``channel``'s tap stopped: its reason, or where to look when it gave none."""
+    return f"{channel!r}: {(reason or '').rstrip('.') or 'its log above says why'}"
 
 
 class UntilEmptyTaps:
@@ -86,7 +123,16 @@ class UntilEmptyTaps:
     backlog its queues held when it started. The job seals while they run."""
 
     def __init__(self, cfg: Config, *, timeout: float | None = None) -> None:
-        self.procs = {ch.name: _spawn(cfg, ch.name, until_empty=True) for ch in cfg.channels}
+        self.procs: dict[str, subprocess.Popen[bytes]] = {}
+        self.reason_fds: dict[str, int] = {}
+        try:
+            for ch in cfg.channels:
+                self.procs[ch.name], self.reason_fds[ch.name] = _start(
+                    cfg, ch.name, until_empty=True
+                )
+        except BaseException:
+            self.stop()
+            raise
         self.deadline = None if timeout is None else time.monotonic() + timeout
 
     def done(self) -> bool:
@@ -110,6 +156,12 @@ class UntilEmptyTaps:
             except subprocess.TimeoutExpired:
                 p.kill()
                 p.wait()
+        self._reasons()
+
+    def _reasons(self) -> dict[str, str | None]:
+        """Why each exited tap stopped (``read_reason``), once: the pipes are closed after."""
+        fds, self.reason_fds = self.reason_fds, {}
+        return {name: read_reason(fd) for name, fd in fds.items()}
 
     def finish(self) -> None:
         """Wait for every tap (terminating those past the timeout); raise if one failed."""
@@ -124,11 +176,13 @@ class UntilEmptyTaps:
                 rc = 0 if rc == -15 else rc  # stopped by the timeout: what it spooled stands
             if rc != 0:
                 failed[name] = rc
+        reasons = self._reasons()
         if failed:
             kind = ConfigError if EXIT_CONFIG in failed.values() else BrokerError
+            why = "; ".join(_why(name, reasons.get(name)) for name in failed)
             raise kind(
-                f"tap failed for channel(s) {failed} (exit status); its log above says why. "
-                "Nothing is lost: what it did not make durable stays in the mirror queue"
+                f"tap failed for channel(s) {failed} (exit status): {why}. Nothing is lost: "
+                "what it did not make durable stays in the mirror queue"
             )
 
 
@@ -149,7 +203,7 @@ class TapSupervisor:
 
     def start(self) -> TapSupervisor:
         for p in self.procs.values():
-            p.proc = _spawn(self.cfg, p.channel, until_empty=False)
+            p.proc, p.reason_fd = _start(self.cfg, p.channel, until_empty=False)
         self._thread.start()
         return self
 
@@ -169,6 +223,9 @@ class TapSupervisor:
                 except subprocess.TimeoutExpired:
                     p.proc.kill()
                     p.proc.wait()
+            if p.reason_fd >= 0:
+                fd, p.reason_fd = p.reason_fd, -1
+                os.close(fd)
 
     def _run(self) -> None:
         exported = 0.0
@@ -180,17 +237,20 @@ class TapSupervisor:
             for p in self.procs.values():
                 if p.proc is None:
                     if now >= p.next_start:
-                        p.proc = _spawn(self.cfg, p.channel, until_empty=False)
+                        p.proc, p.reason_fd = _start(self.cfg, p.channel, until_empty=False)
                     continue
                 rc = p.proc.poll()
                 if rc is None:
                     continue
                 p.exits.append(rc)
                 p.proc = None
+                fd, p.reason_fd = p.reason_fd, -1
+                reason = read_reason(fd) if fd >= 0 else None
                 if rc == EXIT_CONFIG:
                     self.error = ConfigError(
-                        f"the tap of channel {p.channel!r} stopped on a configuration error "
-                        "(its log says which); fix it and restart black"
+                        f"the tap of channel {p.channel!r} stopped on a configuration error: "
+                        f"{(reason or '').rstrip('.') or 'its log says which'}. Fix it and "
+                        "restart black"
                     )
                     log_event(log, 50, str(self.error), channel=p.channel)
                     self._stop.set()
@@ -201,5 +261,6 @@ class TapSupervisor:
                 log_event(
                     log, 40, "tap exited; restarting it (nothing is lost: unacked messages "
                     "wait in the mirror queue)",
-                    channel=p.channel, exit_status=rc, restarts=p.restarts, in_seconds=delay,
+                    channel=p.channel, exit_status=rc, reason=reason or "its log above says why",
+                    restarts=p.restarts, in_seconds=delay,
                 )  # fmt: skip

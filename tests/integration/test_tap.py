@@ -325,9 +325,9 @@ def _wait_policy(vhost: str, queue: str = QUEUE) -> None:
 
 _PARENT = """
 import sys, time
-from bridge.black.taps import _spawn
+from bridge.black.taps import _start
 from bridge.config import load_config
-proc = _spawn(load_config(sys.argv[1]), "main", until_empty=False)
+proc, _ = _start(load_config(sys.argv[1]), "main", until_empty=False)
 print(proc.pid, flush=True)
 time.sleep(600)
 """
