@@ -1,10 +1,11 @@
 """Diode, UDP (black): datagrams of one size leave in one sendmsg with UDP GSO, or one by one.
 
 UDP generic segmentation offload (Linux >= 4.18, ``UDP_SEGMENT``) hands the kernel up to 64
-datagrams of the same size as one buffer; it cuts them apart (in the NIC, or in software just
-before the device), so the wire carries exactly the datagrams a ``sendto`` per datagram would,
-for a fraction of the system calls. Where the kernel or the device refuses it, the batcher says
-so once and sends datagram by datagram from then on.
+datagrams of the same size as one message (here one iovec per datagram: the datagrams are
+handed over where they were sealed, never copied into a batch buffer); it cuts them apart (in
+the NIC, or in software just before the device), so the wire carries exactly the datagrams a
+``sendto`` per datagram would, for a fraction of the system calls. Where the kernel or the
+device refuses it, the batcher says so once and sends datagram by datagram from then on.
 
 Datagrams leave with don't-fragment set: one that no longer fits the route (its MTU lowered
 while the sender runs) is refused by the kernel and stops the sender with the route's MTU and
@@ -40,11 +41,13 @@ _NO_GSO = (errno.EINVAL, errno.EIO, errno.EOPNOTSUPP, errno.ENOPROTOOPT, errno.E
 
 
 class DatagramBatcher:
-    """Collects sealed datagrams into one buffer and sends them when the size changes, the
-    buffer is full, or the caller flushes.
+    """Collects sealed datagrams (references, not copies: one iovec each) and sends them when
+    the size changes, the batch is full, or the caller flushes.
 
     ``pace(nbytes)`` is called before each send (the token bucket: it sleeps and returns the
     seconds waited); ``on_sent()`` after each, so the caller can finish what the send carried.
+    A datagram handed over must not change until it is sent (``flush``, or the next
+    ``room`` / ``add`` that flushes).
     """
 
     __slots__ = (
@@ -55,9 +58,8 @@ class DatagramBatcher:
         "max_bytes",
         "pace",
         "on_sent",
-        "_buf",
-        "_view",
-        "_off",
+        "_iov",
+        "_bytes",
         "_seg",
         "_count",
         "sends",
@@ -79,9 +81,8 @@ class DatagramBatcher:
         set_dont_fragment(sock, ipv6=self.ipv6)
         self.max_bytes = max(1, min(max_bytes, MAX_DATAGRAM))
         self.pace, self.on_sent = pace, on_sent
-        self._buf = bytearray(MAX_DATAGRAM)
-        self._view = memoryview(self._buf)
-        self._off = 0
+        self._iov: list[bytes | memoryview] = []
+        self._bytes = 0
         self._seg = 0
         self._count = 0
         self.sends = 0
@@ -94,11 +95,29 @@ class DatagramBatcher:
         if self._count and (
             size != self._seg
             or self._count >= MAX_SEGMENTS
-            or self._off + size > self.max_bytes
+            or self._bytes + size > self.max_bytes
             or not self.gso
         ):
             return self.flush()
         return 0.0
+
+    def room(self, size: int) -> tuple[int, float]:
+        """Black, send stage: how many datagrams of ``size`` bytes may join the batch now (at
+        least one), after the flush that makes room for them if one is due (its seconds
+        paced are the second value)."""
+        waited = self._room(size)
+        if not self.gso:
+            return 1, waited
+        fit = min(MAX_SEGMENTS - self._count, (self.max_bytes - self._bytes) // size)
+        return max(1, fit), waited
+
+    def extend(self, datagrams: list[memoryview], size: int) -> None:
+        """Black, send stage: add sealed datagrams of ``size`` bytes each, no more than
+        ``room(size)`` allowed just before."""
+        self._iov.extend(datagrams)
+        self._count += len(datagrams)
+        self._bytes += len(datagrams) * size
+        self._seg = size
 
     def add_symbol(
         self,
@@ -109,18 +128,14 @@ class DatagramBatcher:
         payload: bytes | memoryview,
     ) -> float:
         """Seal one symbol datagram into the batch; returns seconds paced (a flush ran)."""
-        waited = self._room(sealer.size)
-        self._off = sealer.seal_into(self._view, self._off, packet, block, esi, payload)
-        self._seg = sealer.size
-        self._count += 1
-        return waited
+        return self.add(sealer.seal(packet, block, esi, payload))
 
     def add(self, datagram: bytes) -> float:
         """Add a datagram sealed elsewhere (a link heartbeat)."""
         n = len(datagram)
         waited = self._room(n)
-        self._view[self._off : self._off + n] = datagram
-        self._off += n
+        self._iov.append(datagram)
+        self._bytes += n
         self._seg = n
         self._count += 1
         return waited
@@ -129,23 +144,23 @@ class DatagramBatcher:
         """Send what is collected (after the pace's wait, which is returned)."""
         if not self._count:
             return 0.0
-        n, seg, count = self._off, self._seg, self._count
-        waited = self.pace(n)
-        data = self._view[:n]
-        if count > 1 and self.gso and not self._send_gso(data, seg):
+        iov, seg, count = self._iov, self._seg, self._count
+        waited = self.pace(self._bytes)
+        if count > 1 and self.gso and not self._send_gso(iov, seg):
             self.gso = False
         if count == 1 or not self.gso:
-            for off in range(0, n, seg):
-                self._send_one(data[off : off + seg])
-        self._off = self._count = 0
+            for datagram in iov:
+                self._send_one(datagram)
+        self._iov = []
+        self._bytes = self._count = 0
         self.on_sent()
         return waited
 
-    def _send_gso(self, data: memoryview, seg: int) -> bool:
+    def _send_gso(self, iov: list[bytes | memoryview], seg: int) -> bool:
         """One segmented send; False when GSO is refused (nothing of it was sent)."""
         cmsg = [(socket.SOL_UDP, UDP_SEGMENT, struct.pack("=H", seg))]
         try:
-            self._retrying(self.sock.sendmsg, [data], cmsg, 0, self.dest)
+            self._retrying(self.sock.sendmsg, iov, cmsg, 0, self.dest)
         except OSError as e:
             self._refuse_if_too_big(seg, e)
             if e.errno in _NO_GSO:
@@ -157,7 +172,7 @@ class DatagramBatcher:
         self.gso_sends += 1
         return True
 
-    def _send_one(self, data: memoryview) -> None:
+    def _send_one(self, data: bytes | memoryview) -> None:
         try:
             self._retrying(self.sock.sendto, data, self.dest)
         except OSError as e:

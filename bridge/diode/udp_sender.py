@@ -1,7 +1,8 @@
 """Diode, UDP (black): `diode udp send` — the outbox's mover for "udp" channels, as datagrams.
 
     outbox/<file of a udp channel> --envelope, SHA-256--> blocks --RaptorQ--> symbols
-        --interleave--> seal (tag) --token bucket--> sendto --> diode --> receiver
+        --stamp (a block's datagrams, headers written at once)--> interleave
+        --number, tag (a batch at a time)--> token bucket --> sendmsg --> diode --> receiver
 
 Each run is a new *epoch* (stored durably before the first datagram, strictly above every
 earlier one), so the receiver knows a restart for what it is. Before the first datagram of a
@@ -34,12 +35,11 @@ from typing import Any
 
 from bridge.config import Config
 from bridge.diode.link_status import SENDER_LOCK
-from bridge.diode.udp_batch import DatagramBatcher
+from bridge.diode.udp_batch import MAX_SEGMENTS, DatagramBatcher
 from bridge.diode.udp_encode import EncoderPool, slot_bytes_for
 from bridge.diode.udp_fec import (
     block_count,
     block_plan,
-    block_symbols,
     padded_block,
     repair_count,
 )
@@ -73,6 +73,8 @@ JOURNAL = "journal.jsonl"
 EPOCH = "epoch"
 _JOURNAL_COMPACT_BYTES = 4 << 20
 _CHUNK = 1 << 20
+_TURN_DATAGRAMS = 256
+"""Datagrams sent per loop turn at most (then the clock: heartbeats, status)."""
 _DIGEST_SLICE = 0.02
 """Seconds of hashing per loop turn at most (then heartbeats and sends get their turn)."""
 RECENT_FILES = 10_000
@@ -258,11 +260,15 @@ class _Object:
     """Its size or mtime differed from the digest's when its last block was read."""
 
 
-@dataclass
+@dataclass(slots=True, eq=False)
 class _Block:
+    """One FEC block being sent: its datagrams stamped (``SymbolSealer.stamp``), ``size``
+    bytes apart, in symbol order (source symbols 0..k-1, then the repair symbols)."""
+
     obj: _Object
     index: int
-    symbols: list[tuple[int, bytes | memoryview]]
+    datagrams: memoryview
+    size: int
     k: int
     left: int
 
@@ -639,9 +645,10 @@ class _Sender:
         if done is None:
             return False
         (obj, index, first), padded, repairs = done
-        t = obj.header.symbol_size
-        syms = block_symbols(memoryview(padded), t, first, repairs)  # no copy of the source
-        self.il.add(_Block(obj, index, syms, len(padded) // t, len(syms)), len(syms))
+        k = len(padded) // obj.header.symbol_size
+        stamped = obj.sealer.stamp(index, ((0, padded), (k + first, b"".join(repairs))))
+        n = k + len(repairs)
+        self.il.add(_Block(obj, index, memoryview(stamped), obj.sealer.size, k, n), n)
         return True
 
     def _abandon(self, obj: _Object) -> None:
@@ -700,6 +707,57 @@ class _Sender:
                   object_id=obj.header.object_id, copies=self.u.copies)  # fmt: skip
 
     # -- the wire ------------------------------------------------------------------------
+    def _run_length(self) -> int:
+        """Black, send stage: symbols to send before the interleaver wants another block (all
+        that is pending when nothing is left to feed, or while the encoders are behind), at
+        most one GSO batch; 0 when none."""
+        il = self.il
+        pending = il.pending()
+        n = pending - il.window + 1 if self._more_to_feed() else pending
+        return min(n if n > 0 else pending, MAX_SEGMENTS)
+
+    def _send_run(self, n: int) -> tuple[int, float]:
+        """Black, send stage: the next ``n`` scheduled symbols (at most what joins the batch)
+        numbered, tagged and handed to the batch; returns how many, and the seconds paced by
+        the flushes that made room for them. A block goes to ``finished`` once its last
+        datagram is in the batch, so the flush that sends it journals its file."""
+        il, batch = self.il, self.batch
+        first = il.peek()
+        assert first is not None
+        size = first.size
+        fit, waited = batch.room(size)
+        sealer = first.obj.sealer
+        views: list[memoryview] = []
+        repairs = 0
+        run = il.take(min(n, fit))
+        for blk, i in run:
+            if blk.size != size or len(views) >= fit:  # another channel's size: a new batch
+                self._hand(sealer, views, size)
+                views = []
+                size, sealer = blk.size, blk.obj.sealer
+                fit, w = batch.room(size)
+                waited += w
+            off = i * size
+            views.append(blk.datagrams[off : off + size])
+            repairs += i >= blk.k
+            blk.left -= 1
+            if not blk.left:
+                self.finished.append(blk)  # not bound: a flush (on_sent) replaces the list
+            if not blk.obj.started:
+                self._start(blk.obj)
+        self._hand(sealer, views, size)
+        self.repairs_sent += repairs
+        return len(run), waited
+
+    def _hand(self, sealer: SymbolSealer, views: list[memoryview], size: int) -> None:
+        """Black, send stage: number and tag stamped datagrams of ``size`` bytes in the order
+        they leave, and add them to the batch (they fit: ``DatagramBatcher.room``)."""
+        sealer.seal_stamped(views, self.packet)
+        self.batch.extend(views, size)
+        self.packet += len(views)
+        self.summary.datagrams += len(views)
+        self.summary.bytes += len(views) * size
+
     def _pace(self, nbytes: int) -> float:
         """The token bucket's wait before ``nbytes`` go out (slept here, and returned)."""
         wait = self.bucket.take(nbytes, time.monotonic())
@@ -854,7 +912,7 @@ class _Sender:
         watcher.start()
         t0 = self.started = time.monotonic()
         deadline = None if timeout is None else t0 + timeout
-        hb_every, il, batch, s = self.u.heartbeat_seconds, self.il, self.batch, self.summary
+        hb_every, il, batch = self.u.heartbeat_seconds, self.il, self.batch
         last_scan = 0.0
         hinted = False  # inotify told of a change in the outbox: list it
         try:
@@ -868,28 +926,17 @@ class _Sender:
                 if now - self.last_status >= 1.0:
                     self._status(now)
                 self.digest_until = now + _DIGEST_SLICE
-                for _ in range(256):  # the hot loop: a batch between clock checks
+                sent = 0
+                while sent < _TURN_DATAGRAMS:  # the hot loop: a few batches between clock checks
                     while il.wants_more() and self._more_to_feed():
                         # wait for an encoder only when there is nothing else to send
                         if not self._feed_one_block(0.05 if not il.pending() else 0.0):
                             break
-                    nxt = il.pop()
-                    if nxt is None:
-                        break
-                    blk, i = nxt
-                    esi, payload = blk.symbols[i]
-                    sealer = blk.obj.sealer
-                    waited = batch.add_symbol(sealer, self.packet, blk.index, esi, payload)
-                    if not blk.obj.started:
-                        self._start(blk.obj)
-                    self.packet += 1
-                    s.datagrams += 1
-                    s.bytes += sealer.size
-                    if esi >= blk.k:
-                        self.repairs_sent += 1
-                    blk.left -= 1
-                    if not blk.left:
-                        self.finished.append(blk)
+                    n = self._run_length()
+                    if not n:
+                        break  # nothing pending
+                    count, waited = self._send_run(n)
+                    sent += count
                     if waited and time.monotonic() - now >= 0.05:
                         break  # a slow pace: look at the clock (heartbeats) often enough
                 if il.pending() or self._more_to_feed():
