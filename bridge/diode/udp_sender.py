@@ -46,7 +46,7 @@ from bridge.diode.udp_fec import (
 from bridge.diode.udp_interleave import Interleaver
 from bridge.diode.udp_key import load_key
 from bridge.diode.udp_pacing import TokenBucket
-from bridge.diode.udp_socket import route_mtu
+from bridge.diode.udp_socket import route_mtu, route_source
 from bridge.errors import ConfigError, TransportError
 from bridge.faults import crash_point, slow_point
 from bridge.fsutil import atomic_write_bytes, durable_mkdir, exclusive_lock, fsync_dir
@@ -308,6 +308,9 @@ class _Sender:
                 self.sock.bind((shost.strip("[]"), int(sport)))
             except OSError as e:
                 raise ConfigError(f"udp.send.source {self.u.source}: cannot bind ({e})") from None
+        elif (src := route_source(self.dest, ipv6=self.ipv6)) is not None:
+            # bound to the route's own address: a first send would bind every interface
+            self.sock.bind((src, 0))
         self.state_dir = Path(self.u.state_dir)
         self.summary = SendSummary()
         self.queue: deque[Path] = deque()

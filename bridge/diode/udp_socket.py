@@ -3,14 +3,17 @@ kernel dropped for want of room in it; the MTU of the route to the diode; don't-
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import sys
+from collections.abc import Iterator
 
 __all__ = [
     "SO_RCVBUFFORCE",
     "SocketDrops",
     "route_mtu",
+    "route_source",
     "set_dont_fragment",
     "set_rcvbuf",
 ]
@@ -49,12 +52,35 @@ def route_mtu(dest: tuple[str, int], *, ipv6: bool) -> int | None:
     opt = _IPV6_MTU if ipv6 else _IP_MTU
     if opt is None:
         return None
-    with socket.socket(socket.AF_INET6 if ipv6 else socket.AF_INET, socket.SOCK_DGRAM) as s:
+    with _route_probe(dest, ipv6=ipv6) as s:
         try:
-            s.connect(dest)
             return int(s.getsockopt(socket.IPPROTO_IPV6 if ipv6 else socket.IPPROTO_IP, opt))
         except OSError:
             return None
+
+
+def route_source(dest: tuple[str, int], *, ipv6: bool) -> str | None:
+    """The local address the kernel's route to ``dest`` sends from (a connected probe socket's
+    own address), or None without a route: what the sender binds to, so that its socket is
+    not open on every interface."""
+    with _route_probe(dest, ipv6=ipv6) as s:
+        try:
+            host = str(s.getsockname()[0])
+        except OSError:
+            return None
+    return None if host in ("0.0.0.0", "::") else host
+
+
+@contextlib.contextmanager
+def _route_probe(dest: tuple[str, int], *, ipv6: bool) -> Iterator[socket.socket]:
+    """A UDP socket connected to ``dest`` (nothing is sent: the kernel only picks the route);
+    unconnected where there is no route, so that what is asked of it answers OSError/None."""
+    with socket.socket(socket.AF_INET6 if ipv6 else socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            s.connect(dest)
+        except OSError:
+            s.close()  # every later question fails: no route
+        yield s
 
 
 def set_rcvbuf(sock: socket.socket, want: int) -> int:

@@ -35,6 +35,7 @@ from bridge.diode.udp_sender import (
     JOURNAL,
     Journal,
     SendSummary,
+    _Sender,
     envelope_prefix,
     run_sender,
 )
@@ -936,3 +937,23 @@ def test_a_udp_mtu_above_the_routes_mtu_is_refused_at_start(env: Env, small_mtu_
     small = config_from_dict(data, base=env.tmp, environ={})
     summary = run_sender(small, until_idle=True, timeout=5)  # fits: it runs
     assert summary is not None
+
+
+def test_the_senders_socket_is_bound_to_the_routes_address_not_every_interface(
+    env: Env, small_mtu_route: str
+) -> None:
+    """Unbound, a UDP socket's first send binds it to 0.0.0.0: open to datagrams from every
+    interface. The sender binds to the address its route sends from (udp.send.source unset),
+    so a datagram to another local address of the host never reaches it."""
+    env.outbox  # noqa: B018 - made
+    sender = _Sender(env.cfg(), threading.Event())  # destination 127.0.0.1
+    try:
+        host, port = sender.sock.getsockname()
+        assert host == "127.0.0.1" and port, (host, port)
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+            probe.sendto(b"from elsewhere", (small_mtu_route, port))  # 127.0.0.77: not its own
+        sender.sock.settimeout(0.3)
+        with pytest.raises(TimeoutError):
+            sender.sock.recv(100)
+    finally:
+        sender.sock.close()
