@@ -97,6 +97,14 @@ class _Black:
             ["channel"],
             registry=reg,
         )
+        self.mirror_queue_messages = Gauge(
+            "bridge_black_mirror_queue_messages",
+            "Messages waiting in the channel's mirror queue (queue=mirror) or its dead queue "
+            "(queue=dead) at the last mirror sync (every discover_interval_seconds): alarm on it "
+            "growing",
+            ["channel", "queue"],
+            registry=reg,
+        )
         self.mirror_refusing = Gauge(
             "bridge_black_mirror_queue_refusing",
             "1 when a policy makes the channel's mirror queue refuse messages at its length "

@@ -77,6 +77,11 @@ class ChannelReport:
     """Exchanges known (catalog, config, earlier syncs) but now denied or no longer planned,
     whose possible bindings were unbound without knowing whether they existed."""
     queue_problems: list[str] = field(default_factory=list)
+    messages: int | None = None
+    """Messages waiting in the mirror queue when the sync looked (the tap's backlog: also the
+    gauge ``bridge_black_mirror_queue_messages``); None if the broker did not say."""
+    dead_messages: int | None = None
+    """Messages waiting in its dead queue (dead letters the tap has not recorded yet)."""
     """Policies or arguments on the mirror or dead queue that make the broker lose messages
     black cannot count (also logged as errors and exported as gauges)."""
 
@@ -334,7 +339,9 @@ class Mirror:
                 removed.add(source)
         else:
             chan, blind = self._unbind_unlisted(conn, chan, plan, queue, known)
-        chan.close()
+        depth = self._depths(chan, plan.channel)
+        if chan.is_open:
+            chan.close()
         problems: list[str] = []
         if not listed:
             self._policies_unchecked(queue, self._mgmt_error or "management API unavailable")
@@ -361,7 +368,29 @@ class Mirror:
             bindings_listed=existing is not None,
             unbound_unlisted=blind,
             queue_problems=problems,
+            messages=depth[0],
+            dead_messages=depth[1],
         )
+
+    def _depths(self, chan: BlockingChannel, channel: str) -> tuple[int | None, int | None]:
+        """Black, mirror: messages waiting in ``channel``'s mirror queue and dead queue (passive
+        declares), also set as gauges: the depth an operator alarms on (a tap that stopped or
+        falls behind). None for one the broker did not answer for."""
+        out: list[int | None] = []
+        for kind, q in (
+            ("mirror", mirror_queue_name(self.cfg.black, channel)),
+            ("dead", dead_queue_name(self.cfg.black, channel)),
+        ):
+            n: int | None = None
+            if chan.is_open:  # a refused declare closed it: the rest is not read this sync
+                try:
+                    n = int(chan.queue_declare(q, passive=True).method.message_count)
+                    BLACK.mirror_queue_messages.labels(channel, kind).set(n)
+                except pika.exceptions.AMQPError as e:
+                    log_event(log, 30, "mirror queue depth not read", channel=channel, queue=q,
+                              error=str(e) or type(e).__name__)  # fmt: skip
+            out.append(n)
+        return out[0], out[1]
 
     def _unbind_unlisted(
         self,

@@ -701,3 +701,29 @@ def test_amq_topic_named_exactly_is_mirrored_and_unbound_when_no_longer_named(
     assert r.bound == []
     sources = {b["source"] for b in api(black_vhost, f"queues/{{v}}/{QUEUE}/bindings")}
     assert sources == {""}, sources  # only the default exchange's implicit binding is left
+
+
+def test_each_sync_reads_the_mirror_and_dead_queue_depths_into_the_report_and_gauges(
+    black_vhost: Vhost, amqp: BlockingChannel, tmp_path: Path
+) -> None:
+    """The mirror queue's depth is the tap's backlog (a stopped or slow tap shows as growth):
+    each sync reads it, and the dead queue's, into the report and into the gauge an operator
+    alarms on."""
+    from bridge.metrics import BLACK
+
+    declare_world(amqp)
+    cfg = make_cfg(black_vhost, tmp_path, exchanges=["ev.fan"])
+    mirror = Mirror(cfg, catalog_path=tmp_path / "exchanges.json")
+    r = mirror.sync().channels["c1"]
+    assert (r.messages, r.dead_messages) == (0, 0)
+    for i in range(7):
+        amqp.basic_publish("ev.fan", "", f"m{i}".encode())
+    gauge = BLACK.mirror_queue_messages
+    for _ in range(50):  # the broker counts what it routed a moment later
+        r = mirror.sync().channels["c1"]
+        if r.messages == 7:
+            break
+        time.sleep(0.1)
+    assert (r.messages, r.dead_messages) == (7, 0), r
+    assert gauge.labels("c1", "mirror")._value.get() == 7
+    assert gauge.labels("c1", "dead")._value.get() == 0
