@@ -692,7 +692,8 @@ def _replay_preflight(url: str) -> None:
 @click.option(
     "--until-caught-up",
     is_flag=True,
-    help="stop once every approved row is confirmed; exit 1 if stopped (--timeout) before",
+    help="stop once every approved row is confirmed or its exchange stopped; exit 1 unless "
+    "caught up (an exchange stopped, or --timeout passed first)",
 )
 @click.option("--timeout", type=float, default=None, help="stop after N seconds")
 @metrics_option
@@ -702,8 +703,9 @@ def red_replay(
     """Publish landed messages of approved exchanges into red RabbitMQ (confirmed, resumable).
 
     Exit 2 when the red broker refuses the login or the vhost at start; with --until-caught-up,
-    exit 1 when the run ended (--timeout) before it caught up. A broker that is down at start is
-    logged (warning) and retried."""
+    exit 1 when the run ended without catching up: an exchange is stopped (named, with why),
+    or --timeout passed first. A broker that is down at start is logged (warning) and
+    retried."""
     from bridge.red.replay import Replayer, audit_sink
 
     cfg = _load(config_path)
@@ -715,6 +717,11 @@ def red_replay(
         summary = replayer.run(until_caught_up=until_caught_up, timeout=timeout, stop=stop)
     click.echo(json.dumps(summary.to_json()))
     if until_caught_up and not summary.caught_up:
+        if summary.stopped:  # its rows wait; a running publisher retries it every minute
+            why = "; ".join(f"exchange {n!r} is stopped: {r}" for n, r in summary.stopped.items())
+            click.echo(f"error: the replay did not catch up ({why}); fix it and run again "
+                       "(runbook §15.3)", err=True)  # fmt: skip
+            sys.exit(1)
         why = f"--timeout {timeout:g} s passed" if timeout is not None else "it was stopped"
         last = f"; last error: {summary.errors[-1]}" if summary.errors else ""
         click.echo(f"error: the replay did not catch up ({why}){last}", err=True)

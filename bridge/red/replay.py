@@ -18,6 +18,15 @@ A separate process (``diode red replay``); the landing never waits for it (DESIG
   bytes that do not parse, a content header over ``frame_max``; :mod:`replay_check`) is never
   sent: it is skipped, stays landed, and is reported once (``replay_failed`` kind ``bad_row``,
   ``bridge_red_replay_errors_total{kind="bad_row"}``, error log).
+* **user-id**: RabbitMQ refuses (406, channel closed) a publish whose ``user-id`` property is
+  not the publishing user's name unless that user has the ``impersonator`` tag, read at login.
+  Each connection finds out first (:meth:`Replayer._probe_impersonation`: on a connection of
+  its own, one publish with another user-id to the default exchange, routed nowhere).
+  Without the tag, a row carrying another user's user-id is skipped like a ``bad_row`` (kind
+  ``user_id``: the event names channel, seq and the fix), never published with other bytes
+  and never stopping its exchange. A probe that cannot tell (e.g. no write on
+  ``amq.default``) leaves it unknown: rows are published, and the first one refused for its
+  user-id switches the connection to skipping.
 * **Routed**: publishes are ``mandatory``; messages the broker returns (no binding on red) are
   counted (``bridge_red_replay_unroutable_total``), logged and audited per channel and seq
   range (``replay_failed`` kind ``unroutable``); the progress goes past them (the broker took
@@ -41,7 +50,9 @@ A separate process (``diode red replay``); the landing never waits for it (DESIG
   or arguments), an internal exchange (clients cannot publish to it), a row whose exchange type
   black did not know (``unknown``: published only if the exchange already exists on red), a
   channel the broker closes: the exchange stops with a ``replay_failed`` event, the others go
-  on; it is retried later without repeating the event.
+  on; it is retried later without repeating the event. A stopped exchange is not caught up:
+  ``run(until_caught_up=True)`` ends once every exchange is caught up or stopped, with
+  ``caught_up`` False and the stopped exchanges (and why) in the summary's ``stopped``.
 * **Broker down**: logged, reconnect with back-off 1 s .. 30 s (reset only once a publish is
   confirmed again), resume from the saved progress. When the broker closes the connection
   while publishes are unconfirmed, those exchanges are published one row at a time, each
@@ -91,12 +102,13 @@ from bridge.logs import get_logger, log_event
 from bridge.metrics import REGISTRY
 from bridge.protocol.header_splice import with_id_header
 from bridge.protocol.manifest import format_utc
+from bridge.protocol.properties import Properties, encode_properties
 from bridge.protocol.rows import UNKNOWN_EXCHANGE_TYPE
 from bridge.red import replay_state
 from bridge.red.approvals import Approvals
 from bridge.red.holdback import GapView, HoldSince, out_of_order, plan_release, publish_order
 from bridge.red.landing import STATE_FILE, read_saved_state
-from bridge.red.replay_check import name_problem, row_problem
+from bridge.red.replay_check import impersonation_fix, name_problem, row_problem, user_id_problem
 from bridge.red.replay_declare import Decl, declare_as_landed
 from bridge.red.replay_plan import FileStat, plan_upper
 from bridge.red.replay_results import ReplaySummary, StepResult, bound_unsunk
@@ -154,6 +166,13 @@ DRAIN_SECONDS = 30.0  # how long a pass waits for outstanding confirms
 PUBLISH_CHUNK = 128  # messages per socket write
 CLOSE_DRAIN_SECONDS = 5.0
 HEARTBEAT = 30
+PROBE_WAIT = 5.0
+"""Seconds a new connection waits for the impersonation probe's answer before publishing."""
+PROBE_USER_ID = "diode-replay-impersonation-probe"
+"""The user-id of the probe publish (never the replay user's own name, see
+_probe_impersonation)."""
+USER_ID_REFUSED = "user_id property"
+"""In the reply text of the broker's 406 for a user-id its publisher may not set."""
 
 
 # -- metrics ----------------------------------------------------------------------------------
@@ -174,8 +193,8 @@ class _Metrics:
         self.errors = Counter(
             "bridge_red_replay_errors",
             "Replay failures by kind (declare, internal, unknown_type, bad_arguments, nack, "
-            "channel_closed, connection, bad_name, bad_row: one per row skipped); exchange '' "
-            "for the connection",
+            "channel_closed, connection, bad_name, bad_row and user_id: one per row skipped); "
+            "exchange '' for the connection",
             ["exchange", "kind"],
             registry=REGISTRY,
         )
@@ -322,7 +341,12 @@ class Replayer:
         self.client_name = client_name
         self.sink = sink
         self._url = r.amqp_url.get_secret_value()
-        self.where = parse_url(self._url).where
+        params = parse_url(self._url)
+        self.where = params.where
+        self._user = params.user
+        # whether this connection may publish another user's user-id (None: not known)
+        self._impersonate: bool | None = None
+        self._impersonate_said: tuple[bool | None, str] | None = None  # logged once per change
         self._conn: Connection | None = None
         self._lanes: dict[str, _Lane] = {}
         self._by_channel: dict[int, _Lane] = {}
@@ -380,7 +404,7 @@ class Replayer:
             while not self._should_stop(deadline, stop):
                 r = self._step(deadline, stop, False)
                 summary.add(r)
-                if r.caught_up and until_caught_up:
+                if r.settled and until_caught_up:  # caught up, or the rest stopped: say which
                     break
                 if self._conn is None:  # no table yet, or the broker is unavailable
                     pause = self._next_connect - time.monotonic()
@@ -448,6 +472,7 @@ class Replayer:
             "running": not closed,
             "connected": self._conn is not None and self._conn.is_open,
             "broker_blocked": self._blocked,
+            "may_impersonate": self._impersonate,
             "exchanges": {
                 name: {"held": lane.held, "stopped": lane.blocked, "in_flight": len(lane.window)}
                 for name, lane in sorted(self._lanes.items())
@@ -460,7 +485,7 @@ class Replayer:
         pass."""
         doc = self._live_doc(closed=closed)
         key = json.dumps(  # in_flight moves every pass: it only refreshes with the period
-            [doc["running"], doc["connected"], doc["broker_blocked"],
+            [doc["running"], doc["connected"], doc["broker_blocked"], doc["may_impersonate"],
              [(n, x["held"], x["stopped"]) for n, x in doc["exchanges"].items()]],
             default=str,
         )  # fmt: skip
@@ -491,8 +516,8 @@ class Replayer:
         self._update_lag(stats, approved)
         self._last = (stats, approved)
         self._view = self._gap_view()
+        self._waiting = (deadline, stop)
         if stats is not None and self._connect(res):
-            self._waiting = (deadline, stop)
             try:
                 self._pass(stats, deadline, stop)
                 if wait:
@@ -518,16 +543,18 @@ class Replayer:
         ):
             self._backoff = 0.0  # connected and nothing unconfirmed: the link is healthy
         self._end_pass(force_save=True)
+        res.stopped = self._stopped()
         if missing:
             res.error = f"no messages table at {self.table_path} yet (the red job creates it)"
-            res.caught_up = True  # nothing landed, nothing to replay
+            res.caught_up = res.settled = True  # nothing landed, nothing to replay
         elif stats is not None:
-            res.caught_up = self._conn is not None and all(
+            res.settled = self._conn is not None and all(
                 lane.retired
                 or lane.blocked is not None
                 or (lane.caught_up and not len(lane.window))
                 for lane in self._lanes.values()
             )
+            res.caught_up = res.settled and not res.stopped  # a stopped exchange is behind
         res.held = sum(1 for lane in self._lanes.values() if lane.held is not None)
         METRICS.held.set(res.held)
         self._write_live()
@@ -734,15 +761,20 @@ class Replayer:
 
     def _unpublishable(self, lane: _Lane, cols: dict[str, list[Any]], keys: list[Key]) -> set[int]:
         """Indices of rows the broker cannot take (see :mod:`bridge.red.replay_check`): skipped,
-        each reported once as ``replay_failed`` kind ``bad_row`` (they stay landed)."""
+        each reported once as ``replay_failed`` kind ``bad_row``, or kind ``user_id`` for
+        another user's user-id while this connection may not impersonate (they stay landed)."""
         assert self._conn is not None
         frame_max = self._conn.frame_max
         tables_ok = lane.tables_ok
+        user = self._user if self._impersonate is False else None
         bad: set[int] = set()
-        found: dict[str, list[Any]] = {}  # channel -> [first, last, rows, first reason, land]
+        # (kind, channel, user-id reason) -> [first, last, rows, first reason, first land_seq]
+        found: dict[tuple[str, str, str], list[Any]] = {}
         for i, (rk, props) in enumerate(zip(cols["routing_key"], cols["properties_raw"],
                                             strict=True)):  # fmt: skip
-            why = row_problem(rk, props, frame_max, tables_ok)
+            kind, why = "bad_row", row_problem(rk, props, frame_max, tables_ok)
+            if why is None and user is not None:
+                kind, why = "user_id", user_id_problem(props, user)
             if why is None:
                 continue
             bad.add(i)
@@ -750,23 +782,30 @@ class Replayer:
             if k in lane.bad:
                 continue  # reported when first read (read again after a hold or a rewind)
             lane.bad.add(k)
-            METRICS.errors.labels(lane.name, "bad_row").inc()
-            log_event(log, 40, "row cannot be published to the red broker: skipped (it stays "
-                      "landed)", exchange=lane.name, land_seq=k[0], channel=k[1], seq=k[2],
-                      reason=why)  # fmt: skip
-            f = found.get(k[1])
+            METRICS.errors.labels(lane.name, kind).inc()
+            if kind == "bad_row":  # user_id rows are logged per run of them (one producer's)
+                log_event(log, 40, "row cannot be published to the red broker: skipped (it "
+                          "stays landed)", exchange=lane.name, land_seq=k[0], channel=k[1],
+                          seq=k[2], reason=why)  # fmt: skip
+            group = (kind, k[1], why if kind == "user_id" else "")
+            f = found.get(group)
             if f is None:
-                found[k[1]] = [k[2], k[2], 1, why, k[0]]
+                found[group] = [k[2], k[2], 1, why, k[0]]
             else:
                 f[0], f[1], f[2] = min(f[0], k[2]), max(f[1], k[2]), f[2] + 1
-        for channel, (first, last, rows, why, land_seq) in found.items():
+        for (kind, channel, _), (first, last, rows, why, land_seq) in found.items():
             seqs = f"seq {first}" if first == last else f"seqs {first}..{last} ({rows} rows)"
+            if kind == "user_id":
+                log_event(log, 40, "rows carry another user's user-id and the replay user may "
+                          "not publish it: skipped (they stay landed)", exchange=lane.name,
+                          land_seq=land_seq, channel=channel, seq_first=first, seq_last=last,
+                          rows=rows, reason=why)  # fmt: skip
             self._event(
                 "replay_failed", lane.name, channel=channel, seq_first=first, seq_last=last,
                 reason=f"channel {channel!r} {seqs} of exchange {lane.name!r} cannot be "
                 f"published to the red broker and {'was' if rows == 1 else 'were'} skipped "
                 f"(still landed): {why}",
-                detail={"kind": "bad_row", "rows": rows, "land_seq": land_seq},
+                detail={"kind": kind, "rows": rows, "land_seq": land_seq},
             )  # fmt: skip
         return bad
 
@@ -1144,7 +1183,16 @@ class Replayer:
         res.events = self._take_events()
         res.seconds = time.monotonic() - t0
         res.caught_up = False
+        res.stopped = self._stopped()
         return res
+
+    def _stopped(self) -> dict[str, str]:
+        """Red, replay: the approved exchanges stopped now (blocked until a retry), and why."""
+        return {
+            name: lane.blocked
+            for name, lane in sorted(self._lanes.items())
+            if lane.blocked is not None and not lane.retired
+        }
 
     def _after_nack(self, lane: _Lane) -> None:
         """Every publish of ``lane`` is settled and one was nacked: rewind and republish."""
@@ -1166,8 +1214,8 @@ class Replayer:
                   attempt=lane.rewinds)  # fmt: skip
 
     # -- failures --------------------------------------------------------------------------------
-    def _block(self, lane: _Lane, kind: str, at: Key | None, reason: str) -> None:
-        """Stop ``lane`` (its channel closed, rewound to its progress) until ``retry_at``."""
+    def _reset_lane(self, lane: _Lane) -> None:
+        """Close ``lane``'s channel and rewind it to its confirmed progress."""
         ch = lane.channel
         lane.channel = None
         lane.declared = None
@@ -1177,6 +1225,10 @@ class Replayer:
                 with contextlib.suppress(BrokerError):
                     ch.close()
         self._pending -= lane.rewind()
+
+    def _block(self, lane: _Lane, kind: str, at: Key | None, reason: str) -> None:
+        """Stop ``lane`` (its channel closed, rewound to its progress) until ``retry_at``."""
+        self._reset_lane(lane)
         lane.blocked, lane.blocked_kind = reason, kind
         lane.retry_at = time.monotonic() + self.retry_seconds
         METRICS.errors.labels(lane.name, kind).inc()
@@ -1201,6 +1253,20 @@ class Replayer:
         lane = self._by_channel.get(e.channel)
         if lane is None or lane.channel is None or lane.channel.is_open:
             return  # a channel already replaced
+        if (
+            e.reply_code == 406
+            and USER_ID_REFUSED in e.reply_text
+            and self._impersonate is not False
+        ):  # the probe could not tell: now known, and the next pass skips such rows
+            self._impersonate = False
+            self._say_impersonation(f"{e.reply_code} {e.reply_text}")
+            self._reset_lane(lane)
+            log_event(log, 30, "the red broker refused a publish for its user-id: this "
+                      "connection may not impersonate, so rows carrying another user's user-id "
+                      "are skipped from now on (kind user_id); republishing the exchange from "
+                      "its confirmed progress", exchange=lane.name,
+                      reply=f"{e.reply_code} {e.reply_text}")  # fmt: skip
+            return
         self._block(
             lane, "channel_closed", None,
             f"the red broker closed the channel publishing to exchange {lane.name!r}: "
@@ -1312,7 +1378,74 @@ class Replayer:
             return False
         if self._backoff:  # kept until a publish is confirmed (a row may kill each connection)
             log_event(log, 20, "red broker connected again", target=self.where)
+        self._impersonate, why = self._probe_impersonation()
+        self._say_impersonation(why)
         return True
+
+    def _probe_impersonation(self) -> tuple[bool | None, str]:
+        """Red, replay connect: whether the replay user may publish another user's user-id
+        (RabbitMQ's impersonator tag), and the broker's answer. On a connection of its own,
+        opened just after the publisher's (the broker reads tags at login): one confirmed
+        publish with user-id PROBE_USER_ID to the default exchange, routing key "" (no queue
+        has that name: the broker drops it). An ack says yes; a 406 for the user-id says no.
+        None when it cannot tell within PROBE_WAIT: another refusal (e.g. 403, no write on
+        amq.default), no connection, a broker that blocks publishers (an alarm: on the
+        publisher's own connection that would hold every later declare), a stop."""
+        claimed = PROBE_USER_ID if self._user != PROBE_USER_ID else PROBE_USER_ID + "-2"
+        try:
+            conn = Connection.open(self._url, client_name=f"{self.client_name}-probe",
+                                   heartbeat=0, connect_timeout=PROBE_WAIT,
+                                   rpc_timeout=PROBE_WAIT)  # fmt: skip
+        except BrokerError as e:
+            return None, f"no probe connection: {e}"
+        try:
+            ch = conn.channel()
+            ch.confirm_select()
+            ch.publish("", "", encode_properties(Properties(user_id=claimed)), b"")
+            end = time.monotonic() + PROBE_WAIT
+            while conn.blocked is None and not self._should_stop(*self._waiting):
+                if time.monotonic() >= end:
+                    return None, f"no answer within {PROBE_WAIT:g}s"
+                confirms = conn.poll(0.1).confirms
+                if confirms:
+                    if confirms[0].ack:
+                        return True, "the probe publish was taken"
+                    return None, "the probe publish was nacked"
+            return None, f"not answered: {conn.blocked or 'stopping'}"
+        except AmqpClosed as e:
+            if e.channel and e.reply_code == 406 and USER_ID_REFUSED in e.reply_text:
+                return False, f"{e.reply_code} {e.reply_text}"
+            return None, f"{e.reply_code} {e.reply_text}"
+        except BrokerError as e:
+            return None, str(e)
+        finally:
+            conn.rpc_timeout = 1.0  # a broker that blocked it reads no close either
+            conn.close()
+
+    def _say_impersonation(self, why: str) -> None:
+        """Red, replay connect: log what the probe found once per change (not per reconnect)."""
+        said = (self._impersonate, why if self._impersonate is None else "")
+        if said == self._impersonate_said:
+            return
+        self._impersonate_said = said
+        user = self._user
+        if self._impersonate is True:
+            log_event(log, 20, "the replay user may publish other users' user-ids (impersonator "
+                      "tag): user-id properties are replayed as landed", user=user,
+                      target=self.where)  # fmt: skip
+        elif self._impersonate is False:
+            log_event(log, 20, "the replay user may not publish another user's user-id (no "
+                      "impersonator tag on the red broker): rows carrying one are skipped, still "
+                      "landed, each audited (replay_failed kind user_id); to replay them byte for "
+                      f"byte, {impersonation_fix(user)}", user=user, target=self.where,
+                      reply=why)  # fmt: skip
+        else:  # e.g. write permission on the approved exchanges only (runbook §10)
+            log_event(log, 20, "whether the replay user may publish another user's user-id is "
+                      "found at the first row carrying one (the red broker refused the probe "
+                      "publish to the default exchange): if the broker refuses that row, rows "
+                      "carrying another user's user-id are skipped from then on (kind user_id); "
+                      f"to replay them byte for byte, {impersonation_fix(user)}", user=user,
+                      target=self.where, reply=why)  # fmt: skip
 
     # -- lanes, approvals, table -------------------------------------------------------------------
     def _open(self) -> None:

@@ -20,6 +20,11 @@ class StepResult:
     caught_up: bool = False
     held: int = 0
     """Exchanges waiting for an open gap (hold-back) at the end of the pass."""
+    stopped: dict[str, str] = field(default_factory=dict)
+    """Approved exchanges stopped at the end of the pass (retried later), and why."""
+    settled: bool = False
+    """Every approved exchange is caught up or stopped (``caught_up`` only if none stopped):
+    where ``run(until_caught_up=True)`` ends."""
     error: str | None = None
     seconds: float = 0.0
 
@@ -35,6 +40,7 @@ class StepResult:
             "exchanges": self.exchanges,
             "events": self.events,
             "caught_up": self.caught_up,
+            "stopped": self.stopped,
             "held": self.held,
             "error": self.error,
             "seconds": round(self.seconds, 3),
@@ -52,6 +58,11 @@ class ReplaySummary:
     events: list[dict[str, Any]] = field(default_factory=list)
     seconds: float = 0.0
     caught_up: bool = False
+    """Every approved row confirmed or skipped (audited); False while an exchange is stopped."""
+    stopped: dict[str, str] = field(default_factory=dict)
+    """Exchanges stopped when the run ended, and why (their rows wait: not caught up)."""
+    skipped: dict[str, int] = field(default_factory=dict)
+    """Rows skipped, still landed, per kind (``bad_row``, ``user_id``): audited one by one."""
     unroutable: int = 0
     """Messages the red broker returned (no binding on red): confirmed, dropped by the broker,
     audited as ``replay_failed`` kind ``unroutable``; not in ``errors`` (nothing stopped)."""
@@ -68,14 +79,18 @@ class ReplaySummary:
             if ev["event"] != "replay_failed":
                 continue
             detail = json.loads(ev["detail"]) if ev.get("detail") else {}
-            if detail.get("kind") == "unroutable":
+            kind = detail.get("kind")
+            if kind == "unroutable":
                 self.unroutable += int(detail.get("rows", 0))
             else:
+                if kind in ("bad_row", "user_id"):
+                    self.skipped[kind] = self.skipped.get(kind, 0) + int(detail.get("rows", 1))
                 self.errors.append(f"exchange {ev['exchange']!r}: {ev['reason']}")
         if r.error and (not self.errors or self.errors[-1] != r.error):
             self.errors.append(r.error)
         if not final:
             self.caught_up = r.caught_up
+            self.stopped = dict(r.stopped)
 
     @property
     def rate(self) -> float:
@@ -91,6 +106,8 @@ class ReplaySummary:
             "unroutable": self.unroutable,
             "events": len(self.events),
             "caught_up": self.caught_up,
+            "stopped": self.stopped,
+            "skipped": self.skipped,
             "seconds": round(self.seconds, 3),
             "confirmed_per_second": round(self.rate, 1),
         }
