@@ -15,41 +15,18 @@ from typing import Any
 import pytest
 from deltalake import DeltaTable
 
-from bridge.config import Config, load_config
+from bridge.config import Config
 from bridge.diode.link_status import gap_objects, read_gap_records
 from bridge.diode.udp_spool import Reassembler
 from bridge.protocol.datagram import ObjectHeader, ObjectKind, Symbol
 from bridge.red.job import open_landing
 from bridge.red.landing import LandingResult
-from tests.red_factory import RED_DIRS_TOML
+from tests.integration.test_red_transport_gaps import _config
 
 EPOCH_UNSEEN, EPOCH_REFUSED = 1795416026359094799, 1795416026359094800
 REFUSED = 1007
 """Objects refused as too large while the disk refuses their records: 1000 held whole, 7
 counted in one summary record."""
-
-
-def _config(root: Path) -> Config:
-    text = f"""
-[link]
-bridge_id = "gap-objects-test"
-
-[[channels]]
-name = "u1"
-encrypt = false
-transport = "udp"
-
-[red]
-{RED_DIRS_TOML}
-[udp]
-key_file = "udp.key"
-
-[udp.receive]
-spool_dir = "red/udp-spool"
-"""
-    p = root / "diode.toml"
-    p.write_text(text)
-    return load_config(p, environ={})
 
 
 def _symbol(epoch: int, oid: int, length: int) -> Symbol:
