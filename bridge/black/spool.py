@@ -76,6 +76,7 @@ from bridge.black.spool_read import (
     scan_segment,
     segment_name,
 )
+from bridge.diode.file_drop import LEFT_BEHIND
 from bridge.errors import (
     ConfigError,
     DiodeError,
@@ -175,7 +176,7 @@ SPOOL_FILE_MODE = 0o600
 """Mode of the spool's files (LOCK, TAIL, segments)."""
 REFUSED = (errno.EACCES, errno.EPERM, errno.EROFS)
 """errnos of a file system that refuses the tap's writes: only the operator can fix them."""
-_LEFT_BEHIND = "the channel's messages not shipped yet stay there and are reported lost"
+_LEFT_BEHIND = LEFT_BEHIND["spool_dir"]
 
 
 def spool_files(directory: Path) -> list[Path]:

@@ -113,9 +113,15 @@ def read_reason(fd: int) -> str | None:
     return b"".join(chunks).decode(errors="replace").strip() or None
 
 
+def _said(reason: str | None, fallback: str = "its log above says why") -> str:
+    """Why a tap stopped, as it said (without a closing period), or ``fallback`` (where to
+    look) when it said nothing."""
+    return (reason or "").rstrip(".") or fallback
+
+
 def _why(channel: str, reason: str | None) -> str:
     """``channel``'s tap stopped: its reason, or where to look when it gave none."""
-    return f"{channel!r}: {(reason or '').rstrip('.') or 'its log above says why'}"
+    return f"{channel!r}: {_said(reason)}"
 
 
 class UntilEmptyTaps:
@@ -249,7 +255,7 @@ class TapSupervisor:
                 if rc == EXIT_CONFIG:
                     self.error = ConfigError(
                         f"the tap of channel {p.channel!r} stopped on a configuration error: "
-                        f"{(reason or '').rstrip('.') or 'its log says which'}. Fix it and "
+                        f"{_said(reason, 'its log says which')}. Fix it and "
                         "restart black"
                     )
                     log_event(log, 50, str(self.error), channel=p.channel)

@@ -60,6 +60,7 @@ from bridge.protocol.naming import MAX_SEQ, parse_bundle_name
 
 __all__ = [
     "DROP_LOCK",
+    "LEFT_BEHIND",
     "LOCK_WAIT_SECONDS",
     "Outbox",
     "ResendReport",
@@ -129,7 +130,7 @@ def rename_refusal(src_dir: Path, dst_dir: Path) -> OSError | None:
     )
 
 
-_LEFT_BEHIND = {
+LEFT_BEHIND = {
     "spool_dir": "the channel's messages not shipped yet stay there and are reported lost",
     "archive": "the channel's archived bundles stay there, out of reach of resend and of "
     "crash recovery",
@@ -173,7 +174,7 @@ def not_writable(
         why += ": an immutable or append-only attribute (lsattr -d) refuses even root"
     uid = os.getuid()
     if channel is not None:
-        left = _LEFT_BEHIND.get(key, "the channel's files stay there")
+        left = LEFT_BEHIND.get(key, "the channel's files stay there")
         return (
             f"black.{key} {d} is not writable by the user running black (uid {uid}; {why}): it "
             f"is the folder of channel {channel!r}; give that user write access to it and to "
