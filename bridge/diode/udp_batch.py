@@ -24,7 +24,7 @@ from typing import Any
 from bridge.diode.udp_socket import route_mtu, set_dont_fragment
 from bridge.errors import TransportError
 from bridge.logs import get_logger, log_event
-from bridge.protocol.datagram import MAX_DATAGRAM, SymbolSealer, ip_udp_header_len
+from bridge.protocol.datagram import MAX_DATAGRAM, ip_udp_header_len
 
 __all__ = ["UDP_SEGMENT", "MAX_SEGMENTS", "DatagramBatcher"]
 
@@ -118,17 +118,6 @@ class DatagramBatcher:
         self._count += len(datagrams)
         self._bytes += len(datagrams) * size
         self._seg = size
-
-    def add_symbol(
-        self,
-        sealer: SymbolSealer,
-        packet: int,
-        block: int,
-        esi: int,
-        payload: bytes | memoryview,
-    ) -> float:
-        """Seal one symbol datagram into the batch; returns seconds paced (a flush ran)."""
-        return self.add(sealer.seal(packet, block, esi, payload))
 
     def add(self, datagram: bytes) -> float:
         """Add a datagram sealed elsewhere (a link heartbeat)."""

@@ -935,9 +935,7 @@ class Reassembler:
         awaiting, self._awaiting = self._awaiting, []
         for path in awaiting:  # their records are durable now: the folders may go
             self._trash.put(path)
-        if self._counted_kept and self._recovering is None:  # else the folders not reopened
-            self._counted_kept = False  # yet are not told from those of objects given up
-            self._sweep_given_up()
+        self._sweep_counted_folders()
         return 0
 
     def _sweep_given_up(self) -> None:
@@ -1488,10 +1486,16 @@ class Reassembler:
             self._save_seen_before_files_go()
             for path in superseded:
                 self._trash.put(path)
-        if self._counted_kept and not self.pending_gaps():
+        self._sweep_counted_folders()
+        return len(reopened) - evicted
+
+    def _sweep_counted_folders(self) -> None:
+        """Once every gap record is written, and not while recovering (the folders not reopened
+        yet are not told from those of objects given up), sweep the folders kept for objects
+        only counted in a summary record."""
+        if self._counted_kept and self._recovering is None and not self.pending_gaps():
             self._counted_kept = False
             self._sweep_given_up()
-        return len(reopened) - evicted
 
     def _reopen_all(self, now: float, reopened: list[tuple[int, int]]) -> int:
         """Red, UDP receive (restart): reopen each object ``objects/`` holds (appended to

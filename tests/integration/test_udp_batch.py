@@ -82,7 +82,7 @@ def send_mixed(b: DatagramBatcher) -> list[bytes]:
         sealer = CODEC.symbol_sealer(5, header(channel, t))
         for i in range(n):
             payload = os.urandom(t)
-            b.add_symbol(sealer, packet, i // 128, i, payload)
+            b.add(sealer.seal(packet, i // 128, i, payload))
             expect.append(sealer.seal(packet, i // 128, i, payload))
             packet += 1
         hb = CODEC.seal_heartbeat(LinkHeartbeat(5, packet, 1.0, 2.0, {}, {}))
@@ -186,13 +186,13 @@ def test_a_route_mtu_lowered_mid_run_stops_the_sender_and_nothing_leaves_fragmen
             t = symbol_size_for(1500, "alpha")
             sealer = CODEC.symbol_sealer(5, header("alpha", t))
             for i in range(4):
-                b.add_symbol(sealer, i, 0, i, os.urandom(t))
+                b.add(sealer.seal(i, 0, i, os.urandom(t)))
             b.flush()
             assert len(drain(r, 4)) == 4  # fits the route: sent whole
             route.mtu(1280)
             with pytest.raises(TransportError) as err:  # without GSO, at the second symbol
                 for i in range(4, 8):
-                    b.add_symbol(sealer, i, 0, i, os.urandom(t))
+                    b.add(sealer.seal(i, 0, i, os.urandom(t)))
                 b.flush()
             text = str(err.value)
             assert f"datagrams of {sealer.size} bytes no longer fit the route" in text, text
