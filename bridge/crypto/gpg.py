@@ -615,11 +615,7 @@ class Gpg:
             )
             ok = res.rc == 0 and res.has("SIG_CREATED")
         else:
-            enc = self._run(
-                ["--trust-model", "always", "--no-encrypt-to", "-z", "0", "--recipient", fpr]
-                + ["--encrypt", "--output", "-"],
-                data=probe,
-            )
+            enc = self._test_encrypt([fpr], probe)
             if enc.rc != 0 or not enc.stdout:
                 raise CryptoError(f"{purpose}: cannot encrypt to {fpr}: {enc.reason()}")
             res = self._run(["--decrypt", "--output", "-"], data=enc.stdout, secret=True)
@@ -630,6 +626,14 @@ class Gpg:
                 f"with key {fpr} in GnuPG home {self.home} failed: {res.reason()}"
                 f"{_passphrase_hint(res, self.passphrase)}{self._hint()}"
             )
+
+    def _test_encrypt(self, recipients: Sequence[str], data: bytes) -> _Result:
+        """Encrypt ``data`` to ``recipients`` (fingerprints) as a check, no secret key used:
+        trust from the pinned fingerprints, no compression, no ``encrypt-to`` reader."""
+        args = ["--trust-model", "always", "--no-encrypt-to", "-z", "0"]
+        for r in recipients:
+            args += ["--recipient", r]
+        return self._run([*args, "--encrypt", "--output", "-"], data=data)
 
     # ------------------------------------------------------------------ seal (black)
 
@@ -695,10 +699,7 @@ class Gpg:
         rcpts = [normalize_fingerprint(r, what=purpose) for r in recipients]
         if not rcpts:
             return
-        args = ["--trust-model", "always", "--no-encrypt-to", "-z", "0", "--encrypt"]
-        for r in rcpts:
-            args += ["--recipient", r]
-        res = self._run([*args, "--output", "-"], data=b"diode-bridge encryption mode check")
+        res = self._test_encrypt(rcpts, b"diode-bridge encryption mode check")
         if res.rc != 0 or not res.has("END_ENCRYPTION"):
             raise CryptoError(
                 f"{purpose}: test encryption in GnuPG home {self.home} failed: {res.reason()}"

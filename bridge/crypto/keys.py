@@ -534,11 +534,13 @@ def _require_recipients(gpg: Gpg, cfg: Config) -> None:
     """Every encrypted channel's recipients are in black's home, can encrypt, and get MDC (not
     OCB) from this gpg: the check ``diode check``, ``diode keys check --side black`` and the
     black job's start share."""
+    checked: set[frozenset[str]] = set()  # channels mostly share their recipients
     for ch in cfg.channels:
-        if ch.encrypt:
+        if ch.encrypt and frozenset(ch.recipients) not in checked:
             purpose = f"recipients of channel {ch.name!r}"
             gpg.require_keys(ch.recipients, purpose=purpose, capability="encrypt")
             gpg.check_encryption_mode(ch.recipients, purpose=purpose)
+            checked.add(frozenset(ch.recipients))
 
 
 def _signing_gpg(cfg: Config, environ: Mapping[str, str] | None) -> Gpg:

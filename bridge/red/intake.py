@@ -57,7 +57,7 @@ from bridge.protocol.naming import (
     parse_heartbeat_name,
 )
 from bridge.red.evidence import Evidence, file_kind, rename_noreplace, safe_name, shown_name
-from bridge.red.layout import AUDIT_PENDING_DIR
+from bridge.red.layout import AUDIT_PENDING_DIR, INTAKE_DIR
 from bridge.red.watch import ClosedFiles, CloseSig, close_sig
 
 __all__ = [
@@ -162,7 +162,7 @@ class Intake:
     ) -> None:
         self.inbox = Path(inbox)
         self.work_dir = Path(work_dir)
-        self.dir = self.work_dir / "intake"
+        self.dir = self.work_dir / INTAKE_DIR
         self.pending_audit_dir = self.work_dir / AUDIT_PENDING_DIR
         self.evidence = evidence
         self.settle_seconds = float(settle_seconds)

@@ -53,7 +53,14 @@ from bridge.protocol.manifest import Manifest, parse_utc
 from bridge.red import schema as rs
 from bridge.red import sequence as sq
 from bridge.red.evidence import Evidence
-from bridge.red.layout import AUDIT_PENDING_DIR, INTENT_FILE, JOURNAL_DIR, LOCK_FILE, STATE_FILE
+from bridge.red.layout import (
+    AUDIT_PENDING_DIR,
+    INTAKE_DIR,
+    INTENT_FILE,
+    JOURNAL_DIR,
+    LOCK_FILE,
+    STATE_FILE,
+)
 from bridge.red.tables import RedTables
 from bridge.red.verify import Verdict, sweep_plain_dir
 
@@ -225,7 +232,7 @@ class Landing:
         self.state_dir = durable_mkdir(Path(r.state_dir))
         self.journal_dir = durable_mkdir(self.state_dir / JOURNAL_DIR)
         self.work_dir = durable_mkdir(Path(r.work_dir))
-        self.intake_dir = durable_mkdir(self.work_dir / "intake")
+        self.intake_dir = durable_mkdir(self.work_dir / INTAKE_DIR)
         self.plain_dir = durable_mkdir(self.work_dir / "plain")
         self.hold_dir = durable_mkdir(self.work_dir / "landing")
         self.lock = threading.RLock()

@@ -5,7 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 
 __all__ = [
-    "STATE_FILE", "LOCK_FILE", "JOURNAL_DIR", "INTENT_FILE", "AUDIT_PENDING_DIR", "RED_DIR_KEYS",
+    "STATE_FILE", "LOCK_FILE", "JOURNAL_DIR", "INTENT_FILE", "AUDIT_PENDING_DIR",
+    "INTAKE_DIR", "RED_DIR_KEYS",
     "WALKED_DIR_KEYS", "intent_path",
 ]  # fmt: skip
 
@@ -30,6 +31,9 @@ JOURNAL_DIR = "landing"
 """``state_dir/landing/``: the landing's journal."""
 INTENT_FILE = "intent.json"
 """The journal's intent: the landing judged and not yet wholly applied."""
+INTAKE_DIR = "intake"
+"""``work_dir/intake/``: where the intake moves the files it takes from the inbox, until they
+land or are quarantined."""
 AUDIT_PENDING_DIR = "audit-pending"
 """``work_dir/audit-pending/``: one JSON record per file the intake quarantined itself, written
 before the inbox entry goes, until the landing audits it (``quarantined``)."""

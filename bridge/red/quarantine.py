@@ -42,12 +42,11 @@ from bridge.red.evidence import (
     shown_name,
     unmoved_entries,
 )
+from bridge.red.layout import INTAKE_DIR
 
 __all__ = ["QuarantineError", "list_quarantined", "quarantine_summary", "show_quarantined"]
 
 _DAY = re.compile(r"\d{4}-\d{2}-\d{2}")
-_INTAKE_DIR = "intake"
-"""``work_dir/intake``: where the intake puts the files it takes (bridge.red.intake)."""
 
 
 class QuarantineError(DiodeError):
@@ -105,7 +104,7 @@ class _Unmoved:
     (``evidence.unmoved_entries``), listed once, when the first pending reason file needs it."""
 
     def __init__(self, cfg: Config) -> None:
-        self.places = (Path(cfg.red.inbox), Path(cfg.red.work_dir) / _INTAKE_DIR)
+        self.places = (Path(cfg.red.inbox), Path(cfg.red.work_dir) / INTAKE_DIR)
         self._found: dict[str, Path] | None = None
         self._error: str | None = None
 

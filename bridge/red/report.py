@@ -12,7 +12,7 @@ from bridge.fsutil import lock_held
 from bridge.protocol.manifest import parse_utc
 from bridge.red import sequence as sq
 from bridge.red.landing import read_saved_state
-from bridge.red.layout import LOCK_FILE, intent_path
+from bridge.red.layout import INTAKE_DIR, LOCK_FILE, intent_path
 
 __all__ = ["red_status", "red_gaps", "load_sequence"]
 
@@ -125,7 +125,7 @@ def red_status(cfg: Config) -> dict[str, Any]:
         "link_silent_seconds": r.link_silent_seconds,
         "files": {
             "inbox": sum(1 for p in inbox.iterdir()) if inbox.exists() else 0,
-            "intake": _count(Path(r.work_dir) / "intake", "0*"),
+            "intake": _count(Path(r.work_dir) / INTAKE_DIR, "0*"),
             "processed": _count(Path(r.processed_dir)),
             "quarantine": quarantine.get("total"),  # None if it could not be read
         },

@@ -56,7 +56,7 @@ from bridge.errors import ConfigError
 from bridge.logs import ensure_logging, get_logger, log_event
 from bridge.red.evidence import Evidence
 from bridge.red.intake import Intake, Taken
-from bridge.red.layout import intent_path
+from bridge.red.layout import INTAKE_DIR, intent_path
 from bridge.red.verify import (
     VERDICT_SCHEMA,
     NoRoomNow,
@@ -124,7 +124,7 @@ def make_intake(cfg: Config) -> Intake:
 
 
 def intake_dir(cfg: Config) -> Path:
-    return Path(cfg.red.work_dir) / "intake"
+    return Path(cfg.red.work_dir) / INTAKE_DIR
 
 
 class InboxStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
