@@ -175,6 +175,11 @@ USER_ID_REFUSED = "user_id property"
 """In the reply text of the broker's 406 for a user-id its publisher may not set."""
 
 
+def _user_id_refused(e: AmqpClosed) -> bool:
+    """Whether the broker closed a channel for a user-id its publisher may not set."""
+    return e.reply_code == 406 and USER_ID_REFUSED in e.reply_text
+
+
 # -- metrics ----------------------------------------------------------------------------------
 class _Metrics:
     def __init__(self) -> None:
@@ -1253,11 +1258,8 @@ class Replayer:
         lane = self._by_channel.get(e.channel)
         if lane is None or lane.channel is None or lane.channel.is_open:
             return  # a channel already replaced
-        if (
-            e.reply_code == 406
-            and USER_ID_REFUSED in e.reply_text
-            and self._impersonate is not False
-        ):  # the probe could not tell: now known, and the next pass skips such rows
+        if _user_id_refused(e) and self._impersonate is not False:
+            # the probe could not tell: now known, and the next pass skips such rows
             self._impersonate = False
             self._say_impersonation(f"{e.reply_code} {e.reply_text}")
             self._reset_lane(lane)
@@ -1413,7 +1415,7 @@ class Replayer:
                     return None, "the probe publish was nacked"
             return None, f"not answered: {conn.blocked or 'stopping'}"
         except AmqpClosed as e:
-            if e.channel and e.reply_code == 406 and USER_ID_REFUSED in e.reply_text:
+            if e.channel and _user_id_refused(e):
                 return False, f"{e.reply_code} {e.reply_text}"
             return None, f"{e.reply_code} {e.reply_text}"
         except BrokerError as e:
