@@ -59,11 +59,12 @@ A restart reopens what ``objects/`` holds within the receive loop's caps: beyond
 ``max_open_objects`` or the memory cap (lowered since, or a spool full of open objects), the
 objects idle longest are evicted as the loop evicts them at run time (an ``evicted`` gap record
 each, the folder removed, later symbols dropped). A copy of bytes delivered before that stalls
-(datagrams replayed, a resend under a new object id) is superseded, not a gap: known by memory
-for the last ``_DONE_REMEMBERED`` deliveries, by ``done.jsonl`` beyond (read only then, once
-for all that expire together; its newer half is kept, ~40k to 80k deliveries); older than
-that, it is recorded as a gap. A copy that completes is delivered again (red takes it as a
-duplicate).
+(datagrams replayed, a resend under a new object id) is superseded, not a gap: memory holds
+the digest of every delivery ``done.jsonl`` names (read whole at the start; ~10 MB for its
+``_DONE_JOURNALED`` records at most), so the check reads no file; older than what the journal
+keeps (cut back to its newer half past ``_DONE_JOURNALED`` records or
+``_DONE_COMPACT_BYTES``: ~50k to 100k deliveries), it is recorded as a gap. A copy that
+completes is delivered again (red takes it as a duplicate).
 
 A folder a kill cut short at its creation (no ``meta.json`` yet: nothing of the object was
 written) is removed at the restart, not recorded: the object's next symbol opens it again.
@@ -132,9 +133,14 @@ _REC = struct.Struct(">II")
 _U32 = struct.Struct(">I")
 _FLUSH_BYTES = 256 * 1024
 _DONE_REMEMBERED = 20_000
+"""Deliveries whose object ids are remembered (their later symbols are dropped as ``late``)."""
+_DONE_JOURNALED = 100_000
+"""``done.jsonl`` past this many records is cut back to the newer half; memory remembers the
+digests of as many deliveries (one more), so it holds every digest the journal names: a
+stalled copy of bytes delivered before is recognised without reading the journal (the receive
+loop evicts per datagram under memory pressure; a scan of the journal took ~10 ms)."""
 _DONE_COMPACT_BYTES = 16 << 20
-"""``done.jsonl`` beyond this size is cut back to its newer half (at least the last
-``_DONE_REMEMBERED`` records): what it keeps still reaches beyond what memory remembers."""
+"""``done.jsonl`` beyond this size is cut back to its newer half too (long records)."""
 _FAILED_REMEMBERED = 10_000
 """Objects given up, superseded or refused that are remembered (their later symbols dropped)."""
 _GAPS_TAIL_BYTES = 8 << 20
@@ -178,51 +184,19 @@ def _decodable(h: ObjectHeader) -> bool:
     return fits_one_block(min(h.length, h.block_symbols * h.symbol_size), h.symbol_size)
 
 
-def _done_tail(path: Path) -> deque[bytes]:
-    """The last ``_DONE_REMEMBERED`` lines of ``done.jsonl``, streamed (the file may be long)."""
-    with open(path, "rb") as f:
-        return deque(f, maxlen=_DONE_REMEMBERED)
-
-
-def _done_kept(path: Path) -> bytes:
-    """What a compaction keeps of ``done.jsonl``: the whole lines of its newer half, at least
-    its last ``_DONE_REMEMBERED`` lines (when the records are long)."""
-    with open(path, "rb") as f:
-        start = max(0, f.seek(0, os.SEEK_END) - _DONE_COMPACT_BYTES // 2)
-        f.seek(start)
-        kept = f.read()
-    if start > 0:  # the line cut by the window
-        kept = kept[kept.find(b"\n") + 1 :] if b"\n" in kept else b""
-    if kept.count(b"\n") < _DONE_REMEMBERED:
-        return b"".join(_done_tail(path))
-    return kept
-
-
 _DIGEST_FIELD = re.compile(rb'"digest": "([0-9a-f]{64})"')
-_DIGESTS_SEARCHED = 8
-"""Digests looked for one by one in ``done.jsonl`` (~10 ms each for 16 MiB); more are matched
-against every digest it names at once (~60 ms, however many)."""
 
 
-def _journaled(path: Path, digests: set[str]) -> set[str]:
-    """Which of ``digests`` (hex) a record of ``done.jsonl`` names, read a MiB at a time (it
-    is appended, or replaced whole by a compaction, meanwhile: either file will do)."""
-    want = {d: f'"digest": "{d}"'.encode() for d in digests}
-    overlap = len(b'"digest": "') + 64
-    found: set[str] = set()
+def _done_kept(path: Path) -> list[bytes]:
+    """What a compaction keeps of ``done.jsonl``: its last ``_DONE_JOURNALED // 2`` lines, or
+    fewer when they outweigh half of ``_DONE_COMPACT_BYTES`` (long records), never fewer than
+    ``_DONE_REMEMBERED`` (whose object ids a restart remembers)."""
     with open(path, "rb") as f:
-        tail = b""
-        while want and (chunk := f.read(1 << 20)):
-            buf = tail + chunk
-            if len(want) <= _DIGESTS_SEARCHED:
-                hits = [d for d, needle in want.items() if needle in buf]
-            else:
-                hits = [h for m in _DIGEST_FIELD.findall(buf) if (h := m.decode()) in want]
-            for d in hits:
-                found.add(d)
-                want.pop(d, None)
-            tail = buf[-overlap:]
-    return found
+        lines = deque(f, maxlen=_DONE_JOURNALED // 2)
+    size = sum(map(len, lines))
+    while len(lines) > _DONE_REMEMBERED and size > _DONE_COMPACT_BYTES // 2:
+        size -= len(lines.popleft())
+    return list(lines)
 
 
 def _gap_tail(path: Path, limit: int) -> list[bytes]:
@@ -661,7 +635,10 @@ class Reassembler:
         self.open: dict[tuple[int, int], _Open] = {}
         self.held = 0
         self.done: dict[tuple[int, int], str] = {}  # (epoch, oid) -> digest hex
-        self.done_digests: dict[str, float] = {}
+        self.done_digests: dict[bytes, None] = {}
+        """Digests delivered, oldest first: at least every one ``done.jsonl`` names."""
+        self._journal_records = 0
+        """Records in ``done.jsonl`` (counted by whoever appends to it: the delivery thread)."""
         self._done_order: deque[tuple[int, int]] = deque()
         self.ready: deque[Delivery] = deque()
         self.dropped: dict[str, int] = {}
@@ -689,9 +666,6 @@ class Reassembler:
         self._recovering: list[Path] | None = None
         """During ``recover``: folders of objects superseded meanwhile, removed once the
         unseen-object state that tells they were seen is merged and saved."""
-        self._done_forgotten = False
-        """Whether memory forgot an object delivered (``_DONE_REMEMBERED``): ``done.jsonl``
-        is then read before a stalled object is recorded as a gap (``_delivered_before``)."""
         self._gaps_refused: tuple[float, int | None] | None = None
         """When (monotonic) and why (errno) the disk last refused them; None since written."""
         self._awaiting: list[Path] = []
@@ -715,8 +689,13 @@ class Reassembler:
         path = self.root / DONE
         if not path.exists():
             return
-        tail = _done_tail(path)
-        self._done_forgotten = len(tail) >= _DONE_REMEMBERED  # older records left on disk
+        tail: deque[bytes] = deque(maxlen=_DONE_REMEMBERED)
+        with open(path, "rb") as f:  # streamed: the file may be long
+            for line in f:
+                self._journal_records += 1
+                if len(tail) == _DONE_REMEMBERED and (m := _DIGEST_FIELD.search(tail[0])):
+                    self._remember_digest(bytes.fromhex(m[1].decode()))  # older: digest only
+                tail.append(line)
         for line in tail:
             try:
                 rec = json.loads(line)
@@ -751,32 +730,23 @@ class Reassembler:
 
     def _remember(self, key: tuple[int, int], digest: str) -> None:
         self.done[key] = digest
-        self.done_digests.pop(digest, None)  # re-inserted last: the dict stays oldest first
-        self.done_digests[digest] = time.time()
         self._done_order.append(key)
         while len(self._done_order) > _DONE_REMEMBERED:
             old = self._done_order.popleft()
             self.done.pop(old, None)
-        while len(self.done_digests) > _DONE_REMEMBERED:
-            del self.done_digests[next(iter(self.done_digests))]
-            self._done_forgotten = True
+        self._remember_digest(bytes.fromhex(digest))
 
-    def _delivered_before(self, digests: set[str]) -> set[str]:
-        """Red, UDP receive: which of ``digests`` (hex) were delivered, by memory, else (once it
-        forgot some) by ``done.jsonl``: a stalled copy of one (datagrams replayed, a resend) is
-        then superseded, not a gap. An unreadable journal finds none (a gap record, never a
-        loss unrecorded)."""
-        found = digests & self.done_digests.keys()
-        rest = digests - found
-        if not rest or not self._done_forgotten:
-            return found
-        path = self.root / DONE
-        try:
-            return found | _journaled(path, rest)
-        except OSError as e:
-            log_event(log, 30, "delivery journal unreadable: stalled objects recorded as gaps "
-                      "without checking it", path=str(path), error=_os_error(e))  # fmt: skip
-            return found
+    def _remember_digest(self, digest: bytes) -> None:
+        self.done_digests.pop(digest, None)  # re-inserted last: the dict stays oldest first
+        self.done_digests[digest] = None
+        while len(self.done_digests) > _DONE_JOURNALED + 1:  # what the journal can hold
+            del self.done_digests[next(iter(self.done_digests))]
+
+    def _delivered_before(self, digest: str) -> bool:
+        """Red, UDP receive: whether bytes of this digest (hex) were delivered (as far as
+        ``done.jsonl`` reaches, by memory): a stalled copy (datagrams replayed, a resend) is
+        then superseded, not a gap."""
+        return bytes.fromhex(digest) in self.done_digests
 
     def _forget_later(self, key: tuple[int, int]) -> None:
         """Drop the later symbols of an object given up or superseded (bounded memory)."""
@@ -800,22 +770,24 @@ class Reassembler:
             "time": round(time.time(), 3),
         }
         size = _append_whole(self.root / DONE, json.dumps(rec, sort_keys=True) + "\n")
-        if size > _DONE_COMPACT_BYTES:
+        self._journal_records += 1
+        if size > _DONE_COMPACT_BYTES or self._journal_records > _DONE_JOURNALED:
             self._compact_done()
 
     def _compact_done(self) -> None:
         """Cut the journal back to its newer half (atomically): it must not grow with every
-        object ever delivered, yet reach beyond what memory remembers (``_delivered_before``
-        reads it). Delivery thread only, like every write to it."""
+        object ever delivered, yet reach as far back as memory remembers digests (a restart
+        reads it whole). Delivery thread only, like every write to it."""
         path = self.root / DONE
         try:
-            tail = _done_kept(path)
-            atomic_write_bytes(path, tail, mode=0o600)
+            kept = _done_kept(path)
+            atomic_write_bytes(path, b"".join(kept), mode=0o600)
         except OSError as e:  # a full disk: the journal stays whole, tried again next time
             log_event(log, 30, "delivery journal not compacted", path=str(path),
                       error=_os_error(e))  # fmt: skip
             return
-        log_event(log, 20, "delivery journal compacted", path=str(path), kept_bytes=len(tail))
+        self._journal_records = len(kept)
+        log_event(log, 20, "delivery journal compacted", path=str(path), kept_records=len(kept))
 
     def remember_delivered(self, d: Delivery) -> None:
         """In memory: the object's digest is delivered (under the receive loop's lock)."""
@@ -1386,18 +1358,14 @@ class Reassembler:
         reason: str,
         *,
         hold: bool = False,
-        delivered: set[str] | None = None,
     ) -> None:
-        """Give up an open object: a gap record, unless its bytes were delivered before
-        (``delivered``: the digests found so by the caller, else looked up here), its folder
-        into the trash (``hold``: not removed before ``release``)."""
+        """Give up an open object: a gap record, unless its bytes were delivered before, its
+        folder into the trash (``hold``: not removed before ``release``)."""
         obj = self.open.pop(key)
         self._close(obj)
         self._forget_later(key)
         rec = obj.record()
-        if delivered is None:
-            delivered = self._delivered_before({rec["digest"]})
-        if rec["digest"] in delivered:
+        if self._delivered_before(rec["digest"]):
             # the same bytes were delivered: under another object id (a resend), or under this
             # one before memory forgot it (datagrams replayed); no loss to report
             log_event(log, 20, "udp object superseded by an identical delivered one", **rec)
@@ -1425,9 +1393,8 @@ class Reassembler:
         """Give up objects that got no new symbol for ``expire_seconds``."""
         stale = [k for k, o in self.open.items() if now - o.last_seen >= expire_seconds]
         gaps = self.expired
-        delivered = self._delivered_before({self.open[k].h.digest.hex() for k in stale})
         for key in stale:  # each gap record fsynced before removals
-            self._expire(key, "timeout", hold=True, delivered=delivered)
+            self._expire(key, "timeout", hold=True)
         self._trash.release()
         return self.expired - gaps
 
@@ -1554,17 +1521,11 @@ class Reassembler:
         """Red, UDP receive (restart): evict the open objects idle longest while more are open
         than ``max_open_objects`` or they hold more than ``max_held_bytes`` (as ``add`` and
         ``_create`` do at run time); returns how many."""
-        victims: list[tuple[int, int]] = []
-        count, held = len(self.open), self.held
-        for key in sorted(self.open, key=lambda k: self.open[k].last_seen):  # as _evict_oldest
-            if count <= self.max_open and held <= self.max_held:
-                break
-            victims.append(key)
-            count, held = count - 1, held - _memory_of(self.open[key])
-        delivered = self._delivered_before({self.open[k].h.digest.hex() for k in victims})
-        for key in victims:  # the journal of deliveries read once for all of them
-            self._expire(key, "evicted", delivered=delivered)
-        return len(victims)
+        evicted = 0
+        while self.open and (len(self.open) > self.max_open or self.held > self.max_held):
+            self._evict_oldest("evicted")
+            evicted += 1
+        return evicted
 
     def _unreadable(self, path: Path, e: Exception) -> None:
         """A spooled folder whose ``meta.json`` cannot be read (a power loss before its
