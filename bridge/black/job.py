@@ -126,7 +126,7 @@ def check_black_config(cfg: Config, *, one_shot: bool = False) -> Gpg:
 
 def _black_places(cfg: Config) -> list[tuple[str, Path, bool]]:
     """``(config key, directory, is a drop dir)`` of every directory black writes files in
-    (the checkpoint dir aside: Spark makes it)."""
+    (the checkpoint dir too: Spark makes it, and writes, renames and removes files there)."""
     b = cfg.black
     outbox = Path(b.outbox)
     places = [("outbox", outbox, True)]
@@ -137,6 +137,7 @@ def _black_places(cfg: Config) -> list[tuple[str, Path, bool]]:
         ("archive", Path(b.archive), False),
         ("state_dir", Path(b.state_dir), False),
         ("spool_dir", Path(b.spool_dir), False),
+        ("checkpoint_dir", Path(b.checkpoint_dir), False),
     ]
     return places
 
@@ -233,12 +234,9 @@ def make_black_dirs(cfg: Config) -> None:
             raise ConfigError(cannot_create(key, path, e.strerror or str(e), mode)) from None
     ckpt = Path(black.checkpoint_dir)
     top = _nearest_existing(ckpt)
-    if not top.is_dir():
+    if not top.is_dir():  # the others' durable_mkdir says so
         why = "Not a directory" if top != ckpt or top.exists() else "No such directory"
         raise ConfigError(cannot_create("checkpoint_dir", ckpt, f"{top}: {why}", DIR_MODE))
-    if not os.access(top, os.W_OK | os.X_OK):
-        why = f"{top} is not writable (read-only file system or permissions)"
-        raise ConfigError(cannot_create("checkpoint_dir", ckpt, why, DIR_MODE))
     check_black_writable(cfg, probe_files=True)
 
 

@@ -44,7 +44,7 @@ def test_a_checkpoint_dir_on_a_read_only_file_system_is_refused(tmp_path: Path) 
     with small_tmpfs("1m", "black-ro-") as fs:
         subprocess.run(["mount", "-o", "remount,ro", str(fs)], check=True)
         cfg = config(tmp_path, checkpoint_dir=str(fs / "ckpt"))
-        with pytest.raises(ConfigError, match="cannot create black.checkpoint_dir .* not writable"):
+        with pytest.raises(ConfigError, match="cannot create black.checkpoint_dir .* read-only"):
             make_black_dirs(cfg)
 
 
@@ -115,6 +115,44 @@ def test_a_directory_black_cannot_write_is_refused_at_start_with_key_uid_and_fix
             mover = "give that user write access (e.g. the mover's group, mode 0770)"
             assert (mover in msg) == (key == "outbox"), msg
     assert not any((base / "outbox").iterdir()), "a probe must never appear in the outbox"
+
+
+@pytest.mark.parametrize("attr", ["a", "i"], ids=["append-only", "immutable"])
+def test_a_checkpoint_dir_spark_could_not_write_is_refused_by_both_checks(
+    tmp_path: Path, attr: str
+) -> None:
+    """`diode check` never looked at the checkpoint dir (made by Spark's first run), and the
+    start checked it with access(2) alone: it is checked like black's own dirs, by both (a
+    real probe at start), so an append-only or immutable one is a ConfigError naming the key,
+    not a Java stack trace from the query."""
+    base, cfg = _made(tmp_path)
+    ckpt = base / "checkpoint"
+    ckpt.mkdir()
+    with refused_dir(ckpt, attr=attr) as why:
+        for check in (lambda: check_black_writable(cfg), lambda: make_black_dirs(cfg)):
+            with pytest.raises(ConfigError) as e:
+                check()
+            msg = str(e.value)
+            assert f"black.checkpoint_dir {ckpt} is not writable by the user running" in msg
+            assert (why if attr == "i" else "append-only attribute") in msg, msg
+            assert "point black.checkpoint_dir elsewhere" in msg
+        assert not [p.name for p in ckpt.iterdir() if "write-probe" in p.name]
+
+
+def test_a_checkpoint_dir_under_an_immutable_parent_is_refused_by_both_checks(
+    tmp_path: Path,
+) -> None:
+    parent = tmp_path / "frozen"
+    parent.mkdir()
+    cfg = config(tmp_path, checkpoint_dir="frozen/ckpt")
+    with refused_dir(parent) as why:
+        for check in (lambda: check_black_writable(cfg), lambda: make_black_dirs(cfg)):
+            with pytest.raises(ConfigError) as e:
+                check()
+            msg = str(e.value)
+            assert f"cannot create black.checkpoint_dir {parent / 'ckpt'}: {parent}" in msg
+            assert why in msg
+        assert not (parent / "ckpt").exists()
 
 
 def test_a_directory_not_made_yet_counts_as_its_parent(tmp_path: Path) -> None:
