@@ -444,6 +444,48 @@ def black_run(
     click.echo(json.dumps(summary.to_json()))
 
 
+@black.command("heartbeat")
+@config_option
+@click.option(
+    "--every",
+    type=click.FloatRange(0, 86400, min_open=True),
+    default=None,
+    metavar="SECONDS",
+    help="keep writing a round every SECONDS (the period red is told) until SIGTERM/SIGINT; "
+    "default: one round, then exit",
+)
+def black_heartbeat(config_path: Path | None, every: float | None) -> None:
+    """Write each channel's heartbeat while no black job runs (scheduled mode: runbook §5).
+
+    The job's own heartbeat: same seq counter, signing and encryption, naming the last bundle
+    the journal shipped. A running job holds state_dir/black.lock and beats itself: then
+    nothing is written (exit 0, and it says so). Prints the round (with --every, the totals
+    at the end) as JSON. Exit 2 on a configuration error, 1 if a heartbeat failed (one round).
+    No broker needed."""
+    from bridge.black.beat_cmd import HeartbeatCommand
+
+    cfg = _load(config_path)
+    _require_gnupg_home(cfg, "black")  # not created: a wrong path is reported
+    try:
+        cmd = HeartbeatCommand(cfg, interval=every)
+    except CryptoError as e:
+        raise _key_problem(e) from None
+    if every is not None:
+        with stop_on_signals(threading.Event()) as stop:  # SIGTERM/SIGINT: stop, exit 0
+            totals = cmd.run(every, stop)
+        click.echo(json.dumps(totals.to_json()))
+        return
+    done = cmd.beat_round()
+    click.echo(json.dumps(done.to_json()))
+    if done.skipped is not None:
+        what = "no more" if done.written else "nothing"
+        click.echo(f"{what} written: {done.skipped}", err=True)
+    for channel, why in done.failed.items():
+        click.echo(f"error: channel {channel!r}: heartbeat failed: {why}", err=True)
+    if done.failed:
+        sys.exit(1)
+
+
 @black.command("tap")
 @config_option
 @click.argument("channel")

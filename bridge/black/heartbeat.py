@@ -13,6 +13,9 @@ of the channel still in the outbox, nor falls below one.
 The hourly pruning of the archive a continuous job does runs in a thread of its own (pruning a
 very large archive must not hold up heartbeats), and never deletes a bundle a channel's
 journal holds as pending (:func:`prune_unless_pending`).
+
+Between the runs of a scheduled job, ``diode black heartbeat`` (:mod:`bridge.black.beat_cmd`)
+writes the same heartbeats with this writer, one channel at a time under black's run lock.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import json
 import os
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from bridge.black.state import StateStore
@@ -39,16 +43,26 @@ from bridge.protocol.naming import bundle_name, heartbeat_name, parse_heartbeat_
 
 __all__ = [
     "ArchivePruneLoop",
+    "BEAT_SEAL_SECONDS",
     "HeartbeatLoop",
     "HeartbeatWriter",
+    "JOB_LOCK_WAIT_SECONDS",
     "heartbeat_seq_path",
     "pending_bundle_names",
     "prune_unless_pending",
     "read_heartbeat_seq",
+    "run_every",
 ]
 
 log = get_logger("bridge.black.heartbeat")
 PRUNE_EVERY_SECONDS = 3600.0
+BEAT_SEAL_SECONDS = 20.0
+"""``diode black heartbeat`` kills a gpg call sealing a heartbeat (a few hundred bytes: it
+takes milliseconds) after this long: the longest it holds black's run lock for one beat."""
+JOB_LOCK_WAIT_SECONDS = 2 * BEAT_SEAL_SECONDS
+"""How long a starting black job waits for black's run lock (``state_dir/black.lock``): long
+enough for a ``diode black heartbeat`` beat holding it to end, short enough that a second
+job is refused soon."""
 
 
 def heartbeat_seq_path(state_dir: Path, channel: str) -> Path:
@@ -115,10 +129,23 @@ def prune_unless_pending(outbox: Outbox, store: StateStore, *, now: float | None
 
 
 class HeartbeatWriter:
-    """Writes one heartbeat file for a channel."""
+    """Writes one heartbeat file for a channel.
 
-    def __init__(self, cfg: Config, *, store: StateStore, gpg: Gpg, outbox: Outbox) -> None:
+    ``interval``: the period the heartbeats declare (``interval_seconds``; default
+    ``black.heartbeat_seconds``), the one they are written at.
+    """
+
+    def __init__(
+        self,
+        cfg: Config,
+        *,
+        store: StateStore,
+        gpg: Gpg,
+        outbox: Outbox,
+        interval: float | None = None,
+    ) -> None:
         self.cfg, self.store, self.gpg, self.outbox = cfg, store, gpg, outbox
+        self.interval = float(cfg.black.heartbeat_seconds if interval is None else interval)
         self._lock = threading.Lock()
 
     def _seq_path(self, channel: str) -> Path:
@@ -207,7 +234,7 @@ class HeartbeatWriter:
                 last_bundle_seq=st.last_bundle_seq or None,
                 last_seq=st.last_seq if st.last_seq >= 0 else None,
                 black_time=dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ"),
-                interval_seconds=float(self.cfg.black.heartbeat_seconds),
+                interval_seconds=self.interval,
                 counters=dict(st.counters),
             )
             self._save_seq(channel.name, seq)
@@ -238,12 +265,27 @@ class HeartbeatWriter:
         )
         return name
 
+    def beat_logged(self, channel: ChannelConfig) -> str | Exception:
+        """:meth:`beat`; a failure is logged and returned, never raised (never fatal)."""
+        try:
+            return self.beat(channel)
+        except Exception as e:  # noqa: BLE001 - a failed heartbeat is logged, never fatal
+            log_event(log, 40, f"heartbeat failed: {e}", channel=channel.name)
+            return e
+
     def beat_all(self) -> None:
         for ch in self.cfg.channels:
-            try:
-                self.beat(ch)
-            except Exception as e:  # noqa: BLE001 - a failed heartbeat is logged, never fatal
-                log_event(log, 40, f"heartbeat failed: {e}", channel=ch.name)
+            self.beat_logged(ch)
+
+
+def run_every(interval: float, stop: threading.Event, work: Callable[[], object]) -> None:
+    """``work()`` now, then every ``interval`` seconds until ``stop`` is set: a fixed cadence
+    (the time ``work`` takes is not added to it)."""
+    due = time.monotonic()
+    while not stop.is_set():
+        work()
+        due += interval
+        stop.wait(max(0.0, due - time.monotonic()))
 
 
 class ArchivePruneLoop(threading.Thread):
@@ -291,11 +333,7 @@ class HeartbeatLoop(threading.Thread):
             self.pruner.start()
 
     def run(self) -> None:
-        due = time.monotonic()
-        while not self._stop_event.is_set():
-            self.writer.beat_all()
-            due += self.interval  # a fixed cadence: the time a beat takes is not added to it
-            self._stop_event.wait(max(0.0, due - time.monotonic()))
+        run_every(self.interval, self._stop_event, self.writer.beat_all)
 
     def stop(self) -> None:
         self._stop_event.set()

@@ -16,6 +16,7 @@ query idles, a last availableNow query seals what is left (the earlier behaviour
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import threading
@@ -24,7 +25,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from bridge.black.heartbeat import HeartbeatLoop, HeartbeatWriter, prune_unless_pending
+from bridge.black.heartbeat import (
+    JOB_LOCK_WAIT_SECONDS,
+    HeartbeatLoop,
+    HeartbeatWriter,
+    prune_unless_pending,
+)
 from bridge.black.mirror import Mirror, MirrorLoop
 from bridge.black.recovery import recover_committed
 from bridge.black.seal import BundleSealer
@@ -55,6 +61,7 @@ __all__ = [
     "check_black_config",
     "check_black_writable",
     "make_black_dirs",
+    "run_lock",
     "Trigger",
 ]
 
@@ -240,6 +247,13 @@ def make_black_dirs(cfg: Config) -> None:
     check_black_writable(cfg, probe_files=True)
 
 
+def run_lock(state_dir: Path) -> contextlib.AbstractContextManager[None]:
+    """Black's run lock (``state_dir/black.lock``), held for a job's whole run: waited for up
+    to ``JOB_LOCK_WAIT_SECONDS``, the longest a ``diode black heartbeat`` beat holds it; a
+    StateError then (another job runs on this journal: two would fork the bundle chain)."""
+    return exclusive_lock(state_dir / LOCK_FILE, what="black run", timeout=JOB_LOCK_WAIT_SECONDS)
+
+
 class BlackRun:
     """One black job: build with ``BlackRun(cfg)``, then ``run(...)``."""
 
@@ -378,7 +392,7 @@ class BlackRun:
         Holds an exclusive lock on the state dir for the whole run: two black jobs on one
         journal would fork the bundle chain.
         """
-        with exclusive_lock(Path(self.cfg.black.state_dir) / LOCK_FILE, what="black run"):
+        with run_lock(Path(self.cfg.black.state_dir)):
             try:
                 return self._run(spark, trigger, timeout, stop)
             except DiodeError:

@@ -27,8 +27,9 @@ from bridge.fsutil import atomic_write_bytes, durable_mkdir
 __all__ = ["LOCK_FILE", "ChannelState", "StateStore"]
 
 LOCK_FILE = "black.lock"
-"""``state_dir/black.lock``: held by the black job for its whole run (`diode resend` and
-`diode mirror` coordinate with it through the drop lock and the catalog lock instead)."""
+"""``state_dir/black.lock``: held by the black job for its whole run, and by ``diode black
+heartbeat`` for each channel's beat between runs (`diode resend` and `diode mirror` coordinate
+with the job through the drop lock and the catalog lock instead)."""
 
 
 @dataclass

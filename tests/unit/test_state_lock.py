@@ -42,3 +42,26 @@ def test_second_holder_is_refused_until_the_first_dies(tmp_path: Path) -> None:
         except StateError:
             assert time.monotonic() < deadline
             time.sleep(0.05)
+
+
+def test_a_black_job_waits_for_a_heartbeat_beat_holding_its_run_lock(tmp_path: Path) -> None:
+    """`diode black heartbeat` holds black.lock for a beat (milliseconds, at most its gpg
+    timeout): a scheduled job starting meanwhile was refused at once (exit 1, a lost run).
+    It waits for the beat, and still refuses a second job once the wait is over."""
+    from bridge.black.heartbeat import JOB_LOCK_WAIT_SECONDS
+    from bridge.black.job import run_lock
+
+    state = tmp_path / "state"
+    beat = HOLD.replace("time.sleep(60)", "time.sleep(1.5)")
+    p = subprocess.Popen([sys.executable, "-c", beat, str(state / "black.lock")],
+                         stdout=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        assert p.stdout is not None and p.stdout.readline().strip() == "held"
+        t0 = time.monotonic()
+        with run_lock(state):
+            waited = time.monotonic() - t0
+            assert p.poll() is not None  # the case: it got the lock once the beat ended
+        assert 0.5 < waited < JOB_LOCK_WAIT_SECONDS
+    finally:
+        p.kill()
+        p.wait()
