@@ -25,10 +25,11 @@ import tomllib
 import types
 import typing
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 from urllib.parse import urlsplit
 
 from pydantic import (
+    AfterValidator,
     BaseModel,
     ConfigDict,
     Field,
@@ -71,6 +72,22 @@ def _fingerprint(value: str, where: str) -> str:
         return normalize_fingerprint(value, what=where)
     except CryptoError as e:  # pydantic reports ValueErrors with the key's location
         raise ValueError(str(e)) from None
+
+
+def _gpg_binary(value: str) -> str:
+    """A ``<side>.gpg_binary`` as written: a name looked up on PATH or a path (a relative one was
+    resolved against the config file's folder). Whether it runs GnuPG 2.2+ is checked where
+    that side starts (``bridge.crypto.gpg.check_gpg_binary``), not here: both sides read one
+    file, and each side's gpg exists on its own host only."""
+    if not value.strip() or any(c in value for c in "\0\n\r"):
+        raise ValueError(
+            f'{value!r}: give the gpg to run, a name on PATH ("gpg", "gpg2") or a path '
+            '("/opt/gnupg-2.4/bin/gpg"), on one line; or remove the key to run `gpg` from PATH'
+        )
+    return value
+
+
+GpgBinary = Annotated[str, AfterValidator(_gpg_binary)]
 
 
 class LinkConfig(_Strict):
@@ -270,6 +287,11 @@ class BlackConfig(_Strict):
     gnupg_home: Path = Path("keys/black")
     """GnuPG home holding the black signing key and the recipients' public keys."""
 
+    gpg_binary: GpgBinary = "gpg"
+    """The gpg black runs (every call, and gpgconf / gpg-connect-agent from beside it): a name
+    looked up on PATH, or a path (relative: to the config file's folder). Checked at start to
+    be GnuPG 2.2 or later when set."""
+
     signing_key: str = ""
     """Fingerprint of the black signing key (must be listed in link.black_signers)."""
 
@@ -421,6 +443,11 @@ class RedConfig(_Strict):
 
     gnupg_home: Path = Path("keys/red")
     """GnuPG home holding the red decryption key(s) and the pinned black public key(s)."""
+
+    gpg_binary: GpgBinary = "gpg"
+    """The gpg red runs (every call, and gpgconf / gpg-connect-agent from beside it): a name
+    looked up on PATH, or a path (relative: to the config file's folder). Checked at start to
+    be GnuPG 2.2 or later when set."""
 
     passphrase_file: Path | None = None
     """File (mode 0600, one line) holding the red decryption keys' passphrase. Unset: the
@@ -952,6 +979,9 @@ def _resolve_paths(data: dict[str, Any], base: Path) -> None:
             raw = sect.get(k, model.model_fields[k].default)
             if raw is not None:  # None: an optional path, unset
                 sect[k] = _path(raw, base)
+        gpg = sect.get("gpg_binary")
+        if isinstance(gpg, str) and os.sep in gpg:  # a path; a bare name is looked up on PATH
+            sect["gpg_binary"] = str(_path(gpg, base))
     red, black = data["red"], data["black"]
     udp = data.get("udp")
     if isinstance(udp, dict):

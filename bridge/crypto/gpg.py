@@ -18,12 +18,18 @@ and which of them red accepts, is decided in ``bridge.crypto.verdict``.
 A passphrase-protected key works when the ``Gpg`` is built with a ``Passphrase``: every call
 that uses a secret key gets it through a pipe (``--passphrase-fd``), never on argv, and the
 environment variable it came from is removed from gpg's environment.
+
+Which gpg runs is the ``Gpg``'s ``binary``: ``<side>.gpg_binary`` (default ``gpg``, from PATH),
+checked at start by ``check_gpg_binary``; gpgconf and gpg-connect-agent are always those of the
+same install (``gnupg_tool``).
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import re
+import shutil
 import signal
 import stat
 import subprocess
@@ -38,7 +44,7 @@ from bridge.crypto.fingerprint import normalize_fingerprint
 from bridge.crypto.passphrase import Passphrase
 from bridge.crypto.verdict import Opened, Transcript, judge, parse_status
 from bridge.crypto.verdict import check_length as _check_length
-from bridge.errors import CryptoError, KeyMissingError, SignatureError
+from bridge.errors import ConfigError, CryptoError, KeyMissingError, SignatureError
 from bridge.fsutil import fsync_dir, tmp_path_for, write_all
 
 __all__ = ["Gpg", "Opened", "normalize_fingerprint"]
@@ -68,6 +74,109 @@ OPEN_BYTES_PER_SECOND = 2 * 1024 * 1024
 an honest bundle is never cut off, while a tiny message built to keep gpg busy (nested
 compressed packets unpacking to gigabytes of marker packets: no output, no status line) is
 stopped within about ``OPEN_BASE_SECONDS``."""
+
+
+MIN_GNUPG = (2, 2)
+"""The oldest GnuPG release the bridge runs (``check_gpg_binary``)."""
+GNUPG_TOOLS = ("gpgconf", "gpg-connect-agent")
+"""The tools of a GnuPG install the bridge runs besides gpg: both from the same install."""
+_VERSION_RE = re.compile(r"gpg \(GnuPG[^)]*\) (\d+)\.(\d+)(\.\S+)?")
+_VERSION_SECONDS = 30.0
+
+
+def _c_env() -> dict[str, str]:
+    """The environment of every GnuPG tool run: this process's, in the C locale (its output is
+    parsed), without a stale ``GPG_AGENT_INFO``."""
+    env = {**os.environ, "LC_ALL": "C", "LANGUAGE": "C"}
+    env.pop("GPG_AGENT_INFO", None)
+    return env
+
+
+def gnupg_tool(binary: str, tool: str) -> str:
+    """``tool`` (``gpgconf``, ``gpg-connect-agent``) of the install ``binary`` belongs to: the
+    one beside it when ``binary`` is a path, else ``tool`` looked up on PATH like ``binary``."""
+    return str(Path(binary).with_name(tool)) if os.sep in binary else tool
+
+
+def _gnupg_fix(key: str) -> str:
+    return (
+        f"install GnuPG {MIN_GNUPG[0]}.{MIN_GNUPG[1]} or later and set {key} to its gpg (an "
+        "absolute path, e.g. /usr/bin/gpg2 or /opt/gnupg-2.4/bin/gpg, or a name on PATH), or "
+        f"remove {key} to run `gpg` from PATH"
+    )
+
+
+def _locate(binary: str, key: str) -> str:
+    """The file ``binary`` runs (a path as given, a bare name looked up on PATH); ConfigError
+    naming ``key`` when it is missing, not a file or not executable."""
+    said = f"{key} = {binary!r}"
+    if os.sep not in binary:
+        found = shutil.which(binary)
+        if found is None:
+            path = os.environ.get("PATH", "")
+            raise ConfigError(f"{said}: not found on PATH ({path}): {_gnupg_fix(key)}")
+        return found
+    p = Path(binary)
+    if not p.exists():
+        raise ConfigError(f"{said}: no such file: {_gnupg_fix(key)}")
+    if not p.is_file():
+        raise ConfigError(f"{said}: not a file (a directory?): {_gnupg_fix(key)}")
+    if not os.access(p, os.X_OK):
+        raise ConfigError(f"{said}: not executable by this user: {_gnupg_fix(key)}")
+    return binary
+
+
+def check_gpg_binary(binary: str, *, key: str) -> str:
+    """Fail fast unless ``binary`` runs GnuPG ``MIN_GNUPG`` or later, with ``GNUPG_TOOLS`` of the
+    same install (``gnupg_tool``); returns its version ("2.4.7").
+
+    Runs ``binary --version``. ConfigError naming ``key`` (``black.gpg_binary``...) and the fix
+    when the binary is missing, not executable, not GnuPG, too old, or lacks a tool.
+    """
+    said = f"{key} = {binary!r}"
+    path = _locate(binary, key)
+    try:
+        proc = subprocess.run(
+            [path, "--version"],
+            stdin=subprocess.DEVNULL,
+            capture_output=True,
+            env=_c_env(),
+            check=False,
+            timeout=_VERSION_SECONDS,
+        )
+    except subprocess.TimeoutExpired:
+        raise ConfigError(
+            f"{said}: `{path} --version` did not answer within {_VERSION_SECONDS:.0f} s: "
+            f"{_gnupg_fix(key)}"
+        ) from None
+    except OSError as e:
+        raise ConfigError(f"{said}: cannot run it ({e.strerror or e}): {_gnupg_fix(key)}") from None
+    out = proc.stdout.decode("utf-8", "replace").strip()
+    first = out.splitlines()[0] if out else proc.stderr.decode("utf-8", "replace").strip()
+    m = _VERSION_RE.match(first)
+    if proc.returncode != 0 or m is None:
+        raise ConfigError(
+            f"{said} is not GnuPG: `{path} --version` exited {proc.returncode} and said "
+            f"{first[:120]!r} (GnuPG says 'gpg (GnuPG) 2.x.y'): {_gnupg_fix(key)}"
+        )
+    version = f"{m[1]}.{m[2]}{m[3] or ''}"
+    if (int(m[1]), int(m[2])) < MIN_GNUPG:
+        raise ConfigError(f"{said} is GnuPG {version}, too old: {_gnupg_fix(key)}")
+    for tool in GNUPG_TOOLS:
+        beside = gnupg_tool(binary, tool)
+        if os.sep in beside and not os.access(beside, os.X_OK):
+            missing = f"{beside} is missing or not executable"
+        elif os.sep not in beside and shutil.which(beside) is None:
+            missing = f"{beside} is not on PATH"
+        else:
+            continue
+        raise ConfigError(
+            f"{said} is GnuPG {version}, but {missing}: the bridge runs gpgconf and "
+            f"gpg-connect-agent of the same install (to ask and to stop gpg-agent). Set {key} "
+            "to the gpg of a complete install (gpg, gpgconf and gpg-connect-agent in one "
+            "folder, e.g. /opt/gnupg-2.4/bin/gpg), not to a link or copy of gpg elsewhere"
+        )
+    return version
 
 
 class GpgTimeout(CryptoError):
@@ -203,6 +312,7 @@ class Gpg:
             )
         self.home = Path(home)
         self.binary = binary
+        """gpg to run: a path, or a name looked up on PATH (its tools: ``gnupg_tool``)."""
         self.passphrase = passphrase
         """Passphrase of the secret keys of this home (None: they have none)."""
         self.timeout = float(timeout)
@@ -253,14 +363,13 @@ class Gpg:
             except (OSError, ValueError) as e:
                 raise CryptoError(
                     f"cannot run gpg binary {self.binary!r} for home {self.home}: {e}; "
-                    "install GnuPG 2.2+ or set the path to gpg"
+                    "install GnuPG 2.2+, or set <side>.gpg_binary to its gpg"
                 ) from None
         return self._pg
 
     def _child_env(self) -> dict[str, str]:
         """gpg's environment: C locale, and never the variable holding the passphrase."""
-        env = {**os.environ, "LC_ALL": "C", "LANGUAGE": "C"}
-        env.pop("GPG_AGENT_INFO", None)
+        env = _c_env()
         if self.passphrase is not None and self.passphrase.env_name:
             env.pop(self.passphrase.env_name, None)  # gpg and its agent never see it
         return env
@@ -320,7 +429,8 @@ class Gpg:
             )
         except FileNotFoundError:
             raise CryptoError(
-                f"gpg binary {self.binary!r} not found (home {self.home}); install GnuPG 2.2+"
+                f"gpg binary {self.binary!r} not found (home {self.home}); install GnuPG 2.2+, "
+                "or set <side>.gpg_binary to its gpg"
             ) from None
         finally:
             for fd in pass_fds:
@@ -518,9 +628,7 @@ class Gpg:
 
     def _agent(self, *commands: str) -> list[str]:
         """Run gpg-agent commands (``gpg-connect-agent``) for this home; returns its lines."""
-        binary = str(Path(self.binary).with_name("gpg-connect-agent"))
-        if os.sep not in self.binary:
-            binary = "gpg-connect-agent"
+        binary = gnupg_tool(self.binary, "gpg-connect-agent")
         try:
             proc = subprocess.run(
                 [binary, "--homedir", str(self.home), *commands, "/bye"],

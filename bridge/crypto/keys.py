@@ -28,12 +28,13 @@ import subprocess
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Literal
 
 from bridge.config import Config
 from bridge.crypto.fingerprint import normalize_fingerprint
-from bridge.crypto.gpg import Gpg
+from bridge.crypto.gpg import Gpg, check_gpg_binary, gnupg_tool
 from bridge.crypto.passphrase import Passphrase, resolve_passphrase
 from bridge.crypto.perms import (
     PUBLIC_FILE_MODE,
@@ -64,6 +65,9 @@ log = logging.getLogger(__name__)
 Algo = Literal["ed25519", "rsa"]
 Side = Literal["black", "red"]
 
+DEFAULT_GPG = "gpg"
+"""The gpg run when none is configured or passed: ``gpg`` from PATH."""
+
 _NAME_RE = re.compile(r"^[a-z0-9][a-z0-9_-]{0,62}$")
 # primary algorithm, encryption subkey algorithm
 _ALGOS: dict[str, tuple[str, str]] = {
@@ -73,7 +77,7 @@ _ALGOS: dict[str, tuple[str, str]] = {
 _MAX_KEY_FILE = 4 * 1024 * 1024  # a public key (even RSA with many signatures) is far smaller
 
 
-def _toml_str(value: object) -> str:
+def toml_str(value: object) -> str:
     """A TOML basic string: quote, backslash and control characters escaped, the rest raw."""
     out = []
     for ch in str(value):
@@ -136,22 +140,22 @@ class SideKeys:
 
     def to_toml_snippet(self) -> str:
         """Config lines that pin this key (fingerprints, never key ids)."""
-        home = _toml_str(self.home.resolve())
+        home = toml_str(self.home.resolve())
         pp: list[str] = []
         if self.passphrase is not None and self.passphrase.path is not None:
-            pp = [f"passphrase_file = {_toml_str(self.passphrase.path.resolve())}"]
+            pp = [f"passphrase_file = {toml_str(self.passphrase.path.resolve())}"]
         elif self.passphrase is not None:
-            pp = [f"passphrase_env = {_toml_str(self.passphrase.env_name)}"]
+            pp = [f"passphrase_env = {toml_str(self.passphrase.env_name)}"]
         if self.side == "black":
             lines = [
                 "# on BOTH sides: red lands only bundles signed by a pinned key",
                 "[link]",
-                f"black_signers = [{_toml_str(self.fpr)}]",
+                f"black_signers = [{toml_str(self.fpr)}]",
                 "",
                 "# black host",
                 "[black]",
                 f"gnupg_home = {home}",
-                f"signing_key = {_toml_str(self.fpr)}",
+                f"signing_key = {toml_str(self.fpr)}",
                 *pp,
             ]
         else:
@@ -165,7 +169,7 @@ class SideKeys:
                 "may read",
                 "[[channels]]",
                 'name = "default"',
-                f"recipients = [{_toml_str(self.fpr)}]",
+                f"recipients = [{toml_str(self.fpr)}]",
             ]
         return "\n".join([*lines, ""])
 
@@ -252,6 +256,7 @@ def init_side(
     bridge_id: str = "diode-bridge",
     passphrase: Passphrase | None = None,
     force: bool = False,
+    binary: str = DEFAULT_GPG,
 ) -> SideKeys:
     """Create this side's secret key in ``home`` and export its public key (mode 0644).
 
@@ -262,8 +267,8 @@ def init_side(
     Refuses (CryptoError) to create a second black signing key, a red key whose name exists,
     or any key in a home holding the OTHER side's secret keys (red secrets never sit on black,
     nor black's on red; revoked or expired ones included). ``force`` deletes the conflicting
-    key of the same side once the new one exists: it is gone for good. A gpg-agent this call
-    started for ``home`` is stopped when it returns.
+    key of the same side once the new one exists: it is gone for good. ``binary``: the gpg to
+    run (its gpgconf too). A gpg-agent this call started for ``home`` is stopped when it returns.
     """
     if side not in ("black", "red"):
         raise CryptoError(f"side must be 'black' or 'red', got {side!r}")
@@ -273,8 +278,8 @@ def init_side(
     home = Path(home)
     pub_dir = Path(pub_dir) if pub_dir is not None else home.parent / "pub"
     check_dir_path(pub_dir, what="public key directory (--pub-dir)")
-    with _stopping_agent(home):
-        return _init_side(side, home, name, pub_dir, algo, bridge_id, passphrase, force)
+    with _stopping_agent(home, binary):
+        return _init_side(side, home, name, pub_dir, algo, bridge_id, passphrase, force, binary)
 
 
 def _init_side(
@@ -286,9 +291,10 @@ def _init_side(
     bridge_id: str,
     passphrase: Passphrase | None,
     force: bool,
+    binary: str,
 ) -> SideKeys:
     fresh = not home.exists() and not home.is_symlink()
-    gpg = Gpg(home, passphrase=passphrase)
+    gpg = Gpg(home, binary=binary, passphrase=passphrase)
     uid = _uid(side, bridge_id, name)
     other = "red" if side == "black" else "black"
     conflicting: list[str] = []  # "FPR ('uid')" of this side's keys that would be replaced
@@ -319,7 +325,7 @@ def _init_side(
         lock_down_home(home)
     except BaseException:
         if fresh:  # never remove a home we did not create
-            _kill_agent(home)
+            _kill_agent(home, binary)
             shutil.rmtree(home, ignore_errors=True)
         raise
     return SideKeys(side, name, home, fpr, public, passphrase)
@@ -403,19 +409,21 @@ def _secret_refusal(source: Path, ids: Sequence[str]) -> str:
     )
 
 
-def import_public_keys(home: Path, files: Iterable[Path]) -> list[ImportedKey]:
+def import_public_keys(
+    home: Path, files: Iterable[Path], *, binary: str = DEFAULT_GPG
+) -> list[ImportedKey]:
     """Import public keys from ``files`` into ``home``; returns what they held.
 
     Every file is checked before anything is imported: a file holding secret key material,
-    or no key at all, makes the whole call fail (CryptoError) with nothing imported. A
-    gpg-agent this call started for ``home`` is stopped when it returns.
+    or no key at all, makes the whole call fail (CryptoError) with nothing imported.
+    ``binary``: the gpg to run (its gpgconf too). A gpg-agent this call started for ``home``
+    is stopped when it returns.
     """
-    with _stopping_agent(Path(home)):
-        return _import_public_keys(Path(home), files)
+    with _stopping_agent(Path(home), binary):
+        return _import_public_keys(Gpg(Path(home), binary=binary), files)
 
 
-def _import_public_keys(home: Path, files: Iterable[Path]) -> list[ImportedKey]:
-    gpg = Gpg(home)
+def _import_public_keys(gpg: Gpg, files: Iterable[Path]) -> list[ImportedKey]:
     found: list[tuple[bytes, list[ImportedKey]]] = []
     for path in (Path(f) for f in files):
         try:
@@ -445,7 +453,7 @@ def import_snippet(keys: Sequence[ImportedKey]) -> str:
         lines += [
             "# black signing key(s): pin on BOTH sides",
             "[link]",
-            f"black_signers = [{', '.join(_toml_str(f) for f in signers)}]",
+            f"black_signers = [{', '.join(toml_str(f) for f in signers)}]",
             "",
         ]
     if recipients:
@@ -453,7 +461,7 @@ def import_snippet(keys: Sequence[ImportedKey]) -> str:
             "# red key(s): add to `recipients` of every channel they may read",
             "[[channels]]",
             'name = "default"',
-            f"recipients = [{', '.join(_toml_str(f) for f in recipients)}]",
+            f"recipients = [{', '.join(toml_str(f) for f in recipients)}]",
             "",
         ]
     return "\n".join(lines)
@@ -462,11 +470,22 @@ def import_snippet(keys: Sequence[ImportedKey]) -> str:
 # ---------------------------------------------------------------------------- at startup
 
 
-def _passphrase(cfg: Config, side: Side, environ: Mapping[str, str] | None) -> Passphrase | None:
+def _gpg_binary(cfg: Config, side: Side) -> str:
+    """``<side>.gpg_binary``, checked (``check_gpg_binary``: ConfigError naming the key and the
+    fix) when the config sets it; unset, ``gpg`` from PATH runs unchecked, as it always did."""
     sect = cfg.black if side == "black" else cfg.red
-    return resolve_passphrase(
+    if "gpg_binary" in sect.model_fields_set:
+        check_gpg_binary(sect.gpg_binary, key=f"{side}.gpg_binary")
+    return sect.gpg_binary
+
+
+def _side_gpg(cfg: Config, side: Side, environ: Mapping[str, str] | None) -> Gpg:
+    """A Gpg of ``side``'s home, binary and passphrase."""
+    sect = cfg.black if side == "black" else cfg.red
+    passphrase = resolve_passphrase(
         file=sect.passphrase_file, env_name=sect.passphrase_env, side=side, environ=environ
     )
+    return Gpg(Path(sect.gnupg_home), binary=sect.gpg_binary, passphrase=passphrase)
 
 
 def _passphrase_fix(cfg: Config, side: Side) -> str:
@@ -501,7 +520,8 @@ def signing_gpg(
             "black.signing_key is empty: run `diode keys init --side black` on the black host "
             "and paste the fingerprint it prints"
         )
-    with _agent_scope(Path(cfg.black.gnupg_home), one_shot=one_shot):
+    binary = _gpg_binary(cfg, "black")
+    with _agent_scope(Path(cfg.black.gnupg_home), binary, one_shot=one_shot):
         return _signing_gpg(cfg, environ)
 
 
@@ -546,7 +566,7 @@ def _require_recipients(gpg: Gpg, cfg: Config) -> None:
 def _signing_gpg(cfg: Config, environ: Mapping[str, str] | None) -> Gpg:
     _warn_permissions(cfg, "black")
     fpr = normalize_fingerprint(cfg.black.signing_key, what="black.signing_key")
-    gpg = Gpg(Path(cfg.black.gnupg_home), passphrase=_passphrase(cfg, "black", environ))
+    gpg = _side_gpg(cfg, "black", environ)
     held = _secret_roles(gpg)
     if held and fpr not in held:
         raise KeyMissingError(_signing_key_missing_message(gpg.home, fpr, held))
@@ -571,7 +591,8 @@ def decryption_gpg(
     test decryption). ``one_shot`` (a check, not the red job): a gpg-agent this call
     started is stopped when it returns.
     """
-    with _agent_scope(Path(cfg.red.gnupg_home), one_shot=one_shot):
+    binary = _gpg_binary(cfg, "red")
+    with _agent_scope(Path(cfg.red.gnupg_home), binary, one_shot=one_shot):
         return _decryption_gpg(cfg, environ)
 
 
@@ -582,7 +603,7 @@ def _decryption_gpg(cfg: Config, environ: Mapping[str, str] | None) -> Gpg:
             "link.black_signers is empty: red accepts nothing unpinned. Import black.asc "
             "(`diode keys import --home RED_HOME black.asc`) and paste the line it prints"
         )
-    gpg = Gpg(Path(cfg.red.gnupg_home), passphrase=_passphrase(cfg, "red", environ))
+    gpg = _side_gpg(cfg, "red", environ)
     gpg.require_keys(cfg.link.black_signers, purpose="link.black_signers", capability="sign")
     roles = _secret_roles(gpg)
     black_secret = [f for f in cfg.link.black_signers if f in roles]
@@ -620,19 +641,19 @@ class KeyInventory:
 
     def to_toml_snippet(self) -> str:
         """Config lines for a single-machine setup (both sides share them)."""
-        recipients = ", ".join(_toml_str(f) for f in self.red_fprs.values())
+        recipients = ", ".join(toml_str(f) for f in self.red_fprs.values())
         names = ", ".join(self.red_fprs)
         return "\n".join(
             [
                 "[link]",
-                f"black_signers = [{_toml_str(self.black_fpr)}]",
+                f"black_signers = [{toml_str(self.black_fpr)}]",
                 "",
                 "[black]",
-                f"gnupg_home = {_toml_str(self.black_home)}",
-                f"signing_key = {_toml_str(self.black_fpr)}",
+                f"gnupg_home = {toml_str(self.black_home)}",
+                f"signing_key = {toml_str(self.black_fpr)}",
                 "",
                 "[red]",
-                f"gnupg_home = {_toml_str(self.red_home)}",
+                f"gnupg_home = {toml_str(self.red_home)}",
                 "",
                 "[[channels]]",
                 'name = "default"',
@@ -643,12 +664,13 @@ class KeyInventory:
         )
 
 
-def _kill_agent(home: Path) -> None:
+def _kill_agent(home: Path, binary: str) -> None:
     """Stop the daemons of ``home``: gpg-agent, and keyboxd where a ``use-keyboxd`` home
-    (GnuPG 2.4) started one (none running: nothing happens)."""
+    (GnuPG 2.4) started one (none running: nothing happens). With the gpgconf of ``binary``'s
+    install, which knows the daemons that gpg starts."""
     try:
         subprocess.run(
-            ["gpgconf", "--homedir", str(home), "--kill", "all"],
+            [gnupg_tool(binary, "gpgconf"), "--homedir", str(home), "--kill", "all"],
             stdin=subprocess.DEVNULL,
             capture_output=True,
             check=False,
@@ -658,8 +680,9 @@ def _kill_agent(home: Path) -> None:
         log.warning("could not stop the gpg-agent of GnuPG home %s: %s", home, e)
 
 
-def _agent_running(home: Path) -> bool:
-    """Whether a gpg-agent serves ``home`` now (asked without starting one).
+def _agent_running(home: Path, binary: str) -> bool:
+    """Whether a gpg-agent serves ``home`` now (asked without starting one, by the
+    gpg-connect-agent of ``binary``'s install).
 
     When that cannot be told (gpg-connect-agent missing or hung), True: an agent that may be
     another process's is never stopped.
@@ -668,7 +691,8 @@ def _agent_running(home: Path) -> bool:
         return False
     try:
         proc = subprocess.run(
-            ["gpg-connect-agent", "--homedir", str(home), "--no-autostart", "GETINFO pid", "/bye"],
+            [gnupg_tool(binary, "gpg-connect-agent"), "--homedir", str(home), "--no-autostart"]
+            + ["GETINFO pid", "/bye"],
             stdin=subprocess.DEVNULL,
             capture_output=True,
             check=False,
@@ -680,22 +704,23 @@ def _agent_running(home: Path) -> bool:
 
 
 @contextmanager
-def _stopping_agent(home: Path) -> Iterator[None]:
-    """Run a one-shot key operation on ``home``; stop the gpg-agent (and keyboxd) it started.
+def _stopping_agent(home: Path, binary: str) -> Iterator[None]:
+    """Run a one-shot key operation on ``home`` with gpg ``binary``; stop the gpg-agent (and
+    keyboxd) it started.
 
     An agent that was already running (a black or red job's, an operator's) is left alone.
     The agent would otherwise live on after the command, with any passphrase it cached.
     """
-    before = _agent_running(home)
+    before = _agent_running(home, binary)
     try:
         yield
     finally:
         if not before:
-            _kill_agent(home)  # none running: gpgconf starts none
+            _kill_agent(home, binary)  # none running: gpgconf starts none
 
 
-def _agent_scope(home: Path, *, one_shot: bool) -> AbstractContextManager[None]:
-    return _stopping_agent(home) if one_shot else nullcontext()
+def _agent_scope(home: Path, binary: str, *, one_shot: bool) -> AbstractContextManager[None]:
+    return _stopping_agent(home, binary) if one_shot else nullcontext()
 
 
 def _occupied(home: Path) -> bool:
@@ -709,6 +734,7 @@ def init_keys(
     algo: Algo = "ed25519",
     bridge_id: str = "diode-bridge",
     force: bool = False,
+    binary: str = DEFAULT_GPG,
 ) -> KeyInventory:
     """Demo and tests ONLY: both sides' homes on one machine, public keys cross-imported.
 
@@ -716,7 +742,7 @@ def init_keys(
     decryption keys + black public key) and ``keys_dir/pub``. A real install runs
     ``init_side`` on each host instead, so black never holds a red secret key. Refuses
     (CryptoError) to touch an existing, non-empty home unless ``force=True``, which destroys
-    both homes and their secret keys for good.
+    both homes and their secret keys for good. ``binary``: the gpg of both sides.
     """
     names = list(red_names)
     bad = [n for n in names if not _NAME_RE.match(n)]
@@ -737,20 +763,18 @@ def init_keys(
             "to destroy them and create new keys"
         )
     for home in existing:
-        _kill_agent(home)
+        _kill_agent(home, binary)
         shutil.rmtree(home)
     keys_dir.mkdir(parents=True, exist_ok=True)
     try:
-        black = init_side("black", black_home, pub_dir=pub_dir, algo=algo, bridge_id=bridge_id)
-        reds = [
-            init_side("red", red_home, name=n, pub_dir=pub_dir, algo=algo, bridge_id=bridge_id)
-            for n in names
-        ]
-        import_public_keys(black_home, [r.public_file for r in reds])
-        import_public_keys(red_home, [black.public_file])
+        make = partial(init_side, pub_dir=pub_dir, algo=algo, bridge_id=bridge_id, binary=binary)
+        black = make("black", black_home)
+        reds = [make("red", red_home, name=n) for n in names]
+        import_public_keys(black_home, [r.public_file for r in reds], binary=binary)
+        import_public_keys(red_home, [black.public_file], binary=binary)
     except BaseException:
         for home in (black_home, red_home):
-            _kill_agent(home)
+            _kill_agent(home, binary)
             shutil.rmtree(home, ignore_errors=True)
         raise
     return KeyInventory(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 import shutil
 import time
 import urllib.parse
@@ -12,8 +13,8 @@ from typing import Any
 from bridge.black.job import BlackRun
 from bridge.black.management import ManagementClient
 from bridge.config import load_config
-from bridge.crypto.gpg import Gpg
-from bridge.crypto.keys import init_keys
+from bridge.crypto.gpg import Gpg, check_gpg_binary
+from bridge.crypto.keys import DEFAULT_GPG, init_keys, toml_str
 from bridge.crypto.perms import write_file
 from bridge.demo.counter import ReplayCounter
 from bridge.demo.diode import move_outbox
@@ -149,8 +150,10 @@ def write_demo_config(
     red_amqp_url: str,
     transport: str = "file",
     udp_section: str = "",
+    gpg_binary: str = DEFAULT_GPG,
 ) -> Path:
     keys = ", ".join(f'"{f}"' for f in red_fprs)
+    gpg = "" if gpg_binary == DEFAULT_GPG else f"gpg_binary = {toml_str(gpg_binary)}\n"
     approved = ", ".join(f'"{x.name}"' for x in DEMO_EXCHANGES)
     direct = "\n".join(
         f'"{ex}" = [{", ".join(chr(34) + k + chr(34) for k in keys_)}]'
@@ -176,7 +179,7 @@ transport = "{transport}"
 amqp_url = "{amqp_url}"
 management_url = "{mgmt}"
 gnupg_home = "keys/black"
-signing_key = "{black_fpr}"
+{gpg}signing_key = "{black_fpr}"
 outbox = "black/outbox"
 archive = "black/archive"
 state_dir = "black/state"
@@ -192,7 +195,7 @@ max_file_bytes = 134217728
 
 [red]
 gnupg_home = "keys/red"
-inbox = "red/inbox"
+{gpg}inbox = "red/inbox"
 work_dir = "red/work"
 processed_dir = "red/processed"
 quarantine_dir = "red/quarantine"
@@ -226,8 +229,12 @@ def run_demo(
     spark: Any = None,
     transport: str = "file",
     loss_percent: float = 0.0,
+    gpg_binary: str = DEFAULT_GPG,
 ) -> dict[str, Any]:
     """Run the whole chain on this machine; returns the summary.
+
+    ``gpg_binary``: the gpg both sides run (keys, config), checked first when it is not the
+    default ``gpg`` from PATH.
 
     black vhost -> mirror -> tap -> spool -> black job -> outbox -> (stand-in mover, or UDP
     sender -> lossy relay -> UDP receiver) -> red inbox -> red job -> Delta -> replay
@@ -238,6 +245,10 @@ def run_demo(
     check_demo_options(
         messages, big_every=big_every, transport=transport, loss_percent=loss_percent, port=port
     )
+    if gpg_binary != DEFAULT_GPG:
+        check_gpg_binary(gpg_binary, key="the demo's gpg_binary")
+        if os.sep in gpg_binary:  # the config resolves a relative path against the workdir
+            gpg_binary = str(Path(gpg_binary).absolute())
     red_vhost = red_vhost or f"{vhost}-red"
     mc = ManagementClient(mgmt, user, password)
     try:
@@ -250,10 +261,12 @@ def run_demo(
     (workdir / DEMO_WORKDIR_MARKER).touch()
     keys_dir = workdir / "keys"
     if (keys_dir / "black").exists():  # keys of an earlier demo run are kept
-        black_fpr = Gpg(keys_dir / "black").fingerprints(secret=True)[0]
-        red_fprs = Gpg(keys_dir / "red").fingerprints(secret=True)
+        black_fpr = Gpg(keys_dir / "black", binary=gpg_binary).fingerprints(secret=True)[0]
+        red_fprs = Gpg(keys_dir / "red", binary=gpg_binary).fingerprints(secret=True)
     else:
-        inv = init_keys(keys_dir, red_names=("red", "red-audit"), bridge_id="demo-black")
+        inv = init_keys(
+            keys_dir, red_names=("red", "red-audit"), bridge_id="demo-black", binary=gpg_binary
+        )
         black_fpr, red_fprs = inv.black_fpr, list(inv.red_fprs.values())
     for sub in ("black", "red"):  # a fresh run: new vhosts, new state on both sides
         shutil.rmtree(workdir / sub, ignore_errors=True)
@@ -280,6 +293,7 @@ def run_demo(
         red_amqp_url=red_url,
         transport=transport,
         udp_section=udp_section,
+        gpg_binary=gpg_binary,
     )
     cfg = load_config(cfg_path)
     link = UdpLink(cfg, relay_port, loss_percent) if transport == "udp" else None

@@ -206,6 +206,7 @@ class VerifyContext:
     max_plain_bytes: int | None = None
     """Extra cap on a bundle's plaintext (None: only file size + 1 MiB applies)."""
     gpg_binary: str = "gpg"
+    """The gpg red runs (``red.gpg_binary``; its start checked it, ``decryption_gpg``)."""
     gpg_timeout: float = 900.0
     """Seconds one gpg call may take at most (``Gpg.timeout``)."""
     gpg_open_base_seconds: float = OPEN_BASE_SECONDS
@@ -228,6 +229,7 @@ class VerifyContext:
             passphrase_file=str(pp.path.absolute()) if pp and pp.path else None,
             passphrase_env=pp.env_name if pp and pp.path is None else None,
             max_plain_bytes=r.max_plain_bytes,
+            gpg_binary=r.gpg_binary,
         )
 
     def passphrase(self) -> Passphrase | None:

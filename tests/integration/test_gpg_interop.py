@@ -2,9 +2,10 @@
 
 GnuPG 2.4 is the gpg named by DIODE_GPG24: the wrapper `bash scripts/gnupg-2.4.sh` installs and
 prints (.ci/run sets it). Unset, every test here skips saying how to run them; set but broken,
-they fail. A side runs on a release the way an operator picks one: that release's gpg first on
-PATH. `diode keys init/import/check` and both jobs run `gpg`, `gpgconf` and `gpg-connect-agent`
-from PATH; there is no config key for the gpg binary.
+they fail. A side runs on a release the way an operator picks one: `black.gpg_binary` /
+`red.gpg_binary` name that release's gpg (gpgconf and gpg-connect-agent come from beside it), and
+the key functions take it as ``binary``. `diode keys init/import` read no config: they run the
+gpg first on PATH, so the CLI test puts 2.4 first on PATH.
 
 Upstream GnuPG 2.4 (RHEL 10, Fedora, Arch, gpg4win...) gives new keys the AEAD feature and
 encrypts with OCB when every recipient key has it. Debian's 2.4 build does neither unless told
@@ -98,7 +99,7 @@ class Hosts:
     homes: list[Path]
 
     def on(self, release: str) -> None:
-        """From now on the bridge's gpg calls run ``release`` (PATH, as for an operator)."""
+        """From now on `gpg` on PATH is ``release``'s (the `diode keys` commands read no config)."""
         self.mp.setenv("PATH", self.releases.path(release))
 
     def home(self, name: str, *, gpg_conf: str = "", common_conf: str = "") -> Path:
@@ -113,23 +114,21 @@ class Hosts:
 
     def black(self, release: str, **conf: str) -> SideKeys:
         """`diode keys init --side black` on a host running ``release``."""
-        self.on(release)
-        return init_side("black", self.home(f"b{len(self.homes)}", **conf), bridge_id="t")
+        home = self.home(f"b{len(self.homes)}", **conf)
+        return init_side("black", home, bridge_id="t", binary=self.releases.gpg(release))
 
     def red(self, release: str, name: str = "ops", **conf: str) -> SideKeys:
         """`diode keys init --side red` on a host running ``release``."""
-        self.on(release)
         home = self.home(f"r{len(self.homes)}", **conf)
-        return init_side("red", home, name=name, bridge_id="t")
+        return init_side("red", home, name=name, bridge_id="t", binary=self.releases.gpg(release))
 
     def exchange(self, black: tuple[SideKeys, str], *reds: tuple[SideKeys, str]) -> None:
         """`diode keys import` of the other side's .asc files, each host on its release."""
         keys, release = black
-        self.on(release)
-        import_public_keys(keys.home, [r.public_file for r, _ in reds])
+        gpg = self.releases.gpg
+        import_public_keys(keys.home, [r.public_file for r, _ in reds], binary=gpg(release))
         for red, red_release in reds:
-            self.on(red_release)
-            import_public_keys(red.home, [keys.public_file])
+            import_public_keys(red.home, [keys.public_file], binary=gpg(red_release))
 
     def stop(self, home: Path) -> None:
         """Stop every daemon of ``home`` (gpg-agent, keyboxd), whichever release started it."""
@@ -153,11 +152,23 @@ def hosts(short_tmp: Path, releases: Releases, monkeypatch: pytest.MonkeyPatch) 
             h.stop(home)
 
 
-def _cfg(black: SideKeys, *reds: SideKeys, encrypt: bool = True) -> Config:
-    data = tomllib.loads(black.to_toml_snippet() + reds[0].to_toml_snippet())
+def _cfg(
+    releases: Releases, black: tuple[SideKeys, str], *reds: SideKeys, encrypt: bool = True
+) -> Config:
+    """The config of ``black`` (keys, release: its gpg_binary) and ``reds`` (the first one's
+    red section: ``_red_on`` points it at another)."""
+    keys, release = black
+    data = tomllib.loads(keys.to_toml_snippet() + reds[0].to_toml_snippet())
     data["channels"][0]["recipients"] = [r.fpr for r in reds]
     data["channels"][0]["encrypt"] = encrypt
-    return config_from_dict(data, base=black.home.parent, environ={})
+    data["black"]["gpg_binary"] = releases.gpg(release)
+    return config_from_dict(data, base=keys.home.parent, environ={})
+
+
+def _red_on(cfg: Config, releases: Releases, red: SideKeys, release: str) -> Config:
+    """``cfg`` with red's section for the host of ``red`` running ``release``."""
+    update = {"gnupg_home": red.home, "gpg_binary": releases.gpg(release)}
+    return cfg.model_copy(update={"red": cfg.red.model_copy(update=update)})
 
 
 def _packets(releases: Releases, path: Path) -> str:
@@ -224,21 +235,17 @@ def _round_trip(
     """Black seals a bundle and a heartbeat the way its job does (keys opened by the startup
     checks); every red opens both the way its job does. Returns how the bundle is protected."""
     keys, release = black
-    cfg = _cfg(keys, *(r for r, _ in reds), encrypt=encrypt)
+    cfg = _cfg(hosts.releases, black, *(r for r, _ in reds), encrypt=encrypt)
     payload = os.urandom(200_000)
     src = hosts.root / "plain.parquet"
     src.write_bytes(payload)
     sealed = hosts.root / f"default.000000000001.{'e' if encrypt else 's'}.dbundle"
-    hosts.on(release)
     sealer = signing_gpg(cfg)
     recipients = [r.fpr for r, _ in reds]
     sealer.seal(src, sealed, signer=keys.fpr, recipients=recipients, encrypt=encrypt)
     beat = sealer.seal_bytes(b'{"hb": 1}', signer=keys.fpr, recipients=recipients, encrypt=encrypt)
     for red, red_release in reds:
-        hosts.on(red_release)
-        opener = decryption_gpg(
-            cfg.model_copy(update={"red": cfg.red.model_copy(update={"gnupg_home": str(red.home)})})
-        )
+        opener = decryption_gpg(_red_on(cfg, hosts.releases, red, red_release))
         out = hosts.root / f"out-{red.name}.parquet"
         opened = opener.open(sealed, out, pinned_signers=[keys.fpr])
         assert out.read_bytes() == payload, f"{release} -> {red_release}"
@@ -342,13 +349,12 @@ def test_black_24_refuses_a_recipient_key_advertising_aead_until_red_fixes_it(
     black = hosts.black("2.4", gpg_conf=UPSTREAM_24)
     red = _aead_red(hosts)
     hosts.exchange((black, "2.4"), (red, "2.4"))
-    cfg = _cfg(black, red)
-    hosts.on("2.4")
+    cfg = _cfg(hosts.releases, (black, "2.4"), red)
     with pytest.raises(CryptoError, match="advertises the AEAD feature") as refused:
         signing_gpg(cfg)  # diode check, diode keys check --side black, the black job's start
     assert red.fpr in str(refused.value) and "--quick-update-pref" in str(refused.value)
     sealed = hosts.root / "x.dbundle"
-    sealer = Gpg(black.home)
+    sealer = Gpg(black.home, binary=cfg.black.gpg_binary)
     with pytest.raises(CryptoError, match="AEAD algorithm 2"):  # a key swapped while running
         sealer.seal(b"rows", sealed, signer=black.fpr, recipients=[red.fpr])
     assert not sealed.exists()
@@ -358,8 +364,7 @@ def test_black_24_refuses_a_recipient_key_advertising_aead_until_red_fixes_it(
     assert res.rc == 0, res.reason()
     red.public_file.write_text(fix.export_public(red.fpr))
     assert not _features(hosts.releases, red) & 0x02
-    hosts.on("2.4")
-    import_public_keys(black.home, [red.public_file])
+    import_public_keys(black.home, [red.public_file], binary=cfg.black.gpg_binary)
     assert _round_trip(hosts, (black, "2.4"), [(red, "2.4")], encrypt=True) == "mdc"
 
 
