@@ -494,12 +494,9 @@ def black_heartbeat(config_path: Path | None, every: float | None) -> None:
 )
 def black_tap(config_path: Path | None, channel: str, until_empty: bool) -> None:
     """Drain one channel's mirror queue into its spool (``black run`` starts one per channel)."""
-    from bridge.black.broker import check_amqp_url
-    from bridge.black.tap import run_tap
+    from bridge.black.tap import tap_main
 
-    cfg = _load(config_path)
-    check_amqp_url(cfg.black.amqp_url.get_secret_value())
-    status = run_tap(cfg, channel, until_empty=until_empty)
+    status = tap_main(config_path, channel, until_empty=until_empty)
     click.echo(json.dumps(dataclasses.asdict(status)))
 
 

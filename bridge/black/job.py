@@ -183,13 +183,28 @@ def check_black_writable(cfg: Config, *, probe_files: bool = False) -> None:
         if d == path:
             raise ConfigError(not_writable(key, path, refused, mode=_dir_mode(key)))
         raise ConfigError(_cannot_make(key, path, d, refused))
+    store = StateStore(Path(cfg.black.state_dir), create=False)
     for key, channel, folder in _channel_folders(cfg):
-        _check_channel_folder(key, channel, folder, probe_files=probe_files)
+        _check_channel_folder(
+            key, channel, folder, probe_files=probe_files, shipped=_shipped(store, channel)
+        )
 
 
-def _check_channel_folder(key: str, channel: str, folder: Path, *, probe_files: bool) -> None:
+def _shipped(store: StateStore, channel: str) -> int | None:
+    """The last seq ``channel``'s journal says black shipped (-1: none); None when the journal
+    cannot be read (its own check says why): then every spool segment is checked."""
+    try:
+        return store.load(channel).last_seq
+    except (OSError, DiodeError):
+        return None
+
+
+def _check_channel_folder(
+    key: str, channel: str, folder: Path, *, probe_files: bool, shipped: int | None
+) -> None:
     """Black, start: ConfigError unless black can write in ``channel``'s ``folder`` of
-    ``black.<key>``, if it exists (else it is made in ``black.<key>``, checked before)."""
+    ``black.<key>``, if it exists (else it is made in ``black.<key>``, checked before), and
+    read each spool segment holding a position after ``shipped`` (its header)."""
     if not os.path.lexists(folder):
         return
     if not folder.is_dir():
@@ -203,7 +218,7 @@ def _check_channel_folder(key: str, channel: str, folder: Path, *, probe_files: 
         msg = not_writable(key, folder, refused, mode=_dir_mode(key), channel=channel)
         raise ConfigError(msg)
     if key == "spool_dir":  # the tap opens LOCK, TAIL and the last segment for writing
-        problem = unwritable_spool_file(folder.parent, channel)
+        problem = unwritable_spool_file(folder.parent, channel, shipped=shipped)
         if problem is not None:
             raise ConfigError(problem)
 

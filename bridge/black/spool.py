@@ -37,6 +37,11 @@ Positions are gapless and never reused: a record's position is its message ``seq
   fix (``spool_file_refused``), at ``open`` or on a later write; black's start-up check finds
   the files it would refuse first (``unwritable_spool_file``). Any other write error is a
   StateError naming the file and errno. Nothing that is not durable has been acked then.
+* A segment still to be read (holding a position not shipped yet) that cannot be read — not
+  readable by black's user (ConfigError), an I/O error, a damaged header (StateError), another
+  format (SchemaVersionError) — is refused at ``open`` and by black's start-up check
+  (``unreadable_spool_segment``: its header only), naming the file, the positions it holds
+  and the fix, before the tap drains more of the broker into a spool that cannot be shipped.
 * A lost record for a dead letter keeps the dead letter's ``fingerprint`` (16 bytes) in its
   ``properties_raw``, so that a redelivery of the dead letter after a crash is recognised like
   a redelivered message; a lost record's properties are never shipped (``spool_rows``).
@@ -70,6 +75,7 @@ from bridge.black.spool_read import (
     SPOOL_SCHEMA,
     TAIL_FILE,
     SpoolReader,
+    check_segment_header,
     fingerprint,
     list_segments,
     read_tail,
@@ -80,6 +86,7 @@ from bridge.diode.file_drop import LEFT_BEHIND
 from bridge.errors import (
     ConfigError,
     DiodeError,
+    SchemaVersionError,
     SpoolFull,
     StateError,
 )
@@ -95,6 +102,7 @@ __all__ = [
     "SpoolLocked",
     "spool_files",
     "unwritable_spool_file",
+    "unreadable_spool_segment",
     "spool_file_refused",
     "writer_settings",
     "SPOOL_SCHEMA",
@@ -187,11 +195,22 @@ def spool_files(directory: Path) -> list[Path]:
     return [directory / n for n in names if os.path.lexists(directory / n)]
 
 
-def unwritable_spool_file(root: Path, channel: str) -> str | None:
-    """Black, start: why the user running black cannot open one of ``channel``'s spool files
-    for writing (:func:`spool_files`), naming the file, the channel, the key and the fix; None
-    if it can. Each is opened read-write and closed: nothing is created or changed."""
-    for path in spool_files(Path(root) / channel):
+def unwritable_spool_file(root: Path, channel: str, *, shipped: int | None = None) -> str | None:
+    """Black, start: why the user running black cannot use one of ``channel``'s spool files,
+    naming the file, the channel, the key and the fix; None if it can. Each file the tap
+    writes (:func:`spool_files`) is opened read-write and closed, then each segment still to
+    be read has its header read (:func:`unreadable_spool_segment`, ``shipped`` as there):
+    nothing is created or changed."""
+    refused = _unwritable(Path(root) / channel, channel)
+    if refused is not None:
+        return refused
+    problem = unreadable_spool_segment(root, channel, shipped=shipped)
+    return None if problem is None else str(problem)
+
+
+def _unwritable(directory: Path, channel: str) -> str | None:
+    """Why one of the files the tap writes in ``directory`` cannot be opened for writing."""
+    for path in spool_files(directory):
         try:
             fd = os.open(path, os.O_RDWR | os.O_CLOEXEC | os.O_NONBLOCK)
         except FileNotFoundError:
@@ -202,10 +221,94 @@ def unwritable_spool_file(root: Path, channel: str) -> str | None:
     return None
 
 
+def unreadable_spool_segment(
+    root: Path, channel: str, *, shipped: int | None = None
+) -> DiodeError | None:
+    """Black, start: why a segment of ``channel``'s spool holding positions after ``shipped``
+    (the last one black shipped, -1 for none; None: unknown, every segment) cannot be read,
+    as the error to raise, naming the file, the positions it holds, the reason and the fix;
+    None if each can. Its header only is read (:func:`check_segment_header`): cheap, and what
+    a damaged file shows first. Otherwise a closed segment is first read when the sealer
+    reaches it, after the tap has drained more of the broker into a spool it cannot ship.
+
+    A file the user may not read is a ConfigError; a damaged header a StateError and another
+    format a SchemaVersionError, as when the sealer reads it (the fix: docs/runbook.md §7.1);
+    any other read error a StateError naming the errno."""
+    d = Path(root) / channel
+    segs = list_segments(d)
+    for i, first in enumerate(segs):
+        nxt = segs[i + 1] if i + 1 < len(segs) else None
+        if nxt is not None and shipped is not None and nxt - 1 <= shipped:
+            continue  # shipped: the tap releases it unread
+        path = d / segment_name(first)
+        try:
+            check_segment_header(path)
+        except FileNotFoundError:
+            continue  # released meanwhile
+        except OSError as e:
+            return _segment_unreadable(channel, path, e, _held(channel, first, nxt, shipped))
+        except (StateError, SchemaVersionError) as e:
+            return type(e)(f"{str(e).rstrip('.')}. {_held(channel, first, nxt, shipped)}")
+    return None
+
+
+def _held(channel: str, first: int, nxt: int | None, shipped: int | None) -> str:
+    """What a segment holding positions ``first`` to ``nxt`` (exclusive; None: the last
+    segment) holds: messages not shipped yet, unless ``shipped`` is unknown (None) and they
+    may have been shipped already (then nothing needs the file)."""
+    held = f"[{first}, {nxt})" if nxt is not None else f"{first} onwards"
+    said = f"It holds positions {held} of channel {channel!r}"
+    if nxt is None or shipped is not None:
+        return f"{said}, not shipped yet"
+    return (
+        f"{said}: if `diode status` shows last_seq {nxt - 1} or more for the channel, they "
+        "were shipped and nothing needs the file: delete it"
+    )
+
+
+def _segment_unreadable(channel: str, path: Path, e: OSError, held: str) -> DiodeError:
+    """Segment ``path`` of ``channel``'s spool, holding ``held`` (:func:`_held`), cannot be
+    read (``e``): the file, the reason, what it holds, the fix."""
+    if e.errno == errno.EACCES:
+        msg = _not_granted("readable", channel, path, e, _chown_fix(path.parent))
+        return ConfigError(f"{msg}. {held}")
+    return StateError(
+        f"black.spool_dir: {_where(channel, path)} cannot be read ({_why(e)}). {held}. Check "
+        "that disk (dmesg), and move a file that is not the spool's aside; a segment the disk "
+        "damaged: restore it from a backup or start a new spool (docs/runbook.md §7.1, 'spool "
+        "lost': its positions not shipped become a spool_lost gap)"
+    )
+
+
 def _why(e: OSError) -> str:
     """``e``'s reason with its errno's name, e.g. ``Permission denied (EACCES)``."""
     code = e.errno if e.errno is not None else 0
     return f"{e.strerror or e} ({errno.errorcode.get(code, code)})"
+
+
+def _where(channel: str, path: Path) -> str:
+    """``path`` as the spool's refusals name it: the channel's folder, or a file in it."""
+    if path.name == channel and os.path.isdir(path):
+        return f"{path}, the spool folder of channel {channel!r},"
+    return f"{path}, in the spool of channel {channel!r},"
+
+
+def _not_granted(what: str, channel: str, path: Path, e: OSError, fix: str) -> str:
+    """``path`` is not ``what`` (readable, writable) by the user running black: ``fix``."""
+    return (
+        f"black.spool_dir: {_where(channel, path)} is not {what} by the user running black "
+        f"(uid {os.getuid()}; {_why(e)}): {fix}, or point black.spool_dir elsewhere "
+        f"({_LEFT_BEHIND})"
+    )
+
+
+def _chown_fix(folder: Path) -> str:
+    """The fix of a spool folder or file another user owns (a restore under another owner)."""
+    return (
+        "give that user its spool folder and the files in it (e.g. "
+        f"`chown -R {os.getuid()} {folder}`, mode {SPOOL_DIR_MODE:04o} for the folder, "
+        f"{SPOOL_FILE_MODE:04o} for its files)"
+    )
 
 
 def spool_file_refused(channel: str, path: Path, e: OSError) -> str:
@@ -213,39 +316,25 @@ def spool_file_refused(channel: str, path: Path, e: OSError) -> str:
     (``e``, at start or while it runs): the file, the channel, the key, the reason, the fix."""
     is_folder = path.name == channel and os.path.isdir(path)  # creating or removing files
     folder = path if is_folder else path.parent
-    where = (
-        f"{path}, the spool folder of channel {channel!r},"
-        if is_folder
-        else f"{path}, in the spool of channel {channel!r},"
-    )
     if e.errno == errno.EROFS:
         return (
-            f"black.spool_dir: {where} is on a read-only file system ({_why(e)}): the tap "
-            "writes there. Mount it read-write, or point black.spool_dir to a writable "
-            f"directory ({_LEFT_BEHIND})"
+            f"black.spool_dir: {_where(channel, path)} is on a read-only file system "
+            f"({_why(e)}): the tap writes there. Mount it read-write, or point black.spool_dir "
+            f"to a writable directory ({_LEFT_BEHIND})"
         )
-    uid = os.getuid()
     if e.errno == errno.EPERM:
         target = path if os.path.lexists(path) else folder
         fix = (
             "an immutable or append-only attribute refuses even root: clear it "
             f"(`lsattr -d {target}`, then `chattr -i -a {target}`)"
         )
-    elif e.errno == errno.EACCES:
-        fix = (
-            "give that user its spool folder and the files in it (e.g. "
-            f"`chown -R {uid} {folder}`, mode {SPOOL_DIR_MODE:04o} for the folder, "
-            f"{SPOOL_FILE_MODE:04o} for its files)"
-        )
-    else:
-        return (
-            f"black.spool_dir: {where} cannot be opened for writing ({_why(e)}): the tap needs "
-            "it as a regular file it can read and write. Check that disk (dmesg), or move a "
-            "file that is not the spool's aside, and start black again"
-        )
+        return _not_granted("writable", channel, path, e, fix)
+    if e.errno == errno.EACCES:
+        return _not_granted("writable", channel, path, e, _chown_fix(folder))
     return (
-        f"black.spool_dir: {where} is not writable by the user running black (uid {uid}; "
-        f"{_why(e)}): {fix}, or point black.spool_dir elsewhere ({_LEFT_BEHIND})"
+        f"black.spool_dir: {_where(channel, path)} cannot be opened for writing ({_why(e)}): "
+        "the tap needs it as a regular file it can read and write. Check that disk (dmesg), or "
+        "move a file that is not the spool's aside, and start black again"
     )
 
 
@@ -320,8 +409,10 @@ class SpoolWriter:
     ) -> SpoolWriter:
         """Lock the channel's spool, repair its last segment, and get ready to append.
 
-        ``first_pos``: position of the first record of a spool that has no segment yet (a
-        spool moved aside restarts after the last shipped seq); ignored otherwise.
+        ``first_pos``: the first position black has not shipped (its journal's last seq + 1):
+        where a spool that has no segment yet starts (a spool moved aside restarts after the
+        last shipped seq). Every segment holding a position from there on must be readable
+        (``unreadable_spool_segment``, its header only); older ones are released unread.
         """
         if not channel or channel in (".", "..") or "/" in channel or channel.startswith("."):
             raise ConfigError(f"spool channel name {channel!r} cannot be a directory name")
@@ -355,7 +446,7 @@ class SpoolWriter:
     def _open(self, first_pos: int) -> None:
         d = self.directory
         _make_dir(d)
-        refused = unwritable_spool_file(self.root, self.channel)  # before anything changes
+        refused = _unwritable(d, self.channel)  # before anything changes
         if refused is not None:
             raise ConfigError(refused)
         self._lock_fd = os.open(d / LOCK_FILE, os.O_RDWR | os.O_CREAT, SPOOL_FILE_MODE)
@@ -367,6 +458,9 @@ class SpoolWriter:
                 "(a tap of this channel is already running; two would fork its positions). "
                 "Stop the other tap first"
             ) from None
+        unreadable = unreadable_spool_segment(self.root, self.channel, shipped=first_pos - 1)
+        if unreadable is not None:  # found before the tap consumes, not by the sealer later
+            raise unreadable
         for name in os.listdir(d):
             if name.startswith(".seg-") and name.endswith(".tmp"):
                 (d / name).unlink(missing_ok=True)  # a header a crash left unrenamed

@@ -31,6 +31,7 @@ __all__ = [
     "list_segments",
     "read_tail",
     "open_segment",
+    "check_segment_header",
     "segment_batches",
     "scan_segment",
 ]
@@ -61,6 +62,8 @@ ACKED_KEY = b"acked_through"
 TAIL_FILE = "TAIL"
 FINGERPRINT_BYTES = 16
 """Size of a ``fingerprint``."""
+HEADER_PROBE_BYTES = 4096
+"""Bytes ``check_segment_header`` reads: a segment's header (schema, metadata) takes ~600."""
 _SEGMENT_RE = re.compile(r"seg-(\d{16})\.arrow")
 
 
@@ -121,13 +124,13 @@ def read_tail(directory: Path) -> int | None:
         os.close(fd)
 
 
-def open_segment(path: Path) -> tuple[Any, Any, int]:
-    """Memory-map a segment: (map, stream reader, ``acked_through`` recorded at its creation)."""
-    m = pa.memory_map(str(path))
+def _header(path: Path, source: Any) -> tuple[Any, int]:
+    """(stream reader, ``acked_through`` recorded at its creation) of segment ``path`` read
+    from ``source``; StateError (damaged) or SchemaVersionError naming ``path`` if its header
+    is not a spool segment's of this version."""
     try:
-        r = pa.ipc.open_stream(m)
+        r = pa.ipc.open_stream(source)
     except (pa.ArrowException, OSError) as e:
-        m.close()
         raise StateError(
             f"spool segment {path} has no valid Arrow header ({e}); segments are created "
             "complete under a temporary name, so the disk damaged it: restore it from a backup "
@@ -135,13 +138,36 @@ def open_segment(path: Path) -> tuple[Any, Any, int]:
         ) from None
     md = r.schema.metadata or {}
     if md.get(FORMAT_KEY) != FORMAT or not r.schema.equals(SPOOL_SCHEMA):
-        m.close()
         raise SchemaVersionError(
             f"spool segment {path} has format {md.get(FORMAT_KEY)!r} / schema {r.schema}; this "
             f"black reads spool format {FORMAT!r} only: drain it with the black version that "
             "wrote it"
         )
-    return m, r, int(md.get(ACKED_KEY, b"-1"))
+    return r, int(md.get(ACKED_KEY, b"-1"))
+
+
+def open_segment(path: Path) -> tuple[Any, Any, int]:
+    """Memory-map a segment: (map, stream reader, ``acked_through`` recorded at its creation)."""
+    m = pa.memory_map(str(path))
+    try:
+        r, acked = _header(path, m)
+    except BaseException:
+        m.close()
+        raise
+    return m, r, acked
+
+
+def check_segment_header(path: Path) -> None:
+    """Black, spool: read segment ``path``'s header as ``open_segment`` does, and only that
+    (its first ``HEADER_PROBE_BYTES``, plain reads: an I/O error is an OSError here, where a
+    memory map would fault). OSError as the file system raised it; StateError or
+    SchemaVersionError as ``open_segment``."""
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
+    try:
+        head = os.pread(fd, HEADER_PROBE_BYTES, 0)
+    finally:
+        os.close(fd)
+    _header(path, pa.BufferReader(head))
 
 
 def segment_batches(

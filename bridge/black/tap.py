@@ -65,12 +65,13 @@ import signal
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 from bridge.amqp.client import Channel, Connection, Delivery
+from bridge.black.broker import check_amqp_url
 from bridge.black.plan import dead_queue_name, denied, mirror_queue_name
 from bridge.black.spool import DEAD_LETTER_BYTES, SpoolWriter, fingerprint, writer_settings
 from bridge.black.state import StateStore
@@ -86,7 +87,7 @@ from bridge.black.tap_delivery import (
     text_names,
 )
 from bridge.black.tap_proofs import AckProofs
-from bridge.config import Config
+from bridge.config import Config, load_config
 from bridge.errors import (
     AmqpAccessRefused,
     AmqpConnectionError,
@@ -1143,8 +1144,8 @@ def _watch_parent(tap: Tap, parent: int) -> None:
 
 def report_reason(reason: str) -> None:
     """Black, tap: hand why this tap stops to the job that started it (``REASON_FD_ENV``, a
-    pipe the job reads once the tap exited); nothing without that job."""
-    fd = os.environ.get(REASON_FD_ENV, "")
+    pipe the job reads once the tap exited), once; nothing without that job."""
+    fd = os.environ.pop(REASON_FD_ENV, "")  # closed below: its number may be reused after
     if not fd.isdigit():
         return
     with contextlib.suppress(OSError):  # the job is gone, or this is no pipe of its
@@ -1154,21 +1155,12 @@ def report_reason(reason: str) -> None:
             os.close(int(fd))
 
 
-def run_tap(cfg: Config, channel: str, *, until_empty: bool = False) -> TapStatus:
-    """Run a tap in this process until SIGTERM / SIGINT (or an empty queue with until_empty).
-    An error that stops it is logged and handed to the job that started it (``report_reason``)."""
-    tap = Tap(cfg, channel, until_empty=until_empty)
-
-    def _stop(_sig: int, _frame: Any) -> None:
-        tap.stop()
-
-    for s in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(s, _stop)
-    parent = os.environ.get(PARENT_ENV, "")
-    if parent.isdigit():
-        threading.Thread(target=_watch_parent, args=(tap, int(parent)), daemon=True).start()
+@contextlib.contextmanager
+def _reported(channel: str) -> Iterator[None]:
+    """Black, tap: an error that stops this tap is logged and handed to the job that started
+    it (``report_reason``), then raised."""
     try:
-        return tap.run()
+        yield
     except DiodeError as e:
         log_event(log, 50, f"tap stopped: {e}", channel=channel)
         report_reason(str(e))
@@ -1176,3 +1168,31 @@ def run_tap(cfg: Config, channel: str, *, until_empty: bool = False) -> TapStatu
     except Exception as e:  # a bug or a library's own error: its traceback follows
         report_reason(f"{type(e).__name__}: {e}")
         raise
+
+
+def tap_main(config_path: Path | None, channel: str, *, until_empty: bool = False) -> TapStatus:
+    """Black, tap: ``diode black tap``: load the config, check its broker URL, ``run_tap``. An
+    error before the tap runs (a config file edited since the job started, a channel gone
+    from it) reaches the job like one while it runs, with its reason (``report_reason``)."""
+    with _reported(channel):
+        cfg = load_config(config_path)
+        check_amqp_url(cfg.black.amqp_url.get_secret_value())
+    return run_tap(cfg, channel, until_empty=until_empty)
+
+
+def run_tap(cfg: Config, channel: str, *, until_empty: bool = False) -> TapStatus:
+    """Run a tap in this process until SIGTERM / SIGINT (or an empty queue with until_empty).
+    An error that stops it is logged and handed to the job that started it (``report_reason``),
+    one in building it too (a channel the config no longer has)."""
+    with _reported(channel):
+        tap = Tap(cfg, channel, until_empty=until_empty)
+
+        def _stop(_sig: int, _frame: Any) -> None:
+            tap.stop()
+
+        for s in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(s, _stop)
+        parent = os.environ.get(PARENT_ENV, "")
+        if parent.isdigit():
+            threading.Thread(target=_watch_parent, args=(tap, int(parent)), daemon=True).start()
+        return tap.run()
