@@ -7,15 +7,18 @@ file made here is byte-for-byte what black would drop, unless a test asks for a 
   an independent *forger* signing key in its own home (not pinned, not known to red).
 * ``make_rows``: rows of row schema v2 with real AMQP property bytes (headers of many types).
 * ``make_bundle`` / ``make_chain`` / ``make_heartbeat``: sealed wire files, written under a
-  hidden temp name then renamed (an inbox never sees half a file). ``manifest_overrides`` /
+  hidden temp name then renamed (an inbox never sees half a file); ``inexact`` ranges in a
+  bundle's manifest as black marks them. ``manifest_overrides`` /
   ``doc_overrides`` replace fields of the embedded JSON *after* validation, so a test can sign a
   manifest that lies (tampered name, unknown version, wrong counts).
 * ``seal_as``: any plaintext sealed under any name (junk, bombs, hand-made Parquet).
 * ``red_config``: a Config for one machine (both sides) with these keys.
+* ``land_bundles``: bundles verified (real gpg) and landed as one micro-batch, no Spark.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as dt
 import decimal
 import json
@@ -28,7 +31,7 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -57,12 +60,16 @@ from bridge.protocol.properties import (
 from bridge.protocol.rows import build_rows
 from bridge.protocol.schema import row_schema
 
+if TYPE_CHECKING:
+    from bridge.red.landing import LandingResult
+
 __all__ = [
     "BundleMade",
     "HeartbeatMade",
     "RedKeys",
     "keyless_red_config",
     "kill_agents",
+    "land_bundles",
     "make_bundle",
     "make_chain",
     "make_heartbeat",
@@ -346,11 +353,13 @@ def make_bundle(
     bundle_id: str | None = None,
     created_at: str | None = None,
     recipients: Sequence[str] | None = None,
+    inexact: Iterable[Gap] = (),
 ) -> BundleMade:
     """Pack ``rows_table`` with its manifest and seal it as ``<channel>.<seq>.<id>.dbundle``.
 
     ``manifest_overrides`` replaces manifest fields (raw JSON values, unchecked) after the
-    valid manifest is built; ``name_override`` writes the file under another name.
+    valid manifest is built; ``name_override`` writes the file under another name;
+    ``inexact``: the manifest's inexact seq ranges with their reasons (validated).
     """
     manifest = manifest_for(
         rows_table,
@@ -362,6 +371,7 @@ def make_bundle(
         prev_sha256=prev_sha256,
         gaps=gaps,
     )
+    manifest = dataclasses.replace(manifest, inexact=tuple(inexact))
     if manifest_overrides:
         doc = {**manifest.to_dict(), **manifest_overrides}
         raw = json.dumps(doc, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
@@ -479,6 +489,26 @@ def make_heartbeat(
         signer_fpr=signer_fpr,
     )  # fmt: skip
     return HeartbeatMade(path, name, plaintext, made)
+
+
+def land_bundles(cfg: Config, bundles: Sequence[BundleMade]) -> list[LandingResult]:
+    """Verify ``bundles`` (real gpg) and land them as one micro-batch, as the red job does
+    without Spark: a landing opened on ``cfg`` (an interrupted landing finished first) and
+    closed after. Returns the landings applied."""
+    from bridge.red.job import open_landing  # imports Spark: only for the tests that land
+    from bridge.red.verify import VerifyContext, verify_file
+
+    landing = open_landing(cfg)
+    ctx = VerifyContext.from_config(cfg, environ={})
+    rows = []
+    for ordinal, b in enumerate(bundles, start=landing.land_seq * 1000 + 1):
+        src = landing.intake_dir / f"{ordinal:012d}.{b.name}"
+        shutil.copyfile(b.path, src)
+        v = verify_file(src, b.name, ctx)
+        assert v.status == "ok", v
+        rows.append({"ordinal": ordinal, **v.to_row()})
+    landing.submit(rows)
+    return landing.drain(close=True)
 
 
 # ---------------------------------------------------------------------------- config

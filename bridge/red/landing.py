@@ -32,14 +32,14 @@ import json
 import os
 import shutil
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pyarrow as pa
-import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from bridge.config import Config
@@ -49,7 +49,7 @@ from bridge.faults import crash_point, slow_point
 from bridge.fsutil import atomic_write_bytes, durable_mkdir, fsync_dir
 from bridge.logs import get_logger, log_event
 from bridge.metrics import RED
-from bridge.protocol.manifest import Manifest, parse_utc
+from bridge.protocol.manifest import MANIFEST_KEY, Manifest, parse_utc
 from bridge.red import schema as rs
 from bridge.red import sequence as sq
 from bridge.red.evidence import Evidence
@@ -162,6 +162,35 @@ def _event_row(ev: sq.Event, at: datetime) -> dict[str, Any]:
         "reason": ev.reason,
         "detail": json.dumps(ev.detail, sort_keys=True) if ev.detail else None,
     }
+
+
+def _range_index(seq: pa.Array, ranges: Sequence[Sequence[int]]) -> pa.Array:
+    """Per value of ``seq``, the index in ``ranges`` (inclusive ``(first, last)`` seq ranges,
+    sorted and disjoint: manifest ``inexact``, skip ranges) of the range holding it; null
+    when none does."""
+    if not ranges:
+        return pa.nulls(len(seq), pa.int64())
+    s = seq.to_numpy(zero_copy_only=False)
+    firsts = np.array([r[0] for r in ranges], np.int64)
+    lasts = np.array([r[1] for r in ranges], np.int64)
+    i = np.searchsorted(firsts, s, side="right") - 1
+    inside = (i >= 0) & (s <= lasts[np.maximum(i, 0)])
+    return pa.array(i, pa.int64(), mask=~inside)
+
+
+def _manifest_of(f: pq.ParquetFile, plain: dict[str, Any]) -> Manifest:
+    """The manifest the held plaintext of an intent's ``plain`` carries (Parquet key-value
+    metadata); LandingError when it is not the bundle the landing judged."""
+    raw = (f.metadata.metadata or {}).get(MANIFEST_KEY)
+    m = None if raw is None else Manifest.from_json(raw)
+    if m is None or m.bundle_id != plain["bundle_id"]:
+        raise LandingError(
+            f"held plaintext {plain['path']} of bundle {plain['channel']}/"
+            f"{plain['bundle_seq']} (id {plain['bundle_id']}) carries "
+            f"{'no manifest' if m is None else f'the manifest of bundle id {m.bundle_id}'}: it "
+            "was replaced after it was judged. Do not delete anything; ask for help"
+        )
+    return m
 
 
 def _sorted_rows(verdicts: pa.Table | list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -824,7 +853,10 @@ class Landing:
         return row
 
     def _messages(self, intent: dict[str, Any]) -> tuple[pa.RecordBatchReader, list[int]]:
-        """A streaming reader of the landing's message rows (skip ranges removed)."""
+        """A streaming reader of the landing's message rows (skip ranges removed), each with
+        the reason of the manifest's ``inexact`` range holding its seq (null: exact). The
+        ranges are read from the held plaintext's own manifest (verified when judged), so an
+        intent journaled by an earlier build lands them too."""
         schema = rs.messages_schema()
         at = datetime.fromisoformat(intent["at"])
         land_seq = int(intent["land_seq"])
@@ -833,18 +865,17 @@ class Landing:
         def batches() -> Iterator[pa.RecordBatch]:
             for p in intent["plains"]:
                 f = pq.ParquetFile(p["path"])
+                inexact = _manifest_of(f, p).inexact
+                spans = [(r.first_seq, r.last_seq) for r in inexact]
+                reasons = pa.array([r.reason for r in inexact], pa.string())
                 for b in f.iter_batches(batch_size=READ_BATCH_ROWS):
                     if p["skip"]:
-                        seq = b.column("seq")
-                        keep = None
-                        for lo, hi in p["skip"]:
-                            inside = pc.and_(pc.greater_equal(seq, lo), pc.less_equal(seq, hi))
-                            keep = inside if keep is None else pc.or_(keep, inside)
-                        b = b.filter(pc.invert(keep))
+                        b = b.filter(_range_index(b.column("seq"), p["skip"]).is_null())
                     k = b.num_rows
                     if not k:
                         continue
                     cols = {name: b.column(name) for name in b.schema.names}
+                    cols["inexact"] = reasons.take(_range_index(b.column("seq"), spans))
                     cols["bundle_seq"] = pa.array([p["bundle_seq"]] * k, pa.int64())
                     cols["bundle_id"] = pa.array([p["bundle_id"]] * k, pa.string())
                     cols["land_seq"] = pa.array([land_seq] * k, pa.int64())

@@ -3,9 +3,9 @@
 Pure: no I/O. Every timestamp is ``timestamp("us", tz="UTC")``: a zone-less timestamp
 (``timestamp_ntz``) would raise a Delta table to reader 3 / writer 7, which older readers
 refuse. ``messages`` repeats the wire row schema (``bridge.protocol.schema.row_schema(2)``)
-and adds where and when red landed each row; ``bundles`` is the ledger of every bundle file red
-judged; ``audit`` is the event log (one row per event, ids deterministic so a re-applied
-landing writes the very same rows).
+and adds where and when red landed each row, and whether the row is byte-exact; ``bundles`` is
+the ledger of every bundle file red judged; ``audit`` is the event log (one row per event, ids
+deterministic so a re-applied landing writes the very same rows).
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from bridge.errors import DiodeError
 from bridge.protocol.schema import row_schema
 
 __all__ = [
+    "ADDED_COLUMNS",
     "AUDIT_EVENTS",
     "AUDIT_PARTITIONS",
     "BUNDLE_STATUSES",
@@ -50,6 +51,9 @@ TABLE_NAMES = ("messages", "bundles", "audit")
 MESSAGES_PARTITIONS = ("exchange", "landed_date")
 BUNDLES_PARTITIONS: tuple[str, ...] = ()
 AUDIT_PARTITIONS = ("event_date",)
+ADDED_COLUMNS: dict[str, tuple[str, ...]] = {"messages": ("inexact",)}
+"""Columns a later build added at the end of a table (nullable): ``RedTables.ensure`` adds them
+to a table an earlier build created (its rows from before read as null) instead of refusing it."""
 
 BUNDLE_STATUSES = ("landed", "duplicate", "conflict", "quarantined")
 """``bundles.status``: what red did with the file."""
@@ -110,6 +114,7 @@ def messages_schema() -> pa.Schema:
         pa.field("land_seq", _I64, nullable=False),  # landing that wrote it; replay tails it
         pa.field("landed_at", _TS, nullable=False),
         pa.field("landed_date", _DATE, nullable=False),  # partition
+        pa.field("inexact", _S),  # the manifest's inexact reason for the row's seq; null: exact
     ]
     return pa.schema(list(wire) + red)
 

@@ -40,12 +40,14 @@ import pyarrow.compute as pc
 import pyarrow.dataset as pads
 import pyarrow.parquet as pq
 from deltalake import CommitProperties, DeltaTable, Transaction, write_deltalake
+from deltalake.schema import Field
 from deltalake.transaction import AddAction, RemoveAction
 
 from bridge.errors import ConfigError
 from bridge.fsutil import durable_mkdir, fsync_dir
 from bridge.logs import get_logger, log_event
 from bridge.red.schema import (
+    ADDED_COLUMNS,
     AUDIT_PARTITIONS,
     BUNDLES_PARTITIONS,
     CHAIN_STATUSES,
@@ -490,7 +492,9 @@ class RedTables:
 
     # -- creation and look-ups (delta-rs for both engines) -------------------------------------
     def ensure(self) -> None:
-        """Create the missing tables empty; check that existing ones have the expected columns."""
+        """Create the missing tables empty; check that existing ones have the expected columns
+        (adding those a later build added: ``_check_or_evolve``). Both engines write only
+        after this: the Spark writer appends by column name to the table it leaves."""
         durable_mkdir(self.root)
         for name in TABLE_NAMES:
             schema = schema_for(name)
@@ -503,7 +507,7 @@ class RedTables:
                 name=name,
                 description=_DESCRIPTIONS[name],
             )
-            self._check_existing(name, dt)
+            self._check_or_evolve(name, dt)
             # a commit made just before a crash may never have been fsynced; the retry skips
             # it as committed. Everything since the last checkpoint is few (the checkpoint
             # interval) and covers it, and the creation (version 0) of a new table.
@@ -513,17 +517,29 @@ class RedTables:
                 self._open[name] = dt
         fsync_dir(self.root)  # the table folders delta-rs created
 
-    def _check_existing(self, name: str, dt: DeltaTable) -> None:
-        have = [f.name for f in dt.schema().fields]
-        want = schema_for(name).names
+    def _check_or_evolve(self, name: str, dt: DeltaTable) -> None:
+        """Refuse a table whose columns or partitioning differ from what this version writes,
+        except for columns a later build added (``ADDED_COLUMNS``) missing from a table an
+        earlier build created: those are added (additive schema evolution, one metadata commit
+        without an app transaction; the rows from before read as null)."""
+        schema = schema_for(name)
+        have = {f.name for f in dt.schema().fields}
+        missing = [f for f in schema if f.name not in have]
+        unknown = sorted(have - set(schema.names))
         parts = list(dt.metadata().partition_columns)
-        if set(have) != set(want) or parts != list(_PARTITIONS[name]):
+        later = ADDED_COLUMNS.get(name, ())
+        if unknown or parts != list(_PARTITIONS[name]) or any(f.name not in later for f in missing):
             raise RedTableError(
                 f"red table {name!r} at {self.path(name)} is not the table this version writes: "
-                f"missing columns {sorted(set(want) - set(have))}, unknown columns "
-                f"{sorted(set(have) - set(want))}, partitioned by {parts} (expected "
-                f"{list(_PARTITIONS[name])}); point red.tables_dir elsewhere or migrate it"
+                f"missing columns {sorted(f.name for f in missing)}, unknown columns {unknown}, "
+                f"partitioned by {parts} (expected {list(_PARTITIONS[name])}); point "
+                "red.tables_dir elsewhere or migrate it"
             )
+        if missing:
+            dt.alter.add_columns([Field.from_arrow(f) for f in missing])
+            log_event(log, 20, "red table given the columns this version added; its rows from "
+                      "before read them as null", table=name, path=str(self.path(name)),
+                      columns=[f.name for f in missing], version=dt.version())  # fmt: skip
 
     def _table(self, name: str) -> DeltaTable:
         """The table, refreshed to its newest version."""

@@ -45,9 +45,20 @@ def test_messages_schema_is_the_wire_schema_then_red_columns() -> None:
         ("land_seq", pa.int64(), False),
         ("landed_at", pa.timestamp("us", tz="UTC"), False),
         ("landed_date", pa.date32(), False),
+        ("inexact", pa.string(), True),
     ]
     assert set(rs.MESSAGES_PARTITIONS) <= set(m.names)
     assert rs.MESSAGES_PARTITIONS == ("exchange", "landed_date")
+
+
+@pytest.mark.parametrize("name", sorted(rs.ADDED_COLUMNS))
+def test_added_columns_are_nullable_and_last(name: str) -> None:
+    """What ensure adds to a table an earlier build created: nullable (Delta adds no other),
+    at the end (where adding puts them: old and new tables keep one column order)."""
+    s = rs.schema_for(name)
+    added = rs.ADDED_COLUMNS[name]
+    assert s.names[-len(added) :] == list(added)
+    assert all(s.field(c).nullable for c in added)
 
 
 def test_bundles_schema_required_columns() -> None:
