@@ -49,6 +49,7 @@ __all__ = [
     "JOB_LOCK_WAIT_SECONDS",
     "heartbeat_seq_path",
     "pending_bundle_names",
+    "prune_logged",
     "prune_unless_pending",
     "read_heartbeat_seq",
     "run_every",
@@ -126,6 +127,20 @@ def prune_unless_pending(outbox: Outbox, store: StateStore, *, now: float | None
     enough to go. Returns how many bundles were deleted.
     """
     return outbox.prune_archive(now=now, keep=pending_bundle_names(store))
+
+
+def prune_logged(outbox: Outbox, store: StateStore) -> int:
+    """:func:`prune_unless_pending`; a failure (a folder black may not change, an unreadable
+    journal) is logged and retried at the next prune, never raised: pruning is housekeeping,
+    and what the run shipped is shipped. Returns how many bundles were deleted."""
+    try:
+        removed = prune_unless_pending(outbox, store)
+    except (OSError, StateError) as e:
+        log_event(log, 40, f"archive pruning failed (tried again at the next prune): {e}")
+        return 0
+    if removed:
+        log_event(log, 20, "archive pruned", removed=removed)
+    return removed
 
 
 class HeartbeatWriter:
@@ -301,13 +316,7 @@ class ArchivePruneLoop(threading.Thread):
 
     def run(self) -> None:
         while not self._stop_event.wait(self.interval):
-            try:  # a continuous job keeps the archive within its retention
-                removed = prune_unless_pending(self.outbox, self.store)
-            except (OSError, StateError) as e:
-                log_event(log, 40, f"archive pruning failed: {e}")
-                continue
-            if removed:
-                log_event(log, 20, "archive pruned", removed=removed)
+            prune_logged(self.outbox, self.store)  # the archive kept within its retention
 
     def stop(self) -> None:
         self._stop_event.set()

@@ -29,7 +29,7 @@ from bridge.black.heartbeat import (
     JOB_LOCK_WAIT_SECONDS,
     HeartbeatLoop,
     HeartbeatWriter,
-    prune_unless_pending,
+    prune_logged,
 )
 from bridge.black.mirror import Mirror, MirrorLoop
 from bridge.black.recovery import recover_committed
@@ -458,7 +458,7 @@ class BlackRun:
                 scheduled.stop()
             hb_loop.stop()
         self.heartbeats.beat_all()  # a final heartbeat names the last bundle sealed
-        prune_unless_pending(self.outbox, self.store)  # a pending bundle's copy stays
+        prune_logged(self.outbox, self.store)  # a pending bundle's copy stays
         s = BlackSummary(seconds=time.monotonic() - t0, recovered_bundles=len(recovered))
         if self.sink.totals.first_began is not None:
             s.drain_seconds = self.sink.totals.last_ended - self.sink.totals.first_began

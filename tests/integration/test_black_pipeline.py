@@ -9,6 +9,7 @@ import decimal
 import hashlib
 import io
 import json
+import os
 import shutil
 import time
 from pathlib import Path
@@ -305,6 +306,31 @@ def test_a_sealing_failure_on_the_last_batch_ends_a_scheduled_run_at_once(
         run.run(spark, "available-now", timeout=150)
     assert time.monotonic() - t0 < 60, "the failure was seen only at the run's timeout"
     assert StateStore(cfg.black.state_dir).load("main").last_seq == -1  # nothing shipped
+
+
+def test_an_archive_prune_that_fails_at_the_end_of_a_run_does_not_fail_the_run(
+    black_vhost: Any, short_tmp: Path, spark: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The prune at the end of a run was unguarded: an old bundle black may not delete (the
+    archive folder of a retired channel, restored immutable or under another owner) failed a
+    run whose bundles were all sealed and shipped, and a scheduler took it for a failed run.
+    It is logged and tried again at the next prune, like the continuous job's."""
+    from tests.unit.test_black_dirs import refused_dir
+
+    cfg, run = black_run(black_vhost, short_tmp)
+    run.mirror.sync()
+    publish(black_vhost.amqp_url, 10)
+    retired = short_tmp / "black" / "archive" / "retired"
+    retired.mkdir(parents=True)
+    old = retired / "retired.000000000001.0123456789abcdef.bundle"
+    old.write_bytes(b"an old bundle")
+    os.utime(old, (0, 0))  # far beyond the retention
+    with refused_dir(retired), caplog.at_level("ERROR", logger="bridge.black.heartbeat"):
+        summary = run.run(spark, "available-now", timeout=300)
+        assert old.exists()  # the case: the prune could not delete it
+    assert summary.messages == 10 and summary.lost == 0
+    assert any("archive pruning failed" in r.getMessage() for r in caplog.records)
+    assert StateStore(cfg.black.state_dir).load("main").last_seq == 9
 
 
 def test_a_checkpoint_of_another_query_is_a_configuration_error(
