@@ -770,6 +770,43 @@ def red_replay(
 red.add_command(red_replay, "publish")  # the replay publisher's other name (DESIGN §3.8)
 
 
+@red.command("rewind")
+@config_option
+@click.option("--exchange", required=True, help="the exchange whose replay to rewind (exact name)")
+@click.option("--to-seq", metavar="CHANNEL:SEQ", default=None, help="back to this landed row")
+@click.option(
+    "--since", metavar="ISO-TIME", default=None, help="back to the first row landed at or after"
+)
+@click.option(
+    "--skipped",
+    is_flag=True,
+    help="back to the first row the replay skipped (replay_failed kind user_id or bad_row) "
+    "since the exchange's last rewind",
+)
+@click.option("--reason", default=None, help="why (a ticket, who asked): kept in the audit")
+@click.option("--dry-run", is_flag=True, help="print what it would do; change nothing")
+def red_rewind(
+    config_path: Path | None,
+    exchange: str,
+    to_seq: str | None,
+    since: str | None,
+    skipped: bool,
+    reason: str | None,
+    dry_run: bool,
+) -> None:
+    """Move an exchange's replay progress back: the next replay publishes its rows again from
+    there, in order (duplicates for consumers: de-duplicate on red.replay.id_header).
+
+    Refused (exit 1) while the replay publisher runs; exit 2 for an unknown exchange or a
+    --to-seq row that has not landed; exit 0 with a note when there is nothing to rewind.
+    Audited as replay_rewound (runbook §15.4)."""
+    from bridge.red.replay_rewind import Target, rewind_exchange
+
+    target = Target.from_options(to_seq, since, skipped)  # before reading anything
+    out = rewind_exchange(_load(config_path), exchange, target, reason=reason, dry_run=dry_run)
+    click.echo(json.dumps(out))
+
+
 @red.command("declare")
 @config_option
 @click.argument("exchanges", nargs=-1)

@@ -18,6 +18,7 @@ __all__ = [
     "check_log_level",
     "get_logger",
     "log_event",
+    "operator_name",
     "setup_logging",
 ]
 
@@ -111,3 +112,14 @@ def get_logger(name: str) -> logging.Logger:
 def log_event(logger: logging.Logger, level: int, msg: str, **ids: Any) -> None:
     """Log ``msg`` with ids (channel=, bundle_seq=, bundle_id=, ...) as structured fields."""
     logger.log(level, msg, extra=ids)
+
+
+def operator_name() -> str:
+    """Who runs this command, for the audit (an approval, a write-off, a rewind): the login
+    name, else ``uid N``."""
+    import getpass
+
+    try:
+        return getpass.getuser()
+    except (KeyError, OSError):
+        return f"uid {os.getuid()}"

@@ -27,9 +27,7 @@ file's revision jumps ahead instead of restarting at 1).
 
 from __future__ import annotations
 
-import getpass
 import json
-import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
@@ -40,7 +38,7 @@ from typing import Any, Literal
 from bridge.config import Config
 from bridge.errors import ConfigError, StateError
 from bridge.fsutil import atomic_write_bytes, durable_mkdir, exclusive_lock
-from bridge.logs import get_logger, log_event
+from bridge.logs import get_logger, log_event, operator_name
 from bridge.protocol.exchange import check_exchange_name
 
 __all__ = [
@@ -345,7 +343,7 @@ def approve_exchanges(
     of ``approvals.lock``; returns a report."""
     for name in names:
         check_exchange_name(name)
-    who = by or _who()
+    who = by or operator_name()
     action: Action = "revoke" if revoke else "approve"
     tables_dir = Path(cfg.red.tables_dir)
     approvals = Approvals(Path(cfg.red.state_dir))
@@ -424,11 +422,3 @@ def _sync_or_defer(tables_dir: Path, approvals: Approvals) -> int | str:
         log_event(log, 30, "approval not audited yet", tables_dir=str(tables_dir),
                   revision=approvals.revision, error=str(e))  # fmt: skip
         return f"not written ({type(e).__name__}: {e}); the next `diode approve` retries"
-
-
-def _who() -> str:
-    try:
-        user = getpass.getuser()
-    except (KeyError, OSError):
-        user = f"uid {os.getuid()}"
-    return user

@@ -127,5 +127,6 @@ def user_id_problem(properties_raw: bytes, user: str) -> str | None:
         f"its user-id property is '{shown}' but the replay user {user!r} may not publish "
         "another user's user-id (the red broker refuses it, 406 PRECONDITION_FAILED; replay "
         f"keeps properties byte for byte, so it is not changed): {impersonation_fix(user)}; "
-        "then publish the skipped rows again (runbook §15.3)"
+        "then publish the skipped rows again: diode red rewind --exchange <exchange> --skipped "
+        "(runbook §15.4)"
     )

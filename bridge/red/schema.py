@@ -97,6 +97,7 @@ AUDIT_EVENTS = (
     "replay_failed",  # the replay publisher could not publish (broker refused, unroutable)
     "replay_gap_passed",  # the replay went past an open gap after holding it gap_hold_seconds
     "replayed_out_of_order",  # rows published below a seq of their channel already published
+    "replay_rewound",  # an operator moved an exchange's replay progress back (diode red rewind)
 )
 """Every ``audit.event`` the bridge writes; the comment says when."""
 

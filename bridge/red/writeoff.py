@@ -12,7 +12,6 @@ retired channel is no longer watched for silence.
 from __future__ import annotations
 
 import contextlib
-import getpass
 import json
 import time
 import uuid
@@ -24,6 +23,7 @@ from typing import Any
 from bridge.config import Config
 from bridge.errors import ConfigError, StateError
 from bridge.fsutil import atomic_write_bytes, durable_mkdir, exclusive_lock, lock_held
+from bridge.logs import operator_name
 from bridge.red import sequence as sq
 from bridge.red.landing import LOCK_FILE, REQUESTS_DIR
 from bridge.red.report import load_sequence
@@ -42,17 +42,10 @@ def _queue(cfg: Config, doc: dict[str, Any]) -> Path:
     return path
 
 
-def _user() -> str:
-    try:
-        return getpass.getuser()
-    except (KeyError, OSError):
-        return "unknown"
-
-
 def _checked_note(note: str) -> str:
     if not note.strip():
         raise ConfigError("--note is required: say why (a ticket, who decided); the audit keeps it")
-    return f"{note} (by {_user()})"
+    return f"{note} (by {operator_name()})"
 
 
 def _trial(cfg: Config) -> tuple[sq.SequenceState, datetime]:
