@@ -185,6 +185,24 @@ def _passphrase_option(file: Path | None, env: str | None):  # type: ignore[no-u
     return pp
 
 
+_GPG_BINARY = click.option(
+    "--gpg-binary",
+    default="gpg",
+    show_default=True,
+    metavar="GPG",
+    help="the gpg to run (a name on PATH or a path; gpgconf from beside it): the side's "
+    "<side>.gpg_binary",
+)
+
+
+def _checked_gpg(binary: str) -> None:
+    """A --gpg-binary other than the default is checked as the config key is at start."""
+    if binary != "gpg":
+        from bridge.crypto.gpg import check_gpg_binary
+
+        check_gpg_binary(binary, key="--gpg-binary")
+
+
 @keys.command("init")
 @click.option(
     "--side",
@@ -227,6 +245,7 @@ def _passphrase_option(file: Path | None, env: str | None):  # type: ignore[no-u
     help="protect the key with the passphrase in environment variable VAR",
 )
 @click.option("--force", is_flag=True, help="DESTROY this side's existing key in --home first")
+@_GPG_BINARY
 def keys_init(
     side: str,
     home: Path | None,
@@ -237,6 +256,7 @@ def keys_init(
     passphrase_file: Path | None,
     passphrase_env: str | None,
     force: bool,
+    gpg_binary: str,
 ) -> None:
     """Create THIS side's key, export its public key, print the config lines that pin it.
 
@@ -247,6 +267,7 @@ def keys_init(
 
     pp = _passphrase_option(passphrase_file, passphrase_env)
     home = home if home is not None else Path("keys") / side
+    _checked_gpg(gpg_binary)
     made = init_side(
         side,  # type: ignore[arg-type]
         home,
@@ -256,6 +277,7 @@ def keys_init(
         bridge_id=bridge_id,
         passphrase=pp,
         force=force,
+        binary=gpg_binary,
     )
     other = "red" if side == "black" else "black"
     what = "black signing key" if side == "black" else f"red decryption key {name!r}"
@@ -279,11 +301,13 @@ def keys_init(
     help="GnuPG home to import into (black.gnupg_home or red.gnupg_home)",
 )
 @click.argument("files", nargs=-1, required=True, type=click.Path(dir_okay=False, path_type=Path))
-def keys_import(home: Path, files: tuple[Path, ...]) -> None:
+@_GPG_BINARY
+def keys_import(home: Path, files: tuple[Path, ...], gpg_binary: str) -> None:
     """Import PUBLIC keys (.asc) from the other side; refuses any secret key material."""
     from bridge.crypto.keys import import_public_keys, import_snippet
 
-    found = import_public_keys(home, files)
+    _checked_gpg(gpg_binary)
+    found = import_public_keys(home, files, binary=gpg_binary)
     click.echo(f"imported {len(found)} public key(s) into {home}:")
     for k in found:
         uid = k.uids[0] if k.uids else ""

@@ -264,3 +264,30 @@ def test_demo_config_names_the_demo_gpg_for_both_sides(tmp_path: Path) -> None:
     path = write_demo_config(tmp_path, red_amqp_url="amqp://y", gpg_binary=vendored, **args)
     cfg = load_config(path, environ={})
     assert cfg.black.gpg_binary == cfg.red.gpg_binary == vendored
+
+
+def test_keys_init_and_import_run_the_gpg_binary_given(bench: Bench) -> None:
+    """`diode keys init` / `import` read no config: they ran the first gpg on PATH whatever
+    the side's gpg_binary. --gpg-binary runs that one (and its gpgconf), checked like the key."""
+    log = bench.root / "side.log"
+    gpg = bench.install("side", log)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DIODE")}
+
+    def diode(*argv: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "bridge.cli", *argv], capture_output=True,
+                              text=True, env=env, timeout=180, check=False)  # fmt: skip
+
+    red_home, black_home = bench.root / "kr", bench.root / "kb"
+    bench.homes += [(red_home, gpg), (black_home, gpg)]
+    r = diode("keys", "init", "--side", "red", "--home", str(red_home), "--gpg-binary", gpg)
+    assert r.returncode == 0, r.stdout + r.stderr
+    pub = bench.root / "pub" / "red.asc"
+    assert pub.exists()
+    r = diode("keys", "import", "--home", str(black_home), "--gpg-binary", gpg, str(pub))
+    assert r.returncode == 0 and "imported 1 public key(s)" in r.stdout, r.stdout + r.stderr
+    assert bench.decoyed() == []  # the case: nothing went through PATH's gpg
+    calls = log.read_text()
+    assert "gpg --version" in calls and "gen-key" in calls
+    assert f"--homedir {black_home}" in calls and "--import" in calls
+    r = diode("keys", "import", "--home", str(black_home), "--gpg-binary", "nope/gpg", str(pub))
+    assert r.returncode == 2 and "--gpg-binary = 'nope/gpg': no such file" in r.stderr, r.stderr
