@@ -1695,6 +1695,10 @@ def _describe(name: str, decl: Decl) -> str:
 
 
 # -- audit ------------------------------------------------------------------------------------
+_AUDIT_TRIES = 5
+"""Versions ``audit_sink`` tries for one commit when another writer commits the one it read."""
+
+
 def audit_sink(cfg: Config) -> Callable[[list[dict[str, Any]]], None]:
     """A ``sink`` that appends replay events to ``tables_dir/audit`` with the application
     transaction ``("diode-replay", n)``, ``n`` one more than the table's last (1 for the
@@ -1708,8 +1712,15 @@ def audit_sink(cfg: Config) -> Callable[[list[dict[str, Any]]], None]:
     def write(events: Sequence[dict[str, Any]]) -> None:
         if not events:
             return
-        version = max(tables.txn_version("audit", APP_ID), 0) + 1
-        rows = audit_rows(list(events), APP_ID, version, datetime.now(UTC))
-        tables.append("audit", rows, app_id=APP_ID, version=version)
+        for _ in range(_AUDIT_TRIES):  # another writer took the version meanwhile: the next
+            version = max(tables.txn_version("audit", APP_ID), 0) + 1
+            rows = audit_rows(list(events), APP_ID, version, datetime.now(UTC))
+            if tables.append("audit", rows, app_id=APP_ID, version=version):
+                return
+        raise StateError(
+            f"replay audit events not written: {_AUDIT_TRIES} versions of {APP_ID} in "
+            f"{tables.path('audit')} were taken by another writer as they were tried (two "
+            "replay publishers on one tables_dir?); retried with the next events"
+        )
 
     return write
