@@ -27,6 +27,7 @@ __all__ = [
     "exclusive_lock",
     "fsync_dir",
     "lock_held",
+    "os_error_text",
     "pwritev_all",
     "shared_lock",
     "tmp_path_for",
@@ -42,6 +43,13 @@ DIR_MODE = 0o750
 """Directories the bridge creates: the owner writes, its group (e.g. the mover's) reads."""
 FILE_MODE = 0o640
 """Files the bridge writes: the owner writes, its group reads, others nothing."""
+
+
+def os_error_text(e: OSError) -> str:
+    """``e``'s reason with its errno's name, e.g. ``Permission denied (EACCES)``."""
+    code = e.errno if e.errno is not None else 0
+    return f"{e.strerror or e} ({errno.errorcode.get(code, code)})"
+
 
 WRITE_PROBE = "write-probe"
 """Base name of the file a create-and-unlink write check makes (:func:`write_refusal`)."""

@@ -34,6 +34,7 @@ from bridge.black.spool_rows import read_rows, source_schema
 from bridge.black.state import StateStore
 from bridge.config import Config
 from bridge.errors import DiodeError
+from bridge.fsutil import os_error_text
 from bridge.logs import get_logger, log_event
 
 __all__ = ["BatchSink", "BatchResult", "SealingFailed", "Totals"]
@@ -220,7 +221,11 @@ class BatchSink:
         self._sealing = None
         if self._avg:  # other channels keep the hints of earlier runs
             names = [c.name for c in self.cfg.channels]
-            save_read_hint(Path(self.cfg.black.state_dir), self._avg, names)
+            try:
+                save_read_hint(Path(self.cfg.black.state_dir), self._avg, names)
+            except OSError as e:  # a sizing hint: the batch is sealed and shipped whatever
+                log_event(log, 30, "read hint not saved (the next run's first batch is sized "
+                          "from a few messages)", error=os_error_text(e))  # fmt: skip
         log_event(
             log,
             20,

@@ -50,13 +50,14 @@ from bridge.fsutil import (
     durable_mkdir,
     exclusive_lock,
     fsync_dir,
+    os_error_text,
     shared_lock,
     tmp_path_for,
     write_new_file,
     write_refusal,
 )
 from bridge.logs import get_logger, log_event
-from bridge.protocol.naming import MAX_SEQ, parse_bundle_name
+from bridge.protocol.naming import CHANNEL_RE, MAX_SEQ, parse_bundle_name
 
 __all__ = [
     "DROP_LOCK",
@@ -506,20 +507,43 @@ class Outbox:
         ):
             dirs = [self.staging, *(d for _, d in self._drop_dirs())]
             if self.archive.is_dir():
-                dirs += [self.archive, *(p for p in self.archive.iterdir() if p.is_dir())]
+                dirs += [self.archive, *self._archive_folders()]
             for d in dirs:
-                for entry in os.scandir(d):
-                    if not _TEMP_RE.match(entry.name) or not entry.is_file(follow_symlinks=False):
-                        continue
-                    if d == self.archive and not entry.name.startswith(_ROOT_PROBES):
-                        continue  # the archive root: channel folders, link and write probes
-                    try:
-                        os.unlink(entry.path)
-                    except FileNotFoundError:  # a mover took it
-                        continue
-                    removed += 1
-                    log_event(log, 30, "removed a partial file left by a crash", file=entry.path)
+                try:
+                    removed += self._sweep(d)
+                except OSError as e:  # housekeeping: never worth failing a start
+                    log_event(log, 30, "stale temp files not swept (tried again at the next "
+                              "start): give the user running black write access to the folder, "
+                              "or remove them by hand", folder=str(d),
+                              error=os_error_text(e))  # fmt: skip
         return removed
+
+    def _sweep(self, d: Path) -> int:
+        """Remove the crash temps in ``d``; OSError when ``d`` cannot be read or one cannot
+        be removed (after removing the others)."""
+        removed, refused = 0, None
+        for entry in os.scandir(d):
+            if not _TEMP_RE.match(entry.name) or not entry.is_file(follow_symlinks=False):
+                continue
+            if d == self.archive and not entry.name.startswith(_ROOT_PROBES):
+                continue  # the archive root: channel folders, link and write probes
+            try:
+                os.unlink(entry.path)
+            except FileNotFoundError:  # a mover took it
+                continue
+            except OSError as e:
+                refused = e
+                continue
+            removed += 1
+            log_event(log, 30, "removed a partial file left by a crash", file=entry.path)
+        if refused is not None:
+            raise refused
+        return removed
+
+    def _archive_folders(self) -> list[Path]:
+        """The archive's channel folders (named as a channel can be: not ``lost+found`` or
+        anything else put beside them)."""
+        return [p for p in self.archive.iterdir() if CHANNEL_RE.fullmatch(p.name) and p.is_dir()]
 
     # ---------------------------------------------------------------- deliveries
 
@@ -745,20 +769,28 @@ class Outbox:
         removed = 0
         if not self.archive.is_dir():
             return 0
-        for adir in self.archive.iterdir():
-            if not adir.is_dir():
-                continue
+        refused: list[str] = []
+        for adir in self._archive_folders():
             changed = False
-            for p in adir.iterdir():
-                if p.name.startswith(".") or p.name in keep:
-                    continue
-                try:
-                    if p.stat().st_mtime < cutoff:
-                        p.unlink()
-                        removed += 1
-                        changed = True
-                except FileNotFoundError:
-                    continue
+            try:
+                for p in adir.iterdir():
+                    if p.name.startswith(".") or p.name in keep:
+                        continue
+                    try:
+                        if p.stat().st_mtime < cutoff:
+                            p.unlink()
+                            removed += 1
+                            changed = True
+                    except FileNotFoundError:
+                        continue
+            except OSError as e:  # one folder black may not change: the others are pruned
+                refused.append(f"{adir}: {os_error_text(e)}")
             if changed:
                 fsync_dir(adir)
+        if refused:
+            raise OSError(
+                f"archive pruned except {'; '.join(refused)}: give the user running black write "
+                "access there (a retired channel's folder restored under another owner?), or "
+                "remove what it holds by hand"
+            )
         return removed

@@ -16,6 +16,7 @@ from bridge.black.catalog import default_catalog_path, save_catalog
 from bridge.black.sink import BatchSink
 from bridge.black.source import RANGE_SCHEMA, SpoolStreamReader, read_hint
 from bridge.black.spool import SpoolWriter
+from bridge.black.state import StateStore
 from bridge.config import Config, config_from_dict
 from bridge.crypto.keys import KeyInventory
 from tests.integration.test_sink_replay import CATALOG, keys, sealer
@@ -116,3 +117,18 @@ def test_a_channel_no_longer_configured_loses_its_hint(keys: KeyInventory, short
     (state / "read-hint.json").write_text('{"avg_row_bytes": {"gone": 5.0, "b": 7.0}}')
     run(cfg, keys, ("a", 0, 5))
     assert set(read_hint(state)) == {"a", "b"}
+
+
+def test_a_read_hint_that_cannot_be_written_does_not_fail_a_sealed_batch(
+    keys: KeyInventory, short_tmp: Path
+) -> None:
+    """The hint is written after the batch's bundles are shipped and journaled: its failure
+    (a full state disk, EIO, something in its place) failed the batch, so the query stopped
+    and the run exited non-zero over a sizing hint. It is logged; the batch stands."""
+    cfg = make_cfg(keys, short_tmp)
+    spool(cfg, "a", 5)
+    state = Path(cfg.black.state_dir)
+    (state / "read-hint.json").mkdir(parents=True)  # the fault: the hint cannot be replaced
+    run(cfg, keys, ("a", 0, 5))
+    assert (state / "read-hint.json").is_dir()  # the case: it was not written
+    assert StateStore(state).load("a").last_seq == 4

@@ -223,6 +223,40 @@ def test_prune_archive_removes_old_keeps_recent(tmp_path: Path) -> None:
     assert ob.archived("a") == {} and ob.archived("b") == {}
 
 
+def test_a_folder_black_may_not_change_neither_stops_the_prune_nor_the_sweep(
+    tmp_path: Path,
+) -> None:
+    """The archive's prune stopped at the first folder it could not change (a retired
+    channel's, restored immutable or under another owner), leaving every channel after it
+    unpruned for good; the start's sweep of crash temps raised there and failed every run.
+    The others are pruned (the prune then names that folder) and swept; a folder that is no
+    channel's (lost+found on a mount) is not black's to touch."""
+    from tests.unit.test_black_dirs import refused_dir
+
+    ob = Outbox(tmp_path / "outbox", tmp_path / "archive", retention_days=1)
+    old = time.time() - 30 * DAY
+    bundles = {}
+    for ch in ("a-retired", "b", "lost+found"):
+        d = tmp_path / "archive" / ch
+        d.mkdir(parents=True)
+        p = bundles[ch] = d / f"{ch}.000000000001.{1:032x}.dbundle"
+        p.write_bytes(b"x")
+        os.utime(p, (old, old))
+        (d / f".{ch}.000000000002.{2:032x}.dbundle.0123456789ab.tmp").write_bytes(b"partial")
+    staged = ob.staging / f".b.000000000003.{3:032x}.dbundle.0123456789ab.tmp"
+    staged.parent.mkdir(parents=True, exist_ok=True)
+    staged.write_bytes(b"partial")
+    with refused_dir(tmp_path / "archive" / "a-retired"):
+        with pytest.raises(OSError, match=r"archive pruned except .*a-retired: "):
+            ob.prune_archive()
+        assert bundles["a-retired"].exists()  # the case: refused there
+        assert not bundles["b"].exists(), "the channels after it are pruned"
+        assert bundles["lost+found"].exists(), "not a channel's folder: not black's"
+        assert ob.sweep_stale_temps() == 2  # staging's and b's; a-retired's is logged
+    assert not staged.exists() and not list((tmp_path / "archive" / "b").glob(".*.tmp"))
+    assert list((tmp_path / "archive" / "lost+found").glob(".*.tmp"))
+
+
 def _pending_journal(store: Any, channel: str, seq: int) -> str:
     """Journal bundle ``seq`` of ``channel`` as pending (archived, not yet committed: the
     window a crash can leave); returns its file name."""
