@@ -15,6 +15,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -63,6 +64,16 @@ def red_vhost() -> Iterator[Vhost]:
         yield v
     finally:
         _delete_vhost(v)
+
+
+@pytest.fixture
+def tables(tmp_path: Path) -> Any:
+    """Red's tables (delta-rs), created empty under ``tmp_path/tables``."""
+    from bridge.red.tables import RedTables
+
+    t = RedTables(tmp_path / "tables", "delta-rs")
+    t.ensure()
+    return t
 
 
 @pytest.fixture

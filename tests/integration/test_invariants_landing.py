@@ -13,9 +13,14 @@ from typing import Any
 import pytest
 from deltalake import DeltaTable
 
-from bridge.red.job import open_landing
-from bridge.red.verify import VerifyContext, verify_file
-from tests.red_factory import RedKeys, kill_agents, make_bundle, make_rows, red_config
+from tests.red_factory import (
+    RedKeys,
+    kill_agents,
+    land_bundles,
+    make_bundle,
+    make_rows,
+    red_config,
+)
 
 pytestmark = [pytest.mark.gpg]
 
@@ -44,17 +49,7 @@ def test_a_bundle_overlapping_landed_seqs_lands_each_seq_once(
     b1 = make_bundle(made, keys, "orders", 1, make_rows("orders", range(0, 10)), None)
     # black re-sealed with other boundaries (a crash, a reset journal): seqs 5..9 come again
     b2 = make_bundle(made, keys, "orders", 2, make_rows("orders", range(5, 15)), b1.sha256)
-    landing = open_landing(cfg)
-    ctx = VerifyContext.from_config(cfg, environ={})
-    rows = []
-    for ordinal, b in enumerate((b1, b2), start=1):
-        src = landing.intake_dir / f"{ordinal:012d}.{b.name}"
-        shutil.copyfile(b.path, src)
-        v = verify_file(src, b.name, ctx)
-        assert v.status == "ok", v
-        rows.append({"ordinal": ordinal, **v.to_row()})
-    landing.submit(rows)
-    done = landing.drain(close=True)
+    done = land_bundles(cfg, (b1, b2))
     assert sum(r.bundles_landed for r in done) == 2, done
     msgs = _table(cfg, "messages")
     keys_ = sorted((m["channel"], m["seq"]) for m in msgs)

@@ -23,13 +23,6 @@ from tests.integration.test_red_replay import PLAIN, Consumer, land, make_cfg, r
 pytestmark = pytest.mark.broker
 
 
-@pytest.fixture
-def tables(tmp_path: Path) -> RedTables:
-    t = RedTables(tmp_path / "tables", "delta-rs")
-    t.ensure()
-    return t
-
-
 def _config_file(tmp: Path, url: str) -> Path:
     p = tmp / "red.toml"
     p.write_text(

@@ -106,13 +106,6 @@ def make_cfg(tmp: Path, url: str, approved: Sequence[str] = (), **replay: Any) -
     )  # fmt: skip
 
 
-@pytest.fixture
-def tables(tmp_path: Path) -> RedTables:
-    t = RedTables(tmp_path / "tables", "delta-rs")
-    t.ensure()
-    return t
-
-
 def rows(
     channel: str,
     seqs: Sequence[int],

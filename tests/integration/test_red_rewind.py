@@ -41,7 +41,7 @@ from tests.integration.test_red_replay import (
     rows,
     save_bundles,
 )
-from tests.integration.test_replay_userid_broker import (  # noqa: F401 - alice_props: fixture
+from tests.integration.test_replay_userid_broker import (  # noqa: F401 - fixtures
     GOOD_X,
     UID_X,
     _ctl,
@@ -55,13 +55,6 @@ pytestmark = pytest.mark.broker
 
 REPO = Path(__file__).resolve().parents[2]
 RW_X = ExchangeDecl("x.rw", "topic", True)
-
-
-@pytest.fixture
-def tables(tmp_path: Path) -> RedTables:
-    t = RedTables(tmp_path / "tables", "delta-rs")
-    t.ensure()
-    return t
 
 
 @pytest.fixture

@@ -24,13 +24,6 @@ from bridge.red.tables import RedTables, resolve_engine
 NOW = datetime(2026, 11, 22, 12, 0, 0, 123456, tzinfo=UTC)
 
 
-@pytest.fixture
-def tables(tmp_path: Path) -> RedTables:
-    t = RedTables(tmp_path / "tables", "delta-rs")
-    t.ensure()
-    return t
-
-
 def messages(
     n: int, *, first_seq: int = 1, land_seq: int = 1, body_bytes: int = 16, exchanges: int = 2
 ) -> pa.Table:

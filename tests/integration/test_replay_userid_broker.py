@@ -79,13 +79,6 @@ def broker_user(
 
 
 @pytest.fixture
-def tables(tmp_path: Path) -> RedTables:
-    t = RedTables(tmp_path / "tables", "delta-rs")
-    t.ensure()
-    return t
-
-
-@pytest.fixture
 def alice_props(black_vhost: Vhost) -> bytes:
     """Property bytes as black's broker delivered them: published by user alice with
     user-id alice (its own name, so the black broker took it)."""
