@@ -454,3 +454,16 @@ def foreign_checkpoint(spark: Any, checkpoint_dir: Path) -> None:
         .trigger(availableNow=True).start()
     )  # fmt: skip
     q.awaitTermination()
+
+
+def without_dac(*caps: str) -> list[str]:
+    """The command prefix that runs a child without CAP_DAC_OVERRIDE, CAP_DAC_READ_SEARCH and
+    ``caps`` (as root, whom mode bits do not stop; nothing for another user, whom they stop
+    anyway). Skips the test as root without setpriv."""
+    if os.geteuid() != 0:
+        return []
+    setpriv = shutil.which("setpriv")
+    if setpriv is None:
+        pytest.skip("root without setpriv: cannot run a child that mode bits stop")
+    drop = ",".join(f"-{c}" for c in ("dac_override", "dac_read_search", *caps))
+    return [setpriv, "--bounding-set", drop]

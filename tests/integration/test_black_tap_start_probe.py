@@ -10,7 +10,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import shutil
 import subprocess
 import sys
 from collections.abc import Callable
@@ -28,6 +27,7 @@ from bridge.config import Config
 from bridge.errors import BrokerError, ConfigError, DiodeError, SchemaVersionError, StateError
 from tests.integration.test_tap import messages, publish_raw, setup_mirror, spooled, write_config
 from tests.integration.test_tap_files_broker import _never_delivered
+from tests.support import without_dac
 from tests.unit.test_tap_files_spool import CHANNEL, _spool
 
 REPO = Path(__file__).resolve().parents[2]
@@ -144,12 +144,7 @@ def test_a_closed_segment_black_may_not_read_is_refused_at_start(tmp_path: Path)
     the file, EACCES and the fix, a ConfigError as for a file the tap may not write. As root,
     the check runs in a child without CAP_DAC_OVERRIDE (mode bits do not stop root)."""
     cfg, d, seg = _closed_segment(tmp_path)
-    prefix: list[str] = []
-    if os.geteuid() == 0:
-        setpriv = shutil.which("setpriv")
-        if setpriv is None:
-            pytest.skip("root without setpriv: cannot make a file unreadable to black")
-        prefix = [setpriv, "--bounding-set", "-dac_override,-dac_read_search"]
+    prefix = without_dac()
     seg.chmod(0)
     try:
         r = subprocess.run(

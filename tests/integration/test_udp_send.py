@@ -8,7 +8,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import shutil
 import signal
 import socket
 import subprocess
@@ -50,7 +49,7 @@ from bridge.protocol.datagram import (
     heartbeat_room,
     symbol_size_for,
 )
-from tests.support import lo_route
+from tests.support import lo_route, without_dac
 
 ID = "0123456789abcdef0123456789abcdef"
 K = 16  # small blocks: many of them, block edges cheap to hit
@@ -667,12 +666,7 @@ def test_an_unreadable_file_is_logged_counted_and_left_alone_until_it_changes(en
         os.utime(env.outbox / n, (1000 + i, 1000 + i))
     bad = env.outbox / names[1]
     bad.chmod(0)
-    prefix: list[str] = []
-    if os.geteuid() == 0:
-        setpriv = shutil.which("setpriv")
-        if setpriv is None:
-            pytest.skip("root without setpriv: cannot make a file unreadable to the sender")
-        prefix = [setpriv, "--bounding-set", "-dac_override,-dac_read_search"]
+    prefix = without_dac()
     stop_file = env.tmp / "stop"
     data = json.dumps(env.data(settle_seconds=0, encode_workers=0))
     proc = subprocess.Popen(
