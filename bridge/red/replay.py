@@ -60,10 +60,26 @@ A separate process (``diode red replay``); the landing never waits for it (DESIG
   ``MAX_CONNECTION_DEATHS`` times alone stops its exchange (``replay_failed`` kind
   ``connection``), the others go on.
 
-Events (``replayed`` ranges, ``replay_failed``) are dicts with the audit keys ``event,
-exchange, channel, seq_first, seq_last, reason, detail`` (detail: JSON text); ``step`` and
-``run`` return them and hand them to ``sink`` when one is given (:func:`audit_sink` writes them
-to the audit table with the application id ``diode-replay``).
+Events (``replayed`` ranges, ``replay_failed``, ``replay_gap_passed``,
+``replayed_out_of_order``) are dicts with the audit keys ``event, exchange, channel, seq_first,
+seq_last, reason, detail`` (detail: JSON text); ``step`` and ``run`` return them and hand them
+to ``sink`` when one is given (:func:`audit_sink` writes them to the audit table with the
+application id ``diode-replay``) at the end of every pass and when closing.
+
+* **Never skipped unaudited**: every progress save holds the events the sink has not taken
+  yet, in the same atomic write (``replayed`` ranges in the exchange's ``unaudited``, the
+  others in its ``unaudited_events``). An event exists before the progress can pass its rows
+  (a skipped row's when it is read, a gap's when it is passed; returned rows are counted and
+  the progress is not saved past them until their events exist, at the pass end), so a saved
+  progress past a skipped, returned or gap-passed row holds its event until a sink took it: a
+  sink still failing at close, or a kill -9 between a save and the sink, loses none. The next
+  start emits them first (returned again, written before anything else); a save after the
+  sink took them forgets them (a kill in between writes them twice: never fewer). The
+  progress is never held back instead: that would republish every row after the first
+  unaudited one at a restart, for as long as the audit table is down. Bounded: ``replayed``
+  ranges fold per channel; beyond ``UNSUNK_CAP`` other events, the oldest fold into one per
+  (event, exchange, channel, kind) that counts them (``folded``, ``rows``, the seq span: its
+  first seq is still the first row skipped, for ``diode red rewind --skipped``).
 """
 
 from __future__ import annotations
@@ -111,7 +127,7 @@ from bridge.red.landing import STATE_FILE, read_saved_state
 from bridge.red.replay_check import impersonation_fix, name_problem, row_problem, user_id_problem
 from bridge.red.replay_declare import Decl, declare_as_landed
 from bridge.red.replay_plan import FileStat, plan_upper
-from bridge.red.replay_results import ReplaySummary, StepResult, bound_unsunk
+from bridge.red.replay_results import ReplaySummary, StepResult, bound_events
 from bridge.red.replay_state import (
     AHEAD_MAX,
     FORMAT,
@@ -161,7 +177,7 @@ RETRY_SECONDS = 60.0
 BACKOFF_FIRST, BACKOFF_MAX = 1.0, 30.0
 SAVE_EVERY = 1.0  # seconds between progress saves while publishing
 REPLAYED_EVERY = 60.0  # seconds between `replayed` events of an exchange still catching up
-UNSUNK_CAP = 10_000  # events other than `replayed` kept while the audit sink fails
+UNSUNK_CAP = 10_000  # events other than `replayed` kept whole while the audit sink fails
 DRAIN_SECONDS = 30.0  # how long a pass waits for outstanding confirms
 PUBLISH_CHUNK = 128  # messages per socket write
 CLOSE_DRAIN_SECONDS = 5.0
@@ -366,6 +382,8 @@ class Replayer:
         self._saved_at = 0.0
         self._events: list[dict[str, Any]] = []  # not yet returned by step / run / close
         self._unsunk: list[dict[str, Any]] = []  # not yet accepted by the sink
+        self._unsunk_saved = True  # every event in _unsunk is in the saved progress file
+        self._saved_events = False  # the saved file holds events the sink may have taken since
         self._result = StepResult()
         self._approved_error: str | None = None
         self._last: tuple[dict[str, list[FileStat]] | None, set[str]] = (None, set())
@@ -1468,6 +1486,23 @@ class Replayer:
             stack.close()
             raise
         self._lock = stack
+        self._restore_events()
+
+    def _restore_events(self) -> None:
+        """Events the last run saved with its progress because its sink had not taken them
+        (``unaudited_events``): emitted again and written first, before this run's own."""
+        saved = [e for p in self._progress.values() for e in p.unaudited_events]
+        if not saved:
+            return
+        for p in self._progress.values():
+            p.unaudited_events = []  # kept with the events not yet written, saved from there
+        log_event(log, 20, "replay events the last run did not write to the audit table: "
+                  "writing them first", events=len(saved),
+                  progress=str(self.state_dir / PROGRESS_FILE))  # fmt: skip
+        for ev in saved:
+            self._emit(ev)
+        self._unsunk_saved = self._saved_events = True
+        self._sink()
 
     def _load_progress_safe(self) -> dict[str, Progress]:
         try:
@@ -1548,9 +1583,15 @@ class Replayer:
             "reason": reason,
             "detail": None if detail is None else json.dumps(detail, sort_keys=True),
         }
+        self._emit(ev)
+
+    def _emit(self, ev: dict[str, Any]) -> None:
+        """Return ``ev`` from this step and hand it to the sink (kept until the sink takes it,
+        saved with every progress meanwhile: :meth:`_with_unsunk`)."""
         self._events.append(ev)
         if self.sink is not None:
             self._unsunk.append(ev)
+            self._unsunk_saved = False
 
     def _flush_replayed(self, lane: _Lane) -> None:
         if lane.unroutable:
@@ -1593,22 +1634,27 @@ class Replayer:
             if p.updated_at is None:
                 p.updated_at = stamp
         save_progress(self.state_dir, self._with_unsunk())
+        self._unsunk_saved = True
+        self._saved_events = any(e["event"] != "replayed" for e in self._unsunk)
         crash_point("red.replay_after_save")  # tests: what the saved progress went past
         self._dirty = False
         self._saved_at = time.monotonic()
         self._update_lag(*self._last)
 
     def _with_unsunk(self) -> dict[str, Progress]:
-        """The progress to save: ``replayed`` events the sink has not taken yet go back into
-        ``unaudited``, so a kill before they reach the audit table loses none."""
-        pending = [e for e in self._unsunk if e["event"] == "replayed"]
-        if not pending:
+        """The progress to save with the events the sink has not taken yet: ``replayed`` ones
+        go back into ``unaudited``, the others into ``unaudited_events`` (an exchange without
+        progress gets one at the start for them), so a kill before they reach the audit table
+        loses none: the next start writes them first."""
+        if not self._unsunk:
             return self._progress
-        out = {k: dataclasses.replace(p, unaudited={c: list(v) for c, v in p.unaudited.items()})
+        out = {k: dataclasses.replace(p, unaudited={c: list(v) for c, v in p.unaudited.items()},
+                                      unaudited_events=[])
                for k, p in self._progress.items()}  # fmt: skip
-        for e in pending:
-            p = out.get(e["exchange"])
-            if p is None:
+        for e in self._unsunk:
+            p = out.setdefault(e["exchange"], Progress())
+            if e["event"] != "replayed":
+                p.unaudited_events.append(e)
                 continue
             d = json.loads(e["detail"])
             r = [e["seq_first"], e["seq_last"], d["rows"], d["land_seq_first"], d["land_seq_last"]]
@@ -1624,18 +1670,26 @@ class Replayer:
         return events
 
     def _sink(self) -> None:
+        """Hand the events not yet taken to the sink. If it fails they are kept (bounded:
+        :func:`bound_events`), saved with the progress and tried again with the next ones, or
+        first at the next start; once taken, the next save forgets them."""
         if self.sink is None or not self._unsunk:
             return
         batch = self._unsunk
         try:
             self.sink(list(batch))
         except Exception as e:  # the events stay in the results; retried with the next ones
-            self._unsunk, dropped = bound_unsunk(batch, UNSUNK_CAP)
-            log_event(log, 40, "replay events not written by the sink; retrying later",
-                      events=len(batch), kept=len(self._unsunk), dropped=dropped,
-                      error=str(e))  # fmt: skip
+            self._unsunk, folded = bound_events(batch, UNSUNK_CAP)
+            if not self._unsunk_saved:
+                self._dirty = True  # saved (at the latest when closing): a restart writes them
+            log_event(log, 40, "replay events not written by the audit sink: kept in "
+                      f"{self.state_dir / PROGRESS_FILE} with the progress, tried again with "
+                      "the next events and first at the next start", events=len(batch),
+                      kept=len(self._unsunk), folded=folded, error=str(e))  # fmt: skip
             return
         self._unsunk = []
+        if self._saved_events:
+            self._dirty = True  # the saved progress must forget them, or a restart repeats them
 
     def _finish(self) -> StepResult:
         res = self._result = StepResult()

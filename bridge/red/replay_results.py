@@ -6,7 +6,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["ReplaySummary", "StepResult", "bound_unsunk"]
+__all__ = ["ReplaySummary", "StepResult", "bound_events", "bound_unsunk"]
 
 
 @dataclass
@@ -148,3 +148,56 @@ def bound_unsunk(events: list[dict[str, Any]], cap: int) -> tuple[list[dict[str,
     merged = [(f.pop("_at"), f) for f in folded.values()]
     out = [e for _, e in sorted(kept_others + merged, key=lambda t: t[0])]
     return out, len(others) - len(kept_others)
+
+
+def _span(a: int | None, b: int | None, pick: Any) -> int | None:
+    return a if b is None else b if a is None else pick(a, b)
+
+
+def _fold(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """``events`` (none ``replayed``) as one per (event, exchange, channel, kind), in the order
+    each first came; a group of more than one becomes a summary: the seq span widened over
+    them, ``detail`` the first one's with ``folded`` (how many events it holds), ``rows``
+    summed (where they count rows) and ``first_reason``. Summaries fold again (their counts
+    add up); one of skipped rows still starts at the first row skipped (what ``diode red rewind
+    --skipped`` looks for)."""
+    groups: dict[tuple[Any, ...], list[tuple[dict[str, Any], dict[str, Any]]]] = {}
+    for e in events:
+        d = json.loads(e["detail"]) if e.get("detail") else {}
+        d = d if isinstance(d, dict) else {"detail": d}
+        key = (e["event"], e["exchange"], e.get("channel"), d.get("kind"))
+        groups.setdefault(key, []).append((e, d))
+    out: list[dict[str, Any]] = []
+    for (event, exchange, channel, kind), group in groups.items():
+        first, fd = group[0]
+        if len(group) == 1:
+            out.append(first)
+            continue
+        f, fd = {**first}, {**fd, "folded": 0}
+        fd.setdefault("first_reason", first.get("reason"))
+        for e, d in group:
+            f["seq_first"] = _span(f.get("seq_first"), e.get("seq_first"), min)
+            f["seq_last"] = _span(f.get("seq_last"), e.get("seq_last"), max)
+            fd["folded"] += int(d.get("folded", 1))
+        if "rows" in fd:
+            fd["rows"] = sum(int(d.get("rows", 1)) for _, d in group)
+        seqs = "" if f["seq_first"] is None else f" seqs {f['seq_first']}..{f['seq_last']}"
+        f["reason"] = (
+            f"{fd['folded']} {event} events of exchange {exchange!r} channel {channel!r}"
+            f"{f' (kind {kind})' if kind else ''}{seqs}, folded into one while the audit sink "
+            f"failed; the first: {fd['first_reason']}"
+        )
+        f["detail"] = json.dumps(fd, sort_keys=True)
+        out.append(f)
+    return out
+
+
+def bound_events(events: list[dict[str, Any]], cap: int) -> tuple[list[dict[str, Any]], int]:
+    """:func:`bound_unsunk`, but the events it would drop are folded (:func:`_fold`) into
+    events that go first, never dropped: every event is still counted. Returns the events to
+    keep and how many were folded."""
+    kept, dropped = bound_unsunk(events, cap)
+    if not dropped:
+        return kept, 0
+    oldest = [e for e in events if e["event"] != "replayed"][:dropped]
+    return _fold(oldest) + kept, dropped

@@ -71,6 +71,12 @@ class Progress:
     """Rows confirmed ahead of the key (a late bundle's rows read ahead to fill a gap, published
     in seq order before the rows that sort before them): not published again when the replay
     reaches them, after a restart too. Forgotten once the key passes them."""
+    unaudited_events: list[dict[str, Any]] = field(default_factory=list)
+    """This exchange's audit events other than ``replayed`` (``replay_failed``,
+    ``replay_gap_passed``, ``replayed_out_of_order``: dicts keyed by audit column) the audit
+    sink had not taken when the progress was saved, which may be past their rows: the replay
+    writes them first at its next start. Empty in a running replay's memory (it keeps them
+    with its events not yet written); absent from files saved before it existed."""
 
     @property
     def key(self) -> Key:
@@ -87,6 +93,7 @@ class Progress:
             "passed": dict(sorted(self.passed.items())),
             **({"unaudited": dict(sorted(self.unaudited.items()))} if self.unaudited else {}),
             **({"ahead": compress_keys(self.ahead)} if self.ahead else {}),
+            **({"unaudited_events": self.unaudited_events} if self.unaudited_events else {}),
         }
 
     @classmethod
@@ -105,7 +112,19 @@ class Progress:
                 if isinstance(v, list) and len(v) == 5
             },
             ahead=expand_ranges(d.get("ahead", [])),
+            unaudited_events=_audit_events(d.get("unaudited_events", [])),
         )
+
+
+def _audit_events(docs: Any) -> list[dict[str, Any]]:
+    """Saved ``unaudited_events``; ValueError for anything but a list of objects naming their
+    event (a malformed file is reported, never read as owing no audit event)."""
+    if not isinstance(docs, list):
+        raise ValueError(f"unaudited_events is {type(docs).__name__}, not a list")
+    for d in docs:
+        if not isinstance(d, dict) or not isinstance(d.get("event"), str):
+            raise ValueError(f"unaudited_events holds {str(d)[:80]!r}, not an audit event")
+    return [dict(d) for d in docs]
 
 
 def compress_keys(keys: set[Key]) -> list[list[Any]]:
