@@ -22,7 +22,9 @@ What becomes of the rest of :class:`Progress` (a rewind never lets the replay sk
   dropped. Republished rows are not reported out of order for having gone out before;
 * ``passed`` (per channel, the highest gap the hold-back went past) is kept: the replay does
   not hold again at a gap it already went past (holding delays rows, it never skips them);
-* ``unaudited`` (confirmed rows owed a ``replayed`` event) and ``confirmed_rows`` are kept.
+* ``unaudited`` (confirmed rows owed a ``replayed`` event), ``unaudited_events`` (other events
+  the audit sink had not taken: ``--skipped`` counts its skipped rows too) and
+  ``confirmed_rows`` are kept.
 
 It holds the replay's own lock (``state_dir/replay.lock``) while it reads, rewinds and saves
 (temp, fsync, rename, as the replay saves), so it is refused while a replay publisher runs;
@@ -230,10 +232,12 @@ def _first_since(tables: RedTables, exchange: str, since: datetime) -> Key:
 
 
 def _skipped_ranges(
-    tables: RedTables, exchange: str
+    tables: RedTables, exchange: str, pending: list[dict[str, Any]]
 ) -> tuple[dict[str, list[list[int]]], dict[str, Any]]:
     """Per channel, the merged seq ranges of ``exchange``'s rows audited as skipped since its
-    last rewind; and what was read (events, the last rewind's audit version)."""
+    last rewind, or skipped with their events still waiting in the progress for the audit
+    sink (``pending``: its ``unaudited_events``); and what was read (events, the last
+    rewind's audit version)."""
     got = tables.read(
         "audit",
         columns=["event", "channel", "seq_first", "seq_last", "detail", "version"],
@@ -242,6 +246,7 @@ def _skipped_ranges(
         & _f("event").isin(["replay_failed", REWOUND]),
     ).to_pylist()
     last = max((r["version"] for r in got if r["event"] == REWOUND), default=0)
+    got += [{**e, "version": last + 1} for e in pending]  # after any rewind: not written yet
     ranges: dict[str, list[list[int]]] = {}
     events = 0
     for r in got:
@@ -343,7 +348,7 @@ def plan_rewind(
         elif target.since is not None:
             first = _first_since(tables, exchange, target.since)
         else:
-            ranges, found = _skipped_ranges(tables, exchange)
+            ranges, found = _skipped_ranges(tables, exchange, old.unaudited_events)
             got = _first_skipped(tables, exchange, ranges)
             if got is None:
                 raise _Nothing(

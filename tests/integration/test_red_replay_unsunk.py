@@ -25,6 +25,7 @@ from bridge.errors import StateError
 from bridge.protocol.exchange import ExchangeDecl
 from bridge.red.replay import Replayer
 from bridge.red.replay_results import bound_events
+from bridge.red.replay_rewind import Rewind, Target, plan_rewind
 from bridge.red.replay_state import PROGRESS_FILE, load_progress
 from bridge.red.tables import RedTables
 from tests.conftest import Vhost
@@ -134,6 +135,9 @@ def test_events_a_failing_sink_did_not_take_are_written_first_at_the_next_start(
     assert _audited(first.events) == want
     assert load_progress(state)[X.name].seq == 14  # past all of them: never read again
     assert _audited(_saved_events(state)) == want
+    # `diode red rewind --skipped` meanwhile: the audit table has none of them, the progress has
+    plan = plan_rewind(cfg, X.name, Target(skipped=True), load_progress(state))
+    assert isinstance(plan, Rewind) and plan.first == (1, "c1", 1), plan
     sunk: list[dict[str, Any]] = []
     second = Replayer(cfg, sink=sunk.extend).run(until_caught_up=True, timeout=20)
     assert second.caught_up and second.published == 0, second
