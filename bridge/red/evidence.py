@@ -10,6 +10,14 @@ without a second copy. Entries that cannot be hard-linked (directories, files of
 owner under ``fs.protected_hardlinks``) are renamed with ``RENAME_NOREPLACE`` instead.
 Symlinks are moved as links: their targets are never opened.
 
+Only day folders (``YYYY-MM-DD``: :data:`DAY_RE`) are looked into for an earlier move: any
+other entry (the file system's ``lost+found`` when the folder is a mount point) is left alone;
+a day folder red may not search is skipped with one warning. A name is free only when the
+OS says it is absent: an error that hides the answer is never taken for "free". An entry the
+OS refuses to move (EPERM, EACCES, EBUSY: immutable, a folder of another owner, a mount
+point) is :class:`Unmovable`: nothing of the move is left behind (its reservation and what
+``placed`` recorded are undone) and it stays where it was.
+
 A reason file is created only where none exists (written to a temp name, then renamed with
 ``RENAME_NOREPLACE``): another entry's reason file is never replaced, and a name whose reason
 file is there without its entry (a file re-injected from the quarantine, its reason file kept
@@ -48,6 +56,9 @@ from bridge.logs import get_logger, log_event
 
 __all__ = [
     "Evidence",
+    "Unmovable",
+    "DAY_RE",
+    "day_folders",
     "safe_name",
     "shown_name",
     "SAFE_NAME_RE",
@@ -57,10 +68,14 @@ __all__ = [
     "file_kind",
     "sha256_regular",
     "unmoved_entries",
+    "move_id",
 ]
 
 log = get_logger("bridge.red.evidence")
 
+DAY_RE = re.compile(r"\d{4}-\d{2}-\d{2}")
+"""The name of a day folder of ``processed_dir`` / ``quarantine_dir``; nothing else there is
+evidence (``lost+found`` of a mount point, an operator's files)."""
 SAFE_NAME_RE = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,99}")
 """Every name :func:`safe_name` returns matches this (ASCII, no leading dot, <= 100 chars)."""
 REASON_SUFFIX = ".reason.json"
@@ -73,6 +88,19 @@ _UNSAFE_BYTES = re.compile(rb"[^A-Za-z0-9._-]")
 _CHUNK = 1 << 20
 _AT_FDCWD = -100
 _RENAME_NOREPLACE = 1
+_REFUSED = frozenset({errno.EPERM, errno.EACCES, errno.EBUSY})
+"""What a rename answers for an entry the OS will not let red move (immutable or append-only,
+a directory of another owner, a mount point): that entry's trouble, not red's."""
+
+
+class Unmovable(StateError):
+    """The OS refused to move ``path`` (``errno``: EPERM, EACCES, EBUSY): nothing was changed,
+    it stays where it was."""
+
+    def __init__(self, message: str, path: Path, errno_: int) -> None:
+        super().__init__(message)
+        self.path = path
+        self.errno = errno_
 
 
 def safe_name(raw: bytes) -> str:
@@ -179,7 +207,7 @@ def _inode(st: os.stat_result) -> str:
     return f"{st.st_dev}:{st.st_ino}"
 
 
-def _move_id(st: os.stat_result) -> str:
+def move_id(st: os.stat_result) -> str:
     """What a reservation is for: the entry (device, inode) as it was, unmoved (its ctime,
     which a rename changes: ours once done, or an operator's ``mv`` back into the inbox)."""
     return f"{st.st_dev}:{st.st_ino}:{st.st_ctime_ns}"
@@ -202,44 +230,63 @@ def unmoved_entries(places: Iterable[Path]) -> dict[str, Path]:
                     st = entry.stat(follow_symlinks=False)
                 except FileNotFoundError:
                     continue
-                out[_move_id(st)] = Path(place) / os.fsdecode(entry.name)
+                out[move_id(st)] = Path(place) / os.fsdecode(entry.name)
     return out
+
+
+def _exists(path: Path) -> bool:
+    """Whether there is an entry at ``path`` (a dangling symlink is one). False only when the
+    OS says it is absent: an error that hides the answer (EACCES: a folder red may not search)
+    is raised, never taken for a free name (``os.path.lexists`` would say False, for every
+    name, and a search for a free one would never end)."""
+    try:
+        os.lstat(path)
+    except FileNotFoundError:
+        return False
+    return True
 
 
 def _reserved_for(dst: Path, st: os.stat_result) -> bool | None:
     """Whether the reason file of ``dst`` (an absent entry) reserves that name for ``st``'s
     entry: True only while it is that entry's pending move (its rename never happened);
     False for any other reason file (another entry's, one whose move completed, unreadable);
-    None if there is no reason file."""
+    None if there is no reason file. OSError if the folder cannot be searched to tell."""
+    reason = dst.with_name(dst.name + REASON_SUFFIX)
+    if not _exists(reason):
+        return None
     try:
-        rec = json.loads(dst.with_name(dst.name + REASON_SUFFIX).read_bytes())
-    except FileNotFoundError:
+        rec = json.loads(reason.read_bytes())
+    except FileNotFoundError:  # removed since
         return None
-    except (OSError, ValueError):
+    except (OSError, ValueError):  # there, but not readable as ours: the name is taken
         return False
-    return isinstance(rec, dict) and rec.get(PENDING_KEY) == _move_id(st)
+    return isinstance(rec, dict) and rec.get(PENDING_KEY) == move_id(st)
 
 
-def _earlier_place(root: Path, name: str, st: os.stat_result) -> Path | None:
-    """Where an interrupted earlier move put ``st``'s entry, in any day folder under ``root``:
-    its link (same inode), or a name whose reason file reserved it before a rename that never
-    happened (then the entry is absent). None if there is neither; a reason file kept after
-    its file was re-injected reserves nothing."""
-    if not root.is_dir():
-        return None
-    for day in sorted((d for d in root.iterdir() if d.is_dir()), reverse=True):
-        for n in itertools.count():
-            dst = _candidate(day, name, n)
-            if os.path.lexists(dst):
-                if _same_entry(dst, st):
-                    return dst
-                continue
-            mine = _reserved_for(dst, st)
-            if mine is None:
-                break
-            if mine:
+def _earlier_in(day: Path, name: str, st: os.stat_result) -> Path | None:
+    """:func:`_earlier_place` in one day folder (ends at the first name with neither an entry
+    nor a reason file; each name tried is one that is there). OSError if it cannot be
+    searched."""
+    for n in itertools.count():
+        dst = _candidate(day, name, n)
+        if _exists(dst):
+            if _same_entry(dst, st):
                 return dst
-    return None
+            continue
+        mine = _reserved_for(dst, st)
+        if mine is None:
+            return None
+        if mine:
+            return dst
+    raise AssertionError("unreachable")  # pragma: no cover
+
+
+def day_folders(root: Path) -> list[Path]:
+    """The day folders of ``root`` (``processed_dir``, ``quarantine_dir``), oldest first: the
+    folders named by :data:`DAY_RE`, nothing else there (``lost+found``, an operator's)."""
+    if not root.is_dir():
+        return []
+    return sorted(d for d in root.iterdir() if DAY_RE.fullmatch(d.name) and d.is_dir())
 
 
 def _create_new(path: Path, data: bytes) -> bool:
@@ -329,14 +376,20 @@ class _Taken(Exception):
 
 class _Reason:
     """The reason file of one quarantine: created beside the name the entry gets, never over
-    another entry's; ``placed`` runs once it is in place."""
+    another entry's; ``placed`` runs once it is in place, ``unplaced`` if the OS then refuses
+    the rename."""
 
     def __init__(
-        self, record: dict[str, Any], st: os.stat_result, placed: Callable[[Path], None] | None
+        self,
+        record: dict[str, Any],
+        st: os.stat_result,
+        placed: Callable[[Path], None] | None,
+        unplaced: Callable[[Path], None] | None = None,
     ) -> None:
         self.record = record
         self.st = st
         self.placed = placed
+        self.unplaced = unplaced
 
     @staticmethod
     def path(dst: Path) -> Path:
@@ -345,7 +398,7 @@ class _Reason:
     def _data(self, dst: Path, *, pending: bool) -> bytes:
         rec = {**self.record, "stored_as": dst.name}
         if pending:
-            rec[PENDING_KEY] = _move_id(self.st)
+            rec[PENDING_KEY] = move_id(self.st)
         return json.dumps(rec, sort_keys=True, default=str, indent=1).encode()
 
     def _done(self, dst: Path) -> None:
@@ -360,6 +413,16 @@ class _Reason:
             if _reserved_for(dst, self.st) is not True:
                 raise _Taken(str(dst))
         self._done(dst)
+
+    def release(self, dst: Path) -> None:
+        """The OS refused the rename to ``dst`` (nothing moved): what ``placed`` recorded is
+        undone (``unplaced``), then the reservation, while it is still this move's. A crash
+        between leaves the reservation alone, which the next call honours and releases."""
+        if self.unplaced is not None:
+            self.unplaced(dst)
+        if _reserved_for(dst, self.st) is True:
+            self.path(dst).unlink(missing_ok=True)
+            fsync_dir(dst.parent)
 
     def renamed(self, dst: Path) -> None:
         """The rename is done: the reservation is cleared (the reason file is this move's)."""
@@ -380,6 +443,8 @@ class Evidence:
     def __init__(self, processed_dir: Path, quarantine_dir: Path) -> None:
         self.processed_dir = Path(processed_dir)
         self.quarantine_dir = Path(quarantine_dir)
+        self._unsearchable: set[Path] = set()
+        """Day folders found that red may not search (warned once each)."""
 
     def ensure_dirs(self) -> None:
         """Create both folders (durably) if they are missing."""
@@ -412,6 +477,7 @@ class Evidence:
         at: datetime,
         *,
         placed: Callable[[Path], None] | None = None,
+        unplaced: Callable[[Path], None] | None = None,
         original_name: str | None = None,
     ) -> Path | None:
         """Move ``src`` to ``quarantine_dir/<day of at>/<name>`` (``<name>.<n>`` if taken; a
@@ -435,7 +501,11 @@ class Evidence:
         entry that must be renamed (a directory, a file ``protected_hardlinks`` will not link)
         gets its reason file (marked ``pending_move``) and ``placed`` before the rename, which
         reserves the name for the next call if a crash comes between; the mark is cleared
-        once the rename is done."""
+        once the rename is done.
+
+        :class:`Unmovable` if the OS refuses the move (the entry is immutable, a folder of
+        another owner, a mount point): ``unplaced(dst)`` undoes what ``placed`` recorded, the
+        reason file goes, and ``src`` stays as it was."""
         src = Path(src)
         try:
             st = os.lstat(src)
@@ -455,7 +525,8 @@ class Evidence:
         }
         if stat.S_ISLNK(st.st_mode):
             record["link_target"] = ascii(os.readlink(os.fsencode(src)))
-        dst = self._place(src, st, folder, _stored_name(name), _Reason(record, st, placed))
+        reason_file = _Reason(record, st, placed, unplaced)
+        dst = self._place(src, st, folder, _stored_name(name), reason_file)
         crash_point("red.quarantine_before_drop")
         self._drop_source(src, st)
         log_event(
@@ -480,15 +551,24 @@ class Evidence:
         the reason file reserving the name first. What an interrupted earlier call left (a
         link to the same inode, or a name its pending reason file reserved) is reused,
         whichever day's folder it is in (a retry after midnight UTC must not place the file a
-        second time)."""
+        second time). StateError, naming both, if a folder cannot be searched or written."""
+        try:
+            return self._first_free(src, st, folder, name, reason)
+        except OSError as e:  # a folder red may not search: never taken for a free name
+            raise _move_error(src, Path(os.fsdecode(e.filename or folder / name)), e) from e
+
+    def _first_free(
+        self, src: Path, st: os.stat_result, folder: Path, name: str, reason: _Reason | None
+    ) -> Path:
+        """:meth:`_place`; OSError if a folder cannot be searched."""
         linkable = not stat.S_ISDIR(st.st_mode)
         if not linkable or st.st_nlink > 1:
-            earlier = _earlier_place(folder.parent, name, st)
+            earlier = self._earlier_place(folder.parent, name, st)
             if earlier is not None:
                 return self._resume(src, earlier, reason)
         for n in itertools.count():
             dst = _candidate(folder, name, n)
-            if not os.path.lexists(dst):
+            if not _exists(dst):
                 mine = _reserved_for(dst, st)
                 if mine:  # this entry's own reservation, its rename interrupted
                     return self._resume(src, dst, reason)
@@ -505,7 +585,7 @@ class Evidence:
                     if e.errno not in (errno.EPERM, errno.EACCES, errno.EMLINK, errno.ENOTSUP):
                         raise _move_error(src, dst, e) from e
                     linkable = False  # protected_hardlinks, a foreign owner: rename instead
-                    earlier = _earlier_place(folder.parent, name, st)
+                    earlier = self._earlier_place(folder.parent, name, st)
                     if earlier is not None:  # a name reserved before an interrupted rename
                         return self._resume(src, earlier, reason)
                 else:
@@ -517,13 +597,36 @@ class Evidence:
                         _unlink_own(dst, st)
                         continue
                     return dst
-            if os.path.lexists(dst):
+            if _exists(dst):
                 continue
             try:
                 return self._rename(src, dst, reason)
             except (FileExistsError, _Taken):
                 continue
         raise AssertionError("unreachable")  # pragma: no cover
+
+    def _earlier_place(self, root: Path, name: str, st: os.stat_result) -> Path | None:
+        """Where an interrupted earlier move put ``st``'s entry, in any day folder under
+        ``root``: its link (same inode), or a name whose reason file reserved it before a
+        rename that never happened (then the entry is absent). None if there is neither; a
+        reason file kept after its file was re-injected reserves nothing. Only day folders are
+        looked into; one red may not search is skipped, with a warning the first time."""
+        for day in reversed(day_folders(root)):
+            try:
+                found = _earlier_in(day, name, st)
+            except PermissionError as e:
+                if day not in self._unsearchable:
+                    self._unsearchable.add(day)
+                    log_event(
+                        log, 30, "evidence day folder not searchable: skipped", path=str(day),
+                        error=e.strerror, uid=os.geteuid(),
+                        fix="give red's user read and search permission on it (chmod u+rx, "
+                        "or the group red is in), or move it out of this folder",
+                    )  # fmt: skip
+                continue
+            if found is not None:
+                return found
+        return None
 
     def _resume(self, src: Path, dst: Path, reason: _Reason | None) -> Path:
         """Finish what an earlier call began at ``dst``: its link is there (the reason file
@@ -544,6 +647,8 @@ class Evidence:
         except FileExistsError:
             raise
         except OSError as e:
+            if reason is not None and e.errno in _REFUSED:  # nothing moved: nothing reserved
+                reason.release(dst)
             raise _move_error(src, dst, e) from e
         fsync_dir(dst.parent)
         fsync_dir(src.parent)
@@ -571,10 +676,30 @@ def _unlink_own(dst: Path, st: os.stat_result) -> None:
 
 
 def _move_error(src: Path, dst: Path, e: OSError) -> StateError:
-    hint = ""
+    """Why ``src`` could not be moved to ``dst``: :class:`Unmovable` when the OS refused it and
+    both folders are ones red may write (the entry's own trouble), else a StateError with
+    what to fix."""
+    what = f"cannot move {ascii(str(src))} to {dst}: {e.strerror or e}"
     if e.errno == errno.EXDEV:
-        hint = "; processed_dir / quarantine_dir must be on the file system of the inbox"
-    return StateError(f"cannot move {ascii(str(src))} to {dst}: {e.strerror}{hint}")
+        return StateError(
+            f"{what}; processed_dir / quarantine_dir must be on the file system of the inbox"
+        )
+    if e.errno in _REFUSED:
+        for folder in (src.parent, dst.parent):
+            if not os.access(folder, os.W_OK | os.X_OK):
+                return StateError(
+                    f"{what}; red's user (uid {os.geteuid()}) needs write and search "
+                    f"permission on {folder}: give it (chmod, chattr -i -a), or point the red "
+                    "directory elsewhere"
+                )
+        return Unmovable(
+            f"{what}; the entry itself refuses to move (immutable or append-only: lsattr -d; "
+            "a folder of another owner; a mount point): it stays where it is until fixed "
+            "(chattr -i -a, chown to red's user, umount) or removed",
+            src,
+            e.errno or 0,
+        )
+    return StateError(what)
 
 
 def _utc(at: datetime) -> datetime:

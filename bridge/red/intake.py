@@ -10,6 +10,12 @@ bytes paths (a name need not be UTF-8) and ``lstat`` only, so a symlink is never
   abandoned: unchanged for ``hidden_stale_seconds``, then quarantined as ``bad_name``).
 * Anything but a regular file is quarantined at once, moved as it is (reason
   ``not_regular_file``).
+* Left in place, counted (``left``): the file system's ``lost+found`` folder (the inbox is a
+  mount point; one info line), and an entry the OS refuses to move (``evidence.Unmovable``:
+  immutable, a folder of another owner, a mount point). The latter is logged once, with the
+  fix, and tried again only once it changed (a new ctime: ``chattr -i``, ``chown``); nothing
+  of the attempted quarantine is kept (no reason file, no audit record). Neither stops the
+  files beside it from being taken.
 * A regular file is *settled* once its (size, mtime, ctime, inode) stayed the same for
   ``settle_seconds`` across scans, or the inbox watcher saw it closed after writing and it is
   still the file that was closed (same inode, size, mtime: ``closed``), or ``settle_seconds``
@@ -37,6 +43,7 @@ ordinals Spark has already gone past.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -56,7 +63,15 @@ from bridge.protocol.naming import (
     parse_bundle_name,
     parse_heartbeat_name,
 )
-from bridge.red.evidence import Evidence, file_kind, rename_noreplace, safe_name, shown_name
+from bridge.red.evidence import (
+    Evidence,
+    Unmovable,
+    file_kind,
+    move_id,
+    rename_noreplace,
+    safe_name,
+    shown_name,
+)
 from bridge.red.layout import AUDIT_PENDING_DIR, INTAKE_DIR
 from bridge.red.watch import ClosedFiles, CloseSig, close_sig
 
@@ -80,6 +95,9 @@ LOCK_FILE = "intake.lock"
 LOCK_WAIT_SECONDS = 30.0
 _INTAKE_RE = re.compile(rb"([0-9]{12})\.(.+)", re.DOTALL)
 _LOCK_HINT = "another red process is taking files from this inbox; wait or stop it"
+LOST_FOUND = b"lost+found"
+"""The folder fsck keeps at the root of an ext2/3/4 file system: left alone in an inbox that
+is a mount point."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,12 +125,14 @@ class Quarantined:
 @dataclass(slots=True)
 class ScanResult:
     """What one :meth:`Intake.scan` did: taken and quarantined files, files still settling
-    (``waiting``) and hidden names ignored."""
+    (``waiting``), hidden names ignored, and entries ``left`` where they are (``lost+found``,
+    entries the OS refuses to move)."""
 
     taken: list[Taken] = field(default_factory=list)
     quarantined: list[Quarantined] = field(default_factory=list)
     waiting: int = 0
     hidden: int = 0
+    left: int = 0
 
 
 def wire_name(raw: bytes) -> tuple[str | None, str]:
@@ -168,6 +188,9 @@ class Intake:
         self.settle_seconds = float(settle_seconds)
         self.hidden_stale_seconds = max(float(hidden_stale_seconds), self.settle_seconds)
         self._seen: dict[bytes, tuple[tuple[int, int, int, int], float]] = {}
+        self._unmovable: dict[bytes, str] = {}
+        """Entries the OS refused to move (path -> ``move_id``): not tried again unchanged."""
+        self._lost_found_said = False
         durable_mkdir(self.inbox)
         durable_mkdir(self.dir)
         durable_mkdir(self.pending_audit_dir)
@@ -194,7 +217,9 @@ class Intake:
             gone: list[tuple[str, CloseSig]] = []  # settled: leave the inbox now
             seen: dict[bytes, tuple[tuple[int, int, int, int], float]] = {}
             for raw, st in self._list_inbox():
-                if raw.startswith(b"."):
+                if self._left_alone(self.inbox, raw, st):
+                    res.left += 1
+                elif raw.startswith(b"."):
                     # a mover's temporary: left alone, unless unchanged for so long that it
                     # was abandoned (a crashed transfer); then it becomes evidence
                     if stat.S_ISREG(st.st_mode) and self._unchanged_for(
@@ -244,6 +269,8 @@ class Intake:
                 except FileNotFoundError:
                     continue  # landed meanwhile
                 path = self.dir / os.fsdecode(entry.name)
+                if self._left_alone(self.dir, entry.name, st):
+                    continue
                 if not stat.S_ISREG(st.st_mode):  # only after a crash inside _take
                     self._quarantine_odd(self.dir, entry.name, st, ScanResult(), wire=name)
                     continue
@@ -395,22 +422,72 @@ class Intake:
         stored: str,
         reason: str,
         detail: dict[str, str],
+        res: ScanResult,
         *,
         arrived_as: str | None = None,
-    ) -> Quarantined | None:
+    ) -> None:
         """Quarantine ``src`` under ``stored`` with an audit record written before the inbox
-        entry goes; the reason file's ``original_name`` is ``arrived_as`` (the wire name of a
-        file met in the intake folder), else the raw name as it arrived, printable."""
+        entry goes (into ``res``); the reason file's ``original_name`` is ``arrived_as`` (the
+        wire name of a file met in the intake folder), else the raw name as it arrived,
+        printable. An entry the OS refuses to move is left where it is
+        (:meth:`_unmovable_entry`)."""
         at = datetime.now(UTC)
 
         def record(dst: Path) -> None:
             self._record_for_audit(Quarantined(raw, dst, reason), at)
 
+        def unrecord(dst: Path) -> None:  # the move was refused: nothing to audit
+            self._audit_record_path(dst).unlink(missing_ok=True)
+            fsync_dir(self.pending_audit_dir)
+
         original = shown_name(raw) if arrived_as is None else arrived_as
-        dst = self.evidence.quarantine(
-            src, stored, reason, detail, at, placed=record, original_name=original
-        )
-        return None if dst is None else Quarantined(raw, dst, reason)
+        try:
+            dst = self.evidence.quarantine(
+                src, stored, reason, detail, at, placed=record, unplaced=unrecord,
+                original_name=original,
+            )  # fmt: skip
+        except Unmovable as e:
+            self._unmovable_entry(src, reason, e, res)
+            return
+        if dst is not None:
+            res.quarantined.append(Quarantined(raw, dst, reason))
+
+    def _unmovable_entry(self, src: Path, reason: str, e: Unmovable, res: ScanResult) -> None:
+        """``src`` cannot be moved: logged once, counted, and not tried again while it stays
+        the entry it is (same device, inode, ctime)."""
+        try:
+            st = os.lstat(src)
+        except FileNotFoundError:
+            return  # gone meanwhile
+        self._unmovable[os.fsencode(src)] = move_id(st)
+        res.left += 1
+        log_event(
+            log, 30, "entry cannot be moved to quarantine: left in place", path=ascii(str(src)),
+            would_be=reason, file_type=file_kind(st.st_mode), uid=st.st_uid,
+            errno=errno.errorcode.get(e.errno, str(e.errno)), error=str(e),
+        )  # fmt: skip
+
+    def _left_alone(self, folder: Path, raw: bytes, st: os.stat_result) -> bool:
+        """Whether entry ``raw`` of ``folder`` stays where it is: the inbox's ``lost+found``
+        folder (said once), or an entry the OS refused to move, unchanged since."""
+        if raw == LOST_FOUND and folder == self.inbox and stat.S_ISDIR(st.st_mode):
+            if not self._lost_found_said:
+                self._lost_found_said = True
+                log_event(log, 20, "inbox lost+found left alone (the inbox is a mount point)",
+                          path=str(folder / "lost+found"))  # fmt: skip
+            return True
+        path = os.fsencode(folder / os.fsdecode(raw))
+        mark = self._unmovable.get(path)
+        if mark is None:
+            return False
+        if mark == move_id(st):
+            return True
+        del self._unmovable[path]  # changed (fixed?): tried again
+        return False
+
+    def _audit_record_path(self, stored_as: Path) -> Path:
+        key = hashlib.sha256(os.fsencode(stored_as)).hexdigest()[:32]
+        return self.pending_audit_dir / f"{key}.json"
 
     def _record_for_audit(self, q: Quarantined, at: datetime) -> None:
         doc = {
@@ -420,16 +497,13 @@ class Intake:
             "reason": q.reason,
             "at": at.isoformat(),
         }
-        key = hashlib.sha256(os.fsencode(q.stored_as)).hexdigest()[:32]
-        atomic_write_bytes(self.pending_audit_dir / f"{key}.json", json.dumps(doc).encode())
+        atomic_write_bytes(self._audit_record_path(q.stored_as), json.dumps(doc).encode())
 
     def _quarantine_bad_name(self, raw: bytes, why: str, res: ScanResult) -> None:
         src = self.inbox / os.fsdecode(raw)
         detail = {**_raw_detail(raw), "why": why}
-        q = self._quarantine(src, raw, safe_name(raw), REASON_BAD_NAME, detail)
+        self._quarantine(src, raw, safe_name(raw), REASON_BAD_NAME, detail, res)
         self._seen.pop(raw, None)
-        if q is not None:
-            res.quarantined.append(q)
 
     def _quarantine_odd(
         self,
@@ -446,9 +520,7 @@ class Intake:
         src = folder / os.fsdecode(raw)
         detail = {**_raw_detail(raw), "file_type": file_kind(st.st_mode)}
         stored = wire if wire is not None else safe_name(raw)
-        q = self._quarantine(src, raw, stored, REASON_NOT_REGULAR, detail, arrived_as=wire)
-        if q is not None:
-            res.quarantined.append(q)
+        self._quarantine(src, raw, stored, REASON_NOT_REGULAR, detail, res, arrived_as=wire)
 
     # -- listing and checks ---------------------------------------------------------------
     def _list_inbox(self) -> list[tuple[bytes, os.stat_result]]:

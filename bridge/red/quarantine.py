@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 from collections import Counter
 from datetime import date
 from pathlib import Path
@@ -35,8 +34,10 @@ import pyarrow.dataset as pads
 from bridge.config import Config
 from bridge.errors import DiodeError
 from bridge.red.evidence import (
+    DAY_RE,
     PENDING_KEY,
     REASON_SUFFIX,
+    day_folders,
     safe_name,
     sha256_regular,
     shown_name,
@@ -45,8 +46,6 @@ from bridge.red.evidence import (
 from bridge.red.layout import INTAKE_DIR
 
 __all__ = ["QuarantineError", "list_quarantined", "quarantine_summary", "show_quarantined"]
-
-_DAY = re.compile(r"\d{4}-\d{2}-\d{2}")
 
 
 class QuarantineError(DiodeError):
@@ -171,12 +170,8 @@ def _day_entries(day: Path, unmoved: _Unmoved) -> list[dict[str, Any]]:
 
 
 def _days(root: Path, since: date | None) -> list[Path]:
-    if not root.is_dir():
-        return []
-    days = [d for d in root.iterdir() if d.is_dir() and _DAY.fullmatch(d.name)]
-    if since is not None:
-        days = [d for d in days if d.name >= since.isoformat()]
-    return sorted(days)
+    days = day_folders(root)
+    return days if since is None else [d for d in days if d.name >= since.isoformat()]
 
 
 def list_quarantined(
@@ -229,7 +224,7 @@ def show_quarantined(cfg: Config, name: str, *, audit: bool = True) -> dict[str,
     if (
         stored in ("", ".", "..")
         or stored.endswith(REASON_SUFFIX)
-        or (day_part and not _DAY.fullmatch(day_part))
+        or (day_part and not DAY_RE.fullmatch(day_part))
     ):
         raise QuarantineError(f"{name!r}: give a stored name, or DAY/NAME as listed")
     root = Path(cfg.red.quarantine_dir)
