@@ -11,6 +11,7 @@ from bridge.diode.link_status import read_gap_records
 from bridge.fsutil import lock_held
 from bridge.protocol.manifest import parse_utc
 from bridge.red import sequence as sq
+from bridge.red.evidence import day_folders
 from bridge.red.landing import read_saved_state
 from bridge.red.layout import INTAKE_DIR, LOCK_FILE, intent_path
 
@@ -124,9 +125,11 @@ def red_status(cfg: Config) -> dict[str, Any]:
         "channels": channels,
         "link_silent_seconds": r.link_silent_seconds,
         "files": {
-            "inbox": sum(1 for p in inbox.iterdir()) if inbox.exists() else 0,
+            "inbox": sum(1 for p in inbox.iterdir() if p.name != "lost+found")
+            if inbox.exists()
+            else 0,
             "intake": _count(Path(r.work_dir) / INTAKE_DIR, "0*"),
-            "processed": _count(Path(r.processed_dir)),
+            "processed": sum(_count(d) for d in day_folders(Path(r.processed_dir))),
             "quarantine": quarantine.get("total"),  # None if it could not be read
         },
         "quarantine": quarantine,

@@ -64,3 +64,21 @@ def test_many_silent_links_make_one_short_warning_and_json_lists_them_all(
     assert want in flat, table
     warning = flat[flat.index("no red job is running") :]
     assert not any(n in warning for n in CHANNELS[SILENT_NAMES_SHOWN:]), warning
+
+
+def test_status_counts_no_lost_and_found(tmp_path: Path) -> None:
+    """An inbox, or a processed_dir, that is a mount point has fsck's lost+found: the status
+    counted it as a file waiting in the inbox (never taken: `files.inbox` never fell to 0)
+    and the files in it as processed evidence. Red leaves it alone, and so does the count."""
+    from bridge.red.report import red_status
+
+    cfg = _config(tmp_path)
+    open_landing(cfg)  # red's dirs and state
+    inbox, processed = Path(cfg.red.inbox), Path(cfg.red.processed_dir)
+    for root in (inbox, processed):
+        (root / "lost+found").mkdir(parents=True)
+        (root / "lost+found" / "#1234").write_bytes(b"fsck's")
+    (processed / "2030-01-02").mkdir()
+    (processed / "2030-01-02" / "a.000000000001.dbundle").write_bytes(b"evidence")
+    files = red_status(cfg)["files"]
+    assert (files["inbox"], files["processed"]) == (0, 1), files
