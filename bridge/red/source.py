@@ -179,6 +179,7 @@ class InboxStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
             log_event(
                 log, 20, "inbox scanned", taken=len(res.taken),
                 quarantined=len(res.quarantined), waiting=res.waiting, hidden=res.hidden,
+                left=res.left,
             )  # fmt: skip
 
     def _pending(self) -> list[tuple[int, str]]:
