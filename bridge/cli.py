@@ -388,7 +388,7 @@ def check(config_path: Path | None) -> None:
     if cfg.black.discover:
         from bridge.black.broker import tap_vhost
         from bridge.black.management import ManagementClient
-        from bridge.black.plan import plan_channel
+        from bridge.black.plan import plan_channel, without_own
 
         mc = ManagementClient.from_config(cfg.black)
         try:
@@ -397,6 +397,7 @@ def check(config_path: Path | None) -> None:
         finally:
             mc.close()
         click.echo(f"broker: RabbitMQ {version}")
+        listing = without_own(cfg.black, listing)
         for ch in cfg.channels:  # what `diode mirror` would leave out: said now, not at start
             plan = plan_channel(ch, listing)
             for why in plan.skipped:

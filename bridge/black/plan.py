@@ -32,6 +32,7 @@ __all__ = [
     "mirror_queue_name",
     "dead_queue_name",
     "dead_letter_exchange",
+    "without_own",
 ]
 
 BUILTIN_DENY = ("", "amq.*")
@@ -195,3 +196,10 @@ def dead_queue_name(black: BlackConfig, channel: str) -> str:
 def dead_letter_exchange(black: BlackConfig) -> str:
     """Black's own direct exchange for dead letters of the mirror queues (routing key: channel)."""
     return f"{black.mirror_prefix}dead-letter"
+
+
+def without_own(black: BlackConfig, exchanges: Sequence[ExchangeDecl]) -> list[ExchangeDecl]:
+    """``exchanges`` but black's own (its dead-letter exchange): never mirrored, never planned,
+    never warned about."""
+    own = dead_letter_exchange(black)
+    return [d for d in exchanges if d.name != own]

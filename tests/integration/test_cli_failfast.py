@@ -507,6 +507,26 @@ def test_check_warns_of_a_named_exchange_that_does_not_exist_and_an_unbound_dire
     assert "op.orders" not in out.replace("op.orderz", ""), out  # mirrored: nothing to say
 
 
+def test_check_never_warns_about_blacks_own_dead_letter_exchange(
+    short_tmp: Path, black_vhost: Vhost
+) -> None:
+    """After the first `diode mirror` (or run) black's dead-letter exchange, a direct one, is in
+    the vhost: `diode check` told to list its routing keys for every channel that mirrors all
+    exchanges, though black never mirrors it (`diode mirror` left it out)."""
+    inv = init_keys(short_tmp / "keys")
+    conn = Connection.open(black_vhost.amqp_url)
+    try:
+        conn.channel().exchange_declare("diode.mirror.dead-letter", "direct", durable=True)
+    finally:
+        conn.close()
+    p = _cfg(short_tmp, inv.black_fpr, list(inv.red_fprs.values()), black_vhost.amqp_url,
+             mgmt=MGMT)  # fmt: skip
+    code, out = _run("check", "--config", str(p))
+    assert code == 0, out
+    assert "RabbitMQ" in out  # the case: the check listed the vhost's exchanges
+    assert "dead-letter" not in out, out
+
+
 def test_a_refused_amqp_login_names_the_environment_override(short_tmp: Path) -> None:
     """The AMQP URL may come from DIODE__BLACK__AMQP_URL: the refusal says so (the file may be
     right while the environment overrides it)."""
