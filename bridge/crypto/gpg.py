@@ -367,6 +367,12 @@ class Gpg:
                 ) from None
         return self._pg
 
+    @property
+    def gpg_option(self) -> str:
+        """`` --gpg-binary X`` for a ``diode keys`` command a fix names, when this is not the
+        default gpg (those commands read no config); else nothing."""
+        return "" if self.binary == "gpg" else f" --gpg-binary {self.binary}"
+
     def _child_env(self) -> dict[str, str]:
         """gpg's environment: C locale, and never the variable holding the passphrase."""
         env = _c_env()
@@ -517,13 +523,15 @@ class Gpg:
                 fix = (
                     "Fix: is this the right GnuPG home for this side? A secret key is created on "
                     "the host that uses it (`diode keys init --side black|red --home "
-                    f"{self.home}`) and never copied from another host; then pin the "
+                    f"{self.home}{self.gpg_option}`) and never copied from another host; then "
+                    "pin the "
                     "fingerprint it prints in the config"
                 )
             else:
                 fix = (
                     "Fix: import the other side's public key file (.asc, exported by its "
-                    f"`diode keys init`): `diode keys import --home {self.home} FILE.asc`; "
+                    f"`diode keys init`): `diode keys import --home {self.home}"
+                    f"{self.gpg_option} FILE.asc`; "
                     "if the fingerprint in the config is wrong, correct it"
                 )
             lines = [
@@ -565,7 +573,7 @@ class Gpg:
         if "BEGIN PGP PUBLIC KEY BLOCK" not in armored:
             raise KeyMissingError(
                 f"cannot export public key {fpr}: not in GnuPG home {self.home}; "
-                f"list keys with `gpg --homedir {self.home} --list-keys`"
+                f"list keys with `{self.binary} --homedir {self.home} --list-keys`"
             )
         return armored
 
@@ -663,7 +671,7 @@ class Gpg:
             raise KeyMissingError(
                 f"no usable secret key of {normalize_fingerprint(fpr)} that can {capability} "
                 f"in GnuPG home {self.home}; list them with "
-                f"`gpg --homedir {self.home} --list-secret-keys`"
+                f"`{self.binary} --homedir {self.home} --list-secret-keys`"
             )
         protection = {}
         for line in self._agent("KEYINFO --list"):
@@ -791,7 +799,7 @@ class Gpg:
             raise CryptoError(
                 f"cannot seal {what} with signer {signer} in GnuPG home {self.home}: "
                 f"{res.reason()}{hint}{self._hint()}; check the keys with "
-                f"`gpg --homedir {self.home} --list-keys` (recipients need public keys, "
+                f"`{self.binary} --homedir {self.home} --list-keys` (recipients need public keys, "
                 "the signer its secret key)"
             )
         aead = _aead_algo(res) if encrypt else None

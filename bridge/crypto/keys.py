@@ -22,6 +22,7 @@ test signature or decryption, that the configured keys can be used unattended.
 from __future__ import annotations
 
 import logging
+import os
 import re
 import shutil
 import subprocess
@@ -137,15 +138,21 @@ class SideKeys:
     fpr: str
     public_file: Path
     passphrase: Passphrase | None = None
+    binary: str = DEFAULT_GPG
+    """The gpg that made it (``<side>.gpg_binary`` when not the default: a home made by one
+    GnuPG release is used by the same)."""
 
     def to_toml_snippet(self) -> str:
         """Config lines that pin this key (fingerprints, never key ids)."""
         home = toml_str(self.home.resolve())
         pp: list[str] = []
+        if self.binary != DEFAULT_GPG:  # a path as an absolute one: configs live elsewhere
+            gpg = str(Path(self.binary).resolve()) if os.sep in self.binary else self.binary
+            pp.append(f"gpg_binary = {toml_str(gpg)}")
         if self.passphrase is not None and self.passphrase.path is not None:
-            pp = [f"passphrase_file = {toml_str(self.passphrase.path.resolve())}"]
+            pp.append(f"passphrase_file = {toml_str(self.passphrase.path.resolve())}")
         elif self.passphrase is not None:
-            pp = [f"passphrase_env = {toml_str(self.passphrase.env_name)}"]
+            pp.append(f"passphrase_env = {toml_str(self.passphrase.env_name)}")
         if self.side == "black":
             lines = [
                 "# on BOTH sides: red lands only bundles signed by a pinned key",
@@ -216,7 +223,7 @@ def _secret_kind(caps: str) -> str:
     return f"not black.signing_key; capabilities {caps!r}"
 
 
-def _extra_secrets_message(home: Path, fpr: str, others: dict[str, str]) -> str:
+def _extra_secrets_message(gpg: Gpg, fpr: str, others: dict[str, str]) -> str:
     """Why black refuses a home holding secret keys besides ``fpr`` (fingerprint ->
     capabilities), with the fix for each kind: red's go back to red, a second black signing
     key (an old one kept after a rotation) to offline storage."""
@@ -231,12 +238,13 @@ def _extra_secrets_message(home: Path, fpr: str, others: dict[str, str]) -> str:
         fixes.append(
             "a second black signing key (an old one after a rotation?) must not stay where "
             "the job signs: red trusts only the fingerprints link.black_signers pins, so keep "
-            f"it offline (`gpg --homedir {home} --export-secret-keys FPR` to removable media)"
+            f"it offline (`{gpg.binary} --homedir {gpg.home} --export-secret-keys FPR` to "
+            "removable media)"
         )
     return (
-        f"black GnuPG home {home} holds secret key(s) besides black.signing_key {fpr}: "
+        f"black GnuPG home {gpg.home} holds secret key(s) besides black.signing_key {fpr}: "
         f"{shown}. {'; '.join(fixes)}; then delete them here "
-        f"(`gpg --homedir {home} --delete-secret-keys FPR`)"
+        f"(`{gpg.binary} --homedir {gpg.home} --delete-secret-keys FPR`)"
     )
 
 
@@ -328,7 +336,7 @@ def _init_side(
             _kill_agent(home, binary)
             shutil.rmtree(home, ignore_errors=True)
         raise
-    return SideKeys(side, name, home, fpr, public, passphrase)
+    return SideKeys(side, name, home, fpr, public, passphrase, binary)
 
 
 # ---------------------------------------------------------------------------- public keys
@@ -573,7 +581,7 @@ def _signing_gpg(cfg: Config, environ: Mapping[str, str] | None) -> Gpg:
     gpg.require_keys([fpr], secret=True, purpose="black.signing_key", capability="sign")
     others = {f: caps for f, (caps, _) in held.items() if f != fpr}
     if others:
-        raise CryptoError(_extra_secrets_message(gpg.home, fpr, others))
+        raise CryptoError(_extra_secrets_message(gpg, fpr, others))
     gpg.check_unlock(
         fpr, capability="sign", purpose="black.signing_key", fix=_passphrase_fix(cfg, "black")
     )
@@ -611,13 +619,14 @@ def _decryption_gpg(cfg: Config, environ: Mapping[str, str] | None) -> Gpg:
         raise CryptoError(
             f"red GnuPG home {gpg.home} holds the SECRET of pinned black key(s) "
             f"{', '.join(black_secret)}: red must never be able to sign as black. Delete it "
-            f"here (`gpg --homedir {gpg.home} --delete-secret-keys FPR`)"
+            f"here (`{gpg.binary} --homedir {gpg.home} --delete-secret-keys FPR`)"
         )
     mine = [f for f, (caps, _) in roles.items() if "E" in caps]
     if not mine:
         raise KeyMissingError(
             f"red GnuPG home {gpg.home} holds no secret decryption key: run "
-            f"`diode keys init --side red --name NAME --home {gpg.home}` on the red host"
+            f"`diode keys init --side red --name NAME --home {gpg.home}{gpg.gpg_option}` on "
+            "the red host"
         )
     for f in mine:
         gpg.check_unlock(

@@ -21,9 +21,9 @@ from pathlib import Path
 import pytest
 
 from bridge.config import Config, config_from_dict, load_config
-from bridge.crypto.gpg import GNUPG_TOOLS, check_gpg_binary, gnupg_tool
+from bridge.crypto.gpg import GNUPG_TOOLS, Gpg, check_gpg_binary, gnupg_tool
 from bridge.crypto.keys import KeyInventory, decryption_gpg, init_keys, signing_gpg
-from bridge.errors import ConfigError
+from bridge.errors import ConfigError, KeyMissingError
 from bridge.red.verify import VerifyContext
 
 pytestmark = pytest.mark.gpg
@@ -283,6 +283,7 @@ def test_keys_init_and_import_run_the_gpg_binary_given(bench: Bench) -> None:
     assert r.returncode == 0, r.stdout + r.stderr
     pub = bench.root / "pub" / "red.asc"
     assert pub.exists()
+    assert f'gpg_binary = "{gpg}"' in r.stdout, r.stdout  # the lines to paste name it
     r = diode("keys", "import", "--home", str(black_home), "--gpg-binary", gpg, str(pub))
     assert r.returncode == 0 and "imported 1 public key(s)" in r.stdout, r.stdout + r.stderr
     assert bench.decoyed() == []  # the case: nothing went through PATH's gpg
@@ -291,3 +292,18 @@ def test_keys_init_and_import_run_the_gpg_binary_given(bench: Bench) -> None:
     assert f"--homedir {black_home}" in calls and "--import" in calls
     r = diode("keys", "import", "--home", str(black_home), "--gpg-binary", "nope/gpg", str(pub))
     assert r.returncode == 2 and "--gpg-binary = 'nope/gpg': no such file" in r.stderr, r.stderr
+
+
+def test_fixes_name_the_configured_gpg(bench: Bench) -> None:
+    """A key missing from a home that a configured gpg uses: the fix named `diode keys import`
+    without --gpg-binary and `gpg --homedir`, i.e. PATH's gpg, another GnuPG release."""
+    gpg = bench.install("side", bench.root / "side.log")
+    home = bench.root / "kb"
+    home.mkdir(mode=0o700)
+    bench.homes.append((home, gpg))
+    with pytest.raises(KeyMissingError) as e:
+        Gpg(home, binary=gpg).require_keys(["A" * 40], purpose="recipients", capability="encrypt")
+    assert f"`diode keys import --home {home} --gpg-binary {gpg} FILE.asc`" in str(e.value)
+    with pytest.raises(KeyMissingError) as e:
+        Gpg(home, binary=gpg).export_public("A" * 40)
+    assert f"`{gpg} --homedir {home} --list-keys`" in str(e.value)
