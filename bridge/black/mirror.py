@@ -14,11 +14,13 @@ recorded gaps. The bindings are planned in :mod:`bridge.black.plan`; the broker 
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
 import logging
 import shlex
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -43,8 +45,9 @@ from bridge.black.plan import (
     wanted,
 )
 from bridge.config import Config
-from bridge.errors import BrokerError, ConfigError, DiodeError, ManagementApiError
-from bridge.fsutil import exclusive_lock
+from bridge.diode.file_drop import not_writable
+from bridge.errors import BrokerError, ConfigError, DiodeError, ManagementApiError, StateError
+from bridge.fsutil import DIR_MODE, exclusive_lock, os_error_text
 from bridge.logs import get_logger, log_event
 from bridge.metrics import BLACK
 from bridge.protocol.exchange import ExchangeDecl
@@ -102,6 +105,40 @@ class MirrorReport:
         )
 
 
+CATALOG_REFUSED = (errno.EACCES, errno.EPERM, errno.EROFS)
+"""errnos of a state_dir that refuses the catalog: only the operator can fix them."""
+
+
+def catalog_failed(path: Path, doing: str, e: OSError) -> DiodeError:
+    """Black, mirror: ``doing`` (reading, writing, locking) the exchange catalog ``path``
+    failed (``e``): a refusal is a ConfigError (the operator must fix it), any other error a
+    StateError that retrying may fix (``retryable``: a full disk, EIO); each names the file,
+    the reason, the fix and what it costs (new exchanges stay unbound)."""
+    where = f"{path}" if e.filename in (None, str(path)) else f"{path} (at {e.filename})"
+    said = (
+        f"mirror sync: {doing} the exchange catalog {where} failed ({os_error_text(e)}). The "
+        "catalog is written before any binding: until it can be, no new exchange is mirrored"
+    )
+    if e.errno in CATALOG_REFUSED:
+        return ConfigError(f"{said}. {not_writable('state_dir', path.parent, e, mode=DIR_MODE)}")
+    err = StateError(
+        f"{said}. Free space on, or check the disk (dmesg) of, black.state_dir {path.parent}; "
+        "the sync is tried again"
+    )
+    err.retryable = True
+    return err
+
+
+@contextlib.contextmanager
+def _catalog_file(path: Path, doing: str) -> Iterator[None]:
+    """An OSError while ``doing`` the exchange catalog (or its lock) ``path``, as
+    :func:`catalog_failed` says it."""
+    try:
+        yield
+    except OSError as e:
+        raise catalog_failed(path, doing, e) from e
+
+
 class Mirror:
     """Keeps every channel's mirror queue declared and bound; cheap to call periodically.
 
@@ -157,14 +194,18 @@ class Mirror:
 
     def _sync(self, conn: BlockingConnection) -> MirrorReport:
         # `diode mirror` and a running job's MirrorLoop both rewrite the catalog
-        with exclusive_lock(
-            self.catalog_path.with_name("catalog.lock"), what="mirror sync", timeout=60,
-            hint="another `diode mirror` or black job is syncing the same state_dir",
-        ):  # fmt: skip
+        lock = self.catalog_path.with_name("catalog.lock")
+        with contextlib.ExitStack() as held:
+            with _catalog_file(lock, "locking"):
+                held.enter_context(exclusive_lock(
+                    lock, what="mirror sync", timeout=60,
+                    hint="another `diode mirror` or black job is syncing the same state_dir",
+                ))  # fmt: skip
             return self._sync_locked(conn)
 
     def _sync_locked(self, conn: BlockingConnection) -> MirrorReport:
-        catalog = load_catalog(self.catalog_path)
+        with _catalog_file(self.catalog_path, "reading"):
+            catalog = load_catalog(self.catalog_path)
         exchanges, listed = self._learn(conn, catalog)
         own = dead_letter_exchange(self.cfg.black)
         exchanges = [d for d in exchanges if d.name != own]  # black's own: never mirrored
@@ -176,7 +217,8 @@ class Mirror:
             to_catalog = [d for d in exchanges if d.name in planned]
         merged, changed = merge_catalog(catalog, (d for d in to_catalog if d.type))
         if changed:
-            save_catalog(self.catalog_path, merged)
+            with _catalog_file(self.catalog_path, "writing"):
+                save_catalog(self.catalog_path, merged)
             log_event(
                 log,
                 logging.INFO,
@@ -581,25 +623,44 @@ def dead_queue_limits(info: dict[str, Any]) -> list[str]:
     return found
 
 
+MAX_SYNC_FAILURES = 5
+"""Mirror syncs failing in a row (other than the broker's) after which the loop stops: with
+the default ``discover_interval_seconds`` (30), about two and a half minutes."""
+
+
 class MirrorLoop:
     """A daemon thread re-running :meth:`Mirror.sync` every ``interval`` seconds.
 
-    Transient :class:`BrokerError` s are logged and retried; a terminal error (ConfigError,
-    StateError) is logged, kept in :attr:`error` and ends the loop. Run ``mirror.sync()`` once
-    before :meth:`start` so startup errors surface (or pass ``run_now=True``).
+    A :class:`BrokerError` is logged and retried (the broker comes back, and the taps wait for
+    it too). A terminal error (ConfigError: a state_dir that refuses the catalog; StateError:
+    a damaged catalog) is logged, kept in :attr:`fatal` and ends the loop. Any other failure —
+    an error retrying may fix (a full disk under the catalog), a bug — is retried, and becomes
+    ``fatal`` after ``max_failures`` in a row: new exchanges would otherwise stay unbound for
+    good behind a running job. Run ``mirror.sync()`` once before :meth:`start` so startup
+    errors surface (or pass ``run_now=True``).
     """
 
-    def __init__(self, mirror: Mirror, interval: float, *, run_now: bool = False) -> None:
+    def __init__(
+        self,
+        mirror: Mirror,
+        interval: float,
+        *,
+        run_now: bool = False,
+        max_failures: int = MAX_SYNC_FAILURES,
+    ) -> None:
         if interval <= 0:
             raise ConfigError(f"mirror loop interval must be > 0, got {interval}")
         self.mirror = mirror
         self.interval = interval
         self.run_now = run_now
+        self.max_failures = max_failures
         self.last_report: MirrorReport | None = None
         self.error: DiodeError | None = None
         self.fatal: DiodeError | None = None
         """The terminal error that ended the loop (a transient one is only in ``error``)."""
         self.failures = 0
+        self.in_a_row = 0
+        """Syncs failed in a row other than the broker's (those that become ``fatal``)."""
         self.on_report: Callable[[MirrorReport], None] | None = None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="diode-black-mirror", daemon=True)
@@ -633,16 +694,41 @@ class MirrorLoop:
                     retry_in_s=self.interval,
                     failures=self.failures,
                 )
-            except DiodeError as e:
-                self.error = self.fatal = e
-                log_event(log, logging.ERROR, f"mirror sync failed terminally, loop stopped: {e}")
-                return
-            except Exception:
-                self.failures += 1
-                log.exception("mirror sync crashed unexpectedly; retrying in %.0fs", self.interval)
+            except Exception as e:
+                self.error = self._failed(e)
+                if self.fatal is not None:
+                    return
             else:
-                self.last_report, self.error = report, None
+                self.last_report, self.error, self.in_a_row = report, None, 0
                 if self.on_report is not None:
                     self.on_report(report)
             if self._stop.wait(self.interval):
                 return
+
+    def _failed(self, e: Exception) -> DiodeError:
+        """A sync failed with ``e`` (not the broker's): logged; sets ``fatal`` if retrying
+        cannot help, or it failed ``max_failures`` times in a row. Returns the error to keep."""
+        self.failures += 1
+        self.in_a_row += 1
+        if not isinstance(e, DiodeError):  # a bug, or a library's own error: its traceback
+            log.exception("mirror sync failed unexpectedly")
+            err: DiodeError = StateError(f"mirror sync failed: {type(e).__name__}: {e}")
+            err.retryable = True  # it may not happen again: tried up to max_failures times
+        else:
+            err = e
+        if not err.retryable:
+            self.fatal = err
+        elif self.in_a_row >= self.max_failures:
+            self.fatal = StateError(
+                f"{str(err).rstrip('.')}. It failed {self.in_a_row} times in a row: the mirror "
+                "loop stopped, and the job with it (new exchanges would never be mirrored)"
+            )
+        if self.fatal is not None:
+            log_event(log, logging.ERROR, f"mirror sync failed terminally, loop stopped: "
+                      f"{self.fatal}")  # fmt: skip
+            return self.fatal
+        log_event(
+            log, logging.WARNING, f"mirror sync failed, will retry: {err}",
+            retry_in_s=self.interval, failures=self.in_a_row, of=self.max_failures,
+        )  # fmt: skip
+        return err

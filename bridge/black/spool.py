@@ -42,6 +42,10 @@ Positions are gapless and never reused: a record's position is its message ``seq
   format (SchemaVersionError) — is refused at ``open`` and by black's start-up check
   (``unreadable_spool_segment``: its header only), naming the file, the positions it holds
   and the fix, before the tap drains more of the broker into a spool that cannot be shipped.
+* A shipped segment that cannot be deleted (an immutable attribute, an I/O error) raises the
+  error naming it or the folder that refuses, its positions and the fix (``release_refused``):
+  the data is shipped, so the tap logs it and goes on; the spool grows until the tap pauses
+  at its quota or ``min_free_bytes`` (the backlog then waits in the broker).
 * A lost record for a dead letter keeps the dead letter's ``fingerprint`` (16 bytes) in its
   ``properties_raw``, so that a redelivery of the dead letter after a crash is recognised like
   a redelivered message; a lost record's properties are never shipped (``spool_rows``).
@@ -91,7 +95,7 @@ from bridge.errors import (
     StateError,
 )
 from bridge.faults import crash_point
-from bridge.fsutil import fsync_dir, pwritev_all
+from bridge.fsutil import fsync_dir, pwritev_all, write_refusal
 from bridge.logs import get_logger, log_event
 
 if TYPE_CHECKING:
@@ -100,6 +104,7 @@ if TYPE_CHECKING:
 __all__ = [
     "SPOOL_DIR_MODE",
     "SpoolLocked",
+    "release_refused",
     "spool_files",
     "unwritable_spool_file",
     "unreadable_spool_segment",
@@ -335,6 +340,26 @@ def spool_file_refused(channel: str, path: Path, e: OSError) -> str:
         f"black.spool_dir: {_where(channel, path)} cannot be opened for writing ({_why(e)}): "
         "the tap needs it as a regular file it can read and write. Check that disk (dmesg), or "
         "move a file that is not the spool's aside, and start black again"
+    )
+
+
+def release_refused(channel: str, segment: Path, held: str, e: OSError) -> DiodeError:
+    """Black, spool: the error when ``segment`` of ``channel``'s spool, holding ``held``
+    (positions black shipped), could not be deleted (``e``): the file or folder that refuses
+    and the fix (ConfigError: :func:`spool_file_refused`), or the disk's error (StateError);
+    with what it costs until then. The tap logs it and goes on (housekeeping)."""
+    cost = (
+        f"It holds {held}, shipped already: the tap goes on and tries again; until then the "
+        "spool keeps it and everything after it, and the tap pauses once the spool reaches "
+        "[black.spool] max_bytes or min_free_bytes (the backlog then waits in the broker; "
+        "nothing is lost)"
+    )
+    if e.errno in REFUSED:  # the folder's attribute, owner or mount; else the segment's own
+        culprit = segment.parent if write_refusal(segment.parent) is not None else segment
+        return ConfigError(f"{spool_file_refused(channel, culprit, e)}. {cost}")
+    return StateError(
+        f"spool of channel {channel!r}: deleting {segment} failed ({_why(e)}): check that disk "
+        f"(dmesg). {cost}"
     )
 
 
@@ -973,7 +998,9 @@ class SpoolWriter:
         """Delete closed segments whose records all have positions <= ``pos``; bytes freed.
 
         Never the current segment, and never records after ``acked_through`` (the broker may
-        still redeliver them: they must stay recognisable).
+        still redeliver them: they must stay recognisable). A segment that cannot be deleted
+        raises ``release_refused``'s error; it and those after it stay listed, and the next
+        call tries again.
         """
         limit = min(pos, self._acked)
         freed = released = 0
@@ -984,13 +1011,20 @@ class SpoolWriter:
                 nxt = segs[1][0] if len(segs) > 1 else self._seg_first
                 if nxt - 1 > limit:
                     break
-                (self.directory / segment_name(first)).unlink(missing_ok=True)
+                path = self.directory / segment_name(first)
+                try:
+                    path.unlink(missing_ok=True)
+                except OSError as e:  # housekeeping: what it holds is shipped
+                    held = f"positions [{first}, {nxt})"
+                    raise release_refused(self.channel, path, held, e) from e
                 del segs[0]  # accounted one by one: a refusal midway leaves the rest listed
                 freed += size
                 released += 1
                 self._used -= size
-            if released:
-                fsync_dir(self.directory)
-        except OSError as e:  # the folder refuses: nothing more can be released (or rolled)
-            raise self._write_error(e, self.directory) from e
+        finally:
+            if released:  # the deletions made durable
+                try:
+                    fsync_dir(self.directory)
+                except OSError as e:  # that disk fails: so would the tap's writes
+                    raise self._write_error(e, self.directory) from e
         return freed

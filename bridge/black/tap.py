@@ -41,15 +41,17 @@ The tap pauses when the spool is full (quota or file system): it stops acking, w
 proofs of the acks it sent, drops what is not durable and closes its connection, so the
 backlog waits in the mirror queue, not in the tap's memory. It reconnects by itself when the
 group that did not fit would. Segments are released once black's journal says the
-bundles holding them are durably in the outbox. While it waits it retries what a full disk
-may have refused (recording ``acked_through``, closing the current segment). Records after
-``acked_through`` are never released; if they are what keeps the spool full (acks whose proof
-never came: a crash or a broker that went quiet), the paused tap *settles* them: it proves
-the broker holds none of them, as a channel that caught up does, before it lets go of its
-connection — or, failing that, every ``PROOF_RETRY_S`` on a short connection of its own. That
-one takes as few messages as it can (a quorum queue counts every message handed back toward
-its delivery limit): none from a queue that owes nothing or has another consumer, else one at
-a time until the first that is not such a redelivery, the only one it hands back.
+bundles holding them are durably in the outbox; one that cannot be deleted is logged and
+counted (``release_refused``) and the tap goes on: its spool then fills up to the pause. While
+it waits it retries what a full disk may have refused (recording ``acked_through``, closing
+the current segment). Records after ``acked_through`` are never released; if they are what
+keeps the spool full (acks whose proof never came: a crash or a broker that went quiet), the
+paused tap *settles* them: it proves the broker holds none of them, as a channel that caught
+up does, before it lets go of its connection — or, failing that, every ``PROOF_RETRY_S`` on a
+short connection of its own. That one takes as few messages as it can (a quorum queue counts
+every message handed back toward its delivery limit): none from a queue that owes nothing or
+has another consumer, else one at a time until the first that is not such a redelivery, the
+only one it hands back.
 
 Crash points (bridge.faults): ``tap.after_sync`` (a group durable, nothing acked),
 ``tap.before_dead_ack`` (durable, the mirror queue's ack sent, the dead queue's not) and
@@ -98,7 +100,7 @@ from bridge.errors import (
     StateError,
 )
 from bridge.faults import crash_point, slow_point
-from bridge.fsutil import atomic_write_bytes
+from bridge.fsutil import atomic_write_bytes, os_error_text
 from bridge.logs import get_logger, log_event
 
 __all__ = ["Tap", "TapStatus", "tap_status", "read_tap_status", "DELIVERY_COUNT_HEADER"]
@@ -122,6 +124,9 @@ POSSIBLE_DUPLICATE = "possible-duplicate"
 """Why a spooled message may not be exactly once: a redelivery after a crash that equals
 several spooled records byte for byte may be one of them (its ack not applied) or a twin the
 producer sent (theirs applied). Kept, never skipped: a duplicate, not a silent loss."""
+RELEASE_REFUSED = "release_refused"
+"""Counter of the tap's tries to delete shipped spool segments that were refused (``_release``):
+it grows while the spool cannot shrink."""
 RELEASE_EVERY_S = 2.0
 STATUS_EVERY_S = 1.0
 RETRY_FULL_S = 1.0
@@ -170,13 +175,40 @@ class TapStatus:
     counters: dict[str, int] = field(default_factory=dict)
 
 
+class Recurring:
+    """Black: a refusal warned of at most every ``every`` seconds while it lasts with the same
+    reason (``due``), and once more when it is over (``over``)."""
+
+    def __init__(self, every: float = STATUS_LOG_S) -> None:
+        self.every = every
+        self.why: str | None = None
+        self._warned_at = 0.0
+
+    def due(self, why: str) -> bool:
+        """It happened (again), for reason ``why``: whether to warn now."""
+        now = time.monotonic()
+        if why == self.why and now - self._warned_at < self.every:
+            return False
+        self.why, self._warned_at = why, now
+        return True
+
+    def over(self) -> bool:
+        """It did not happen this time: whether it had (then say that it is over)."""
+        was, self.why = self.why is not None, None
+        return was
+
+
+_UNREADABLE: dict[Path, Recurring] = {}
+"""Tap status files found unreadable (``tap_status``), each warned of once a minute."""
+
+
 def status_path(cfg: Config, channel: str) -> Path:
     return Path(cfg.black.state_dir) / f"tap-{channel}.json"
 
 
 def read_tap_status(cfg: Config, channel: str) -> TapStatus | None:
     """The last status the channel's tap wrote, None if it never ran; StateError naming the
-    file when it is there but damaged."""
+    file when it is there but damaged or cannot be read (a directory, another owner, EIO)."""
     p = status_path(cfg, channel)
     try:
         return TapStatus(**json.loads(p.read_text()))
@@ -184,15 +216,31 @@ def read_tap_status(cfg: Config, channel: str) -> TapStatus | None:
         return None
     except (ValueError, TypeError) as e:
         raise StateError(f"tap status file {p}: {e}") from None
+    except OSError as e:
+        raise StateError(
+            f"tap status file {p} cannot be read ({os_error_text(e)}): make it "
+            "a file the user running black can read and write, or remove it (the tap writes "
+            "it anew)"
+        ) from None
 
 
 def tap_status(cfg: Config, channel: str) -> TapStatus | None:
-    """The last status the channel's tap wrote, None if it never ran (or its file is
-    damaged: the tap rewrites it)."""
+    """The last status the channel's tap wrote, None if it never ran, or if its file is
+    damaged or unreadable: it only informs (metrics, the tap's check for a lost spool), so
+    that is logged (once a minute while it lasts) and the caller goes on without it."""
+    p = status_path(cfg, channel)
     try:
-        return read_tap_status(cfg, channel)
-    except StateError:
+        st = read_tap_status(cfg, channel)
+    except StateError as e:
+        if _UNREADABLE.setdefault(p, Recurring()).due(str(e)):
+            log_event(
+                log, 30, f"{e}. Until then its channel's tap metrics are not exported, and a "
+                "restarting tap cannot tell whether its spool was lost", channel=channel,
+            )  # fmt: skip
         return None
+    if _UNREADABLE.pop(p, None) is not None:
+        log_event(log, 20, "tap status file readable again", channel=channel, path=str(p))
+    return st
 
 
 class Tap:
@@ -231,8 +279,8 @@ class Tap:
         self._drained: set[int] = set()  # AMQP channels whose queue was seen unable to redeliver
         self._empty_since: dict[int, float] = {}  # AMQP channel -> first of its empty readings
         self._unsettled = False  # a delivery while paused may be a redelivery: settle nothing
-        self._status_refused: str | None = None  # why the status file was last refused
-        self._status_warned_at = 0.0
+        self._status_refused = Recurring()  # the status file refused (warned once a minute)
+        self._release_refused = Recurring()  # a shipped segment could not be deleted
 
     def stop(self) -> None:
         self._stop.set()
@@ -1077,14 +1125,28 @@ class Tap:
 
     # -- housekeeping -----------------------------------------------------------------------
     def _release(self, spool: SpoolWriter) -> None:
+        """Delete the spool segments black shipped. One that cannot be deleted is logged
+        (once a minute while it lasts) and counted (``RELEASE_REFUSED``), never raised: what it
+        holds is shipped, and a spool that stops shrinking pauses the tap at its quota or
+        ``min_free_bytes`` like any full spool — the backlog waits in the broker."""
         shipped = self.store.load(self.channel).last_seq
-        if shipped >= 0:
+        if shipped < 0:
+            return
+        try:
             freed = spool.release_through(shipped)
-            if freed:
-                log_event(
-                    log, 10, "spool segments released", channel=self.channel,
-                    through_pos=shipped, bytes=freed,
-                )  # fmt: skip
+        except DiodeError as e:  # a segment that cannot be deleted (release_refused)
+            self._bump(RELEASE_REFUSED)
+            if self._release_refused.due(str(e)):
+                log_event(log, 40, str(e), channel=self.channel, through_pos=shipped)
+            return
+        if self._release_refused.over():
+            log_event(log, 30, "shipped spool segments can be deleted again",
+                      channel=self.channel, through_pos=shipped, bytes=freed)  # fmt: skip
+        elif freed:
+            log_event(
+                log, 10, "spool segments released", channel=self.channel,
+                through_pos=shipped, bytes=freed,
+            )  # fmt: skip
 
     def _write_status(self, spool: SpoolWriter, *, force: bool = False) -> None:
         now = time.time()
@@ -1100,20 +1162,17 @@ class Tap:
         except OSError as e:
             self._status_not_written(path, e)
             return
-        if self._status_refused is not None:
+        if self._status_refused.over():
             log_event(log, 30, "tap status file written again", channel=self.channel,
                       path=str(path))  # fmt: skip
-            self._status_refused = None
 
     def _status_not_written(self, path: Path, e: OSError) -> None:
         """Black, tap: the status file was refused (a full disk, permissions). It only informs
         (``diode status``, the job's metrics): the tap goes on, warning at most every
         ``STATUS_LOG_S`` while it is refused, and the status ages (``tap_status_age``)."""
         why = f"{e.strerror or e} (errno {e.errno})"
-        now = time.monotonic()
-        if why == self._status_refused and now - self._status_warned_at < STATUS_LOG_S:
+        if not self._status_refused.due(why):
             return
-        self._status_refused, self._status_warned_at = why, now
         log_event(
             log, 30, f"tap status file not written: {why}; the tap goes on (its status in "
             "`diode status` and the metrics grows old). Free space on, or give black write "

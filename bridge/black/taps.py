@@ -5,6 +5,10 @@ competes with Spark's driver for the GIL, and a tap killed at any moment (kill -
 loses nothing — the broker redelivers what was not acked, the spool recognises what it
 already holds. The supervisor restarts a dead tap with a growing back-off; a tap that exits
 with a configuration error (exit status 2) is not restarted: the job stops and says why.
+A tap the system refuses to start (fork or pipe: EAGAIN, ENOMEM, EMFILE) is tried again with
+the same back-off, and stops the job after ``START_ATTEMPTS`` refusals in a row; metrics it
+cannot export are logged and skipped; anything else that would end the supervisor stops the
+job with it (``TapSupervisor.error``): the channels never go untapped behind a running job.
 A tap that stops on an error writes why into a pipe its job gave it (``REASON_FD_ENV``): the
 job's error and its log of the exit carry that reason, not only an exit status.
 """
@@ -18,14 +22,16 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from bridge.black.tap import PARENT_ENV, REASON_FD_ENV, tap_status
+from bridge.black.tap import PARENT_ENV, REASON_FD_ENV, Recurring, tap_status
 from bridge.config import Config
 from bridge.errors import BrokerError, ConfigError, DiodeError
+from bridge.fsutil import os_error_text
 from bridge.logs import get_logger, log_event
 from bridge.metrics import BLACK
 
 __all__ = [
     "TapSupervisor",
+    "TapSupervisionFailed",
     "UntilEmptyTaps",
     "tap_command",
     "run_taps_until_empty",
@@ -36,6 +42,21 @@ log = get_logger("bridge.black.taps")
 
 EXIT_CONFIG = 2
 MAX_BACKOFF_S = 30.0
+START_ATTEMPTS = 8
+"""Refusals in a row to start a channel's tap (about a minute with the back-off) after which
+the job stops: the system is out of processes, memory or file descriptors for good."""
+
+
+class TapSupervisionFailed(DiodeError):
+    """The supervisor cannot keep a channel's tap running (it could not start it, or it
+    failed itself): the job stops with it; starting black again may help."""
+
+    retryable = True
+
+
+def _backoff(n: int) -> float:
+    """Seconds before the ``n``-th restart in a row (0.5 s, doubling, at most MAX_BACKOFF_S)."""
+    return min(MAX_BACKOFF_S, 0.5 * 2 ** min(n - 1, 6))
 
 
 def export_tap_metrics(cfg: Config) -> None:
@@ -68,6 +89,8 @@ class _Proc:
     proc: subprocess.Popen[bytes] | None = None
     reason_fd: int = -1
     restarts: int = 0
+    refused_starts: int = 0
+    """Starts the system refused in a row (fork, pipe)."""
     next_start: float = 0.0
     exits: list[int] = field(default_factory=list)
 
@@ -204,12 +227,15 @@ class TapSupervisor:
         self.cfg = cfg
         self.procs = {ch.name: _Proc(ch.name) for ch in cfg.channels}
         self.error: DiodeError | None = None
+        self.start_attempts = START_ATTEMPTS
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="diode-taps", daemon=True)
+        self._export_failed = Recurring()
 
     def start(self) -> TapSupervisor:
+        now = time.monotonic()
         for p in self.procs.values():
-            p.proc, p.reason_fd = _start(self.cfg, p.channel, until_empty=False)
+            self._launch(p, now)
         self._thread.start()
         return self
 
@@ -218,7 +244,8 @@ class TapSupervisor:
 
     def stop(self, timeout: float = 30.0) -> None:
         self._stop.set()
-        self._thread.join(timeout)
+        if self._thread.is_alive():
+            self._thread.join(timeout)
         for p in self.procs.values():
             if p.proc is not None and p.proc.poll() is None:
                 p.proc.terminate()
@@ -233,17 +260,77 @@ class TapSupervisor:
                 fd, p.reason_fd = p.reason_fd, -1
                 os.close(fd)
 
+    def _fail(self, error: DiodeError, **ids: str) -> None:
+        """Stop supervising: the job's health check ends the run with ``error``."""
+        self.error = error
+        log_event(log, 50, str(error), **ids)
+        self._stop.set()
+
     def _run(self) -> None:
+        try:
+            self._supervise()
+        except Exception as e:  # a bug: never a job that runs on with nobody restarting taps
+            log.exception("the tap supervisor failed")
+            self._fail(
+                e if isinstance(e, DiodeError) else TapSupervisionFailed(
+                    f"the tap supervisor failed ({type(e).__name__}: {e}): no tap would be "
+                    "restarted any more, so the job stops. Its traceback is in the log above; "
+                    "start black again"
+                )
+            )  # fmt: skip
+
+    def _export(self) -> None:
+        """The taps' metrics; a failure is logged (once a minute) and skipped: they only
+        inform, and the supervisor must go on restarting taps."""
+        try:
+            export_tap_metrics(self.cfg)
+        except Exception as e:
+            if self._export_failed.due(f"{type(e).__name__}: {e}"):
+                log.exception("tap metrics not exported (tried again every second)")
+        else:
+            self._export_failed.over()
+
+    def _launch(self, p: _Proc, now: float) -> None:
+        """Start ``p``'s tap. A refusal of the system (fork, pipe: EAGAIN, ENOMEM, EMFILE) is
+        tried again with back-off, then ends supervision after ``start_attempts`` in a row."""
+        try:
+            p.proc, p.reason_fd = _start(self.cfg, p.channel, until_empty=False)
+        except OSError as e:
+            p.refused_starts += 1
+            why = os_error_text(e)
+            if p.refused_starts >= self.start_attempts:
+                self._fail(TapSupervisionFailed(
+                    f"the tap of channel {p.channel!r} could not be started {p.refused_starts} "
+                    f"times in a row: {why}. The system is out of processes, memory or file "
+                    "descriptors: check `ulimit -u` / `ulimit -n` of the user running black "
+                    "(LimitNPROC / LimitNOFILE of its service), free memory, and what else "
+                    "runs as that user; then start black again. Nothing is lost: the channel's "
+                    "messages wait in its mirror queue"
+                ), channel=p.channel)  # fmt: skip
+                return
+            delay = _backoff(p.refused_starts)
+            p.next_start = now + delay
+            log_event(
+                log, 40, f"tap could not be started: {why}; trying again (nothing is lost: "
+                "the messages wait in the mirror queue)", channel=p.channel,
+                refused=p.refused_starts, of=self.start_attempts, in_seconds=delay,
+            )  # fmt: skip
+            return
+        p.refused_starts = 0
+
+    def _supervise(self) -> None:
         exported = 0.0
         while not self._stop.wait(0.2):
             now = time.monotonic()
             if now - exported >= 1.0:
-                export_tap_metrics(self.cfg)
+                self._export()
                 exported = now
             for p in self.procs.values():
                 if p.proc is None:
                     if now >= p.next_start:
-                        p.proc, p.reason_fd = _start(self.cfg, p.channel, until_empty=False)
+                        self._launch(p, now)
+                        if self._stop.is_set():
+                            return
                     continue
                 rc = p.proc.poll()
                 if rc is None:
@@ -253,16 +340,14 @@ class TapSupervisor:
                 fd, p.reason_fd = p.reason_fd, -1
                 reason = read_reason(fd) if fd >= 0 else None
                 if rc == EXIT_CONFIG:
-                    self.error = ConfigError(
+                    self._fail(ConfigError(
                         f"the tap of channel {p.channel!r} stopped on a configuration error: "
                         f"{_said(reason, 'its log says which')}. Fix it and "
                         "restart black"
-                    )
-                    log_event(log, 50, str(self.error), channel=p.channel)
-                    self._stop.set()
+                    ), channel=p.channel)  # fmt: skip
                     return
                 p.restarts += 1
-                delay = min(MAX_BACKOFF_S, 0.5 * 2 ** min(p.restarts - 1, 6))
+                delay = _backoff(p.restarts)
                 p.next_start = now + delay
                 log_event(
                     log, 40, "tap exited; restarting it (nothing is lost: unacked messages "
