@@ -65,8 +65,8 @@ class _Black:
             "bridge_black_tap_events",
             "What the channel's tap counted since it started, once durable (delivered, "
             "redelivered_skipped, dead_redelivered_skipped, dead_possible_duplicate, "
-            "handed_back, reconnects, denied, lost_<reason>, inexact_<reason>), from its status "
-            "file",
+            "handed_back, reconnects, denied, release_refused, lost_<reason>, inexact_<reason>), "
+            "from its status file",
             ["channel", "event"],
             registry=reg,
         )

@@ -96,6 +96,7 @@ from bridge.errors import (
 )
 from bridge.faults import crash_point
 from bridge.fsutil import fsync_dir, pwritev_all, write_refusal
+from bridge.fsutil import os_error_text as _why
 from bridge.logs import get_logger, log_event
 
 if TYPE_CHECKING:
@@ -283,12 +284,6 @@ def _segment_unreadable(channel: str, path: Path, e: OSError, held: str) -> Diod
         "damaged: restore it from a backup or start a new spool (docs/runbook.md §7.1, 'spool "
         "lost': its positions not shipped become a spool_lost gap)"
     )
-
-
-def _why(e: OSError) -> str:
-    """``e``'s reason with its errno's name, e.g. ``Permission denied (EACCES)``."""
-    code = e.errno if e.errno is not None else 0
-    return f"{e.strerror or e} ({errno.errorcode.get(code, code)})"
 
 
 def _where(channel: str, path: Path) -> str:
