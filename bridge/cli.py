@@ -473,7 +473,7 @@ def black_run(
 @config_option
 @click.option(
     "--every",
-    type=click.FloatRange(0, 86400, min_open=True),
+    type=click.FloatRange(1, 86400),
     default=None,
     metavar="SECONDS",
     help="keep writing a round every SECONDS (the period red is told) until SIGTERM/SIGINT; "

@@ -118,7 +118,7 @@ class Target:
             channel, sep, seq = to_seq.rpartition(":")
             if not sep or not channel or not seq.strip().isdigit():
                 raise ConfigError(
-                    f"--to-seq {to_seq!r}: expected CHANNEL:SEQ, e.g. orders:1500 (a message seq "
+                    f"--to-seq {to_seq!r}: expected CHANNEL:SEQ, e.g. eu-west:1500 (a message seq "
                     "of that channel, as the replay_failed and replayed events name it)"
                 )
             return cls(to_seq=(channel, int(seq)))
@@ -207,10 +207,13 @@ def _first_at_seq(tables: RedTables, exchange: str, channel: str, seq: int) -> K
     )
     key = _first(got)
     if key is None:
+        landed = tables.read("messages", columns=["channel"], filter=_f("exchange") == exchange)
+        channels = sorted(set(landed["channel"].to_pylist()))
         raise ConfigError(
             f"exchange {exchange!r} has no landed row channel {channel!r} seq {seq}: check "
-            "--to-seq (CHANNEL:SEQ of a row of this exchange; `replayed` and `replay_failed` "
-            "audit events name them)"
+            "--to-seq (CHANNEL:SEQ of a row of this exchange: the channel, not the exchange; "
+            f"channels with rows of it: {', '.join(map(repr, channels)) or 'none'}; "
+            "`replayed` and `replay_failed` audit events name the seqs)"
         )
     return key
 
@@ -455,8 +458,13 @@ def rewind_exchange(
         republish = (
             f"the replay publishes {plan.rows + plan.ahead} row(s) of exchange {exchange!r} "
             f"again, from {_key_text(plan.first)} up to where it was ({_key_text(old_key)}), "
-            "in its usual order, then goes on as before (at-least-once: consumers de-duplicate "
-            "on red.replay.id_header)"
+            "in its usual order, then goes on as before (at-least-once: "
+            + (
+                f"consumers de-duplicate on the {cfg.red.replay.id_header} header)"
+                if cfg.red.replay.id_header
+                else "consumers get those rows twice; red.replay.id_header would let them "
+                "de-duplicate)"
+            )
         ) + ("" if out["approved"] is not False else "; the exchange is not approved: that "
              "happens once it is")  # fmt: skip
         if dry_run:

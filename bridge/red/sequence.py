@@ -472,8 +472,9 @@ def silence_margin(channel: str, interval_seconds: float, silent_seconds: float)
         return None
     advice = max(3 * interval_seconds, silent_seconds)
     return (
-        f"channel {channel}: black sends a heartbeat every {interval_seconds:g} s "
-        f"(black.heartbeat_seconds) but red.link_silent_seconds is {silent_seconds:g} s, "
+        f"channel {channel}: black sends a heartbeat every {interval_seconds:g} s (its "
+        "heartbeats say so: black.heartbeat_seconds, or `diode black heartbeat --every`) but "
+        f"red.link_silent_seconds is {silent_seconds:g} s, "
         f"under {SILENCE_PERIODS:g} periods: one late or lost heartbeat raises link_silent; "
         f"set red.link_silent_seconds to {advice:g} or more (a few periods)"
     )

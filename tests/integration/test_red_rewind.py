@@ -152,6 +152,7 @@ def test_to_seq_and_since_republish_byte_for_byte_in_order_refused_while_the_rep
         assert dry["to"] == {"land_seq": 2, "channel": "c1", "seq": 11}
         assert dry["first_row"] == {"land_seq": 2, "channel": "c1", "seq": 12}
         assert dry["rows"] == 18 and dry["replay_running"] is False, dry
+        assert "red.replay.id_header would let them" in dry["note"], dry  # off in this config
         assert progress_file.read_bytes() == saved and replay_version(tmp_path) == version
 
         out, _ = rewind(conf, "--exchange", RW_X.name, "--to-seq", "c1:12", "--reason", "T-42",
@@ -196,6 +197,8 @@ def test_to_seq_and_since_republish_byte_for_byte_in_order_refused_while_the_rep
         assert "unknown exchange 'x.nope'" in err and "x.rw" in err, err
         _, err = rewind(conf, "--exchange", RW_X.name, "--to-seq", "c1:999", code=2)
         assert "no landed row channel 'c1' seq 999" in err, err
+        _, err = rewind(conf, "--exchange", RW_X.name, "--to-seq", "x.rw:12", code=2)
+        assert "the channel, not the exchange" in err and "'c1', 'c2'" in err, err
         _, err = rewind(conf, "--exchange", RW_X.name, "--since", "2026-01-01T00:00", code=2)
         assert "with its zone" in err, err
         _, err = rewind(conf, "--exchange", RW_X.name, "--skipped", "--to-seq", "c1:1", code=2)

@@ -477,6 +477,7 @@ def test_silence_margin_shorter_than_two_periods_is_named_with_the_fix() -> None
     why = silence_margin(CH, 45.0, 60.0)
     assert why is not None and f"channel {CH}" in why and "every 45 s" in why
     assert "red.link_silent_seconds to 135 or more" in why, why
+    assert "diode black heartbeat --every" in why, why  # the period may be the command's
     assert silence_margin(CH, 0.0, 60.0) is None  # no period declared: nothing to judge
 
 
