@@ -11,6 +11,19 @@ file, the journal records it as ``sending``; after its last datagram (of the las
 resend`). A restart unlinks files already ``sent`` and sends the others again, whole, under
 the new epoch: nothing is skipped, at most the files in flight are repeated.
 
+The journal is the gate: no datagram of a file goes before its ``sending`` record, and a file
+leaves the outbox only once its ``sent`` record is durable. When udp.send.state_dir refuses a
+record (full, an I/O error), no new file starts and a file sent whole stays in the outbox
+(queued: never taken again) until the record is written, tried again every second; heartbeats
+go on. Stopped first, such a file counts as in flight: it goes again at the next start. The
+status file and the journal's compaction only inform and tidy: a write of them refused is
+logged (at most a minute apart while it lasts) and tried again, never fatal. A compaction keeps
+the record of every file still in the outbox, so a file sent but not yet removed stays known.
+
+A sent file the sender may not remove (permissions, an immutable or read-only outbox) is logged
+once with the fix, counted (``undeletable``) and left there, remembered as sent: the journal's
+``sent`` record makes every later run remove it, or leave it again, never send it again.
+
 A file is taken once it is settled (unchanged for ``settle_seconds``: a writer filling it in
 place is waited for); it is digested a slice per loop turn (heartbeats keep their period on a
 large file) and read block by block, its descriptor closed once its last block is read (one
@@ -49,7 +62,16 @@ from bridge.diode.udp_pacing import TokenBucket
 from bridge.diode.udp_socket import route_mtu, route_source
 from bridge.errors import ConfigError, TransportError
 from bridge.faults import crash_point, slow_point
-from bridge.fsutil import atomic_write_bytes, durable_mkdir, exclusive_lock, fsync_dir
+from bridge.fsutil import (
+    atomic_write_bytes,
+    durable_mkdir,
+    exclusive_lock,
+    fsync_dir,
+    os_error_text,
+    tmp_path_for,
+    write_all,
+    write_new_file,
+)
 from bridge.logs import get_logger, log_event
 from bridge.metrics import UDP
 from bridge.protocol.datagram import (
@@ -81,6 +103,34 @@ RECENT_FILES = 10_000
 """Names of files sent kept in the summary (the most recent); ``files_sent`` counts them all."""
 _TRANSIENT = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOMEM})
 """Errors of the process, not of the file: it is tried again at the next scan."""
+JOURNAL_RETRY_S = 1.0
+"""After the state dir refused a journal record: seconds until it is tried again (no file
+starts meanwhile)."""
+COMPACT_RETRY_S = (1.0, 60.0)
+"""After the state dir refused a compaction: seconds until it is tried again, first and at most
+(doubling: a rewrite of megabytes each second would take what room a full disk frees)."""
+REFUSED_LOG_S = 60.0
+"""How often at most the sender logs that the state dir still refuses a write, for one reason."""
+_FIX_STATE = "free space on, or give the sender's user write access to, udp.send.state_dir"
+_REFUSED = {
+    "journal": (
+        40,
+        "udp sender journal record not written: no file starts until it is, tried again",
+        "heartbeats go on; a file sent whole stays in the outbox until its sent record is "
+        "written (stopped first, it goes again at the next start)",
+    ),
+    "status": (
+        30,
+        "udp sender status file not written: tried again",
+        "the sender goes on; its status file (diode status, diode udp status) grows old",
+    ),
+    "compaction": (
+        30,
+        "udp sender journal not compacted: tried again",
+        "the sender goes on; the journal keeps growing until it is compacted",
+    ),
+}
+"""What the state dir refused: log level, message, what it means."""
 
 FileKey = tuple[int, int, int, int]
 """(inode, size, mtime, ctime in ns) of an outbox file: a change of any (a write, a chmod) makes
@@ -114,6 +164,15 @@ class SendSummary:
     unreadable: int = 0
     """Outbox files the sender could not read (logged; left alone until they change)."""
     already_sent: int = 0
+    undeletable: int = 0
+    """Files sent (in this run or before a restart) the sender may not remove from the outbox
+    (logged once each, with the fix): left there, never sent again."""
+    state_errors: int = 0
+    """Writes udp.send.state_dir refused: journal records, status files, compactions (logged;
+    tried again)."""
+    unjournaled: int = 0
+    """Files sent whole whose ``sent`` record the state dir refused, not written yet (kept in
+    the outbox; those left when the run ends go again at the next start)."""
     heartbeats: int = 0
     """Link heartbeat datagrams (a round with many channels is several)."""
     heartbeat_errors: int = 0
@@ -155,11 +214,20 @@ class Journal:
                 if isinstance(rec, dict) and isinstance(rec.get("name"), str):
                     self.last[rec["name"]] = rec
         self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_APPEND, 0o600)
+        self._tail_unsure = False
+        """An append failed: the file may end in part of a record, cut off before the next."""
+        self._dir_unsynced = False
+        """A compaction's rename is not known durable: the folder is fsynced before the next
+        record, so no record goes into a file a power loss could take back."""
+        self._kept = 0
+        """Bytes the last compaction kept: the next is due at twice that (never rewriting a
+        journal of mostly kept records over and over)."""
         self._cut_torn_line()
 
-    def _cut_torn_line(self) -> None:
+    def _cut_torn_line(self, *, said: bool = False) -> None:
         """Cut a torn last line (power loss mid-append) back to the last newline, fsynced, so
-        the next record starts on a line of its own instead of being glued onto it."""
+        the next record starts on a line of its own instead of being glued onto it (logged
+        unless ``said``: an append refused at run time, logged as such)."""
         end = os.fstat(self._fd).st_size
         if not end or os.pread(self._fd, 1, end - 1) == b"\n":
             return
@@ -173,24 +241,57 @@ class Journal:
             keep = start
         os.ftruncate(self._fd, keep)
         os.fsync(self._fd)
-        log_event(log, 30, "sender journal ended in a torn record: cut off", path=str(self.path),
-                  bytes_cut=end - keep)  # fmt: skip
+        if not said:
+            log_event(log, 30, "sender journal ended in a torn record: cut off",
+                      path=str(self.path), bytes_cut=end - keep)  # fmt: skip
 
     def record(self, **rec: Any) -> None:
+        """Append ``rec`` and fsync it. OSError when the disk refuses (full, an I/O error): the
+        record is not taken (``last`` unchanged), and part of it written is cut off before the
+        next one, which starts on a line of its own."""
         rec["time"] = round(time.time(), 3)
-        os.write(self._fd, (json.dumps(rec, sort_keys=True) + "\n").encode())
-        os.fsync(self._fd)
+        line = (json.dumps(rec, sort_keys=True) + "\n").encode()
+        if self._dir_unsynced:
+            fsync_dir(self.path.parent)
+            self._dir_unsynced = False
+        if self._tail_unsure:
+            self._cut_torn_line(said=True)
+            self._tail_unsure = False
+        try:
+            write_all(self._fd, line)
+            os.fsync(self._fd)
+        except OSError:
+            self._tail_unsure = True
+            raise
         self.last[rec["name"]] = rec
 
+    def due(self) -> bool:
+        """True once the journal has grown past its compaction size (and twice what the last
+        compaction kept)."""
+        return os.fstat(self._fd).st_size >= max(_JOURNAL_COMPACT_BYTES, 2 * self._kept)
+
     def compact(self, keep: set[str]) -> None:
-        """Rewrite with the last record of each name in ``keep`` (files still in the outbox)."""
-        if os.fstat(self._fd).st_size < _JOURNAL_COMPACT_BYTES:
-            return
-        self.last = {n: r for n, r in self.last.items() if n in keep}
-        text = "".join(json.dumps(r, sort_keys=True) + "\n" for r in self.last.values())
-        atomic_write_bytes(self.path, text.encode(), mode=0o600)
+        """Rewrite with the last record of each name in ``keep`` (files still in the outbox).
+        OSError (the disk refused) leaves the journal as it was, still appended to: the new
+        file is opened before it replaces the old one."""
+        last = {n: r for n, r in self.last.items() if n in keep}
+        text = "".join(json.dumps(r, sort_keys=True) + "\n" for r in last.values()).encode()
+        tmp = tmp_path_for(self.path)
+        fd = -1
+        try:
+            write_new_file(tmp, text, mode=0o600)
+            fd = os.open(tmp, os.O_RDWR | os.O_APPEND | os.O_CLOEXEC)
+            os.replace(tmp, self.path)
+        except BaseException:
+            if fd >= 0:
+                os.close(fd)
+            tmp.unlink(missing_ok=True)
+            raise
         os.close(self._fd)
-        self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND)
+        self._fd, self.last, self._tail_unsure, self._kept = fd, last, False, len(text)
+        self._dir_unsynced = True
+        fsync_dir(self.path.parent)
+        self._dir_unsynced = False
 
     def close(self) -> None:
         os.close(self._fd)
@@ -207,6 +308,22 @@ def _same_file_sent(done: dict[str, Any] | None, digest: str, st: os.stat_result
         and done.get("ino") == st.st_ino
         and done.get("mtime_ns") == st.st_mtime_ns
     )
+
+
+def _still(name: str, key: FileKey, before: dict[str, FileKey], now: dict[str, FileKey]) -> bool:
+    """True when ``before`` remembers this very file (same key): it is remembered in ``now``."""
+    if before.get(name) != key:
+        return False
+    now[name] = key
+    return True
+
+
+def _names_in(d: Path) -> set[str]:
+    """The names in directory ``d`` (none when it is missing)."""
+    try:
+        return set(os.listdir(d))
+    except FileNotFoundError:
+        return set()
 
 
 def _new_epoch(state_dir: Path) -> int:
@@ -322,6 +439,18 @@ class _Sender:
         """When (monotonic) the next settling file may be settled: scan then."""
         self.unreadable: dict[str, FileKey] = {}
         """Files that could not be read, by name: left alone until their key changes."""
+        self.undeletable: dict[str, FileKey] = {}
+        """Files sent that could not be removed, by name: left alone until their key changes
+        (then the journal's ``sent`` record has the next try remove them, unsent)."""
+        self.unjournaled: deque[_Object] = deque()
+        """Files sent whole whose ``sent`` record the state dir refused, oldest first: kept
+        queued (in the outbox, never taken again) until it is written."""
+        self.journal_retry_at = 0.0
+        """While the state dir refuses journal records: when (monotonic) to try again; 0 else."""
+        self.refused: dict[str, tuple[str, float]] = {}
+        """What the state dir refuses now (``_REFUSED``'s keys): why, and when it was logged."""
+        self.compact_retry = (0.0, 0.0)
+        """After a compaction was refused: when (monotonic) to try again, and the wait before."""
         self.opening: _Opening | None = None
         self.digest_until = 0.0
         """This loop turn's hashing ends then (monotonic)."""
@@ -380,8 +509,9 @@ class _Sender:
         except FileNotFoundError:
             return 0
         now, wall = time.monotonic(), time.time()
-        settling, unreadable = self.settling, self.unreadable
-        self.settling, self.unreadable, self.settle_due = {}, {}, None  # only names still here
+        settling, unreadable, undeletable = self.settling, self.unreadable, self.undeletable
+        self.settling, self.unreadable, self.undeletable = {}, {}, {}  # only names still here
+        self.settle_due = None
         for e in entries:
             if e.name in self.queued or e.name.startswith(".") or self._ours(e.name) is None:
                 continue
@@ -395,9 +525,10 @@ class _Sender:
             if not e.is_file(follow_symlinks=False):
                 continue
             key = file_key(st)
-            if unreadable.get(e.name) == key:
-                self.unreadable[e.name] = key  # the same unreadable file: said once already
-                continue
+            if _still(e.name, key, unreadable, self.unreadable) or _still(
+                e.name, key, undeletable, self.undeletable
+            ):
+                continue  # the same unreadable, or sent and undeletable, file: said once already
             if self._settled(e.name, key, st.st_mtime, settling.get(e.name), now, wall):
                 found.append((st.st_mtime, e.name, Path(e.path)))
                 self.queued[e.name] = key
@@ -451,6 +582,8 @@ class _Sender:
         """The next queued file, digested and journaled ``sending``; None when the queue is
         empty or this turn's hashing time is spent (a large file goes on at the next turn)."""
         while True:
+            if self._journal_waits():
+                return None  # no file starts before its "sending" record
             op = self.opening
             if op is None:
                 if not self.queue:
@@ -468,10 +601,14 @@ class _Sender:
                 continue
             if not done:
                 return None
+            if self._sent_before(op):
+                self.opening = None
+                continue
+            obj = self._to_object(op)
+            if obj is None:
+                return None  # its "sending" record was refused: kept, tried again later
             self.opening = None
-            obj = self._open(op)
-            if obj is not None:
-                return obj
+            return obj
 
     def _begin(self, path: Path) -> _Opening | None:
         """Open a queued file for its digest; None (logged, counted) when it cannot be."""
@@ -515,9 +652,21 @@ class _Sender:
             op.off += len(chunk)
             short = len(chunk) < _CHUNK
 
-    def _open(self, op: _Opening) -> _Object | None:
-        """A digested file as an object to send (journaled ``sending``), or None when the
-        journal says this very file was sent already (it is unlinked)."""
+    def _sent_before(self, op: _Opening) -> bool:
+        """True when the journal says this digested file is the very one sent already (before a
+        restart, not removed yet): it is removed now (or left, if it may not be), not resent."""
+        name, st = op.path.name, op.st
+        if not _same_file_sent(self.journal.last.get(name), op.digest.hexdigest(), st):
+            return False
+        os.close(op.fd)
+        self._remove_sent(op.path, st.st_ino)
+        self.summary.already_sent += 1
+        self._forget(name)
+        return True
+
+    def _to_object(self, op: _Opening) -> _Object | None:
+        """A digested file as an object to send, journaled ``sending`` first; None when the
+        state dir refused that record (the caller keeps the file and tries again later)."""
         path, fd, st = op.path, op.fd, op.st
         name = path.name
         ours = self._ours(name)
@@ -526,14 +675,7 @@ class _Sender:
         prefix = envelope_prefix(name)
         digest = op.digest
         size = op.off
-        done = self.journal.last.get(name)
         hexd = digest.hexdigest()
-        if _same_file_sent(done, hexd, st):
-            os.close(fd)  # sent before a restart, not yet unlinked: unlink, do not resend
-            self._unlink(path, st.st_ino)
-            self.summary.already_sent += 1
-            self._forget(name)
-            return None
         t = symbol_size_for(self.mtu, channel, ipv6=self.ipv6)
         header = ObjectHeader(
             object_id=self.object_id,
@@ -545,29 +687,83 @@ class _Sender:
             symbol_size=t,
             block_symbols=self.u.block_symbols,
         )
+        if not self._journal(
+            state="sending", name=name, size=size, digest=hexd, epoch=self.epoch,
+            object_id=header.object_id,
+        ):  # fmt: skip
+            return None
         self.object_id += 1
         self.unstarted[header.object_id] = None
-        obj = _Object(
+        return _Object(
             path, name, channel, header, self.codec.symbol_sealer(self.epoch, header), fd,
             st.st_ino, size, mtime_ns=st.st_mtime_ns,
         )  # fmt: skip
-        self.journal.record(
-            state="sending", name=name, size=size, digest=hexd, epoch=self.epoch,
-            object_id=header.object_id,
-        )  # fmt: skip
-        return obj
 
     def _forget(self, name: str, *, skipped: bool = False) -> None:
         self.queued.pop(name, None)
         if skipped:
             self.summary.skipped += 1
 
-    def _unlink(self, path: Path, ino: int) -> None:
+    def _remove_sent(self, path: Path, ino: int) -> None:
+        """Remove a file sent (and journaled ``sent``) from the outbox: the very file, not a new
+        one of that name. One the sender may not remove is logged once, counted and left."""
+        st = None
         try:
-            if os.stat(path).st_ino == ino:  # the very file we sent, not a new one of that name
+            st = os.stat(path)
+            if st.st_ino == ino:
                 os.unlink(path)
         except FileNotFoundError:
             pass
+        except OSError as e:  # EACCES, EPERM (immutable), EROFS: sent all the same
+            self._undeletable(path.name, _NO_KEY if st is None else file_key(st), e)
+
+    def _undeletable(self, name: str, key: FileKey, err: OSError) -> None:
+        """A file sent that the sender may not remove: logged once (with the fix), counted,
+        and left alone until it changes; its ``sent`` record keeps it from being sent again."""
+        self.summary.undeletable += 1
+        if self.undeletable.get(name) != key:
+            log_event(log, 40, "sent file not removed from the outbox: left there, never sent "
+                      "again", file_name=name, error=os_error_text(err), outbox=str(self.outbox),
+                      fix="let the sender's user delete files in the outbox: write access to "
+                      "it, no immutable or append-only attribute (lsattr -d), a writable mount; "
+                      "the sender then removes it at its next start, or remove it by hand"
+                      )  # fmt: skip
+        self.undeletable[name] = key
+
+    def _journal(self, **rec: Any) -> bool:
+        """Append a journal record; False when the state dir refused it (logged at most a minute
+        apart, counted; no file starts until ``JOURNAL_RETRY_S`` has passed)."""
+        try:
+            self.journal.record(**rec)
+        except OSError as e:
+            self.journal_retry_at = time.monotonic() + JOURNAL_RETRY_S
+            self._refused("journal", self.journal.path, e)
+            return False
+        self.journal_retry_at = 0.0
+        self._written_again("journal", self.journal.path)
+        return True
+
+    def _journal_waits(self) -> bool:
+        """True while the state dir refused the last journal record less than
+        ``JOURNAL_RETRY_S`` ago: nothing that needs a record is tried before."""
+        return bool(self.journal_retry_at) and time.monotonic() < self.journal_retry_at
+
+    def _refused(self, what: str, path: Path, err: OSError) -> None:
+        """The state dir refused a write (``_REFUSED``'s ``what``): counted, and logged when
+        the reason is new or ``REFUSED_LOG_S`` after it was last."""
+        self.summary.state_errors += 1
+        why, now = os_error_text(err), time.monotonic()
+        said = self.refused.get(what)
+        if said is not None and said[0] == why and now - said[1] < REFUSED_LOG_S:
+            return
+        self.refused[what] = (why, now)
+        level, msg, means = _REFUSED[what]
+        log_event(log, level, msg, path=str(path), error=why, means=means,
+                  fix=f"{_FIX_STATE} ({self.state_dir})")  # fmt: skip
+
+    def _written_again(self, what: str, path: Path) -> None:
+        if self.refused.pop(what, None) is not None:
+            log_event(log, 30, "udp sender state written again", what=what, path=str(path))
 
     def _block_bytes(self, obj: _Object, index: int) -> bytes:
         h = obj.header
@@ -627,11 +823,12 @@ class _Sender:
             return obj, index, padded, n_rep, first
 
     def _more_to_feed(self) -> bool:
+        """True while a block can be read or is being encoded (files queued wait while the
+        journal refuses their ``sending`` record)."""
         return (
             self.feeding is not None
-            or self.opening is not None
-            or bool(self.queue)
             or bool(self.pool.pending())
+            or ((self.opening is not None or bool(self.queue)) and not self._journal_waits())
         )
 
     def _feed_one_block(self, wait: float) -> bool:
@@ -691,14 +888,8 @@ class _Sender:
                       file_name=obj.name, object_id=obj.header.object_id)  # fmt: skip
             self._abandon(obj)
             return
-        self.journal.record(
-            state="sent", name=obj.name, size=obj.size, digest=obj.header.digest.hex(),
-            epoch=self.epoch, object_id=obj.header.object_id, ino=obj.ino,
-            mtime_ns=obj.mtime_ns,
-        )  # fmt: skip
-        crash_point("udp.after_sent")  # journaled "sent", the file still in the outbox
-        self._unlink(obj.path, obj.ino)
-        self._forget(obj.name)
+        if self.unjournaled or not self._journal_sent(obj):
+            self.unjournaled.append(obj)  # after those refused before it: in order
         ch = self.per_channel[obj.channel]
         ch["objects"] = int(ch["objects"] or 0) + 1
         if obj.header.kind == ObjectKind.BUNDLE:
@@ -708,6 +899,36 @@ class _Sender:
         UDP.objects_sent.labels(obj.channel).inc()
         log_event(log, 20, "file sent", file_name=obj.name, bytes=obj.size,
                   object_id=obj.header.object_id, copies=self.u.copies)  # fmt: skip
+
+    def _journal_sent(self, obj: _Object) -> bool:
+        """Journal a file sent whole as ``sent``, then remove it from the outbox; False when the
+        state dir refused the record (the file stays, queued)."""
+        if not self._journal(
+            state="sent", name=obj.name, size=obj.size, digest=obj.header.digest.hex(),
+            epoch=self.epoch, object_id=obj.header.object_id, ino=obj.ino,
+            mtime_ns=obj.mtime_ns,
+        ):  # fmt: skip
+            return False
+        crash_point("udp.after_sent")  # journaled "sent", the file still in the outbox
+        self._remove_sent(obj.path, obj.ino)
+        self._forget(obj.name)
+        return True
+
+    def _journal_unjournaled(self, *, last: bool = False) -> None:
+        """Write the ``sent`` records the state dir refused, oldest first, once it is time to
+        try again (``last``: now, the run ending); what is still refused at the end is logged:
+        those files stay in the outbox and go again at the next start."""
+        while self.unjournaled and (last or not self._journal_waits()):
+            if not self._journal_sent(self.unjournaled[0]):
+                break
+            self.unjournaled.popleft()
+        self.summary.unjournaled = len(self.unjournaled)
+        if last and self.unjournaled:
+            names = [o.name for o in self.unjournaled]
+            log_event(log, 40, "udp sender stopped with files sent whose sent record was not "
+                      "written: they stay in the outbox and go again at the next start",
+                      files=len(names), file_names=names[:20], state_dir=str(self.state_dir),
+                      fix=_FIX_STATE)  # fmt: skip
 
     # -- the wire ------------------------------------------------------------------------
     def _run_length(self) -> int:
@@ -832,7 +1053,8 @@ class _Sender:
         UDP.datagrams_sent.labels("source").inc(s.datagrams - d0 - (self.repairs_sent - r0))
         UDP.bytes_sent.inc(s.bytes - b0)
         self._pushed = (s.datagrams, self.repairs_sent, s.bytes)
-        self.journal.compact(set(self.queued))
+        self._compact()
+        s.unjournaled = len(self.unjournaled)
         s.seconds = round(now - self.started, 3)  # so far: its rates are the run's, not 0
         doc = {
             "written_at": time.time(),
@@ -844,7 +1066,31 @@ class _Sender:
             "channels": self.per_channel,
             **self.summary.to_json(),
         }
-        atomic_write_bytes(self.state_dir / "status.json", json.dumps(doc).encode(), mode=0o600)
+        path = self.state_dir / "status.json"
+        try:
+            atomic_write_bytes(path, json.dumps(doc).encode(), mode=0o600)
+        except OSError as e:  # it only informs: the sender goes on, its heartbeats too
+            self._refused("status", path, e)
+        else:
+            self._written_again("status", path)
+
+    def _compact(self) -> None:
+        """Compact the journal once it is due, keeping the records of the files queued or still
+        in the outbox (one sent but not removed yet stays known as sent); refused, the journal
+        is left as it was and tried again later (``COMPACT_RETRY_S``)."""
+        at, wait = self.compact_retry
+        if time.monotonic() < at or not self.journal.due():
+            return
+        try:
+            self.journal.compact(set(self.queued) | _names_in(self.outbox))
+        except OSError as e:
+            first, most = COMPACT_RETRY_S
+            wait = min(most, wait * 2) if wait else first
+            self.compact_retry = (time.monotonic() + wait, wait)
+            self._refused("compaction", self.journal.path, e)
+        else:
+            self.compact_retry = (0.0, 0.0)
+            self._written_again("compaction", self.journal.path)
 
     def run(self, until_idle: bool, timeout: float | None) -> SendSummary:
         durable_mkdir(self.state_dir)
@@ -926,6 +1172,8 @@ class _Sender:
                     break
                 if now - self.last_heartbeat >= hb_every:
                     self._heartbeat(now)
+                if self.unjournaled:
+                    self._journal_unjournaled()
                 if now - self.last_status >= 1.0:
                     self._status(now)
                 self.digest_until = now + _DIGEST_SLICE
@@ -957,6 +1205,7 @@ class _Sender:
             self._heartbeat(time.monotonic())  # flushes what is collected first
         finally:
             watcher.stop()
+            self._journal_unjournaled(last=True)
             self.summary.seconds = round(time.monotonic() - t0, 3)
             self._status(time.monotonic())
         log_event(log, 20, "udp sender stopped", **self.summary.to_json())
