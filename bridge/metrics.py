@@ -213,6 +213,19 @@ class _Udp:
             ["channel"],
             registry=reg,
         )
+        self.sender_state_errors = Counter(
+            "bridge_udp_sender_state_errors",
+            "Writes udp.send.state_dir refused (journal: no file starts until written; status, "
+            "compaction: tried again)",
+            ["what"],
+            registry=reg,
+        )
+        self.sent_undeletable = Counter(
+            "bridge_udp_sent_undeletable",
+            "Tries to remove a sent file from the outbox that the OS refused (left, never sent "
+            "again)",
+            registry=reg,
+        )
         self.datagrams_received = Counter(
             "bridge_udp_datagrams_received", "Datagrams read from the socket", registry=reg
         )

@@ -721,6 +721,7 @@ class _Sender:
         """A file sent that the sender may not remove: logged once (with the fix), counted,
         and left alone until it changes; its ``sent`` record keeps it from being sent again."""
         self.summary.undeletable += 1
+        UDP.sent_undeletable.inc()
         if self.undeletable.get(name) != key:
             log_event(log, 40, "sent file not removed from the outbox: left there, never sent "
                       "again", file_name=name, error=os_error_text(err), outbox=str(self.outbox),
@@ -752,6 +753,7 @@ class _Sender:
         """The state dir refused a write (``_REFUSED``'s ``what``): counted, and logged when
         the reason is new or ``REFUSED_LOG_S`` after it was last."""
         self.summary.state_errors += 1
+        UDP.sender_state_errors.labels(what).inc()
         why, now = os_error_text(err), time.monotonic()
         said = self.refused.get(what)
         if said is not None and said[0] == why and now - said[1] < REFUSED_LOG_S:

@@ -22,6 +22,7 @@ from click.testing import CliRunner
 
 from bridge.cli import cli
 from bridge.diode.udp_sender import JOURNAL, SendSummary, envelope_prefix, run_sender
+from bridge.metrics import REGISTRY
 from bridge.protocol.datagram import Symbol
 from tests.integration.test_udp_send import ID, Env, bundle
 from tests.integration.test_udp_send import env as env  # noqa: F401 - the sender fixture
@@ -100,6 +101,8 @@ def test_a_full_state_dir_stops_neither_the_sender_nor_its_heartbeats(
     not start without its "sending" record, tried again each second; once there is room again
     it goes, whole, once."""
     name, body = bundle("u1", 1), b"dropped while the disk was full" * 1000
+    metric = "bridge_udp_sender_state_errors_total"
+    before = {w: REGISTRY.get_sample_value(metric, {"what": w}) or 0 for w in ("journal", "status")}
     with small_tmpfs("1m", "udpst") as fs, caplog.at_level("INFO", logger=LOGGER):
         state = fs / "udp-send"
         cfg = env.cfg(state_dir=str(state), heartbeat_seconds=0.05, settle_seconds=0)
@@ -122,6 +125,8 @@ def test_a_full_state_dir_stops_neither_the_sender_nor_its_heartbeats(
             wait_for(lambda: logged(caplog, "udp sender state written again") == 2, th)
     (summary,) = result
     assert summary.files == [name] and summary.state_errors >= 4 and summary.unjournaled == 0
+    for what, was in before.items():  # the metric an operator alarms on counts them too
+        assert (REGISTRY.get_sample_value(metric, {"what": what}) or 0) >= was + 2, what
     heard = env.listener.quiet()
     assert heard.files() == {name: body}
     assert all(t > freed for t, d in heard.items if isinstance(d, Symbol))
