@@ -18,6 +18,7 @@ __all__ = [
     "check_log_level",
     "get_logger",
     "log_event",
+    "Recurring",
     "operator_name",
     "setup_logging",
 ]
@@ -123,3 +124,26 @@ def operator_name() -> str:
         return getpass.getuser()
     except (KeyError, OSError):
         return f"uid {os.getuid()}"
+
+
+class Recurring:
+    """A refusal warned of at most every ``every`` seconds while it lasts with the same reason
+    (``due``), and once more when it is over (``over``)."""
+
+    def __init__(self, every: float = 60.0) -> None:
+        self.every = every
+        self.why: str | None = None
+        self._warned_at = 0.0
+
+    def due(self, why: str) -> bool:
+        """It happened (again), for reason ``why``: whether to warn now."""
+        now = time.monotonic()
+        if why == self.why and now - self._warned_at < self.every:
+            return False
+        self.why, self._warned_at = why, now
+        return True
+
+    def over(self) -> bool:
+        """It did not happen this time: whether it had (then say that it is over)."""
+        was, self.why = self.why is not None, None
+        return was

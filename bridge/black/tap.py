@@ -101,7 +101,7 @@ from bridge.errors import (
 )
 from bridge.faults import crash_point, slow_point
 from bridge.fsutil import atomic_write_bytes, os_error_text
-from bridge.logs import get_logger, log_event
+from bridge.logs import Recurring, get_logger, log_event
 
 __all__ = ["Tap", "TapStatus", "tap_status", "read_tap_status", "DELIVERY_COUNT_HEADER"]
 
@@ -173,29 +173,6 @@ class TapStatus:
     spool_bytes: int = 0
     updated: float = 0.0
     counters: dict[str, int] = field(default_factory=dict)
-
-
-class Recurring:
-    """Black: a refusal warned of at most every ``every`` seconds while it lasts with the same
-    reason (``due``), and once more when it is over (``over``)."""
-
-    def __init__(self, every: float = STATUS_LOG_S) -> None:
-        self.every = every
-        self.why: str | None = None
-        self._warned_at = 0.0
-
-    def due(self, why: str) -> bool:
-        """It happened (again), for reason ``why``: whether to warn now."""
-        now = time.monotonic()
-        if why == self.why and now - self._warned_at < self.every:
-            return False
-        self.why, self._warned_at = why, now
-        return True
-
-    def over(self) -> bool:
-        """It did not happen this time: whether it had (then say that it is over)."""
-        was, self.why = self.why is not None, None
-        return was
 
 
 _UNREADABLE: dict[Path, Recurring] = {}

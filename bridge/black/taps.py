@@ -22,11 +22,11 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from bridge.black.tap import PARENT_ENV, REASON_FD_ENV, Recurring, tap_status
+from bridge.black.tap import PARENT_ENV, REASON_FD_ENV, tap_status
 from bridge.config import Config
 from bridge.errors import BrokerError, ConfigError, DiodeError
 from bridge.fsutil import os_error_text
-from bridge.logs import get_logger, log_event
+from bridge.logs import Recurring, get_logger, log_event
 from bridge.metrics import BLACK
 
 __all__ = [

@@ -36,8 +36,8 @@ from bridge.diode.udp_spool import (
     verify_and_read_name,
 )
 from bridge.errors import ConfigError
-from bridge.fsutil import atomic_write_bytes, durable_mkdir, exclusive_lock
-from bridge.logs import get_logger, log_event
+from bridge.fsutil import atomic_write_bytes, durable_mkdir, exclusive_lock, os_error_text
+from bridge.logs import Recurring, get_logger, log_event
 from bridge.metrics import UDP
 from bridge.protocol.datagram import DatagramCodec, DatagramError, LinkHeartbeat
 from bridge.signals import stop_on_signals
@@ -154,6 +154,8 @@ class _Receiver:
         self.codec = DatagramCodec(load_key(cfg.udp.key_file))
         self.inbox = Path(self.u.inbox or cfg.red.inbox)
         self.root = Path(self.u.spool_dir)
+        self._status_refused = Recurring()
+        """The status file refused (a full disk): said once a minute while it lasts."""
         host, _, port = self.u.bind.rpartition(":")
         host = host.strip("[]")
         self.sock = socket.socket(
@@ -377,8 +379,14 @@ class _Receiver:
         try:
             atomic_write_bytes(self.root / "status.json", json.dumps(doc).encode(), mode=0o600)
         except OSError as e:  # a full disk must not stop the receive loop; metrics still run
-            log_event(log, 40, "receiver status file not written", error=str(e),
-                      path=str(self.root / "status.json"))  # fmt: skip
+            if self._status_refused.due(os_error_text(e)):  # once a minute while it lasts
+                log_event(log, 40, "receiver status file not written (said once a minute while "
+                          "it lasts)", error=str(e), path=str(self.root / "status.json"),
+                          )  # fmt: skip
+        else:
+            if self._status_refused.over():
+                log_event(log, 30, "receiver status file written again",
+                          path=str(self.root / "status.json"))  # fmt: skip
 
     def run(
         self, timeout: float | None, ready: Callable[[tuple[str, int]], None] | None

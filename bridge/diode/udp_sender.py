@@ -72,7 +72,7 @@ from bridge.fsutil import (
     write_all,
     write_new_file,
 )
-from bridge.logs import get_logger, log_event
+from bridge.logs import Recurring, get_logger, log_event
 from bridge.metrics import UDP
 from bridge.protocol.datagram import (
     DatagramCodec,
@@ -447,7 +447,7 @@ class _Sender:
         queued (in the outbox, never taken again) until it is written."""
         self.journal_retry_at = 0.0
         """While the state dir refuses journal records: when (monotonic) to try again; 0 else."""
-        self.refused: dict[str, tuple[str, float]] = {}
+        self.refused: dict[str, Recurring] = {}
         """What the state dir refuses now (``_REFUSED``'s keys): why, and when it was logged."""
         self.compact_retry = (0.0, 0.0)
         """After a compaction was refused: when (monotonic) to try again, and the wait before."""
@@ -754,17 +754,16 @@ class _Sender:
         the reason is new or ``REFUSED_LOG_S`` after it was last."""
         self.summary.state_errors += 1
         UDP.sender_state_errors.labels(what).inc()
-        why, now = os_error_text(err), time.monotonic()
-        said = self.refused.get(what)
-        if said is not None and said[0] == why and now - said[1] < REFUSED_LOG_S:
+        why = os_error_text(err)
+        if not self.refused.setdefault(what, Recurring(REFUSED_LOG_S)).due(why):
             return
-        self.refused[what] = (why, now)
         level, msg, means = _REFUSED[what]
         log_event(log, level, msg, path=str(path), error=why, means=means,
                   fix=f"{_FIX_STATE} ({self.state_dir})")  # fmt: skip
 
     def _written_again(self, what: str, path: Path) -> None:
-        if self.refused.pop(what, None) is not None:
+        said = self.refused.get(what)
+        if said is not None and said.over():
             log_event(log, 30, "udp sender state written again", what=what, path=str(path))
 
     def _block_bytes(self, obj: _Object, index: int) -> bytes:

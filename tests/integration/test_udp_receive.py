@@ -926,3 +926,21 @@ def test_a_sender_with_another_key_is_warned_about_not_only_counted(
     warned = [r for r in caplog.records if "fail authentication" in r.getMessage()]
     assert len(warned) == 1 and "udp.key_file differs" in warned[0].getMessage()
     assert s.dropped["tag"] >= 2 * AUTH_WARN_MIN
+
+
+def test_a_status_file_it_cannot_write_is_said_once_a_minute_not_every_second(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A full disk under the spool refused the status file each second, and each refusal was
+    logged: an error line a second for as long as it lasted. Once a minute, and once more
+    when it is written again."""
+    spool = tmp_path / "spool"
+    (spool / "status.json").mkdir(parents=True)  # the fault: the rename onto it fails
+    with caplog.at_level("INFO", logger="bridge.diode.udp_receiver"):
+        with receiving(tmp_path, max_object_bytes=1 << 20, spool_dir=str(spool)) as rx:
+            time.sleep(3.5)  # three status writes at least
+            said = [r for r in caplog.records if "status file not written" in r.getMessage()]
+            assert len(said) == 1, [r.getMessage() for r in said]
+            (spool / "status.json").rmdir()
+            rx.wait(lambda: (spool / "status.json").is_file(), "the status file written again")
+    assert any("status file written again" in r.getMessage() for r in caplog.records)
