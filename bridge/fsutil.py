@@ -66,6 +66,9 @@ _RUN_HINT = (
     "Stop the other job first"
 )
 _POLL_FIRST, _POLL_MAX = 0.001, 0.05  # seconds between tries while waiting for a lock
+LOCK_POLL_MAX_S = _POLL_MAX
+"""The longest a process waiting for a lock (``timeout`` > 0) sleeps between two tries: a holder
+that lets go for longer than this lets the waiter in."""
 
 
 def fsync_dir(path: Path) -> None:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -28,12 +29,16 @@ from bridge.config import Config
 from bridge.crypto.keys import signing_gpg
 from bridge.diode.file_drop import Outbox
 from bridge.errors import ConfigError, StateError
-from bridge.fsutil import exclusive_lock
+from bridge.fsutil import LOCK_POLL_MAX_S, exclusive_lock
 from bridge.logs import get_logger, log_event
 
 __all__ = ["BeatRound", "BeatTotals", "HeartbeatCommand"]
 
 log = get_logger("bridge.black.beat_cmd")
+GIVE_WAY_S = 2 * LOCK_POLL_MAX_S
+"""Between two beats (channels, rounds) the run lock stays free this long, so a job waiting for
+it gets it after the beat in progress, not after the whole round (or never, when rounds run
+back to back)."""
 
 
 @dataclass
@@ -113,6 +118,7 @@ class HeartbeatCommand:
         whose lock another process holds (a running job beats itself)."""
         done = BeatRound()
         for ch in self.cfg.channels:
+            time.sleep(GIVE_WAY_S)  # a job waiting for the lock gets in between two beats
             with contextlib.ExitStack() as held:
                 try:
                     held.enter_context(exclusive_lock(self.lock_path, what="black heartbeat"))

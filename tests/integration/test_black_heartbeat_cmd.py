@@ -11,11 +11,13 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -252,3 +254,34 @@ def test_misconfiguration_exits_2_with_the_fix(short_tmp: Path, keys: KeyInvento
         code, out = _run("black", "heartbeat", "--every", every, "--config", str(good))
         assert code == 2 and "--every" in out, out
     assert not (short_tmp / "black" / "outbox").exists(), "it got as far as the outbox"
+
+
+def test_a_job_waiting_for_the_lock_gets_it_after_the_beat_in_progress(
+    site: Site, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The command let go of the run lock and took it again at once, for the next channel and
+    the next round: a job polling for it (every 50 ms at most) almost never got in, and with
+    rounds that run late (slow gpg, many channels) it waited its 40 s and was refused. The
+    lock stays free a moment between two beats."""
+    from bridge.black.beat_cmd import HeartbeatCommand
+
+    real = HeartbeatWriter.beat
+
+    def slow(self: HeartbeatWriter, channel: Any) -> str:
+        time.sleep(0.6)  # a slow gpg: rounds of two channels take longer than --every
+        return real(self, channel)
+
+    monkeypatch.setattr(HeartbeatWriter, "beat", slow)
+    cmd = HeartbeatCommand(site.cfg, interval=1.0)
+    stop = threading.Event()
+    th = threading.Thread(target=cmd.run, args=(1.0, stop), daemon=True)
+    th.start()
+    try:
+        wait_for(lambda: len(site.heartbeats("ops")) >= 2, 30, "rounds under way")
+        t0 = time.monotonic()
+        with exclusive_lock(site.lock, what="black run", timeout=5):  # the job starting
+            waited = time.monotonic() - t0
+    finally:
+        stop.set()
+        th.join(30)
+    assert waited < 1.5, f"the job waited {waited:.1f}s: more than the beat in progress"
