@@ -203,16 +203,18 @@ def read_tap_status(cfg: Config, channel: str) -> TapStatus | None:
 
 def tap_status(cfg: Config, channel: str) -> TapStatus | None:
     """The last status the channel's tap wrote, None if it never ran, or if its file is
-    damaged or unreadable: it only informs (metrics, the tap's check for a lost spool), so
-    that is logged (once a minute while it lasts) and the caller goes on without it."""
+    damaged or unreadable: for what only informs (metrics, reports), so that is logged (once a
+    minute while it lasts) and the caller goes on without it. The tap's own check for a lost
+    spool reads it strictly (:func:`read_tap_status`)."""
     p = status_path(cfg, channel)
     try:
         st = read_tap_status(cfg, channel)
     except StateError as e:
         if _UNREADABLE.setdefault(p, Recurring()).due(str(e)):
             log_event(
-                log, 30, f"{e}. Until then its channel's tap metrics are not exported, and a "
-                "restarting tap cannot tell whether its spool was lost", channel=channel,
+                log, 30, f"{e}. Until then its channel's tap metrics are not exported, and its "
+                "tap does not start (it cannot tell whether its spool was lost)",
+                channel=channel,
             )  # fmt: skip
         return None
     if _UNREADABLE.pop(p, None) is not None:
@@ -319,8 +321,19 @@ class Tap:
     def _account_lost_spool(self, spool: SpoolWriter) -> None:
         """A spool that ends before what this tap last made durable was lost or restored from
         an older copy: the positions in between were acked to the broker and are gone. They
-        become lost records (reason ``spool_lost``), so red sees a gap, not silence."""
-        last = tap_status(self.cfg, self.channel)
+        become lost records (reason ``spool_lost``), so red sees a gap, not silence. A status
+        file that cannot be read tells nothing: the tap refuses to start (a guess either way
+        could hide a loss), naming the file and the fix."""
+        try:
+            last = read_tap_status(self.cfg, self.channel)
+        except StateError as e:
+            raise ConfigError(
+                f"channel {self.channel!r}: {e}. The tap reads it at start to tell whether its "
+                "spool was lost (acked messages that never shipped must be recorded as a gap), "
+                "and does not start without it. If the spool was neither lost nor restored from "
+                "a backup, remove the file and start black again; otherwise see "
+                "docs/runbook.md §7.1 ('spool lost') first"
+            ) from None
         if last is None or last.durable_end <= spool.next_pos:
             return
         n = last.durable_end - spool.next_pos
