@@ -57,6 +57,7 @@ from bridge.logs import get_logger, log_event
 __all__ = [
     "Evidence",
     "Unmovable",
+    "move_error",
     "DAY_RE",
     "day_folders",
     "safe_name",
@@ -555,7 +556,7 @@ class Evidence:
         try:
             return self._first_free(src, st, folder, name, reason)
         except OSError as e:  # a folder red may not search: never taken for a free name
-            raise _move_error(src, Path(os.fsdecode(e.filename or folder / name)), e) from e
+            raise move_error(src, Path(os.fsdecode(e.filename or folder / name)), e) from e
 
     def _first_free(
         self, src: Path, st: os.stat_result, folder: Path, name: str, reason: _Reason | None
@@ -583,7 +584,7 @@ class Evidence:
                     continue
                 except OSError as e:
                     if e.errno not in (errno.EPERM, errno.EACCES, errno.EMLINK, errno.ENOTSUP):
-                        raise _move_error(src, dst, e) from e
+                        raise move_error(src, dst, e) from e
                     linkable = False  # protected_hardlinks, a foreign owner: rename instead
                     earlier = self._earlier_place(folder.parent, name, st)
                     if earlier is not None:  # a name reserved before an interrupted rename
@@ -649,7 +650,7 @@ class Evidence:
         except OSError as e:
             if reason is not None and e.errno in _REFUSED:  # nothing moved: nothing reserved
                 reason.release(dst)
-            raise _move_error(src, dst, e) from e
+            raise move_error(src, dst, e) from e
         fsync_dir(dst.parent)
         fsync_dir(src.parent)
         if reason is not None:
@@ -675,7 +676,7 @@ def _unlink_own(dst: Path, st: os.stat_result) -> None:
         fsync_dir(dst.parent)
 
 
-def _move_error(src: Path, dst: Path, e: OSError) -> StateError:
+def move_error(src: Path, dst: Path, e: OSError) -> StateError:
     """Why ``src`` could not be moved to ``dst``: :class:`Unmovable` when the OS refused it and
     both folders are ones red may write (the entry's own trouble), else a StateError with
     what to fix."""

@@ -67,6 +67,7 @@ from bridge.red.evidence import (
     Evidence,
     Unmovable,
     file_kind,
+    move_error,
     move_id,
     rename_noreplace,
     safe_name,
@@ -357,7 +358,12 @@ class Intake:
         takes.sort(key=lambda t: (t[0].endswith(HEARTBEAT_SUFFIX), t[0]))
         moved = False
         for ordinal, (name, raw, _st) in enumerate(takes, start=self._reserve(len(takes))):
-            dst = self._move_in(self.inbox / os.fsdecode(raw), ordinal, name)
+            try:
+                dst = self._move_in(self.inbox / os.fsdecode(raw), ordinal, name)
+            except Unmovable as e:  # left in place, said once: the files beside it go on
+                self._seen.pop(raw, None)
+                self._unmovable_entry(e.path, "taken", e, res)
+                continue
             if dst is None:
                 self._seen.pop(raw, None)
                 continue  # the mover took it back: the ordinal stays unused
@@ -393,6 +399,8 @@ class Intake:
                 f"{self.dir / NEXT_FILE} went backwards; restore it above the highest "
                 f"ordinal in {self.dir}"
             ) from None
+        except OSError as e:  # Unmovable: the file's own trouble (immutable, a mount point)
+            raise move_error(src, dst, e) from None
         return dst
 
     def _read_next(self) -> int:
@@ -461,10 +469,14 @@ class Intake:
             return  # gone meanwhile
         self._unmovable[os.fsencode(src)] = move_id(st)
         res.left += 1
+        msg = (
+            "inbox file cannot be taken: left in place"
+            if reason == "taken"
+            else "entry cannot be moved to quarantine: left in place"
+        )
         log_event(
-            log, 30, "entry cannot be moved to quarantine: left in place", path=ascii(str(src)),
-            would_be=reason, file_type=file_kind(st.st_mode), uid=st.st_uid,
-            errno=errno.errorcode.get(e.errno, str(e.errno)), error=str(e),
+            log, 30, msg, path=ascii(str(src)), would_be=reason, file_type=file_kind(st.st_mode),
+            uid=st.st_uid, errno=errno.errorcode.get(e.errno, str(e.errno)), error=str(e),
         )  # fmt: skip
 
     def _left_alone(self, folder: Path, raw: bytes, st: os.stat_result) -> bool:

@@ -176,3 +176,29 @@ def test_the_inbox_lost_and_found_is_left_alone_with_one_line(tmp_path: Path) ->
     assert [t.name for t in res.taken] == [bundle(1)] and res.quarantined == []
     assert res.left == again.left == 1
     assert sum("lost+found" in r.getMessage() for r in logs) == 1
+
+
+def test_a_bundle_red_cannot_take_is_left_and_the_others_are_taken(tmp_path: Path) -> None:
+    """A bundle in the inbox the OS will not let red rename (immutable; a mount point) raised
+    out of every scan: it sorts first, so no bundle after it was ever taken, and each scan
+    burnt ordinals. It is left where it is, said once, and taken once fixed."""
+    if os.geteuid() != 0:
+        pytest.skip("chattr +i needs root (CAP_LINUX_IMMUTABLE)")
+    dirs = Dirs(tmp_path)
+    intake = dirs.intake()
+    dirs.put(bundle(1))
+    dirs.put(bundle(2))
+    stuck = dirs.inbox / bundle(1)
+    subprocess.run(["chattr", "+i", str(stuck)], check=True)
+    try:
+        with captured_logs("bridge.red.intake") as logs:
+            res = intake.scan(0.0)
+            assert [t.name for t in res.taken] == [bundle(2)] and res.left == 1
+            again = intake.scan(1.0)
+            assert again.taken == [] and again.left == 1
+        said = [r for r in logs if r.getMessage() == "inbox file cannot be taken: left in place"]
+        assert len(said) == 1 and vars(said[0])["errno"] == "EPERM", [r.getMessage() for r in logs]
+    finally:
+        subprocess.run(["chattr", "-i", str(stuck)], check=True)
+    fixed = intake.scan(2.0)
+    assert [t.name for t in fixed.taken] == [bundle(1)] and fixed.left == 0
