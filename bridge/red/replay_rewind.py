@@ -28,8 +28,9 @@ What becomes of the rest of :class:`Progress` (a rewind never lets the replay sk
 
 It holds the replay's own lock (``state_dir/replay.lock``) while it reads, rewinds and saves
 (temp, fsync, rename, as the replay saves), so it is refused while a replay publisher runs;
-then it writes a ``replay_rewound`` audit row through the replay's audit sink (application id
-``diode-replay``). A dry run takes no lock and changes nothing.
+its ``replay_rewound`` audit event is saved with the progress, then written through the
+replay's audit sink (application id ``diode-replay``) in one commit with the exchange's events
+still waiting there (``_save_audited``). A dry run takes no lock and changes nothing.
 """
 
 from __future__ import annotations
@@ -48,13 +49,12 @@ import pyarrow.dataset as pads
 from deltalake import DeltaTable
 
 from bridge.config import Config
-from bridge.errors import ConfigError, DiodeError, StateError
+from bridge.errors import ConfigError, DiodeError
 from bridge.fsutil import exclusive_lock, lock_held
-from bridge.logs import operator_name
+from bridge.logs import get_logger, log_event, operator_name
 from bridge.red.approvals import Approvals
 from bridge.red.replay import APP_ID, LOCK_FILE, audit_sink
 from bridge.red.replay_state import (
-    PROGRESS_FILE,
     Key,
     Progress,
     load_progress,
@@ -73,6 +73,7 @@ __all__ = [
     "rewind_exchange",
 ]
 
+log = get_logger("bridge.red.replay_rewind")
 REWOUND = "replay_rewound"
 """The audit event of a rewind (application id ``diode-replay``, as the replay's own)."""
 SKIPPED_KINDS = ("user_id", "bad_row")
@@ -391,11 +392,10 @@ def _approved(cfg: Config, exchange: str) -> bool | None:
         return None
 
 
-def _audit(cfg: Config, plan: Rewind, reason: str | None) -> None:
-    """Write ``plan``'s ``replay_rewound`` row with the replay's audit sink; StateError (the
-    progress is saved already) when it cannot."""
+def _event(plan: Rewind, reason: str | None) -> dict[str, Any]:
+    """``plan``'s ``replay_rewound`` audit event."""
     detail = {**{k: v for k, v in plan.to_json().items() if k != "exchange"}, "by": operator_name()}
-    event = {
+    return {
         "event": REWOUND,
         "exchange": plan.exchange,
         "channel": plan.first[1],
@@ -403,16 +403,31 @@ def _audit(cfg: Config, plan: Rewind, reason: str | None) -> None:
         "reason": reason,
         "detail": json.dumps(detail, sort_keys=True),
     }
+
+
+def _save_audited(
+    cfg: Config, progress: dict[str, Progress], plan: Rewind, reason: str | None
+) -> bool:
+    """Save ``plan``'s progress with its ``replay_rewound`` event, then write the event and the
+    exchange's events still waiting for the audit sink in one commit (one version: ``--skipped``
+    counts only events of later versions, so the skips this rewind republishes are not counted
+    again), then save the progress without them. True if written; False when the audit table
+    refused: the events stay in the progress, and the replay writes them first, in one commit,
+    at its next start (a kill in between writes them twice, never loses them)."""
+    state_dir = Path(cfg.red.state_dir)
+    events = [*plan.after.unaudited_events, _event(plan, reason)]
+    progress[plan.exchange] = replace(plan.after, unaudited_events=events)
+    save_progress(state_dir, progress)
     try:
-        audit_sink(cfg)([event])
-    except Exception as e:
-        raise StateError(
-            f"exchange {plan.exchange!r}: replay progress rewound from "
-            f"{_key_text(plan.before.key)} to {_key_text(plan.after.key)} and saved in "
-            f"{Path(cfg.red.state_dir) / PROGRESS_FILE}, but its {REWOUND} audit row was not "
-            f"written ({type(e).__name__}: {e}); until one is, `--skipped` also counts rows "
-            "skipped before this rewind"
-        ) from e
+        audit_sink(cfg)(events)
+    except Exception as e:  # noqa: BLE001 - kept in the progress: the replay writes them
+        log_event(log, 40, "replay_rewound audit row not written now: kept in the replay "
+                  "progress, the replay writes it first at its next start",
+                  exchange=plan.exchange, error=f"{type(e).__name__}: {e}")  # fmt: skip
+        return False
+    progress[plan.exchange] = replace(plan.after, unaudited_events=[])
+    save_progress(state_dir, progress)
+    return True
 
 
 def rewind_exchange(
@@ -476,12 +491,15 @@ def rewind_exchange(
                 else ""
             )
             return out
-        progress[exchange] = plan.after
-        save_progress(state_dir, progress)
+        # under the lock: no replay writes its audit rows before this one (their versions
+        # order them: `--skipped` reads what came after the last rewind)
+        written = _save_audited(cfg, progress, plan, reason)
         out["rewound"] = True
-        # still under the lock: no replay writes its audit rows before this one (their
-        # versions order them: `--skipped` reads what came after the last rewind)
-        _audit(cfg, plan, reason)
-    out["audit_rows_written"] = 1
-    out["note"] = f"rewound: {republish}"
+    out["audit_rows_written"] = 1 if written else 0
+    out["note"] = f"rewound: {republish}" + (
+        ""
+        if written
+        else "; its replay_rewound audit row could not be written now (see the "
+        "log): it is kept in the replay progress and the replay writes it first at its next start"
+    )
     return out

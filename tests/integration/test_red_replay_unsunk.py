@@ -23,9 +23,9 @@ import pytest
 
 from bridge.errors import StateError
 from bridge.protocol.exchange import ExchangeDecl
-from bridge.red.replay import Replayer
+from bridge.red.replay import Replayer, audit_sink
 from bridge.red.replay_results import bound_events
-from bridge.red.replay_rewind import Rewind, Target, plan_rewind
+from bridge.red.replay_rewind import Rewind, Target, plan_rewind, rewind_exchange
 from bridge.red.replay_state import PROGRESS_FILE, load_progress
 from bridge.red.tables import RedTables
 from tests.conftest import Vhost
@@ -190,3 +190,63 @@ def test_a_kill_9_after_a_save_past_a_skipped_row_loses_no_replay_failed(
     assert s.caught_up and s.confirmed == 2, s
     events = (json_lines(audit) if audit.exists() else []) + sunk
     assert _audited(events)["bad_row"] == [("c1", 1, 1)]  # once (rows 2-3: unroutable, no queue)
+
+
+def _skipped_run(tmp_path: Path, tables: RedTables, url: str) -> Any:
+    """A replay whose audit sink failed for its whole run past a skipped row (c1 seq 1): the
+    replay_failed event waits in the progress. Returns the config."""
+    land(tables, 1, rows("c1", [0], X), rows("c1", [1], X, props=BAD_PROPS),
+         rows("c1", range(2, 5), X))  # fmt: skip
+    save_state(tmp_path, 1, [(1, 0, 4)])
+    cfg = make_cfg(tmp_path, url, [X.name])
+    first = Replayer(cfg, sink=_down).run(until_caught_up=True, timeout=20)
+    assert first.caught_up and _audited(_saved_events(tmp_path / "state"))["bad_row"]
+    return cfg
+
+
+def _audit_rows(tables: RedTables) -> list[tuple[int, str]]:
+    got = tables.read("audit", columns=["version", "event", "app_id"]).to_pylist()
+    return sorted((r["version"], r["event"]) for r in got if r["app_id"] == "diode-replay")
+
+
+@pytest.mark.broker
+def test_a_skipped_rewind_writes_the_skips_it_republishes_with_its_own_row(
+    tmp_path: Path, tables: RedTables, red_vhost: Vhost
+) -> None:
+    """`--skipped` found the skip still waiting in the progress; the replay then wrote it at
+    a version above the rewind's row, so the next `--skipped` went back to it again (rows
+    republished twice, nothing skipped since). The rewind writes them in its own commit."""
+    cfg = _skipped_run(tmp_path, tables, red_vhost.amqp_url)
+    out = rewind_exchange(cfg, X.name, Target(skipped=True))
+    assert out["rewound"] and out["audit_rows_written"] == 1, out
+    assert out["first_row"]["seq"] == 1
+    versions = {v for v, e in _audit_rows(tables) if e in ("replay_rewound", "replay_failed")}
+    assert len(versions) == 1, _audit_rows(tables)  # one commit
+    assert _saved_events(tmp_path / "state") == []
+    again = rewind_exchange(cfg, X.name, Target(skipped=True))
+    assert not again["rewound"] and "nothing to rewind" in again["note"], again
+
+
+@pytest.mark.broker
+def test_a_rewind_whose_audit_row_is_refused_stands_and_the_replay_writes_it(
+    tmp_path: Path, tables: RedTables, red_vhost: Vhost
+) -> None:
+    """The rewind saved the progress, then failed writing its audit row: exit 1, and running
+    it again said "nothing to rewind", so the row was never written. It waits in the progress
+    and the replay writes it first at its next start."""
+    from tests.unit.test_black_dirs import refused_dir
+
+    cfg = _skipped_run(tmp_path, tables, red_vhost.amqp_url)
+    with refused_dir(tables.path("audit") / "_delta_log"):  # the fault: no commit there
+        out = rewind_exchange(cfg, X.name, Target(skipped=True))
+    assert out["rewound"] and out["audit_rows_written"] == 0, out
+    assert "replay writes it first" in out["note"], out
+    assert "replay_rewound" not in {e for _, e in _audit_rows(tables)}  # the case
+    waiting = [e["event"] for e in _saved_events(tmp_path / "state")]
+    assert "replay_rewound" in waiting and "replay_failed" in waiting, waiting
+    Replayer(cfg, sink=audit_sink(cfg)).run(until_caught_up=True, timeout=20)
+    written = _audit_rows(tables)
+    (v,) = {v for v, e in written if e == "replay_rewound"}
+    assert (v, "replay_failed") in written  # with the skip it republishes, in one commit
+    # the republished bad row is skipped (and audited) again, after the rewind: found again
+    assert any(w > v and e == "replay_failed" for w, e in written), written
