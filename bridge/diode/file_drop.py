@@ -783,14 +783,20 @@ class Outbox:
                             changed = True
                     except FileNotFoundError:
                         continue
-            except OSError as e:  # one folder black may not change: the others are pruned
+                    except OSError as e:  # this file (immutable?): the others go on
+                        refused.append(f"{p}: {os_error_text(e)}")
+            except OSError as e:  # a folder black may not read: the others are pruned
                 refused.append(f"{adir}: {os_error_text(e)}")
             if changed:
                 fsync_dir(adir)
         if refused:
+            shown = "; ".join(refused[:5]) + (
+                f"; +{len(refused) - 5} more" if len(refused) > 5 else ""
+            )
             raise OSError(
-                f"archive pruned except {'; '.join(refused)}: give the user running black write "
-                "access there (a retired channel's folder restored under another owner?), or "
-                "remove what it holds by hand"
+                f"archive pruned except {shown}: give the user running black write access "
+                "there, clear an immutable or append-only attribute (lsattr; chattr -i -a), "
+                "or remove them by hand (a retired channel's folder restored under another "
+                "owner?)"
             )
         return removed

@@ -247,7 +247,7 @@ def test_a_folder_black_may_not_change_neither_stops_the_prune_nor_the_sweep(
     staged.parent.mkdir(parents=True, exist_ok=True)
     staged.write_bytes(b"partial")
     with refused_dir(tmp_path / "archive" / "a-retired"):
-        with pytest.raises(OSError, match=r"archive pruned except .*a-retired: "):
+        with pytest.raises(OSError, match=r"archive pruned except .*a-retired"):
             ob.prune_archive()
         assert bundles["a-retired"].exists()  # the case: refused there
         assert not bundles["b"].exists(), "the channels after it are pruned"
@@ -501,3 +501,30 @@ def test_resend_reports_missing_bundles_as_merged_ranges(tmp_path: Path) -> None
     assert _seq_ranges_text(many) == ", ".join(str(s) for s in range(1, 40, 2)) + (
         " and 5 more range(s)"
     )
+
+
+def test_one_bundle_black_may_not_delete_does_not_keep_its_folder_unpruned(tmp_path: Path) -> None:
+    """An EPERM on one old bundle (immutable) ended its folder's prune, at the same file every
+    time: the channel's archive was never pruned, and the message blamed the folder."""
+    if os.geteuid() != 0:
+        pytest.skip("chattr +i needs root (CAP_LINUX_IMMUTABLE)")
+    ob = Outbox(tmp_path / "outbox", tmp_path / "archive", retention_days=1)
+    d = tmp_path / "archive" / "c1"
+    d.mkdir(parents=True)
+    old = time.time() - 30 * DAY
+    paths = []
+    for seq in range(1, 6):
+        p = d / f"c1.{seq:012d}.{seq:032x}.dbundle"
+        p.write_bytes(b"x")
+        os.utime(p, (old, old))
+        paths.append(p)
+    stuck = paths[0]
+    subprocess.run(["chattr", "+i", str(stuck)], check=True)
+    try:
+        with pytest.raises(OSError, match=f"archive pruned except {stuck}: ") as e:
+            ob.prune_archive()
+        assert "chattr -i -a" in str(e.value)
+        assert [p.exists() for p in paths] == [True, False, False, False, False]
+    finally:
+        subprocess.run(["chattr", "-i", str(stuck)], check=True)
+    assert ob.prune_archive() == 1 and not stuck.exists()
