@@ -468,7 +468,7 @@ class Replayer:
             now = now if isinstance(now, dict) else {}  # the file is read, not trusted
             out[name] = {
                 "approved": name in approved,
-                "progress": p.to_json() if p else None,
+                "progress": _shown(p) if p else None,
                 "lag_rows": lag_rows(stats, name, p.land_seq if p else -1),
                 "in_flight": now.get("in_flight", 0),
                 "stopped": now.get("stopped"),
@@ -1749,6 +1749,15 @@ def _describe(name: str, decl: Decl) -> str:
 
 
 # -- audit ------------------------------------------------------------------------------------
+def _shown(p: Progress) -> dict[str, Any]:
+    """A progress as a status shows it: the events waiting for the audit sink counted, not
+    listed (up to ``UNSUNK_CAP``)."""
+    out = p.to_json()
+    if "unaudited_events" in out:
+        out["unaudited_events"] = len(out["unaudited_events"])
+    return out
+
+
 _AUDIT_TRIES = 5
 """Versions ``audit_sink`` tries for one commit when another writer commits the one it read."""
 
