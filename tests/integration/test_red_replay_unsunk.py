@@ -135,7 +135,7 @@ def test_events_a_failing_sink_did_not_take_are_written_first_at_the_next_start(
     assert _audited(first.events) == want
     assert load_progress(state)[X.name].seq == 14  # past all of them: never read again
     assert _audited(_saved_events(state)) == want
-    shown = Replayer(cfg).status()[X.name]["progress"]  # `diode red status`: counted, not listed
+    shown = Replayer(cfg).status()["exchanges"][X.name]["progress"]  # counted, not listed
     assert shown["unaudited_events"] == len(_saved_events(state)), shown
     # `diode red rewind --skipped` meanwhile: the audit table has none of them, the progress has
     plan = plan_rewind(cfg, X.name, Target(skipped=True), load_progress(state))
