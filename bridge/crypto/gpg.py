@@ -449,7 +449,8 @@ class Gpg:
                 raise GpgTimeout(
                     f"gpg (home {self.home}) did not finish within {seconds:.0f} s and was "
                     "killed with its process group: is gpg-agent hung? "
-                    "(gpgconf --homedir HOME --kill gpg-agent)",
+                    f"(`{gnupg_tool(self.binary, 'gpgconf')} --homedir {self.home} --kill "
+                    "gpg-agent`)",
                     seconds,
                 ) from None
             except BaseException:

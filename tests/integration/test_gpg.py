@@ -365,6 +365,7 @@ def test_a_message_that_keeps_gpg_busy_is_killed_in_time(world: World) -> None:
     with pytest.raises(GpgTimeout, match="did not finish within 1 s") as info:
         quick.open(bomb, out / "plain", pinned_signers=[world.b])
     assert info.value.seconds == quick.open_timeout(bomb.stat().st_size)
+    assert f"`gpgconf --homedir {world.red1.home} --kill gpg-agent`" in str(info.value)
     assert time.monotonic() - t0 < 5
     assert _only(out) == [], "the plaintext gpg had begun is left behind"
     assert _gpg_processes_reading(bomb) == []
