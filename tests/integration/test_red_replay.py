@@ -1245,6 +1245,23 @@ CRASHED_AFTER_SAVE = KILLED_RUN.replace(
 )
 
 
+def crash_after_save(tmp_path: Path, spec: dict[str, Any]) -> Path:
+    """Run a replay of ``spec`` in a child killed -9 right after its first progress save
+    (crash point ``red.replay_after_save``), asserting the crash hit that window; returns the
+    file the child's audit sink wrote to."""
+    audit, mark = tmp_path / "audit.jsonl", tmp_path / "crash.mark"
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2]),
+           "DIODE_CRASH_AT": "red.replay_after_save", "DIODE_CRASH_MARK": str(mark)}  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, "-c", CRASHED_AFTER_SAVE, json.dumps(spec), str(audit)],
+        env=env, timeout=120, check=False, start_new_session=True,
+    )  # fmt: skip
+    assert proc.returncode == -signal.SIGKILL and mark.read_text().split() == [
+        "red.replay_after_save"
+    ]  # the crash hit the window it names
+    return audit
+
+
 @pytestmark_broker
 def test_a_crash_just_after_a_progress_save_loses_no_unroutable_audit(
     tmp_path: Path, tables: RedTables, red_vhost: Vhost
@@ -1263,16 +1280,7 @@ def test_a_crash_just_after_a_progress_save_loses_no_unroutable_audit(
             "replay": {"amqp_url": url, "approved": ["unbound"], "in_flight": 64},
         },
     }
-    audit, mark = tmp_path / "audit.jsonl", tmp_path / "crash.mark"
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2]),
-           "DIODE_CRASH_AT": "red.replay_after_save", "DIODE_CRASH_MARK": str(mark)}  # fmt: skip
-    proc = subprocess.run(
-        [sys.executable, "-c", CRASHED_AFTER_SAVE, json.dumps(spec), str(audit)],
-        env=env, timeout=120, check=False, start_new_session=True,
-    )  # fmt: skip
-    assert proc.returncode == -signal.SIGKILL and mark.read_text().split() == [
-        "red.replay_after_save"
-    ]  # the crash hit the window it names
+    audit = crash_after_save(tmp_path, spec)
     saved = rp.load_progress(tmp_path / "state")["unbound"].seq
     assert saved >= 0  # the progress went past some unroutable rows before the crash
     sunk: list[dict[str, Any]] = []

@@ -11,10 +11,6 @@ in one of its own.
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
-import sys
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
@@ -31,7 +27,7 @@ from bridge.red.tables import RedTables
 from tests.conftest import Vhost
 from tests.integration.test_red_replay import (
     BAD_ROWS,
-    CRASHED_AFTER_SAVE,
+    crash_after_save,
     land,
     make_cfg,
     rows,
@@ -174,16 +170,7 @@ def test_a_kill_9_after_a_save_past_a_skipped_row_loses_no_replay_failed(
             "replay": {"amqp_url": url, "approved": [X.name], "batch_rows": 1},
         },
     }
-    audit, mark = tmp_path / "audit.jsonl", tmp_path / "crash.mark"
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2]),
-           "DIODE_CRASH_AT": "red.replay_after_save", "DIODE_CRASH_MARK": str(mark)}  # fmt: skip
-    proc = subprocess.run(
-        [sys.executable, "-c", CRASHED_AFTER_SAVE, json.dumps(spec), str(audit)],
-        env=env, timeout=120, check=False, start_new_session=True,
-    )  # fmt: skip
-    assert proc.returncode == -signal.SIGKILL and mark.read_text().split() == [
-        "red.replay_after_save"
-    ]
+    audit = crash_after_save(tmp_path, spec)
     assert load_progress(tmp_path / "state")[X.name].seq == 1  # the save went past it
     sunk: list[dict[str, Any]] = []
     s = Replayer(make_cfg(tmp_path, url, [X.name]), sink=sunk.extend).run(
