@@ -71,6 +71,7 @@ from bridge.fsutil import (
     tmp_path_for,
     write_all,
     write_new_file,
+    write_refusal,
 )
 from bridge.logs import Recurring, get_logger, log_event
 from bridge.metrics import UDP
@@ -308,6 +309,26 @@ def _same_file_sent(done: dict[str, Any] | None, digest: str, st: os.stat_result
         and done.get("ino") == st.st_ino
         and done.get("mtime_ns") == st.st_mtime_ns
     )
+
+
+def _make_state_dir(d: Path) -> None:
+    """Black, UDP send (start): create ``udp.send.state_dir`` and check the sender can create,
+    rename and remove files there; a ConfigError with the fix otherwise (a raw OSError from
+    its lock or first journal record before)."""
+    try:
+        durable_mkdir(d)
+    except OSError as e:
+        raise ConfigError(
+            f"cannot create udp.send.state_dir {d}: {os_error_text(e)}; {_FIX_STATE}, or point "
+            "it elsewhere"
+        ) from None
+    refused = write_refusal(d, visible=True)
+    if refused is not None:
+        raise ConfigError(
+            f"udp.send.state_dir {d} refuses the sender's files (uid {os.getuid()}; "
+            f"{os_error_text(refused)}): {_FIX_STATE} (an immutable or append-only attribute: "
+            f"lsattr -d {d}; chattr -i -a), or point it elsewhere"
+        )
 
 
 def _still(name: str, key: FileKey, before: dict[str, FileKey], now: dict[str, FileKey]) -> bool:
@@ -1094,7 +1115,7 @@ class _Sender:
             self._written_again("compaction", self.journal.path)
 
     def run(self, until_idle: bool, timeout: float | None) -> SendSummary:
-        durable_mkdir(self.state_dir)
+        _make_state_dir(self.state_dir)
         with exclusive_lock(
             self.state_dir / SENDER_LOCK, what="udp sender",
             hint="another `diode udp send` uses this udp.send.state_dir; stop it first",

@@ -22,6 +22,7 @@ from click.testing import CliRunner
 
 from bridge.cli import cli
 from bridge.diode.udp_sender import JOURNAL, SendSummary, envelope_prefix, run_sender
+from bridge.errors import ConfigError
 from bridge.metrics import REGISTRY
 from bridge.protocol.datagram import Symbol
 from tests.integration.test_udp_send import ID, Env, bundle
@@ -323,3 +324,15 @@ def test_sent_files_the_sender_may_not_delete_are_left_logged_once_and_never_sen
     third = run_sender(env.cfg(settle_seconds=0), until_idle=True, timeout=30)
     assert third.already_sent == 2 and third.files_sent == 0 and third.undeletable == 0
     assert not list(env.outbox.iterdir())
+
+
+def test_a_state_dir_refusing_files_at_start_is_a_config_error_with_the_fix(env: Env) -> None:
+    """Immutable from the start: the sender died with a raw PermissionError from its lock or
+    first journal record (exit 1, a traceback). A ConfigError (exit 2) names the key, the
+    attribute and the fix."""
+    env.state.mkdir(parents=True, exist_ok=True)
+    with refused_dir(env.state), pytest.raises(ConfigError) as e:
+        run_sender(env.cfg(settle_seconds=0), until_idle=True, timeout=10)
+    msg = str(e.value)
+    assert f"udp.send.state_dir {env.state} refuses the sender's files" in msg, msg
+    assert "chattr -i -a" in msg and "point it elsewhere" in msg, msg
