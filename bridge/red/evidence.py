@@ -46,6 +46,7 @@ from typing import Any
 from bridge.errors import StateError
 from bridge.faults import crash_point
 from bridge.fsutil import (
+    append_only_refusal,
     atomic_write_bytes,
     durable_mkdir,
     fsync_dir,
@@ -687,7 +688,7 @@ def move_error(src: Path, dst: Path, e: OSError) -> StateError:
         )
     if e.errno in _REFUSED:
         for folder in (src.parent, dst.parent):
-            if not os.access(folder, os.W_OK | os.X_OK):
+            if not os.access(folder, os.W_OK | os.X_OK) or append_only_refusal(folder):
                 return StateError(
                     f"{what}; red's user (uid {os.geteuid()}) needs write and search "
                     f"permission on {folder}: give it (chmod, chattr -i -a), or point the red "

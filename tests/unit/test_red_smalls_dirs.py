@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from bridge.config import Config
-from bridge.errors import ConfigError
+from bridge.errors import ConfigError, StateError
 from bridge.red.job import check_red_config
 from bridge.red.layout import RED_DIR_KEYS
 from tests.red_factory import RedKeys, temp_red_keys
@@ -105,6 +105,7 @@ def test_what_the_refusal_spares_an_append_only_inbox_fails_the_intake_mid_run(
     inbox = Path(cfg.red.inbox)
     (inbox / f"orders.000000000001.{'ab' * 16}.dbundle").write_bytes(b"x")
     intake = make_intake(cfg)
-    with attribute(inbox, "a"), pytest.raises(PermissionError):
+    with attribute(inbox, "a"), pytest.raises(StateError, match="needs write and search") as e:
         intake.scan(0.0, {})
         intake.scan(1e9, {})
+    assert f"permission on {inbox}" in str(e.value) and "chattr -i -a" in str(e.value)
