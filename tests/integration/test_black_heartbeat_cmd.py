@@ -193,10 +193,10 @@ def test_every_beats_at_the_period_gives_way_to_a_job_and_stops_on_sigterm(site:
         text=True,
     )
     try:
-        wait_for(lambda: len(site.heartbeats("ops")) >= 5, 60, "five heartbeats of ops")
-        beats = [site.red_reads(n) for n in site.heartbeats("ops")[:5]]
+        wait_for(lambda: len(site.heartbeats("ops")) >= 3, 60, "three heartbeats of ops")
+        beats = [site.red_reads(n) for n in site.heartbeats("ops")[:3]]
         assert [b.heartbeat_seq for b in beats] == list(
-            range(beats[0].heartbeat_seq, beats[0].heartbeat_seq + 5)
+            range(beats[0].heartbeat_seq, beats[0].heartbeat_seq + 3)
         )
         assert all(b.interval_seconds == period and b.last_bundle_seq == 5 for b in beats)
         times = [parse_utc(b.black_time) for b in beats]
@@ -208,7 +208,7 @@ def test_every_beats_at_the_period_gives_way_to_a_job_and_stops_on_sigterm(site:
             waited = time.monotonic() - t0
             before = {ch: _seqs(site, ch) for ch in SHIPPED}
             job_names = [site.job.beat(site.cfg.channel(ch)) for ch in SHIPPED]  # it beats itself
-            time.sleep(4 * period)
+            time.sleep(2.5 * period)
             after = {ch: _seqs(site, ch) for ch in SHIPPED}
         assert waited < 5, f"a starting job waited {waited:.1f}s for the lock"
         for ch, name in zip(SHIPPED, job_names, strict=True):  # the job was the only writer
@@ -227,7 +227,7 @@ def test_every_beats_at_the_period_gives_way_to_a_job_and_stops_on_sigterm(site:
     written = sum(len(v) for v in ended.values()) - len(job_names)  # the rest are the command's
     assert totals["heartbeats"] == written, (totals, ended)
     assert "heartbeats paused" in err and "heartbeats resumed" in err, err
-    time.sleep(3 * period)
+    time.sleep(1.5 * period)
     assert {ch: _seqs(site, ch) for ch in SHIPPED} == ended, "it beat after SIGTERM"
 
 
